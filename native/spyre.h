@@ -1,0 +1,572 @@
+/*
+ * spyre.h -- the contract of the spyre_rt native runtime and its simulated card.
+ *
+ * One prefix (spy_), one status type, no hidden globals, no Python or torch.
+ * Every call returns a spy_status; a failing call leaves the device unchanged and
+ * records a message (spy_last_error) naming what was wrong.
+ *
+ * Model of the card
+ *   Device DRAM is an address space handed out by an allocator. Tensor data lives in
+ *   allocations of kind SPY_MEM_DATA (backed by host memory only in functional mode);
+ *   programs, transfer graphs and relocation tables live in SPY_MEM_CONTROL allocations
+ *   (always backed: the device must read them to run).
+ *
+ *   The device runs *jobs*. A job is an encoded program block (spy_job_header followed by
+ *   slots, commands, dependencies, SFU instructions and DMA descriptors; see
+ *   "Program block layout"). Commands never carry absolute addresses: DRAM and host
+ *   operands are (slot, offset) pairs and a launch binds each slot to an address. A slot
+ *   declares the extent it needs, so binding validates bounds once per slot and the
+ *   commands were validated against the extents when the program was committed.
+ *   This is IREE's binding table: record once, submit many times with new buffers bound.
+ *
+ *   A *plan* is a list of committed programs with a relocation table that derives every
+ *   job's slot addresses from a small set of plan bindings (inputs, outputs, weights, the
+ *   static arena). One spy_plan_launch runs a whole compiled step.
+ *
+ * Time
+ *   Host time is real: spy_host_clock_ns() is monotonic time since the device was opened,
+ *   minus the time the simulator itself spent (event simulation and functional
+ *   arithmetic), plus the time the host spent waiting in spy_synchronize. Device time is
+ *   simulated from the profile's figures. A job starts job_launch_ns after
+ *   max(host clock at launch, end of the previous job) and each of its commands at
+ *   max(job start, end of its dependencies, its engine becoming free).
+ *
+ * Ownership
+ *   The device owns its allocations, programs and plans; spy_device_close frees them.
+ *   Buffers passed in (profiles, blobs, bindings) are borrowed for the call only, except
+ *   host pointers bound to HOST slots, which must stay valid until the job has run
+ *   (functional jobs run to completion inside the launch call).
+ */
+#ifndef SPYRE_H
+#define SPYRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- status ------------------------------------------------------------------------ */
+
+typedef enum spy_status {
+    SPY_OK = 0,
+    SPY_E_INVALID_ARG = 1,   /* a null pointer, an unknown enum, a zero size */
+    SPY_E_PROFILE = 2,       /* a device profile figure is missing or out of range */
+    SPY_E_OOM = 3,           /* device DRAM cannot satisfy the allocation */
+    SPY_E_BAD_ADDRESS = 4,   /* not a live allocation, or a range outside one */
+    SPY_E_SCRATCHPAD = 5,    /* a scratchpad (LX) range outside the core's scratchpad */
+    SPY_E_CYCLE = 6,         /* the job's dependencies form a cycle */
+    SPY_E_BAD_COMMAND = 7,   /* malformed command: opcode, core, dtype, shape, slot */
+    SPY_E_BAD_PROGRAM = 8,   /* malformed program block or plan: header, sizes, offsets */
+    SPY_E_INDEX = 9,         /* a gather/scatter index outside its table (found at run time) */
+    SPY_E_DMA = 10,          /* the DMA engine reported an error (fault injection) */
+    SPY_E_COMMAND_FAULT = 11,/* a compute engine reported an error (fault injection) */
+    SPY_E_DEVICE_LOST = 12,  /* the device is lost; only spy_device_reset helps */
+    SPY_E_HOST_NOMEM = 13,   /* host memory for the runtime's own bookkeeping ran out */
+    SPY_E_NOT_COMMITTED = 14 /* launch of a program that was not committed (validated) */
+} spy_status;
+
+/* The message of the calling thread's last failure ("" if none). */
+const char *spy_last_error(void);
+/* The index of the command the last failure was about, or -1. */
+int64_t spy_last_error_command(void);
+const char *spy_status_name(spy_status s);
+
+/* ---- the device profile -------------------------------------------------------------
+ * Every figure the cost model uses. Filled from a profiles/devices TOML file by the Python
+ * layer; spy_device_open validates ranges. Units are in the names.                     */
+
+typedef struct spy_profile {
+    uint32_t num_cores;
+    uint32_t corelets_per_core;
+    uint64_t scratchpad_bytes;        /* per core (LX) */
+    uint64_t dram_bytes;              /* device memory capacity */
+    uint32_t stick_bytes;             /* 128: the unit of the device tensor layout */
+    uint32_t dram_burst_bytes;        /* smallest DRAM access; shorter runs cost a burst */
+    double clock_ghz;
+    /* PT: the systolic arrays */
+    double pt_macs_per_ns;            /* fp16 peak per core */
+    double pt_utilization;            /* sustained / peak */
+    double pt_fp32_ratio;             /* fp32 rate relative to fp16 */
+    uint32_t pt_gran_m, pt_gran_n, pt_gran_k; /* tile-shape granularity of the arrays */
+    double pt_latency_ns;             /* issue + drain per matmul command */
+    /* SFU: the 1-D vector units */
+    double sfu_elems_per_cycle;       /* per core, simple ops */
+    double sfu_transcendental_cycles; /* cycles per element multiplier for exp/log/... */
+    double sfu_latency_ns;            /* per instruction */
+    /* memory system */
+    double dram_bytes_per_ns;         /* sustained, shared by all cores */
+    double core_dma_bytes_per_ns;     /* one core's DMA port */
+    double dma_latency_ns;            /* per DRAM<->LX DMA command */
+    double pcie_bytes_per_ns;         /* host link, each direction */
+    double pcie_latency_ns;           /* per host DMA command */
+    double pcie_descriptor_ns;        /* per scatter-gather descriptor */
+    double ring_bytes_per_cycle;      /* per direction */
+    double ring_hop_ns;
+    double barrier_ns;
+    double job_launch_ns;             /* a job becoming runnable to its first command */
+} spy_profile;
+
+/* ---- device ------------------------------------------------------------------------ */
+
+typedef struct spy_device spy_device;
+
+#define SPY_MODE_FUNCTIONAL 0 /* computes every value */
+#define SPY_MODE_TIMING 1     /* computes only time: no arithmetic, no backing for data */
+
+spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t ordinal,
+                           spy_device **out);
+void spy_device_close(spy_device *dev);
+uint32_t spy_device_mode(const spy_device *dev);
+/* Clear a lost device: drops every allocation, program and plan. */
+spy_status spy_device_reset(spy_device *dev);
+
+/* ---- clocks --------------------------------------------------------------------------- */
+
+uint64_t spy_host_clock_ns(spy_device *dev);
+/* End of the last job on the device timeline. */
+double spy_device_finish_ns(spy_device *dev);
+/* Move the host clock to the device's finish (host waits for the device). */
+spy_status spy_synchronize(spy_device *dev);
+
+/* ---- memory ------------------------------------------------------------------------ */
+
+#define SPY_MEM_DATA 0
+#define SPY_MEM_CONTROL 1
+
+typedef struct spy_mem_stats {
+    uint64_t capacity;
+    uint64_t allocated;        /* bytes in live allocations (rounded to sticks) */
+    uint64_t peak_allocated;
+    uint64_t reserved;         /* allocated + free blocks kept in the cache */
+    uint64_t control;          /* bytes of CONTROL allocations (part of allocated) */
+    uint64_t free;             /* capacity - reserved */
+    uint64_t largest_free;     /* largest block the address space can still give */
+    uint64_t num_allocs;       /* live allocations */
+    uint64_t total_allocs;     /* spy_malloc calls that succeeded */
+    uint64_t total_frees;
+    uint64_t num_ooms;
+    double fragmentation;      /* 1 - largest_free / free, 0 when free == 0 */
+} spy_mem_stats;
+
+spy_status spy_malloc(spy_device *dev, uint64_t nbytes, uint32_t kind, uint64_t *addr);
+spy_status spy_free(spy_device *dev, uint64_t addr);
+/* Release cached free blocks back to the address space. */
+spy_status spy_empty_cache(spy_device *dev);
+spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
+spy_status spy_mem_reset_peak(spy_device *dev);
+/* Direct access to backed memory (tests, program upload checks): copies len bytes. */
+spy_status spy_mem_read(spy_device *dev, uint64_t addr, void *dst, uint64_t len);
+spy_status spy_mem_write(spy_device *dev, uint64_t addr, const void *src, uint64_t len);
+
+/* ---- program block layout ------------------------------------------------------------
+ * [spy_job_header][spy_slot * nslots][spy_cmd * ncmds][uint32 dep * ndeps, padded to 8]
+ * [spy_instr * ninstrs][spy_desc * ndescs], all little endian, total == header.total_bytes */
+
+#define SPY_JOB_MAGIC 0x4A595053u /* "SPYJ" */
+#define SPY_JOB_VERSION 1u
+
+typedef struct spy_job_header {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t ncmds;
+    uint32_t ndeps;
+    uint32_t ninstrs;
+    uint32_t nslots;
+    uint32_t ndescs;
+    uint32_t flags;
+    uint64_t total_bytes;
+    uint64_t reserved[3];
+} spy_job_header; /* 64 bytes */
+
+#define SPY_SLOT_DRAM 0
+#define SPY_SLOT_HOST 1
+
+typedef struct spy_slot {
+    uint32_t kind;
+    uint32_t reserved;
+    uint64_t extent; /* bytes from the bound address the commands may touch */
+} spy_slot; /* 16 bytes */
+
+/* opcodes */
+#define SPY_OP_BARRIER 1 /* a join; runs on the card's control engine */
+#define SPY_OP_H2D 2     /* host slot -> DRAM slot over PCIe */
+#define SPY_OP_D2H 3     /* DRAM slot -> host slot over PCIe */
+#define SPY_OP_LOAD 4    /* DRAM slot -> core scratchpad */
+#define SPY_OP_STORE 5   /* core scratchpad -> DRAM slot */
+#define SPY_OP_MATMUL 6  /* systolic arrays, scratchpad operands */
+#define SPY_OP_SFU 7     /* a vector program on the scratchpad */
+#define SPY_OP_RING 8    /* scratchpad -> another core's scratchpad */
+#define SPY_OP_GATHER 9  /* rows of a DRAM table picked by scratchpad indices -> scratchpad */
+#define SPY_OP_SCATTER 10 /* scratchpad rows -> rows of a DRAM table picked by indices */
+#define SPY_OP_COUNT 11
+
+#define SPY_CORE_CARD 0xFFFFu /* core field of card-level commands (H2D, D2H, BARRIER) */
+
+/* dtypes (storage types of DRAM and scratchpad data) */
+#define SPY_DT_F32 0
+#define SPY_DT_F16 1
+#define SPY_DT_BF16 2
+#define SPY_DT_I64 3
+#define SPY_DT_I32 4
+#define SPY_DT_I8 5
+#define SPY_DT_U8 6
+#define SPY_DT_BOOL 7
+#define SPY_DT_COUNT 8
+
+/* DMA flags */
+#define SPY_DMA_DESCS 1 /* use the descriptor list, not the strided pattern */
+
+typedef struct spy_dma {
+    uint32_t src_slot;      /* LOAD/D2H/H2D: a slot; STORE: unused */
+    uint32_t dst_slot;      /* STORE/H2D/D2H: a slot; LOAD: unused */
+    uint64_t src_off;       /* bytes into the slot, or the scratchpad offset */
+    uint64_t dst_off;
+    uint32_t run_bytes;     /* contiguous bytes per run */
+    uint32_t ndims;         /* 0..3 outer dimensions */
+    uint32_t count[3];      /* innermost first */
+    uint32_t desc_count;    /* SPY_DMA_DESCS: descriptors [desc_begin, +desc_count) */
+    uint64_t src_stride[3]; /* bytes */
+    uint64_t dst_stride[3];
+} spy_dma; /* 96 bytes; with SPY_DMA_DESCS, src_off holds desc_begin */
+
+#define SPY_MM_ACCUMULATE 1
+#define SPY_MM_TRANS_A 2
+#define SPY_MM_TRANS_B 4
+
+typedef struct spy_matmul {
+    uint32_t a_off, b_off, c_off;   /* scratchpad byte offsets */
+    uint32_t m, n, k;
+    uint32_t lda, ldb, ldc;         /* row pitch in elements */
+    uint32_t a_dtype, b_dtype;      /* F16, BF16 or F32; C is F32 */
+    uint32_t reserved[13];
+} spy_matmul; /* 96 bytes: C[m,n] (+)= op(A)[m,k] op(B)[k,n] */
+
+typedef struct spy_sfu {
+    uint32_t instr_begin;
+    uint32_t ninstrs;
+    uint32_t reserved[22];
+} spy_sfu;
+
+typedef struct spy_ring {
+    uint32_t dst_core;
+    uint32_t src_off;
+    uint32_t dst_off;
+    uint32_t bytes;
+    uint32_t reserved[20];
+} spy_ring;
+
+/* GATHER: for i in [0, nidx): row = idx[i] (validated 0 <= row < limit);
+ *   copy the pattern at slot[table_off + row*row_stride] -> scratchpad[lx_off + i*lx_pitch].
+ * SCATTER: the reverse. The pattern is run_bytes with up to two outer dims; its
+ * scratchpad side is packed: dims advance by run_bytes * inner counts. */
+typedef struct spy_gather {
+    uint32_t table_slot;
+    uint32_t idx_off;      /* scratchpad offset of the indices */
+    uint32_t idx_dtype;    /* I64 or I32 */
+    uint32_t nidx;
+    uint64_t table_off;
+    uint64_t row_stride;
+    uint64_t limit;        /* number of rows in the table */
+    uint32_t lx_off;
+    uint32_t lx_pitch;
+    uint32_t run_bytes;
+    uint32_t ndims;        /* 0..2 */
+    uint32_t count[2];
+    uint64_t stride[2];    /* DRAM side, bytes */
+    uint32_t reserved[4];
+} spy_gather; /* 96 bytes */
+
+typedef struct spy_cmd {
+    uint8_t op;
+    uint8_t flags;
+    uint16_t core;
+    uint32_t dep_begin;  /* into the job's dependency list */
+    uint32_t ndeps;
+    uint32_t reserved;
+    union {
+        spy_dma dma;
+        spy_matmul mm;
+        spy_sfu sfu;
+        spy_ring ring;
+        spy_gather gather;
+    } u;
+    uint8_t pad[16];
+} spy_cmd; /* 128 bytes */
+
+/* SFU instructions operate on rows x cols elements of scratchpad operands.
+ * Arithmetic is float32 for float types and int64 for integer types; results are
+ * rounded to the destination dtype. */
+#define SPY_OPND_NONE 0
+#define SPY_OPND_TILE 1   /* rows x cols, row pitch `pitch` elements */
+#define SPY_OPND_ROW 2    /* one value per row: element r at off + r*pitch */
+#define SPY_OPND_COL 3    /* one value per column: element c at off + c */
+#define SPY_OPND_SCALAR 4 /* one value at off */
+#define SPY_OPND_IMM 5    /* the immediate: imm_f for float dtypes, imm_i for integers */
+
+typedef struct spy_operand {
+    uint8_t kind;
+    uint8_t dtype;
+    uint16_t reserved;
+    uint32_t pitch;
+    union {
+        uint64_t off;
+        double imm_f;
+        int64_t imm_i;
+    } v;
+} spy_operand; /* 16 bytes */
+
+/* elementwise: dst = f(src0[, src1[, src2]]) */
+#define SPY_SFU_MOV 0      /* also a cast: dst dtype differs from src */
+#define SPY_SFU_ADD 1
+#define SPY_SFU_SUB 2
+#define SPY_SFU_MUL 3
+#define SPY_SFU_DIV 4      /* integers truncate toward zero; see FLOORDIV */
+#define SPY_SFU_MAX 5
+#define SPY_SFU_MIN 6
+#define SPY_SFU_NEG 7
+#define SPY_SFU_ABS 8
+#define SPY_SFU_EXP 9
+#define SPY_SFU_LOG 10
+#define SPY_SFU_SQRT 11
+#define SPY_SFU_RSQRT 12
+#define SPY_SFU_TANH 13
+#define SPY_SFU_SIGMOID 14
+#define SPY_SFU_SILU 15
+#define SPY_SFU_GELU 16    /* aux 0: erf form, 1: tanh form */
+#define SPY_SFU_POW 17
+#define SPY_SFU_CMP 18     /* aux: SPY_CMP_*; dst is BOOL */
+#define SPY_SFU_SELECT 19  /* dst = src0 ? src1 : src2 */
+#define SPY_SFU_SIN 20
+#define SPY_SFU_COS 21
+#define SPY_SFU_RECIP 22
+#define SPY_SFU_FLOORDIV 23
+#define SPY_SFU_MOD 24     /* C fmod: the sign of the dividend */
+#define SPY_SFU_AND 25     /* logical for BOOL, bitwise for integers */
+#define SPY_SFU_OR 26
+#define SPY_SFU_NOT 27
+#define SPY_SFU_ERF 28
+#define SPY_SFU_FLOOR 29
+#define SPY_SFU_CEIL 30
+#define SPY_SFU_TRUNC 31
+#define SPY_SFU_ROUND 32   /* half to even */
+#define SPY_SFU_SIGN 33
+#define SPY_SFU_LOG1P 34
+#define SPY_SFU_EXPM1 35
+#define SPY_SFU_IOTA 36    /* dst[r,c] = imm(src0) + r*imm(src1) + c*imm(src2) */
+#define SPY_SFU_XOR 37
+#define SPY_SFU_ISNAN 38
+#define SPY_SFU_ATAN 39
+#define SPY_SFU_REMAINDER 40 /* Python %: the sign of the divisor */
+#define SPY_SFU_COUNT 41
+/* reductions over the columns of each row: dst is a ROW operand */
+#define SPY_SFU_RSUM 64
+#define SPY_SFU_RMAX 65
+#define SPY_SFU_RMIN 66
+#define SPY_SFU_RPROD 67
+#define SPY_SFU_RARGMAX 68 /* first index of the maximum; dst integer */
+#define SPY_SFU_RARGMIN 69
+#define SPY_SFU_RANY 70
+#define SPY_SFU_RALL 71
+#define SPY_SFU_REDUCE_END 72
+
+#define SPY_CMP_EQ 0
+#define SPY_CMP_NE 1
+#define SPY_CMP_LT 2
+#define SPY_CMP_LE 3
+#define SPY_CMP_GT 4
+#define SPY_CMP_GE 5
+
+typedef struct spy_instr {
+    uint8_t op;
+    uint8_t aux;
+    uint16_t flags;
+    uint32_t reserved;
+    uint32_t rows;
+    uint32_t cols;
+    spy_operand dst;
+    spy_operand src[3];
+} spy_instr; /* 80 bytes */
+
+typedef struct spy_desc {
+    uint64_t src_off;
+    uint64_t dst_off;
+    uint32_t bytes;
+    uint32_t reserved;
+} spy_desc; /* 24 bytes */
+
+/* Summary of a validated program. */
+typedef struct spy_job_info {
+    uint32_t ncmds;
+    uint32_t nslots;
+    uint64_t total_bytes;
+    uint64_t dma_bytes;     /* bytes the program moves */
+    uint64_t macs;
+    uint64_t sfu_elems;
+    uint32_t cores_used;
+    uint32_t reserved;
+    uint64_t lx_high_water; /* highest scratchpad byte any command touches */
+} spy_job_info;
+
+/* Validate a program block held in host memory (construction-time check). */
+spy_status spy_job_validate(spy_device *dev, const void *blob, uint64_t len, spy_job_info *info);
+
+/* ---- launching -------------------------------------------------------------------------
+ * A program is uploaded into a CONTROL allocation (normally by an H2D job: the
+ * transfer graph of the program block) and then committed: the device validates the
+ * resident copy once and marks it runnable; any later write to it uncommits it.       */
+
+spy_status spy_program_commit(spy_device *dev, uint64_t prog_addr, spy_job_info *info);
+
+/* Run a committed program with its slots bound: bindings[i] is a device address for a
+ * DRAM slot, a host pointer (as an integer) for a HOST slot. `name` labels the job in
+ * the trace (an id from spy_trace_intern, or 0). On return the job's effects are
+ * complete in functional mode and *job_end_ns holds its simulated end. */
+spy_status spy_launch(spy_device *dev, uint64_t prog_addr, const uint64_t *bindings,
+                      uint32_t nbindings, uint32_t name, double *job_end_ns);
+
+/* ---- transfer graphs ---------------------------------------------------------------------
+ * A transfer graph is a program of DMA commands between host and device memory (H2D, D2H,
+ * barriers only). Its descriptor lists stay in host memory, where the card's DMA engines
+ * fetch them (the per-descriptor cost of the profile covers the fetch), so it needs no
+ * upload: create validates a copy of the block once; run binds its slots and submits. */
+typedef struct spy_transfer spy_transfer;
+
+spy_status spy_transfer_create(spy_device *dev, const void *blob, uint64_t len, spy_transfer **out);
+void spy_transfer_destroy(spy_transfer *t);
+spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t nbindings,
+                            uint32_t name, double *end_ns);
+
+/* ---- plans ------------------------------------------------------------------------------
+ * Plan block layout:
+ *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][program blocks...]
+ * Each job names its program block (offset/length inside the plan block) and its slot
+ * relocations [reloc_begin, +nslots): slot address = bindings[reloc.binding] + reloc.offset.
+ * spy_plan_create validates the whole block, uploads and commits every program. */
+
+#define SPY_PLAN_MAGIC 0x4E4C5053u /* "SPLN" */
+#define SPY_PLAN_VERSION 1u
+
+typedef struct spy_plan_header {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t njobs;
+    uint32_t nrelocs;
+    uint32_t nbindings;   /* bindings a launch must pass */
+    uint32_t reserved0;
+    uint64_t total_bytes;
+    uint64_t reserved[4];
+} spy_plan_header; /* 64 bytes */
+
+typedef struct spy_plan_job {
+    uint64_t prog_off;    /* from the start of the plan block */
+    uint64_t prog_len;
+    uint32_t reloc_begin;
+    uint32_t nslots;
+    uint32_t name;        /* trace label id */
+    uint32_t reserved;
+} spy_plan_job; /* 32 bytes */
+
+typedef struct spy_reloc {
+    uint32_t binding;
+    uint32_t reserved;
+    uint64_t offset;
+} spy_reloc; /* 16 bytes */
+
+typedef struct spy_plan spy_plan;
+
+spy_status spy_plan_create(spy_device *dev, const void *blob, uint64_t len, spy_plan **out);
+void spy_plan_destroy(spy_plan *plan);
+/* Declared minimum size for each binding (computed from the relocated slot extents). */
+spy_status spy_plan_binding_extent(const spy_plan *plan, uint32_t binding, uint64_t *extent);
+uint32_t spy_plan_num_jobs(const spy_plan *plan);
+/* One call per compiled step: patch the relocation table, run every job in order. */
+spy_status spy_plan_launch(spy_plan *plan, const uint64_t *bindings, uint32_t nbindings,
+                           double *step_end_ns);
+
+/* ---- counters ---------------------------------------------------------------------------- */
+
+typedef struct spy_counters {
+    uint64_t native_calls;      /* calls into the runtime that did host work */
+    uint64_t jobs;
+    uint64_t commands;
+    uint64_t plan_launches;
+    uint64_t commits;
+    uint64_t validated_commands;
+    uint64_t bytes_h2d;
+    uint64_t bytes_d2h;
+    uint64_t sim_ns;            /* real time spent simulating (excluded from the host clock) */
+    uint64_t wait_ns;           /* host clock advanced by synchronize */
+    double device_busy_ns;      /* sum over jobs of (end - start) */
+    double device_idle_host_ns; /* device idle because the host had not launched yet */
+} spy_counters;
+
+spy_status spy_counters_get(spy_device *dev, spy_counters *out);
+spy_status spy_counters_reset(spy_device *dev);
+
+/* ---- trace ----------------------------------------------------------------------------- */
+
+#define SPY_EV_JOB 1       /* a job on the device: a = name, b = ncmds */
+#define SPY_EV_CMD 2       /* a command: a = op, b = bytes or macs, engine/core set */
+#define SPY_EV_HOST 3      /* a host span recorded by spy_trace_host_span: a = name */
+#define SPY_EV_LAUNCH 4    /* the host-side instant of a launch: a = name, b = job seq */
+
+/* engines */
+#define SPY_ENG_LOAD 0
+#define SPY_ENG_STORE 1
+#define SPY_ENG_PT 2
+#define SPY_ENG_SFU 3
+#define SPY_ENG_RING 4
+#define SPY_ENG_PER_CORE 5
+#define SPY_ENG_H2D 0
+#define SPY_ENG_D2H 1
+#define SPY_ENG_CTRL 2
+
+typedef struct spy_trace_event {
+    uint32_t kind;
+    uint16_t core;     /* SPY_CORE_CARD for card engines and jobs */
+    uint16_t engine;
+    double start_ns;   /* device events: simulated time; host events: host clock */
+    double end_ns;
+    uint64_t job;      /* job sequence number */
+    uint64_t a;
+    uint64_t b;
+} spy_trace_event; /* 48 bytes */
+
+spy_status spy_trace_enable(spy_device *dev, uint32_t enabled, uint32_t commands);
+uint32_t spy_trace_intern(spy_device *dev, const char *name);
+/* The interned name of id, or NULL. */
+const char *spy_trace_name(spy_device *dev, uint32_t id);
+spy_status spy_trace_host_span(spy_device *dev, uint32_t name, uint64_t start_ns, uint64_t end_ns);
+uint64_t spy_trace_count(spy_device *dev);
+/* Copy events [first, first+max) out; *n is set to the number copied. */
+spy_status spy_trace_read(spy_device *dev, uint64_t first, spy_trace_event *out, uint64_t max,
+                          uint64_t *n);
+spy_status spy_trace_clear(spy_device *dev);
+
+/* ---- DLPack ---------------------------------------------------------------------------------
+ * Wrap the allocation starting at addr as a DLPack DLManagedTensor (returned as void*)
+ * whose deleter frees the allocation: a framework importing it ties the allocation's
+ * lifetime to its tensors. Shape and strides are in elements and are copied. */
+spy_status spy_dlpack_wrap(spy_device *dev, uint64_t addr, int32_t ndim, const int64_t *shape,
+                           const int64_t *strides, uint32_t code, uint32_t bits, int32_t device_type,
+                           void **out);
+/* Run the deleter of a wrapped tensor that no framework took ownership of. */
+void spy_dlpack_release(void *managed);
+/* Wrapped tensors whose deleter has not run yet. */
+uint64_t spy_dlpack_live(spy_device *dev);
+
+/* ---- fault injection (tests) ------------------------------------------------------------ */
+
+#define SPY_FAULT_NONE 0
+#define SPY_FAULT_COMMAND 1 /* the Nth command executed from now fails */
+#define SPY_FAULT_DMA 2     /* the Nth DMA command from now fails */
+#define SPY_FAULT_LOST 3    /* the device is lost at the Nth command from now */
+
+spy_status spy_fault_inject(spy_device *dev, uint32_t kind, uint64_t after_n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SPYRE_H */

@@ -1,0 +1,73 @@
+/* status.c -- status names, the per-thread last error, small helpers. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "internal.h"
+
+static _Thread_local char last_message[512];
+static _Thread_local int64_t last_command = -1;
+
+spy_status spy_fail(spy_status s, int64_t command, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_message, sizeof last_message, fmt, ap);
+    va_end(ap);
+    last_command = command;
+    return s;
+}
+
+void spy_clear_error(void)
+{
+    last_message[0] = '\0';
+    last_command = -1;
+}
+
+const char *spy_last_error(void) { return last_message; }
+
+int64_t spy_last_error_command(void) { return last_command; }
+
+const char *spy_status_name(spy_status s)
+{
+    switch (s) {
+    case SPY_OK: return "SPY_OK";
+    case SPY_E_INVALID_ARG: return "SPY_E_INVALID_ARG";
+    case SPY_E_PROFILE: return "SPY_E_PROFILE";
+    case SPY_E_OOM: return "SPY_E_OOM";
+    case SPY_E_BAD_ADDRESS: return "SPY_E_BAD_ADDRESS";
+    case SPY_E_SCRATCHPAD: return "SPY_E_SCRATCHPAD";
+    case SPY_E_CYCLE: return "SPY_E_CYCLE";
+    case SPY_E_BAD_COMMAND: return "SPY_E_BAD_COMMAND";
+    case SPY_E_BAD_PROGRAM: return "SPY_E_BAD_PROGRAM";
+    case SPY_E_INDEX: return "SPY_E_INDEX";
+    case SPY_E_DMA: return "SPY_E_DMA";
+    case SPY_E_COMMAND_FAULT: return "SPY_E_COMMAND_FAULT";
+    case SPY_E_DEVICE_LOST: return "SPY_E_DEVICE_LOST";
+    case SPY_E_HOST_NOMEM: return "SPY_E_HOST_NOMEM";
+    case SPY_E_NOT_COMMITTED: return "SPY_E_NOT_COMMITTED";
+    }
+    return "SPY_E_UNKNOWN";
+}
+
+uint64_t spy_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint32_t spy_dtype_size(uint32_t dtype)
+{
+    switch (dtype) {
+    case SPY_DT_F32: return 4;
+    case SPY_DT_F16: return 2;
+    case SPY_DT_BF16: return 2;
+    case SPY_DT_I64: return 8;
+    case SPY_DT_I32: return 4;
+    case SPY_DT_I8: return 1;
+    case SPY_DT_U8: return 1;
+    case SPY_DT_BOOL: return 1;
+    default: return 0;
+    }
+}

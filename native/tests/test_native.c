@@ -1,0 +1,665 @@
+/* test_native.c -- tests of the native runtime in C, run plain and under ASan/UBSan.
+ *
+ * They drive the public API only (spyre.h): allocation, validation of hostile programs,
+ * functional arithmetic, the cost model on hand-computed figures, plans, faults. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spyre.h"
+
+static int failures;
+static const char *current;
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d [%s]: %s (last error: %s)\n", __FILE__, __LINE__, current,  \
+                    #cond, spy_last_error());                                                      \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_OK(expr) CHECK((expr) == SPY_OK)
+#define NEAR(a, b, rel) (fabs((double)(a) - (double)(b)) <= (rel) * fabs((double)(b)) + 1e-9)
+
+static spy_profile test_profile(void)
+{
+    spy_profile p = {0};
+    p.num_cores = 32;
+    p.corelets_per_core = 2;
+    p.scratchpad_bytes = 2u << 20;
+    p.dram_bytes = 1ull << 30;
+    p.stick_bytes = 128;
+    p.dram_burst_bytes = 64;
+    p.clock_ghz = 1.5;
+    p.pt_macs_per_ns = 1536;
+    p.pt_utilization = 0.75;
+    p.pt_fp32_ratio = 0.25;
+    p.pt_gran_m = 8;
+    p.pt_gran_n = 64;
+    p.pt_gran_k = 1;
+    p.pt_latency_ns = 50;
+    p.sfu_elems_per_cycle = 128;
+    p.sfu_transcendental_cycles = 4;
+    p.sfu_latency_ns = 20;
+    p.dram_bytes_per_ns = 150;
+    p.core_dma_bytes_per_ns = 48;
+    p.dma_latency_ns = 500;
+    p.pcie_bytes_per_ns = 50;
+    p.pcie_latency_ns = 1000;
+    p.pcie_descriptor_ns = 2;
+    p.ring_bytes_per_cycle = 128;
+    p.ring_hop_ns = 10;
+    p.barrier_ns = 100;
+    p.job_launch_ns = 2000;
+    return p;
+}
+
+/* ---- a tiny program builder ---- */
+typedef struct prog {
+    spy_slot slots[16];
+    uint32_t nslots;
+    spy_cmd cmds[256];
+    uint32_t ncmds;
+    uint32_t deps[512];
+    uint32_t ndeps;
+    spy_instr instrs[64];
+    uint32_t ninstrs;
+    spy_desc descs[64];
+    uint32_t ndescs;
+} prog;
+
+static uint32_t slot(prog *p, uint32_t kind, uint64_t extent)
+{
+    p->slots[p->nslots].kind = kind;
+    p->slots[p->nslots].extent = extent;
+    return p->nslots++;
+}
+
+static spy_cmd *cmd(prog *p, uint8_t op, uint16_t core)
+{
+    spy_cmd *c = &p->cmds[p->ncmds++];
+    memset(c, 0, sizeof *c);
+    c->op = op;
+    c->core = core;
+    c->dep_begin = p->ndeps;
+    return c;
+}
+
+static void dep(prog *p, spy_cmd *c, uint32_t on)
+{
+    p->deps[p->ndeps++] = on;
+    c->ndeps++;
+}
+
+static spy_cmd *dma(prog *p, uint8_t op, uint16_t core, uint32_t src_slot, uint64_t src_off,
+                    uint32_t dst_slot, uint64_t dst_off, uint32_t bytes)
+{
+    spy_cmd *c = cmd(p, op, core);
+    c->u.dma.src_slot = src_slot;
+    c->u.dma.dst_slot = dst_slot;
+    c->u.dma.src_off = src_off;
+    c->u.dma.dst_off = dst_off;
+    c->u.dma.run_bytes = bytes;
+    return c;
+}
+
+/* Encode into an 8-byte aligned buffer; the caller frees it. */
+static void *encode(const prog *p, uint64_t *len)
+{
+    uint64_t deps_bytes = ((uint64_t)p->ndeps * 4 + 7) & ~7ull;
+    uint64_t n = sizeof(spy_job_header) + p->nslots * sizeof(spy_slot) + p->ncmds * sizeof(spy_cmd) +
+                 deps_bytes + p->ninstrs * sizeof(spy_instr) + p->ndescs * sizeof(spy_desc);
+    uint8_t *b = aligned_alloc(8, (n + 7) & ~7ull);
+    memset(b, 0, n);
+    spy_job_header h = {SPY_JOB_MAGIC, SPY_JOB_VERSION, p->ncmds, p->ndeps, p->ninstrs, p->nslots,
+                        p->ndescs, 0, n, {0, 0, 0}};
+    uint64_t o = 0;
+    memcpy(b, &h, sizeof h);
+    o += sizeof h;
+    memcpy(b + o, p->slots, p->nslots * sizeof(spy_slot));
+    o += p->nslots * sizeof(spy_slot);
+    memcpy(b + o, p->cmds, p->ncmds * sizeof(spy_cmd));
+    o += p->ncmds * sizeof(spy_cmd);
+    memcpy(b + o, p->deps, p->ndeps * 4);
+    o += deps_bytes;
+    memcpy(b + o, p->instrs, p->ninstrs * sizeof(spy_instr));
+    o += p->ninstrs * sizeof(spy_instr);
+    memcpy(b + o, p->descs, p->ndescs * sizeof(spy_desc));
+    *len = n;
+    return b;
+}
+
+static char run_error[512];
+
+/* Upload with spy_mem_write, commit and launch; run_error keeps the launch's message. */
+static spy_status run(spy_device *d, const prog *p, const uint64_t *bind, double *end)
+{
+    uint64_t len, addr;
+    void *blob = encode(p, &len);
+    spy_status s = spy_malloc(d, len, SPY_MEM_CONTROL, &addr);
+    if (s == SPY_OK)
+        s = spy_mem_write(d, addr, blob, len);
+    free(blob);
+    if (s == SPY_OK)
+        s = spy_program_commit(d, addr, NULL);
+    if (s == SPY_OK)
+        s = spy_launch(d, addr, bind, p->nslots, 0, end);
+    snprintf(run_error, sizeof run_error, "%s", spy_last_error());
+    spy_free(d, addr);
+    return s;
+}
+
+static spy_status validate(spy_device *d, const prog *p)
+{
+    uint64_t len;
+    void *blob = encode(p, &len);
+    spy_status s = spy_job_validate(d, blob, len, NULL);
+    free(blob);
+    return s;
+}
+
+/* ---- tests ---- */
+
+static void test_allocator(void)
+{
+    current = "allocator";
+    spy_profile pr = test_profile();
+    pr.dram_bytes = 1 << 20;
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    spy_mem_stats st;
+    uint64_t a, b, c;
+    CHECK_OK(spy_malloc(d, 100, SPY_MEM_DATA, &a));
+    CHECK(a % 128 == 0);
+    CHECK_OK(spy_malloc(d, 1000, SPY_MEM_DATA, &b));
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.allocated == 128 + 1024);
+    CHECK(spy_malloc(d, 2u << 20, SPY_MEM_DATA, &c) == SPY_E_OOM);
+    CHECK(strstr(spy_last_error(), "requested 2097152 bytes") != NULL);
+    CHECK(spy_free(d, a + 1) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_free(d, a));
+    CHECK_OK(spy_free(d, b));
+    CHECK(spy_free(d, b) == SPY_E_BAD_ADDRESS); /* double free is refused */
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.allocated == 0 && st.reserved == 128 + 1024);
+    CHECK_OK(spy_empty_cache(d));
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.reserved == 0 && st.largest_free == pr.dram_bytes && st.fragmentation == 0);
+    /* the whole card can be allocated once the cache is empty */
+    CHECK_OK(spy_malloc(d, pr.dram_bytes, SPY_MEM_DATA, &c));
+    CHECK_OK(spy_free(d, c));
+    for (int i = 0; i < 10000; i++) {
+        uint64_t x, y;
+        CHECK_OK(spy_malloc(d, (uint64_t)(i % 97) * 64 + 1, SPY_MEM_DATA, &x));
+        CHECK_OK(spy_malloc(d, 4096, SPY_MEM_DATA, &y));
+        CHECK_OK(spy_free(d, x));
+        CHECK_OK(spy_free(d, y));
+    }
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.allocated == 0 && st.num_allocs == 0);
+    CHECK_OK(spy_empty_cache(d));
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.largest_free == pr.dram_bytes);
+    spy_device_close(d);
+}
+
+static void test_validation(void)
+{
+    current = "validation";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    prog p;
+
+    memset(&p, 0, sizeof p); /* DRAM range past the slot */
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    dma(&p, SPY_OP_LOAD, 0, s0, 4000, 0, 0, 128);
+    CHECK(validate(d, &p) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_last_error_command() == 0);
+
+    memset(&p, 0, sizeof p); /* scratchpad overflow */
+    s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, pr.scratchpad_bytes - 64, 128);
+    CHECK(validate(d, &p) == SPY_E_SCRATCHPAD);
+
+    memset(&p, 0, sizeof p); /* a strided pattern whose last run leaves the scratchpad */
+    s0 = slot(&p, SPY_SLOT_DRAM, 1 << 20);
+    spy_cmd *c = dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    c->u.dma.ndims = 1;
+    c->u.dma.count[0] = 100000;
+    c->u.dma.src_stride[0] = 0;
+    c->u.dma.dst_stride[0] = 128;
+    CHECK(validate(d, &p) == SPY_E_SCRATCHPAD);
+
+    memset(&p, 0, sizeof p); /* dependency cycle */
+    s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    spy_cmd *c0 = dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    dep(&p, c0, 1);
+    spy_cmd *c1 = dma(&p, SPY_OP_LOAD, 1, s0, 0, 0, 0, 128);
+    dep(&p, c1, 0);
+    CHECK(validate(d, &p) == SPY_E_CYCLE);
+
+    memset(&p, 0, sizeof p); /* engine order: depends on a later command of its own engine */
+    s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    c0 = dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    dep(&p, c0, 1);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 128, 128);
+    CHECK(validate(d, &p) == SPY_E_CYCLE);
+
+    memset(&p, 0, sizeof p); /* unknown opcode, bad core, self dependency */
+    s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    cmd(&p, 99, 0);
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    p.ncmds = 0;
+    dma(&p, SPY_OP_LOAD, 32, s0, 0, 0, 0, 128);
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    p.ncmds = 0;
+    c = dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    dep(&p, c, 0);
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+
+    memset(&p, 0, sizeof p); /* host slot used as DRAM */
+    s0 = slot(&p, SPY_SLOT_HOST, 4096);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+
+    memset(&p, 0, sizeof p); /* matmul C outside the scratchpad */
+    c = cmd(&p, SPY_OP_MATMUL, 0);
+    c->u.mm = (spy_matmul){.a_off = 0, .b_off = 0, .c_off = (uint32_t)pr.scratchpad_bytes - 16,
+                           .m = 8, .n = 8, .k = 8, .lda = 8, .ldb = 8, .ldc = 8,
+                           .a_dtype = SPY_DT_F16, .b_dtype = SPY_DT_F16};
+    CHECK(validate(d, &p) == SPY_E_SCRATCHPAD);
+
+    /* a truncated or corrupted block */
+    memset(&p, 0, sizeof p);
+    s0 = slot(&p, SPY_SLOT_DRAM, 4096);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 128);
+    uint64_t len;
+    uint8_t *blob = encode(&p, &len);
+    CHECK(spy_job_validate(d, blob, len - 8, NULL) == SPY_E_BAD_PROGRAM);
+    ((spy_job_header *)(void *)blob)->ncmds = 1u << 30;
+    CHECK(spy_job_validate(d, blob, len, NULL) == SPY_E_BAD_PROGRAM);
+    free(blob);
+    spy_device_close(d);
+}
+
+/* A hostile program cannot write outside a live allocation: neighbours stay intact. */
+static void test_no_stray_writes(void)
+{
+    current = "no stray writes";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    uint64_t a, b, c;
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &a));
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &b));
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &c));
+    uint8_t canary[256];
+    memset(canary, 0xAB, sizeof canary);
+    CHECK_OK(spy_mem_write(d, a, canary, 256));
+    CHECK_OK(spy_mem_write(d, c, canary, 256));
+    /* slot extent larger than the allocation it is bound to: refused at launch */
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 1024);
+    dma(&p, SPY_OP_STORE, 0, 0, 0, s0, 512, 128);
+    uint64_t bind = b;
+    CHECK(run(d, &p, &bind, NULL) == SPY_E_BAD_ADDRESS);
+    /* binding to an address that is no allocation at all */
+    bind = a + 1000000;
+    CHECK(run(d, &p, &bind, NULL) == SPY_E_BAD_ADDRESS);
+    uint8_t back[256];
+    CHECK_OK(spy_mem_read(d, a, back, 256));
+    CHECK(memcmp(back, canary, 256) == 0);
+    CHECK_OK(spy_mem_read(d, c, back, 256));
+    CHECK(memcmp(back, canary, 256) == 0);
+    spy_device_close(d);
+}
+
+/* H2D -> LOAD -> SFU -> MATMUL -> STORE -> D2H, checked against a host computation. */
+static void test_functional(void)
+{
+    current = "functional";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    enum { M = 8, K = 64, N = 16 };
+    float a[M * K], b[K * N], out[M * N];
+    for (int i = 0; i < M * K; i++)
+        a[i] = (float)((i * 7) % 13) / 8.0f;
+    for (int i = 0; i < K * N; i++)
+        b[i] = (float)((i * 5) % 11) / 4.0f - 1.0f;
+    uint64_t da, db, dc;
+    CHECK_OK(spy_malloc(d, sizeof a, SPY_MEM_DATA, &da));
+    CHECK_OK(spy_malloc(d, sizeof b, SPY_MEM_DATA, &db));
+    CHECK_OK(spy_malloc(d, sizeof out, SPY_MEM_DATA, &dc));
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t ha = slot(&p, SPY_SLOT_HOST, sizeof a), hb = slot(&p, SPY_SLOT_HOST, sizeof b);
+    uint32_t sa = slot(&p, SPY_SLOT_DRAM, sizeof a), sb = slot(&p, SPY_SLOT_DRAM, sizeof b);
+    uint32_t sc = slot(&p, SPY_SLOT_DRAM, sizeof out), hc = slot(&p, SPY_SLOT_HOST, sizeof out);
+    dma(&p, SPY_OP_H2D, SPY_CORE_CARD, ha, 0, sa, 0, sizeof a);                 /* 0 */
+    dma(&p, SPY_OP_H2D, SPY_CORE_CARD, hb, 0, sb, 0, sizeof b);                 /* 1 */
+    spy_cmd *c = dma(&p, SPY_OP_LOAD, 3, sa, 0, 0, 0, sizeof a);                /* 2 */
+    dep(&p, c, 0);
+    c = dma(&p, SPY_OP_LOAD, 3, sb, 0, 0, 4096, sizeof b);                      /* 3 */
+    dep(&p, c, 1);
+    /* A <- A * 2 + 1 on the SFU, in place */
+    spy_instr *in = &p.instrs[p.ninstrs++];
+    memset(in, 0, sizeof *in);
+    in->op = SPY_SFU_MUL;
+    in->rows = M;
+    in->cols = K;
+    in->dst = (spy_operand){SPY_OPND_TILE, SPY_DT_F32, 0, K, {.off = 0}};
+    in->src[0] = in->dst;
+    in->src[1] = (spy_operand){SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 2.0}};
+    in = &p.instrs[p.ninstrs++];
+    memset(in, 0, sizeof *in);
+    in->op = SPY_SFU_ADD;
+    in->rows = M;
+    in->cols = K;
+    in->dst = (spy_operand){SPY_OPND_TILE, SPY_DT_F32, 0, K, {.off = 0}};
+    in->src[0] = in->dst;
+    in->src[1] = (spy_operand){SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 1.0}};
+    c = cmd(&p, SPY_OP_SFU, 3);                                                  /* 4 */
+    c->u.sfu.instr_begin = 0;
+    c->u.sfu.ninstrs = 2;
+    dep(&p, c, 2);
+    c = cmd(&p, SPY_OP_MATMUL, 3);                                               /* 5 */
+    c->u.mm = (spy_matmul){.a_off = 0, .b_off = 4096, .c_off = 16384, .m = M, .n = N, .k = K,
+                           .lda = K, .ldb = N, .ldc = N, .a_dtype = SPY_DT_F32, .b_dtype = SPY_DT_F32};
+    dep(&p, c, 3);
+    dep(&p, c, 4);
+    c = dma(&p, SPY_OP_STORE, 3, 0, 16384, sc, 0, sizeof out);                  /* 6 */
+    dep(&p, c, 5);
+    c = dma(&p, SPY_OP_D2H, SPY_CORE_CARD, sc, 0, hc, 0, sizeof out);           /* 7 */
+    dep(&p, c, 6);
+    uint64_t bind[6] = {(uint64_t)(uintptr_t)a, (uint64_t)(uintptr_t)b, da, db, dc,
+                        (uint64_t)(uintptr_t)out};
+    memset(out, 0, sizeof out);
+    double end = 0;
+    CHECK_OK(run(d, &p, bind, &end));
+    CHECK(end > 0);
+    int bad = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0;
+            for (int k = 0; k < K; k++)
+                s += (double)(a[i * K + k] * 2 + 1) * b[k * N + j];
+            if (fabs(s - out[i * N + j]) > 1e-4 * (1 + fabs(s)))
+                bad++;
+        }
+    CHECK(bad == 0);
+
+    /* the same stream in timing mode takes the same device time */
+    spy_device *t;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 1, &t));
+    uint64_t ta, tb, tc;
+    CHECK_OK(spy_malloc(t, sizeof a, SPY_MEM_DATA, &ta));
+    CHECK_OK(spy_malloc(t, sizeof b, SPY_MEM_DATA, &tb));
+    CHECK_OK(spy_malloc(t, sizeof out, SPY_MEM_DATA, &tc));
+    uint64_t tbind[6] = {bind[0], bind[1], ta, tb, tc, bind[5]};
+    double tend = 0;
+    double fstart = end; /* functional job started after launch latency too */
+    (void)fstart;
+    CHECK_OK(run(t, &p, tbind, &tend));
+    spy_counters fc, tcn;
+    CHECK_OK(spy_counters_get(d, &fc));
+    CHECK_OK(spy_counters_get(t, &tcn));
+    CHECK(fc.device_busy_ns == tcn.device_busy_ns);
+    if (fc.device_busy_ns != tcn.device_busy_ns)
+        fprintf(stderr, "functional %.3f ns, timing %.3f ns\n", fc.device_busy_ns, tcn.device_busy_ns);
+    spy_device_close(t);
+    spy_device_close(d);
+}
+
+static double one_job_busy(spy_device *d, const prog *p, const uint64_t *bind)
+{
+    spy_counters before, after;
+    spy_counters_get(d, &before);
+    CHECK_OK(run(d, p, bind, NULL));
+    spy_counters_get(d, &after);
+    return after.device_busy_ns - before.device_busy_ns;
+}
+
+static void test_cost_model(void)
+{
+    current = "cost model";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    uint64_t big;
+    CHECK_OK(spy_malloc(d, 64u << 20, SPY_MEM_DATA, &big));
+    prog p;
+    /* one core loading 1 MiB: port bound at 48 B/ns */
+    memset(&p, 0, sizeof p);
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 64u << 20);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 1u << 20);
+    double t = one_job_busy(d, &p, &big);
+    CHECK(NEAR(t, 500 + (1u << 20) / 48.0, 0.01));
+    /* all 32 cores load 1 MiB at once: DRAM bound at 150 B/ns shared */
+    memset(&p, 0, sizeof p);
+    s0 = slot(&p, SPY_SLOT_DRAM, 64u << 20);
+    for (uint16_t c = 0; c < 32; c++)
+        dma(&p, SPY_OP_LOAD, c, s0, (uint64_t)c << 20, 0, 0, 1u << 20);
+    t = one_job_busy(d, &p, &big);
+    CHECK(NEAR(t, 500 + 32.0 * (1u << 20) / 150.0, 0.01));
+    /* a compute-bound matmul tile: 256x256x512 fp16 */
+    memset(&p, 0, sizeof p);
+    spy_cmd *c = cmd(&p, SPY_OP_MATMUL, 0);
+    c->u.mm = (spy_matmul){.a_off = 0, .b_off = 262144, .c_off = 786432, .m = 256, .n = 256,
+                           .k = 512, .lda = 512, .ldb = 256, .ldc = 256, .a_dtype = SPY_DT_F16,
+                           .b_dtype = SPY_DT_F16};
+    t = one_job_busy(d, &p, NULL);
+    CHECK(NEAR(t, 50 + 256.0 * 256 * 512 / (1536 * 0.75), 0.01));
+    /* an odd-shaped tile pays for the padding of the arrays */
+    c->u.mm.m = 1;
+    c->u.mm.n = 100;
+    t = one_job_busy(d, &p, NULL);
+    CHECK(NEAR(t, 50 + 8.0 * 128 * 512 / (1536 * 0.75), 0.01));
+    /* a PCIe transfer of 4 MiB */
+    memset(&p, 0, sizeof p);
+    uint32_t h = slot(&p, SPY_SLOT_HOST, 4u << 20);
+    s0 = slot(&p, SPY_SLOT_DRAM, 4u << 20);
+    dma(&p, SPY_OP_H2D, SPY_CORE_CARD, h, 0, s0, 0, 4u << 20);
+    static uint8_t host[1];
+    uint64_t bind[2] = {(uint64_t)(uintptr_t)host, big};
+    t = one_job_busy(d, &p, bind);
+    CHECK(NEAR(t, 1000 + 2 + (4u << 20) / 50.0, 0.01));
+    spy_device_close(d);
+}
+
+static void test_gather_and_faults(void)
+{
+    current = "gather and faults";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    uint64_t table, idx;
+    CHECK_OK(spy_malloc(d, 10 * 128, SPY_MEM_DATA, &table));
+    CHECK_OK(spy_malloc(d, 128, SPY_MEM_DATA, &idx));
+    int64_t rows[2] = {3, 12};
+    CHECK_OK(spy_mem_write(d, idx, rows, sizeof rows));
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t st = slot(&p, SPY_SLOT_DRAM, 10 * 128), si = slot(&p, SPY_SLOT_DRAM, 128);
+    dma(&p, SPY_OP_LOAD, 0, si, 0, 0, 0, 16);
+    spy_cmd *c = cmd(&p, SPY_OP_GATHER, 0);
+    c->u.gather = (spy_gather){.table_slot = st, .idx_off = 0, .idx_dtype = SPY_DT_I64, .nidx = 2,
+                               .table_off = 0, .row_stride = 128, .limit = 10, .lx_off = 1024,
+                               .lx_pitch = 128, .run_bytes = 128};
+    dep(&p, c, 0);
+    uint64_t bind[2] = {table, idx};
+    CHECK(run(d, &p, bind, NULL) == SPY_E_INDEX);
+    CHECK(strstr(run_error, "index 12") != NULL);
+    rows[1] = 9;
+    CHECK_OK(spy_mem_write(d, idx, rows, sizeof rows));
+    CHECK_OK(run(d, &p, bind, NULL));
+    /* injected faults surface typed and the next call works */
+    CHECK_OK(spy_fault_inject(d, SPY_FAULT_DMA, 0));
+    CHECK(run(d, &p, bind, NULL) == SPY_E_DMA);
+    CHECK_OK(run(d, &p, bind, NULL));
+    CHECK_OK(spy_fault_inject(d, SPY_FAULT_COMMAND, 1));
+    CHECK(run(d, &p, bind, NULL) == SPY_E_COMMAND_FAULT);
+    CHECK_OK(run(d, &p, bind, NULL));
+    CHECK_OK(spy_fault_inject(d, SPY_FAULT_LOST, 0));
+    CHECK(run(d, &p, bind, NULL) == SPY_E_DEVICE_LOST);
+    uint64_t x;
+    CHECK(spy_malloc(d, 128, SPY_MEM_DATA, &x) == SPY_E_DEVICE_LOST);
+    CHECK_OK(spy_device_reset(d));
+    CHECK_OK(spy_malloc(d, 128, SPY_MEM_DATA, &x));
+    spy_device_close(d);
+}
+
+static void test_plan(void)
+{
+    current = "plan";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    /* a job copying 256 bytes from slot 0 to slot 1 through the scratchpad */
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 256), s1 = slot(&p, SPY_SLOT_DRAM, 256);
+    dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 0, 256);
+    spy_cmd *c = dma(&p, SPY_OP_STORE, 0, 0, 0, s1, 0, 256);
+    dep(&p, c, 0);
+    uint64_t plen;
+    uint8_t *job = encode(&p, &plen);
+    /* plan: job0 copies binding0 -> arena+0, job1 copies arena+0 -> binding1 */
+    uint64_t total = sizeof(spy_plan_header) + 2 * sizeof(spy_plan_job) + 4 * sizeof(spy_reloc);
+    uint64_t off0 = total, off1 = total + plen;
+    total += 2 * plen;
+    uint8_t *blob = aligned_alloc(8, total);
+    memset(blob, 0, total);
+    spy_plan_header h = {SPY_PLAN_MAGIC, SPY_PLAN_VERSION, 2, 4, 3, 0, total, {0}};
+    memcpy(blob, &h, sizeof h);
+    spy_plan_job jobs[2] = {{off0, plen, 0, 2, 0, 0}, {off1, plen, 2, 2, 0, 0}};
+    memcpy(blob + sizeof h, jobs, sizeof jobs);
+    spy_reloc rel[4] = {{0, 0, 0}, {2, 0, 512}, {2, 0, 512}, {1, 0, 0}};
+    memcpy(blob + sizeof h + sizeof jobs, rel, sizeof rel);
+    memcpy(blob + off0, job, plen);
+    memcpy(blob + off1, job, plen);
+    spy_plan *plan;
+    CHECK_OK(spy_plan_create(d, blob, total, &plan));
+    uint64_t ext;
+    CHECK_OK(spy_plan_binding_extent(plan, 2, &ext));
+    CHECK(ext == 768);
+    uint64_t in, out, arena;
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &in));
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &out));
+    CHECK_OK(spy_malloc(d, 1024, SPY_MEM_DATA, &arena));
+    uint8_t data[256], back[256];
+    for (int i = 0; i < 256; i++)
+        data[i] = (uint8_t)i;
+    CHECK_OK(spy_mem_write(d, in, data, 256));
+    spy_counters c0, c1;
+    spy_counters_get(d, &c0);
+    uint64_t bind[3] = {in, out, arena};
+    CHECK_OK(spy_plan_launch(plan, bind, 3, NULL));
+    spy_counters_get(d, &c1);
+    CHECK(c1.native_calls - c0.native_calls == 1);
+    CHECK(c1.jobs - c0.jobs == 2);
+    CHECK_OK(spy_mem_read(d, out, back, 256));
+    CHECK(memcmp(back, data, 256) == 0);
+    /* an arena too small for the relocated extents is refused before anything runs */
+    uint64_t small;
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &small));
+    bind[2] = small;
+    CHECK(spy_plan_launch(plan, bind, 3, NULL) == SPY_E_BAD_ADDRESS);
+    spy_plan_destroy(plan);
+    /* hostile plan blocks */
+    spy_plan_header *hh = (spy_plan_header *)(void *)blob;
+    hh->nrelocs = 1u << 30;
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    hh->nrelocs = 4;
+    spy_plan_job *pj = (spy_plan_job *)(void *)(blob + sizeof h);
+    pj[1].prog_off = total - 8;
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    pj[1].prog_off = off1;
+    spy_reloc *pr2 = (spy_reloc *)(void *)(blob + sizeof h + sizeof jobs);
+    pr2[3].binding = 7;
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    spy_mem_stats ms;
+    CHECK_OK(spy_mem_stats_get(d, &ms));
+    CHECK(ms.control == 0); /* failed plan creations leave nothing behind */
+    free(blob);
+    free(job);
+    spy_device_close(d);
+}
+
+static void test_sfu(void)
+{
+    current = "sfu";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    enum { R = 3, C = 5 };
+    float x[R * C];
+    for (int i = 0; i < R * C; i++)
+        x[i] = (float)(i % 7) - 3.0f;
+    uint64_t dx, dy;
+    CHECK_OK(spy_malloc(d, 4096, SPY_MEM_DATA, &dx));
+    CHECK_OK(spy_malloc(d, 4096, SPY_MEM_DATA, &dy));
+    CHECK_OK(spy_mem_write(d, dx, x, sizeof x));
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t sx = slot(&p, SPY_SLOT_DRAM, 4096), sy = slot(&p, SPY_SLOT_DRAM, 4096);
+    dma(&p, SPY_OP_LOAD, 0, sx, 0, 0, 0, sizeof x);
+    /* row max (softmax pattern) into ROW at 1024, then x - max, exp, row sum, divide */
+    spy_operand tile = {SPY_OPND_TILE, SPY_DT_F32, 0, C, {.off = 0}};
+    spy_operand row = {SPY_OPND_ROW, SPY_DT_F32, 0, 1, {.off = 1024}};
+    spy_operand row2 = {SPY_OPND_ROW, SPY_DT_F32, 0, 1, {.off = 2048}};
+    spy_instr ins[5];
+    memset(ins, 0, sizeof ins);
+    ins[0] = (spy_instr){.op = SPY_SFU_RMAX, .rows = R, .cols = C, .dst = row, .src = {tile}};
+    ins[1] = (spy_instr){.op = SPY_SFU_SUB, .rows = R, .cols = C, .dst = tile, .src = {tile, row}};
+    ins[2] = (spy_instr){.op = SPY_SFU_EXP, .rows = R, .cols = C, .dst = tile, .src = {tile}};
+    ins[3] = (spy_instr){.op = SPY_SFU_RSUM, .rows = R, .cols = C, .dst = row2, .src = {tile}};
+    ins[4] = (spy_instr){.op = SPY_SFU_DIV, .rows = R, .cols = C, .dst = tile, .src = {tile, row2}};
+    memcpy(p.instrs, ins, sizeof ins);
+    p.ninstrs = 5;
+    spy_cmd *c = cmd(&p, SPY_OP_SFU, 0);
+    c->u.sfu.ninstrs = 5;
+    dep(&p, c, 0);
+    c = dma(&p, SPY_OP_STORE, 0, 0, 0, sy, 0, sizeof x);
+    dep(&p, c, 1);
+    uint64_t bind[2] = {dx, dy};
+    CHECK_OK(run(d, &p, bind, NULL));
+    float y[R * C];
+    CHECK_OK(spy_mem_read(d, dy, y, sizeof y));
+    for (int r = 0; r < R; r++) {
+        float m = x[r * C], s = 0;
+        for (int k = 1; k < C; k++)
+            m = fmaxf(m, x[r * C + k]);
+        for (int k = 0; k < C; k++)
+            s += expf(x[r * C + k] - m);
+        for (int k = 0; k < C; k++)
+            CHECK(fabsf(y[r * C + k] - expf(x[r * C + k] - m) / s) < 1e-6f);
+    }
+    /* an extra operand on a unary op is rejected */
+    p.instrs[2].src[1] = row;
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    spy_device_close(d);
+}
+
+int main(void)
+{
+    test_allocator();
+    test_validation();
+    test_no_stray_writes();
+    test_functional();
+    test_cost_model();
+    test_gather_and_faults();
+    test_plan();
+    test_sfu();
+    if (failures) {
+        fprintf(stderr, "%d native check(s) failed\n", failures);
+        return 1;
+    }
+    printf("native tests passed\n");
+    return 0;
+}

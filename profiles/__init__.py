@@ -1,0 +1,1 @@
+"""Data: device profiles, model profiles and reference results (TOML)."""

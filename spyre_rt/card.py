@@ -1,0 +1,209 @@
+"""Cards: the simulated devices behind ``spyre:0 .. spyre:N-1``.
+
+A :class:`Card` owns one native device. Cards are opened lazily from the configured
+device profile and simulation mode, and are never closed while the process lives: the
+deleters of device tensors refer to them. Reconfiguring (:func:`configure`) opens a new
+set of cards; the old set stays alive for the tensors that still use it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from . import config
+from .errors import SpyreError, SpyreOutOfMemoryError
+from .native import check, error_for, ffi, lib
+from .profile import DeviceProfile
+from .profile import load as load_profile
+from .transfer import TransferCache
+
+MEM_DATA = 0
+MEM_CONTROL = 1
+
+
+class Card:
+    """One simulated card. Thread-safe: the native device serialises its calls."""
+
+    def __init__(self, profile: DeviceProfile, sim_mode: str, index: int):
+        self.profile = profile
+        self.sim_mode = sim_mode
+        self.index = index
+        native_profile = ffi.new("spy_profile *")
+        for field, value in profile.native_fields().items():
+            setattr(native_profile, field, value)
+        out = ffi.new("spy_device **")
+        mode = lib.SPY_MODE_TIMING if sim_mode == "timing" else lib.SPY_MODE_FUNCTIONAL
+        check(lib.spy_device_open(native_profile, mode, index, out), f"opening spyre:{index}")
+        self.handle = out[0]
+        self.transfers = TransferCache()
+        self._names: dict[str, int] = {}
+        self._names_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Card spyre:{self.index} {self.profile.name} {self.sim_mode}>"
+
+    @property
+    def functional(self) -> bool:
+        return self.sim_mode == "functional"
+
+    # ---- memory ----
+    def malloc(self, nbytes: int, kind: int = MEM_DATA) -> int:
+        out = ffi.new("uint64_t *")
+        status = lib.spy_malloc(self.handle, nbytes, kind, out)
+        if status == lib.SPY_E_OOM:
+            free = self.mem_stats()["free"]
+            err = error_for(status, f"spyre:{self.index}")
+            raise SpyreOutOfMemoryError(
+                f"{err} (requested {nbytes} bytes, {free} bytes free on spyre:{self.index}; "
+                "free tensors or call torch.spyre.empty_cache())",
+                requested=nbytes,
+                free=free,
+            )
+        check(status, f"allocating {nbytes} bytes on spyre:{self.index}")
+        return int(out[0])
+
+    def free(self, addr: int) -> None:
+        check(lib.spy_free(self.handle, addr), f"spyre:{self.index}")
+
+    def empty_cache(self) -> None:
+        check(lib.spy_empty_cache(self.handle))
+
+    def mem_stats(self) -> dict[str, float]:
+        st = ffi.new("spy_mem_stats *")
+        check(lib.spy_mem_stats_get(self.handle, st))
+        return {
+            name: getattr(st, name)
+            for name in (
+                "capacity", "allocated", "peak_allocated", "reserved", "control", "free",
+                "largest_free", "num_allocs", "total_allocs", "total_frees", "num_ooms",
+                "fragmentation",
+            )
+        }
+
+    def reset_peak(self) -> None:
+        check(lib.spy_mem_reset_peak(self.handle))
+
+    def read(self, addr: int, nbytes: int) -> bytes:
+        buf = ffi.new("uint8_t[]", nbytes)
+        check(lib.spy_mem_read(self.handle, addr, buf, nbytes))
+        return bytes(ffi.buffer(buf, nbytes))
+
+    def write(self, addr: int, data: bytes) -> None:
+        check(lib.spy_mem_write(self.handle, addr, ffi.from_buffer(data), len(data)))
+
+    # ---- clocks ----
+    def host_clock_ns(self) -> int:
+        return int(lib.spy_host_clock_ns(self.handle))
+
+    def device_finish_ns(self) -> float:
+        return float(lib.spy_device_finish_ns(self.handle))
+
+    def synchronize(self) -> None:
+        check(lib.spy_synchronize(self.handle), f"synchronizing spyre:{self.index}")
+
+    # ---- counters and trace ----
+    def counters(self) -> dict[str, float]:
+        c = ffi.new("spy_counters *")
+        check(lib.spy_counters_get(self.handle, c))
+        return {name: getattr(c, name) for name, _ in ffi.typeof("spy_counters").fields}
+
+    def reset_counters(self) -> None:
+        check(lib.spy_counters_reset(self.handle))
+
+    def intern(self, name: str) -> int:
+        """A small integer naming `name` in the trace (stable for the card's life)."""
+        nid = self._names.get(name)
+        if nid is None:
+            with self._names_lock:
+                nid = self._names.get(name)
+                if nid is None:
+                    nid = int(lib.spy_trace_intern(self.handle, name.encode()))
+                    self._names[name] = nid
+        return nid
+
+    def name_of(self, nid: int) -> str:
+        p = lib.spy_trace_name(self.handle, nid)
+        return ffi.string(p).decode() if p != ffi.NULL else ""
+
+    def fault_inject(self, kind: str, after: int = 0) -> None:
+        kinds = {"none": 0, "command": 1, "dma": 2, "lost": 3}
+        check(lib.spy_fault_inject(self.handle, kinds[kind], after))
+
+    def reset(self) -> None:
+        """Recover a lost card: every allocation, program and plan on it is dropped."""
+        check(lib.spy_device_reset(self.handle))
+
+
+class CardSet:
+    def __init__(self, profile: DeviceProfile, sim_mode: str):
+        self.profile = profile
+        self.sim_mode = sim_mode
+        self.cards = [Card(profile, sim_mode, i) for i in range(profile.count)]
+
+
+_lock = threading.RLock()
+_current: CardSet | None = None
+_retired: list[CardSet] = []  # kept alive: their tensors' deleters still refer to them
+
+
+def _open_default() -> CardSet:
+    s = config.settings()
+    return CardSet(load_profile(s.device_profile), s.sim_mode)
+
+
+def card_set() -> CardSet:
+    global _current
+    if _current is None:
+        with _lock:
+            if _current is None:
+                _current = _open_default()
+    return _current
+
+
+def configure(device_profile: str | None = None, sim_mode: str | None = None) -> CardSet:
+    """Open a new set of cards from a profile and simulation mode (defaults: settings).
+
+    Tensors on the previous cards stay valid on those cards; new ``spyre:N`` tensors go to
+    the new ones."""
+    global _current
+    s = config.settings()
+    profile = load_profile(device_profile or s.device_profile)
+    mode = sim_mode or s.sim_mode
+    if mode not in config.SIM_MODES:
+        raise ValueError(f"sim_mode must be one of {config.SIM_MODES}, not {mode!r}")
+    with _lock:
+        if _current is not None:
+            _retired.append(_current)
+        _current = CardSet(profile, mode)
+        return _current
+
+
+@contextmanager
+def configured(device_profile: str | None = None, sim_mode: str | None = None) -> Iterator[CardSet]:
+    """Use another profile or simulation mode for the duration of a block."""
+    global _current
+    with _lock:
+        previous = _current
+    cs = configure(device_profile, sim_mode)
+    try:
+        yield cs
+    finally:
+        with _lock:
+            _retired.append(cs)
+            _current = previous
+
+
+def get(index: int) -> Card:
+    cs = card_set()
+    if not 0 <= index < len(cs.cards):
+        raise SpyreError(
+            f"spyre:{index} does not exist: the profile {cs.profile.name!r} declares "
+            f"{len(cs.cards)} card(s) (spyre:0..spyre:{len(cs.cards) - 1})"
+        )
+    return cs.cards[index]
+
+
+def count() -> int:
+    return len(card_set().cards)

@@ -1,0 +1,121 @@
+"""Configuration in one place.
+
+Defaults, overridden by ``SPYRE_RT_*`` environment variables, overridden per compile by
+``torch.compile(..., options={...})``. Read once per process through :func:`settings`;
+tests and tools may call :func:`reload` after changing the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+DISPATCH_MODES = ("construct", "prebuilt-transfer", "prebuilt")
+SIM_MODES = ("functional", "timing")
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spyre_rt", "plans")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    device_profile: str = "spyre"          # a name in profiles/devices or a path to a TOML file
+    sim_mode: str = "functional"           # functional | timing
+    dispatch: str = "prebuilt"             # construct | prebuilt-transfer | prebuilt
+    cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
+    cache_enabled: bool = True
+    cache_max_bytes: int = 2 << 30
+    cpu_fallback: bool = True
+    compute_dtype: str = "auto"            # auto (keep the model's dtype) | float16 | float32
+    trace: bool = False
+    trace_commands: bool = True
+
+    def replace(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r} (use 1/0, true/false, on/off)")
+
+
+_ENV = {
+    "SPYRE_RT_DEVICE_PROFILE": ("device_profile", str),
+    "SPYRE_RT_SIM_MODE": ("sim_mode", str),
+    "SPYRE_RT_DISPATCH": ("dispatch", str),
+    "SPYRE_RT_CACHE_DIR": ("cache_dir", str),
+    "SPYRE_RT_CACHE": ("cache_enabled", _bool),
+    "SPYRE_RT_CACHE_MAX_BYTES": ("cache_max_bytes", int),
+    "SPYRE_RT_CPU_FALLBACK": ("cpu_fallback", _bool),
+    "SPYRE_RT_COMPUTE_DTYPE": ("compute_dtype", str),
+    "SPYRE_RT_TRACE": ("trace", _bool),
+}
+
+
+def validate(s: Settings) -> Settings:
+    if s.sim_mode not in SIM_MODES:
+        raise ValueError(f"sim_mode must be one of {SIM_MODES}, not {s.sim_mode!r}")
+    if s.dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, not {s.dispatch!r}")
+    if s.compute_dtype not in ("auto", "float16", "float32"):
+        raise ValueError(f"compute_dtype must be auto, float16 or float32, not {s.compute_dtype!r}")
+    if s.cache_max_bytes <= 0:
+        raise ValueError("cache_max_bytes must be positive")
+    return s
+
+
+def from_environment() -> Settings:
+    values = {}
+    for var, (field, parse) in _ENV.items():
+        raw = os.environ.get(var)
+        if raw is not None and raw != "":
+            try:
+                values[field] = parse(raw)
+            except ValueError as e:
+                raise ValueError(f"{var}: {e}") from None
+    return validate(Settings(**values))
+
+
+_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    global _settings
+    if _settings is None:
+        _settings = from_environment()
+    return _settings
+
+
+def reload() -> Settings:
+    global _settings
+    _settings = None
+    return settings()
+
+
+def with_options(options: dict | None) -> Settings:
+    """Settings for one compile: the process settings with ``options`` applied.
+
+    Option names are the field names, with ``-`` or ``_`` accepted
+    (e.g. ``{"dispatch": "construct", "cpu_fallback": False}``)."""
+    base = settings()
+    if not options:
+        return base
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    changes = {}
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise ValueError(f"unknown spyre_rt option {key!r}; known: {sorted(fields)}")
+        changes[name] = value
+    return validate(base.replace(**changes))
+
+
+def cache_path(s: Settings | None = None) -> Path:
+    return Path((s or settings()).cache_dir)

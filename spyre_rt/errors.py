@@ -1,0 +1,69 @@
+"""Typed errors. Every native status becomes one of these, naming what was wrong."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SpyreError(RuntimeError):
+    """Base class of every error spyre_rt raises."""
+
+
+class SpyreProfileError(SpyreError, ValueError):
+    """A device or model profile is missing a figure, has an unknown one, or a bad value."""
+
+
+class SpyreOutOfMemoryError(SpyreError, torch.OutOfMemoryError):
+    """Device DRAM cannot satisfy an allocation. Names the requested and free bytes."""
+
+    def __init__(self, message: str, requested: int = 0, free: int = 0):
+        super().__init__(message)
+        self.requested = requested
+        self.free = free
+
+
+class SpyreInvalidCommandError(SpyreError):
+    """A program was rejected before it ran: a command out of bounds, over the scratchpad,
+    in a dependency cycle, malformed, or a binding outside its allocation."""
+
+    def __init__(self, message: str, status: str = "", command: int = -1):
+        super().__init__(message)
+        self.status = status
+        self.command = command
+
+
+class SpyreIndexError(SpyreError, IndexError):
+    """A gather or scatter index fell outside its table while the job ran."""
+
+    def __init__(self, message: str, command: int = -1):
+        super().__init__(message)
+        self.command = command
+
+
+class SpyreDeviceError(SpyreError):
+    """An engine of the card reported an error while running a job."""
+
+    def __init__(self, message: str, status: str = "", command: int = -1):
+        super().__init__(message)
+        self.status = status
+        self.command = command
+
+
+class SpyreDMAError(SpyreDeviceError):
+    """The DMA engine reported an error."""
+
+
+class SpyreDeviceLostError(SpyreDeviceError):
+    """The card is lost: every call fails until ``spyre_rt.reset_device`` is called."""
+
+
+class SpyreNoDataError(SpyreError):
+    """The value of a timing-mode tensor was asked for: timing mode keeps no data."""
+
+
+class SpyreCompileError(SpyreError):
+    """The compiler cannot place an op on the card and CPU fallback is off."""
+
+
+class SpyrePlanCacheError(SpyreError):
+    """A plan cache file is corrupt, truncated, of another version or not a plan file."""

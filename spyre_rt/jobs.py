@@ -1,0 +1,76 @@
+"""Running programs on a card: upload through the transfer path, commit, launch.
+
+A compute program (a kernel's job graph with its arguments) runs from device memory: the
+host uploads its program block with a transfer graph, the card validates the resident
+copy once (commit) and then launches it as often as wanted with new slot bindings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .card import MEM_CONTROL, Card
+from .layout import StickLayout
+from .native import check, ffi, lib
+from .transfer import H2D, ViewGeometry, graph_for
+
+
+def program_view(nbytes: int) -> ViewGeometry:
+    """A program block seen by the transfer path: one row of bytes (linear on the card)."""
+    return ViewGeometry(StickLayout(1, nbytes, 1), 0, (nbytes,), (1,))
+
+
+class ResidentProgram:
+    """A committed program in a control allocation of a card."""
+
+    __slots__ = ("card", "addr", "nbytes", "nslots", "info", "name", "_blob")
+
+    def __init__(self, card: Card, blob: np.ndarray, name: str = "", prebuilt_transfer: bool = True):
+        self.card = card
+        self.nbytes = int(blob.size)
+        self.name = card.intern(name) if name else 0
+        self.addr = card.malloc(self.nbytes, MEM_CONTROL)
+        try:
+            graph_for(card, H2D, program_view(self.nbytes), prebuilt_transfer).run(
+                blob.ctypes.data, self.addr)
+            info = ffi.new("spy_job_info *")
+            check(lib.spy_program_commit(card.handle, self.addr, info), f"committing {name or 'a program'}")
+        except BaseException:
+            card.free(self.addr)
+            raise
+        self.info = info
+        self.nslots = int(info.nslots)
+        self._blob = None
+
+    def launch(self, bindings) -> float:
+        end = ffi.new("double *")
+        arr = ffi.new("uint64_t[]", list(bindings)) if self.nslots else ffi.NULL
+        check(lib.spy_launch(self.card.handle, self.addr, arr, self.nslots, self.name, end),
+              "launching " + (self.card.name_of(self.name) or "a program"))
+        return end[0]
+
+    def free(self) -> None:
+        if self.addr:
+            self.card.free(self.addr)
+            self.addr = 0
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # the card may already be gone at interpreter exit
+            pass
+
+
+def run_once(card: Card, blob: np.ndarray, bindings, name: str = "", prebuilt_transfer: bool = False) -> float:
+    """Upload, commit, launch and free a program: the construct-mode path of one launch."""
+    prog = ResidentProgram(card, blob, name, prebuilt_transfer)
+    try:
+        return prog.launch(bindings)
+    finally:
+        prog.free()
+
+
+def validate(card: Card, blob: np.ndarray) -> dict:
+    info = ffi.new("spy_job_info *")
+    check(lib.spy_job_validate(card.handle, ffi.from_buffer(blob), blob.size, info), "validating a program")
+    return {name: getattr(info, name) for name, _ in ffi.typeof("spy_job_info").fields}

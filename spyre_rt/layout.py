@@ -1,0 +1,118 @@
+"""The stick layout of device tensors, and dtype mappings.
+
+A device storage holds ``rows x row_len`` elements (``row_len`` is the size of the
+innermost dimension of the tensor that created it). The innermost dimension is cut into
+128-byte sticks, padded to a whole stick, and sticks are stored stick-major: element
+``(r, c)`` lives at ``(c // S) * rows * 128 + r * 128 + (c % S) * itemsize`` where
+``S = 128 / itemsize``. A (1024, 256) fp16 tensor is thus stored as (4, 1024, 64).
+
+Torch sees ordinary strided tensors over a flat storage of ``rows * row_len`` logical
+elements; every piece of code that touches device memory maps logical element offsets
+to physical bytes with :meth:`StickLayout.phys`. The layout of each live storage is kept
+in a registry keyed by (card, base address).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .native import lib
+
+SPY_DTYPE = {
+    torch.float32: lib.SPY_DT_F32,
+    torch.float16: lib.SPY_DT_F16,
+    torch.bfloat16: lib.SPY_DT_BF16,
+    torch.int64: lib.SPY_DT_I64,
+    torch.int32: lib.SPY_DT_I32,
+    torch.int8: lib.SPY_DT_I8,
+    torch.uint8: lib.SPY_DT_U8,
+    torch.bool: lib.SPY_DT_BOOL,
+}
+# DLPack type codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+DLPACK_CODE = {
+    torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.int64: (0, 64),
+    torch.int32: (0, 32), torch.int8: (0, 8), torch.uint8: (1, 8), torch.bool: (6, 8),
+}
+SUPPORTED_DTYPES = tuple(SPY_DTYPE)
+
+
+def spy_dtype(dtype: torch.dtype) -> int:
+    try:
+        return SPY_DTYPE[dtype]
+    except KeyError:
+        raise TypeError(
+            f"spyre tensors cannot hold {dtype}; supported: {[str(d) for d in SUPPORTED_DTYPES]}"
+        ) from None
+
+
+class StickLayout(NamedTuple):
+    rows: int
+    row_len: int
+    itemsize: int
+    stick_bytes: int = 128
+
+    @property
+    def stick_elems(self) -> int:
+        return self.stick_bytes // self.itemsize
+
+    @property
+    def sticks_per_row(self) -> int:
+        return max(1, -(-self.row_len // self.stick_elems))
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_len
+
+    @property
+    def nbytes(self) -> int:
+        """Physical size: whole sticks for every row."""
+        return max(1, self.rows) * self.sticks_per_row * self.stick_bytes
+
+    @property
+    def stick_stride(self) -> int:
+        """Bytes between consecutive sticks of one row."""
+        return max(1, self.rows) * self.stick_bytes
+
+    def phys(self, logical):
+        """Physical byte offset of logical element offset(s) (int or numpy array)."""
+        s = self.stick_elems
+        r, c = np.divmod(logical, self.row_len)
+        return (c // s) * self.stick_stride + r * self.stick_bytes + (c % s) * self.itemsize
+
+
+def layout_for(sizes, strides, storage_numel: int, itemsize: int, stick_bytes: int = 128) -> StickLayout:
+    """The layout a new storage gets from the tensor it is created for: rows as long as the
+    tensor's stride-1 dimension (when that divides the storage), otherwise a single row."""
+    row_len = next((size for size, stride in zip(sizes, strides, strict=True) if stride == 1 and size > 1), 0)
+    if row_len <= 0 or storage_numel % row_len:
+        row_len = max(1, storage_numel)
+    return StickLayout(storage_numel // row_len, row_len, itemsize, stick_bytes)
+
+
+class LayoutRegistry:
+    """(card index, base address) -> StickLayout of the storage allocated there."""
+
+    def __init__(self) -> None:
+        self._map: dict[tuple[int, int], StickLayout] = {}
+        self._lock = threading.Lock()
+
+    def register(self, card: int, addr: int, layout: StickLayout) -> None:
+        with self._lock:
+            self._map[(card, addr)] = layout
+
+    def get(self, card: int, addr: int) -> StickLayout | None:
+        return self._map.get((card, addr))
+
+    def forget(self, card: int, addr: int) -> None:
+        with self._lock:
+            self._map.pop((card, addr), None)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+registry = LayoutRegistry()

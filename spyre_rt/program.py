@@ -1,0 +1,196 @@
+"""Program blocks: the device's command format, built with numpy.
+
+The dtypes below mirror the C structures of ``native/spyre.h`` byte for byte (a test
+checks every offset against the compiled module). Construction code fills whole arrays of
+commands at once; :class:`ProgramBuilder` concatenates blocks of commands, each with its
+own dependency list, and encodes the program block the card validates and runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .native import lib
+
+# ---- opcodes, dtypes, flags (values from spyre.h) ----
+OP_BARRIER = lib.SPY_OP_BARRIER
+OP_H2D = lib.SPY_OP_H2D
+OP_D2H = lib.SPY_OP_D2H
+OP_LOAD = lib.SPY_OP_LOAD
+OP_STORE = lib.SPY_OP_STORE
+OP_MATMUL = lib.SPY_OP_MATMUL
+OP_SFU = lib.SPY_OP_SFU
+OP_RING = lib.SPY_OP_RING
+OP_GATHER = lib.SPY_OP_GATHER
+OP_SCATTER = lib.SPY_OP_SCATTER
+CORE_CARD = lib.SPY_CORE_CARD
+SLOT_DRAM = lib.SPY_SLOT_DRAM
+SLOT_HOST = lib.SPY_SLOT_HOST
+DMA_DESCS = lib.SPY_DMA_DESCS
+MM_ACCUMULATE = lib.SPY_MM_ACCUMULATE
+MM_TRANS_A = lib.SPY_MM_TRANS_A
+MM_TRANS_B = lib.SPY_MM_TRANS_B
+
+OP_NAMES = {
+    OP_BARRIER: "barrier", OP_H2D: "h2d", OP_D2H: "d2h", OP_LOAD: "load", OP_STORE: "store",
+    OP_MATMUL: "matmul", OP_SFU: "sfu", OP_RING: "ring", OP_GATHER: "gather", OP_SCATTER: "scatter",
+}
+
+_HDR = [("op", "u1"), ("flags", "u1"), ("core", "u2"), ("dep_begin", "u4"), ("ndeps", "u4"), ("reserved", "u4")]
+_PAD = [("pad", "u1", (16,))]
+
+CMD_DMA = np.dtype(_HDR + [
+    ("src_slot", "u4"), ("dst_slot", "u4"), ("src_off", "u8"), ("dst_off", "u8"),
+    ("run_bytes", "u4"), ("ndims", "u4"), ("count", "u4", (3,)), ("desc_count", "u4"),
+    ("src_stride", "u8", (3,)), ("dst_stride", "u8", (3,)),
+] + _PAD)
+CMD_MM = np.dtype(_HDR + [
+    ("a_off", "u4"), ("b_off", "u4"), ("c_off", "u4"), ("m", "u4"), ("n", "u4"), ("k", "u4"),
+    ("lda", "u4"), ("ldb", "u4"), ("ldc", "u4"), ("a_dtype", "u4"), ("b_dtype", "u4"),
+    ("mm_reserved", "u4", (13,)),
+] + _PAD)
+CMD_SFU = np.dtype(_HDR + [("instr_begin", "u4"), ("ninstrs", "u4"), ("sfu_reserved", "u4", (22,))] + _PAD)
+CMD_RING = np.dtype(_HDR + [
+    ("dst_core", "u4"), ("ring_src", "u4"), ("ring_dst", "u4"), ("bytes", "u4"), ("ring_reserved", "u4", (20,)),
+] + _PAD)
+CMD_GATHER = np.dtype(_HDR + [
+    ("table_slot", "u4"), ("idx_off", "u4"), ("idx_dtype", "u4"), ("nidx", "u4"),
+    ("table_off", "u8"), ("row_stride", "u8"), ("limit", "u8"), ("lx_off", "u4"), ("lx_pitch", "u4"),
+    ("run_bytes", "u4"), ("ndims", "u4"), ("count", "u4", (2,)), ("stride", "u8", (2,)),
+    ("g_reserved", "u4", (4,)),
+] + _PAD)
+CMD = CMD_DMA  # the storage dtype of a command array; view it as another variant to fill it
+
+OPERAND = np.dtype([("kind", "u1"), ("dtype", "u1"), ("reserved", "u2"), ("pitch", "u4"), ("v", "u8")])
+INSTR = np.dtype([
+    ("op", "u1"), ("aux", "u1"), ("flags", "u2"), ("reserved", "u4"), ("rows", "u4"), ("cols", "u4"),
+    ("dst", OPERAND), ("src", OPERAND, (3,)),
+])
+SLOT = np.dtype([("kind", "u4"), ("reserved", "u4"), ("extent", "u8")])
+DESC = np.dtype([("src_off", "u8"), ("dst_off", "u8"), ("bytes", "u4"), ("reserved", "u4")])
+JOB_HEADER = np.dtype([
+    ("magic", "u4"), ("version", "u4"), ("ncmds", "u4"), ("ndeps", "u4"), ("ninstrs", "u4"),
+    ("nslots", "u4"), ("ndescs", "u4"), ("flags", "u4"), ("total_bytes", "u8"), ("reserved", "u8", (3,)),
+])
+PLAN_HEADER = np.dtype([
+    ("magic", "u4"), ("version", "u4"), ("njobs", "u4"), ("nrelocs", "u4"), ("nbindings", "u4"),
+    ("reserved0", "u4"), ("total_bytes", "u8"), ("reserved", "u8", (4,)),
+])
+PLAN_JOB = np.dtype([("prog_off", "u8"), ("prog_len", "u8"), ("reloc_begin", "u4"), ("nslots", "u4"),
+                     ("name", "u4"), ("reserved", "u4")])
+RELOC = np.dtype([("binding", "u4"), ("reserved", "u4"), ("offset", "u8")])
+
+OPND_NONE, OPND_TILE, OPND_ROW, OPND_COL, OPND_SCALAR, OPND_IMM = 0, 1, 2, 3, 4, 5
+
+
+def empty_cmds(n: int, op: int, core: int | np.ndarray = 0, variant: np.dtype = CMD_DMA) -> np.ndarray:
+    """n zeroed commands of one opcode, viewed as `variant`."""
+    a = np.zeros(n, dtype=CMD_DMA).view(variant)
+    a["op"] = op
+    a["core"] = core
+    return a
+
+
+class ProgramBuilder:
+    """Accumulates slots and blocks of commands; encodes one program block.
+
+    A block is an array of commands plus the flat list of their dependencies:
+    ``cmds['dep_begin']`` indexes into that list and dependencies name commands of the
+    same block by their index in it. Appending offsets both to the whole program.
+    """
+
+    __slots__ = ("slots", "_cmds", "_deps", "_instrs", "_descs", "ncmds", "ndeps", "ninstrs", "ndescs")
+
+    def __init__(self) -> None:
+        self.slots: list[tuple[int, int]] = []
+        self._cmds: list[np.ndarray] = []
+        self._deps: list[np.ndarray] = []
+        self._instrs: list[np.ndarray] = []
+        self._descs: list[np.ndarray] = []
+        self.ncmds = self.ndeps = self.ninstrs = self.ndescs = 0
+
+    def slot(self, kind: int, extent: int) -> int:
+        self.slots.append((kind, int(extent)))
+        return len(self.slots) - 1
+
+    def add_instrs(self, instrs: np.ndarray) -> int:
+        """Append SFU instructions; returns the index of the first."""
+        first = self.ninstrs
+        self._instrs.append(instrs)
+        self.ninstrs += len(instrs)
+        return first
+
+    def add_descs(self, descs: np.ndarray) -> int:
+        first = self.ndescs
+        self._descs.append(descs)
+        self.ndescs += len(descs)
+        return first
+
+    def add(self, cmds: np.ndarray, deps: np.ndarray | None = None) -> int:
+        """Append a block; returns the program index of its first command."""
+        first = self.ncmds
+        cmds = cmds.view(CMD_DMA)
+        if deps is not None and len(deps):
+            cmds["dep_begin"] += self.ndeps
+            self._deps.append(np.asarray(deps, dtype=np.uint32) + np.uint32(first))
+            self.ndeps += len(deps)
+        else:
+            cmds["dep_begin"] = self.ndeps
+            cmds["ndeps"] = 0
+        self._cmds.append(cmds)
+        self.ncmds += len(cmds)
+        return first
+
+    def encode(self) -> np.ndarray:
+        """The program block, as an 8-byte aligned uint8 array."""
+        slots = np.zeros(len(self.slots), dtype=SLOT)
+        if self.slots:
+            s = np.array(self.slots, dtype=np.uint64)
+            slots["kind"] = s[:, 0]
+            slots["extent"] = s[:, 1]
+        deps_bytes = (self.ndeps * 4 + 7) & ~7
+        sizes = [JOB_HEADER.itemsize, slots.nbytes, self.ncmds * CMD_DMA.itemsize, deps_bytes,
+                 self.ninstrs * INSTR.itemsize, self.ndescs * DESC.itemsize]
+        total = sum(sizes)
+        buf = np.zeros((total + 7) // 8, dtype=np.uint64).view(np.uint8)[:total]
+        hdr = buf[: JOB_HEADER.itemsize].view(JOB_HEADER)
+        hdr["magic"] = lib.SPY_JOB_MAGIC
+        hdr["version"] = lib.SPY_JOB_VERSION
+        hdr["ncmds"] = self.ncmds
+        hdr["ndeps"] = self.ndeps
+        hdr["ninstrs"] = self.ninstrs
+        hdr["nslots"] = len(self.slots)
+        hdr["ndescs"] = self.ndescs
+        hdr["total_bytes"] = total
+        off = JOB_HEADER.itemsize
+
+        def put(arrays: list[np.ndarray], nbytes: int) -> None:
+            nonlocal off
+            pos = off
+            for a in arrays:
+                raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+                buf[pos: pos + raw.size] = raw
+                pos += raw.size
+            off += nbytes
+
+        put([slots], sizes[1])
+        put(self._cmds, sizes[2])
+        put(self._deps, sizes[3])
+        put(self._instrs, sizes[4])
+        put(self._descs, sizes[5])
+        return buf
+
+
+def make_operand(kind: int, dtype: int = 0, off: int = 0, pitch: int = 0) -> tuple:
+    return (kind, dtype, 0, pitch, off)
+
+
+def imm_f(value: float, dtype: int) -> tuple:
+    return (OPND_IMM, dtype, 0, 0, int(np.float64(value).view(np.uint64)))
+
+
+def imm_i(value: int, dtype: int) -> tuple:
+    return (OPND_IMM, dtype, 0, 0, int(np.int64(value).view(np.uint64)))
+
+
+NO_OPERAND = (OPND_NONE, 0, 0, 0, 0)

@@ -1,0 +1,202 @@
+"""The data-transfer path: host <-> device copies through transfer graphs.
+
+A transfer graph is a DMA program with one scatter-gather descriptor per stick: it moves a
+strided device view to or from a contiguous host staging buffer laid out in the view's
+memory order, converting between the host's row-major layout and the device's stick
+layout on the way. Building one costs host time proportional to the sticks it moves.
+
+In ``construct`` dispatch every copy builds, validates and submits its graph. With
+prebuilt transfer graphs (``prebuilt-transfer`` and ``prebuilt``) a graph is built once
+per (card, direction, layout, view geometry) and kept: a copy then only binds the two
+addresses and submits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import StickLayout
+from .native import check, ffi, lib
+from .program import CORE_CARD, DESC, DMA_DESCS, OP_D2H, OP_H2D, SLOT_DRAM, SLOT_HOST, ProgramBuilder, empty_cmds
+
+H2D = "h2d"
+D2H = "d2h"
+
+
+@dataclass(frozen=True)
+class ViewGeometry:
+    """A strided view of a device storage, in logical elements."""
+
+    layout: StickLayout
+    offset: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def memory_order(sizes, strides) -> tuple[int, ...]:
+    """Dimensions from outermost to innermost in device memory (size-1 dims first)."""
+    return tuple(sorted(range(len(sizes)), key=lambda i: (sizes[i] > 1, -strides[i])))
+
+
+def _collapse(sizes: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
+    out_sizes, out_strides = [], []
+    for size, stride in zip(sizes, strides, strict=True):
+        if size == 1:
+            continue
+        if out_sizes and out_strides[-1] == size * stride:
+            out_sizes[-1] *= size
+            out_strides[-1] = stride
+        else:
+            out_sizes.append(size)
+            out_strides.append(stride)
+    return out_sizes, out_strides
+
+
+def stick_descriptors(view: ViewGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-stick runs of a view: (host byte offsets, device byte offsets, byte counts).
+
+    Host offsets address a contiguous staging buffer holding the view permuted into
+    :func:`memory_order`; device offsets are physical, relative to the storage base."""
+    lay = view.layout
+    e = lay.itemsize
+    order = memory_order(view.sizes, view.strides)
+    sizes, strides = _collapse([view.sizes[i] for i in order], [view.strides[i] for i in order])
+    if sizes and sizes[-1] and strides[-1] == 1:
+        run, outer = sizes[-1], list(zip(sizes[:-1], strides[:-1], strict=True))
+    else:
+        run, outer = 1, list(zip(sizes, strides, strict=True))
+    starts = np.array([view.offset], dtype=np.int64)
+    for size, stride in outer:
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+    host = np.arange(starts.size, dtype=np.int64) * run
+    n_row = lay.row_len
+    if not ((starts % n_row) + run <= n_row).all():
+        if run % n_row == 0 and not (starts % n_row).any():
+            k = np.arange(run // n_row, dtype=np.int64) * n_row
+        else:  # runs that wander across rows irregularly: element by element
+            k = np.arange(run, dtype=np.int64)
+        starts = (starts[:, None] + k).ravel()
+        host = (host[:, None] + k).ravel()
+        run = int(k[1] - k[0]) if k.size > 1 else (n_row if run % n_row == 0 else 1)
+    s = lay.stick_elems
+    r, c0 = np.divmod(starts, n_row)
+    pieces = int(((c0 % s) + run + s - 1).max() // s) if starts.size else 0
+    k = (c0 // s)[:, None] + np.arange(pieces, dtype=np.int64)
+    lo = np.maximum(c0[:, None], k * s)
+    hi = np.minimum((c0 + run)[:, None], (k + 1) * s)
+    valid = lo < hi
+    dev = k * lay.stick_stride + r[:, None] * lay.stick_bytes + (lo % s) * e
+    hst = (host[:, None] + (lo - c0[:, None])) * e
+    return hst[valid], dev[valid], (hi - lo)[valid] * e
+
+
+class TransferGraph:
+    """A validated transfer program for one direction and view geometry.
+
+    Slot 0 is the host staging buffer, slot 1 the device storage base."""
+
+    __slots__ = ("card", "direction", "handle", "host_nbytes", "ndescs", "name")
+
+    def __init__(self, card, direction: str, view: ViewGeometry):
+        self.card = card
+        self.direction = direction
+        host, dev, nbytes = stick_descriptors(view)
+        numel = int(np.prod(view.sizes)) if view.sizes else 1
+        self.host_nbytes = numel * view.layout.itemsize
+        self.ndescs = int(nbytes.size)
+        descs = np.zeros(self.ndescs, dtype=DESC)
+        if direction == H2D:
+            descs["src_off"], descs["dst_off"] = host, dev
+        else:
+            descs["src_off"], descs["dst_off"] = dev, host
+        descs["bytes"] = nbytes
+        b = ProgramBuilder()
+        hs = b.slot(SLOT_HOST, self.host_nbytes)
+        ds = b.slot(SLOT_DRAM, view.layout.nbytes)
+        cmd = empty_cmds(1, OP_H2D if direction == H2D else OP_D2H, CORE_CARD)
+        cmd["flags"] = DMA_DESCS
+        cmd["src_slot"], cmd["dst_slot"] = (hs, ds) if direction == H2D else (ds, hs)
+        cmd["src_off"] = b.add_descs(descs)
+        cmd["desc_count"] = self.ndescs
+        b.add(cmd)
+        blob = b.encode()
+        out = ffi.new("spy_transfer **")
+        check(lib.spy_transfer_create(card.handle, ffi.from_buffer(blob), blob.size, out),
+              f"transfer graph for {direction} of {view.sizes}")
+        self.handle = ffi.gc(out[0], lib.spy_transfer_destroy)
+        self.name = card.intern(direction)
+
+    def run(self, host_ptr: int, dev_base: int) -> float:
+        end = ffi.new("double *")
+        check(lib.spy_transfer_run(self.handle, ffi.new("uint64_t[2]", [host_ptr, dev_base]), 2,
+                                   self.name, end), f"{self.direction} copy")
+        return end[0]
+
+
+class TransferCache:
+    """Prebuilt transfer graphs of one card, bounded LRU."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple, TransferGraph] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, card, direction: str, view: ViewGeometry) -> TransferGraph:
+        key = (direction, view)
+        with self._lock:
+            g = self._graphs.get(key)
+            if g is not None:
+                self._graphs.move_to_end(key)
+                self.hits += 1
+                return g
+        g = TransferGraph(card, direction, view)
+        with self._lock:
+            self.misses += 1
+            self._graphs[key] = g
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        return g
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+
+
+def graph_for(card, direction: str, view: ViewGeometry, prebuilt: bool) -> TransferGraph:
+    if prebuilt:
+        return card.transfers.get(card, direction, view)
+    return TransferGraph(card, direction, view)
+
+
+def staging_for(view: ViewGeometry, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.Tensor]:
+    """An empty host buffer holding `view` in device memory order, and that order."""
+    order = memory_order(view.sizes, view.strides)
+    return order, torch.empty([view.sizes[i] for i in order], dtype=dtype)
+
+
+def to_device(card, src: torch.Tensor, view: ViewGeometry, dev_base: int, prebuilt: bool) -> None:
+    """Copy a CPU tensor (already of the destination dtype and shape) into a device view."""
+    if not view.sizes or 0 not in view.sizes:
+        order = memory_order(view.sizes, view.strides)
+        staged = src.permute(order) if order else src
+        if not staged.is_contiguous():
+            staged = staged.contiguous()
+        graph_for(card, H2D, view, prebuilt).run(staged.data_ptr(), dev_base)
+
+
+def from_device(card, view: ViewGeometry, dev_base: int, dtype: torch.dtype, prebuilt: bool) -> torch.Tensor:
+    """A new CPU tensor with the values of a device view (waits for the device)."""
+    order, staging = staging_for(view, dtype)
+    if staging.numel():
+        graph_for(card, D2H, view, prebuilt).run(staging.data_ptr(), dev_base)
+        card.synchronize()
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return staging.permute(inverse) if order else staging

@@ -1,0 +1,40 @@
+"""Shared fixtures: cards opened directly from profiles, independent of the device registry."""
+
+import os
+import textwrap
+
+import pytest
+
+os.environ.setdefault("SPYRE_RT_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".plan-cache"))
+
+from spyre_rt import profile  # noqa: E402
+from spyre_rt.card import Card  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def spyre_profile():
+    return profile.load("spyre")
+
+
+@pytest.fixture
+def functional_card(spyre_profile):
+    return Card(spyre_profile, "functional", 0)
+
+
+@pytest.fixture
+def timing_card(spyre_profile):
+    return Card(spyre_profile, "timing", 1)
+
+
+def small_profile_text(dram_gib: float = 1 / 1024, count: int = 1) -> str:
+    """The built-in profile with another capacity (default 1 MiB) and card count."""
+    text = profile._source_text("spyre")[1]
+    text = text.replace("dram_gib = { value = 128,", f"dram_gib = {{ value = {dram_gib},")
+    return text.replace("count = 1", f"count = {count}")
+
+
+@pytest.fixture
+def small_profile_path(tmp_path):
+    path = tmp_path / "small.toml"
+    path.write_text(textwrap.dedent(small_profile_text()))
+    return str(path)

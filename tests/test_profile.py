@@ -1,0 +1,62 @@
+"""Device profiles: every figure present, sourced and validated."""
+
+import pytest
+
+from spyre_rt import profile
+from spyre_rt.errors import SpyreProfileError
+
+
+def test_builtin_profile_has_every_figure_with_a_source():
+    p = profile.load("spyre")
+    assert set(p.figures) == set(profile.FIGURES)
+    for fig in p.figures.values():
+        assert fig.source.strip() and fig.kind in profile.KINDS
+    assert p.num_cores == 32
+    assert p.scratchpad_bytes == 2 << 20
+    assert p.dram_bytes == 128 << 30
+    assert p.stick_bytes == 128
+
+
+def _text_without(key):
+    lines = profile._source_text("spyre")[1].splitlines()
+    return "\n".join(line for line in lines if not line.startswith(f"{key} ="))
+
+
+def test_missing_figure_is_named():
+    with pytest.raises(SpyreProfileError, match="missing figure.*pcie_latency_ns"):
+        profile.parse(_text_without("pcie_latency_ns"))
+
+
+def test_unknown_figure_is_named():
+    text = profile._source_text("spyre")[1] + '\nwarp_size = { value = 32, unit = "x", kind = "public", source = "s" }\n'
+    with pytest.raises(SpyreProfileError, match="unknown figure.*warp_size"):
+        profile.parse(text)
+
+
+def test_figure_without_source_is_rejected():
+    text = profile._source_text("spyre")[1].replace(
+        'ring_hop_ns = { value = 4, unit = "ns", kind = "assumption", source = "about 6 cycles per ring stop" }',
+        'ring_hop_ns = { value = 4, unit = "ns", kind = "assumption", source = "" }',
+    )
+    with pytest.raises(SpyreProfileError, match="ring_hop_ns.*source"):
+        profile.parse(text)
+
+
+def test_bad_values_are_rejected():
+    text = profile._source_text("spyre")[1].replace("num_cores = { value = 32,", "num_cores = { value = 2.5,")
+    with pytest.raises(SpyreProfileError, match="num_cores"):
+        profile.parse(text)
+    with pytest.raises(SpyreProfileError, match="not valid TOML"):
+        profile.parse("[device\n")
+
+
+def test_unknown_profile_name_lists_known_ones():
+    with pytest.raises(SpyreProfileError, match="known: .*spyre"):
+        profile.load("no-such-card")
+
+
+def test_several_cards(tmp_path):
+    text = profile._source_text("spyre")[1].replace("count = 1", "count = 3")
+    path = tmp_path / "three.toml"
+    path.write_text(text)
+    assert profile.load(str(path)).count == 3

@@ -221,6 +221,8 @@ spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool 
         a->control += size;
     if (a->allocated > a->peak)
         a->peak = a->allocated;
+    if (a->allocated - a->control > a->data_peak)
+        a->data_peak = a->allocated - a->control;
     a->total_allocs++;
     *addr = b.addr;
     return SPY_OK;
@@ -299,6 +301,8 @@ void spy_alloc_stats(const spy_allocator *a, spy_mem_stats *out)
     out->peak_allocated = a->peak;
     out->reserved = a->allocated + a->cached;
     out->control = a->control;
+    out->data_allocated = a->allocated - a->control;
+    out->data_peak = a->data_peak;
     out->free = a->capacity - out->reserved;
     uint64_t largest = 0;
     for (size_t i = 0; i < a->nfree; i++)

@@ -280,6 +280,7 @@ spy_status spy_mem_reset_peak(spy_device *d)
 {
     ENTER(d);
     d->mem.peak = d->mem.allocated;
+    d->mem.data_peak = d->mem.allocated - d->mem.control;
     LEAVE(d, SPY_OK);
 }
 
@@ -449,15 +450,7 @@ static spy_status run_job(spy_device *d, spy_block *blk, const uint64_t *addr, d
     for (uint32_t i = 0; i < g->hdr->ncmds; i++) {
         const spy_cmd *c = &g->cmds[i];
         if (c->op == SPY_OP_H2D || c->op == SPY_OP_D2H) {
-            uint64_t bytes = c->u.dma.run_bytes;
-            if (c->flags & SPY_DMA_DESCS) {
-                bytes = 0;
-                for (uint32_t k = 0; k < c->u.dma.desc_count; k++)
-                    bytes += g->descs[c->u.dma.src_off + k].bytes;
-            } else {
-                for (uint32_t k = 0; k < c->u.dma.ndims; k++)
-                    bytes *= c->u.dma.count[k];
-            }
+            uint64_t bytes = spy_host_dma_bytes(g, c);
             if (c->op == SPY_OP_H2D)
                 d->counters.bytes_h2d += bytes;
             else
@@ -473,7 +466,7 @@ static spy_status run_job(spy_device *d, spy_block *blk, const uint64_t *addr, d
 static void trace_launch(spy_device *d, uint32_t name, uint64_t host_t, uint64_t first_job,
                          uint64_t njobs)
 {
-    if (!d->trace.enabled)
+    if (!d->trace.enabled || njobs == 0) /* a launch refused before any job ran */
         return;
     spy_trace_event ev = {0};
     ev.kind = SPY_EV_LAUNCH;
@@ -507,7 +500,7 @@ spy_status spy_launch(spy_device *d, uint64_t prog_addr, const uint64_t *binding
     double end = 0;
     double not_before = (double)spy_host_clock_locked(d);
     spy_status s = run_job(d, b, bindings, not_before, name, &end);
-    trace_launch(d, name, host_t, first, 1);
+    trace_launch(d, name, host_t, first, d->job_seq - first);
     if (job_end_ns)
         *job_end_ns = end;
     LEAVE(d, s);
@@ -589,7 +582,7 @@ spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t 
     uint64_t first = d->job_seq;
     double end = 0;
     spy_status s = run_job(d, &t->block, bindings, (double)spy_host_clock_locked(d), name, &end);
-    trace_launch(d, name, host_t, first, 1);
+    trace_launch(d, name, host_t, first, d->job_seq - first);
     if (end_ns)
         *end_ns = end;
     LEAVE(d, s);
@@ -764,7 +757,7 @@ spy_status spy_plan_binding_extent(const spy_plan *p, uint32_t binding, uint64_t
 uint32_t spy_plan_num_jobs(const spy_plan *p) { return p ? p->njobs : 0; }
 
 spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbindings,
-                           double *step_end_ns)
+                           uint32_t name, double *step_end_ns)
 {
     spy_clear_error();
     if (!p)
@@ -807,7 +800,7 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
         s = run_job(d, blk, p->slot_addr, j == 0 ? not_before : 0, job->name, &end);
     }
     d->counters.plan_launches++;
-    trace_launch(d, 0, host_t, first, d->job_seq - first);
+    trace_launch(d, name, host_t, first, d->job_seq - first);
     if (step_end_ns)
         *step_end_ns = end;
     LEAVE(d, s);

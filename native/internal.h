@@ -44,7 +44,7 @@ typedef struct spy_allocator {
     size_t nfree, capfree;
     spy_block *cache;     /* freed blocks kept for reuse (backing kept) */
     size_t ncache, capcache;
-    uint64_t allocated, peak, cached, control;
+    uint64_t allocated, peak, cached, control, data_peak;
     uint64_t total_allocs, total_frees, ooms;
 } spy_allocator;
 
@@ -126,6 +126,8 @@ typedef struct spy_exec_ctx {
 spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *ctx,
                        double start, uint32_t name, double *duration);
 spy_sim *spy_sim_new(void);
+/* Bytes an H2D/D2H command moves over PCIe. */
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
 void spy_sim_free(spy_sim *sim);
 
 spy_status spy_exec_command(spy_exec_ctx *ctx, uint32_t index);

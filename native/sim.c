@@ -200,23 +200,26 @@ static double matmul_ns(const spy_profile *p, const spy_cmd *c)
     return p->pt_latency_ns + macs / rate;
 }
 
-static double pcie_ns(const spy_profile *p, const spy_program *g, const spy_cmd *c)
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c)
 {
     const spy_dma *d = &c->u.dma;
-    double bytes, ndesc;
+    uint64_t bytes = 0;
     if (c->flags & SPY_DMA_DESCS) {
-        bytes = 0;
         for (uint64_t k = d->src_off; k < d->src_off + d->desc_count; k++)
             bytes += g->descs[k].bytes;
-        ndesc = d->desc_count;
-    } else {
-        uint64_t runs = 1;
-        for (uint32_t k = 0; k < d->ndims; k++)
-            runs *= d->count[k];
-        bytes = (double)runs * d->run_bytes;
-        ndesc = 1;
+        return bytes;
     }
-    return p->pcie_latency_ns + ndesc * p->pcie_descriptor_ns + bytes / p->pcie_bytes_per_ns;
+    bytes = d->run_bytes;
+    for (uint32_t k = 0; k < d->ndims; k++)
+        bytes *= d->count[k];
+    return bytes;
+}
+
+static double pcie_ns(const spy_profile *p, const spy_program *g, const spy_cmd *c)
+{
+    double ndesc = (c->flags & SPY_DMA_DESCS) ? c->u.dma.desc_count : 1;
+    return p->pcie_latency_ns + ndesc * p->pcie_descriptor_ns +
+           (double)spy_host_dma_bytes(g, c) / p->pcie_bytes_per_ns;
 }
 
 static double fixed_ns(const spy_profile *p, const spy_program *g, const spy_cmd *c)
@@ -289,7 +292,7 @@ static void trace_cmd(run_state *r, uint32_t i, double start, double end)
     else if (c->op == SPY_OP_SFU)
         ev.b = c->u.sfu.ninstrs;
     else if (c->op == SPY_OP_H2D || c->op == SPY_OP_D2H)
-        ev.b = (uint64_t)(pcie_ns(&dev->prof, r->g, c) - dev->prof.pcie_latency_ns);
+        ev.b = spy_host_dma_bytes(r->g, c);
     spy_trace_push(dev, &ev);
 }
 

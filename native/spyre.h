@@ -141,6 +141,8 @@ typedef struct spy_mem_stats {
     uint64_t peak_allocated;
     uint64_t reserved;         /* allocated + free blocks kept in the cache */
     uint64_t control;          /* bytes of CONTROL allocations (part of allocated) */
+    uint64_t data_allocated;   /* bytes of DATA allocations: what tensors hold */
+    uint64_t data_peak;
     uint64_t free;             /* capacity - reserved */
     uint64_t largest_free;     /* largest block the address space can still give */
     uint64_t num_allocs;       /* live allocations */
@@ -483,7 +485,7 @@ spy_status spy_plan_binding_extent(const spy_plan *plan, uint32_t binding, uint6
 uint32_t spy_plan_num_jobs(const spy_plan *plan);
 /* One call per compiled step: patch the relocation table, run every job in order. */
 spy_status spy_plan_launch(spy_plan *plan, const uint64_t *bindings, uint32_t nbindings,
-                           double *step_end_ns);
+                           uint32_t name, double *step_end_ns);
 
 /* ---- counters ---------------------------------------------------------------------------- */
 
@@ -508,7 +510,8 @@ spy_status spy_counters_reset(spy_device *dev);
 /* ---- trace ----------------------------------------------------------------------------- */
 
 #define SPY_EV_JOB 1       /* a job on the device: a = name, b = ncmds */
-#define SPY_EV_CMD 2       /* a command: a = op, b = bytes or macs, engine/core set */
+#define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved, MACs (matmul) or SFU
+                              instructions; engine/core set */
 #define SPY_EV_HOST 3      /* a host span recorded by spy_trace_host_span: a = name */
 #define SPY_EV_LAUNCH 4    /* the host-side instant of a launch: a = name, b = job seq */
 

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from . import config
 from .errors import SpyreError, SpyreOutOfMemoryError
 from .native import check, error_for, ffi, lib
@@ -21,6 +23,14 @@ from .transfer import TransferCache
 
 MEM_DATA = 0
 MEM_CONTROL = 1
+
+# One recorded trace event (spy_trace_event in spyre.h).
+TRACE_EVENT = np.dtype([("kind", "u4"), ("core", "u2"), ("engine", "u2"), ("start_ns", "f8"),
+                        ("end_ns", "f8"), ("job", "u8"), ("a", "u8"), ("b", "u8")])
+EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH = 1, 2, 3, 4
+ENGINE_NAMES = ("load", "store", "pt", "sfu", "ring")
+CARD_ENGINE_NAMES = ("pcie-h2d", "pcie-d2h", "ctrl")
+CORE_CARD = 0xFFFF
 
 
 class Card:
@@ -76,7 +86,8 @@ class Card:
         return {
             name: getattr(st, name)
             for name in (
-                "capacity", "allocated", "peak_allocated", "reserved", "control", "free",
+                "capacity", "allocated", "peak_allocated", "reserved", "control", "data_allocated",
+                "data_peak", "free",
                 "largest_free", "num_allocs", "total_allocs", "total_frees", "num_ooms",
                 "fragmentation",
             )
@@ -126,6 +137,31 @@ class Card:
     def name_of(self, nid: int) -> str:
         p = lib.spy_trace_name(self.handle, nid)
         return ffi.string(p).decode() if p != ffi.NULL else ""
+
+    def trace_enable(self, enabled: bool = True, commands: bool = True) -> None:
+        """Record jobs, launches and host spans (and every command when `commands`)."""
+        check(lib.spy_trace_enable(self.handle, int(enabled), int(commands)))
+
+    def trace_host_span(self, name: str, start_ns: int, end_ns: int) -> None:
+        check(lib.spy_trace_host_span(self.handle, self.intern(name), start_ns, end_ns))
+
+    def trace_events(self, first: int = 0) -> np.ndarray:
+        """The recorded events from `first` on, as a numpy structured array (TRACE_EVENT)."""
+        n = int(lib.spy_trace_count(self.handle))
+        count = max(0, n - first)
+        out = np.zeros(count, dtype=TRACE_EVENT)
+        if count:
+            got = ffi.new("uint64_t *")
+            check(lib.spy_trace_read(self.handle, first, ffi.cast("spy_trace_event *", out.ctypes.data),
+                                     count, got))
+            out = out[: got[0]]
+        return out
+
+    def trace_count(self) -> int:
+        return int(lib.spy_trace_count(self.handle))
+
+    def trace_clear(self) -> None:
+        check(lib.spy_trace_clear(self.handle))
 
     def fault_inject(self, kind: str, after: int = 0) -> None:
         kinds = {"none": 0, "command": 1, "dma": 2, "lost": 3}

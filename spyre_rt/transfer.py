@@ -22,7 +22,17 @@ import torch
 
 from .layout import StickLayout
 from .native import check, ffi, lib
-from .program import CORE_CARD, DESC, DMA_DESCS, OP_D2H, OP_H2D, SLOT_DRAM, SLOT_HOST, ProgramBuilder, empty_cmds
+from .program import (
+    CORE_CARD,
+    DESC,
+    DMA_DESCS,
+    OP_D2H,
+    OP_H2D,
+    SLOT_DRAM,
+    SLOT_HOST,
+    ProgramBuilder,
+    empty_cmds,
+)
 
 H2D = "h2d"
 D2H = "d2h"

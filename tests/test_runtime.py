@@ -15,6 +15,7 @@ import pytest
 from spyre_rt import jobs
 from spyre_rt.card import MEM_DATA
 from spyre_rt.errors import SpyreInvalidCommandError
+from spyre_rt.native import lib
 from spyre_rt.program import (
     CMD_MM,
     CMD_RING,
@@ -28,7 +29,6 @@ from spyre_rt.program import (
     ProgramBuilder,
     empty_cmds,
 )
-from spyre_rt.native import lib
 
 MiB = 1 << 20
 

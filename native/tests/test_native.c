@@ -559,7 +559,7 @@ static void test_plan(void)
     spy_counters c0, c1;
     spy_counters_get(d, &c0);
     uint64_t bind[3] = {in, out, arena};
-    CHECK_OK(spy_plan_launch(plan, bind, 3, NULL));
+    CHECK_OK(spy_plan_launch(plan, bind, 3, 0, NULL));
     spy_counters_get(d, &c1);
     CHECK(c1.native_calls - c0.native_calls == 1);
     CHECK(c1.jobs - c0.jobs == 2);
@@ -569,7 +569,7 @@ static void test_plan(void)
     uint64_t small;
     CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &small));
     bind[2] = small;
-    CHECK(spy_plan_launch(plan, bind, 3, NULL) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_plan_launch(plan, bind, 3, 0, NULL) == SPY_E_BAD_ADDRESS);
     spy_plan_destroy(plan);
     /* hostile plan blocks */
     spy_plan_header *hh = (spy_plan_header *)(void *)blob;

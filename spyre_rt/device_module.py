@@ -1,0 +1,142 @@
+"""``torch.spyre``: the device module, shaped like ``torch.cuda``.
+
+Registered by :func:`spyre_rt.register`. Device indices refer to the cards of the
+configured device profile (``spyre:0 .. spyre:count-1``).
+
+Note: torch's Python device guard always reports device 0, so ``tensor.to("spyre")``
+without an index lands on ``spyre:0`` whatever the current device is; factory functions
+(``torch.empty(..., device="spyre")``) follow :func:`current_device`. Pass explicit
+indices (``"spyre:1"``) when using several cards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import namedtuple
+from collections.abc import Iterator
+
+import torch
+
+from . import card as cards
+from . import fallback, tensors
+
+_DeviceProperties = namedtuple(
+    "_DeviceProperties",
+    "name total_memory num_cores multi_processor_count scratchpad_bytes stick_bytes sim_mode profile",
+)
+
+
+def is_available() -> bool:
+    return cards.count() > 0
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    cards.card_set()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return cards.count()
+
+
+def current_device() -> int:
+    return tensors.current_device()
+
+
+def set_device(device) -> None:
+    tensors.set_current_device(tensors.device_index(device))
+
+
+@contextlib.contextmanager
+def device(device) -> Iterator[None]:
+    """Make `device` the current spyre device inside the block."""
+    previous = current_device()
+    set_device(device)
+    try:
+        yield
+    finally:
+        set_device(previous)
+
+
+def _card(device=None) -> cards.Card:
+    return cards.get(tensors.device_index(device))
+
+
+def synchronize(device=None) -> None:
+    """Wait for the card: the host clock moves to the end of its last job."""
+    _card(device).synchronize()
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    c = _card(device)
+    p = c.profile
+    return _DeviceProperties(
+        name=p.name, total_memory=p.dram_bytes, num_cores=p.num_cores, multi_processor_count=p.num_cores,
+        scratchpad_bytes=p.scratchpad_bytes, stick_bytes=p.stick_bytes, sim_mode=c.sim_mode, profile=p.path,
+    )
+
+
+def get_device_name(device=None) -> str:
+    return get_device_properties(device).name
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes of device memory held by tensors (rounded to whole sticks)."""
+    return int(_card(device).mem_stats()["data_allocated"])
+
+
+def max_memory_allocated(device=None) -> int:
+    return int(_card(device).mem_stats()["data_peak"])
+
+
+def memory_reserved(device=None) -> int:
+    """Bytes the allocator holds: live allocations plus freed blocks kept for reuse."""
+    return int(_card(device).mem_stats()["reserved"])
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _card(device).reset_peak()
+
+
+def empty_cache() -> None:
+    for c in cards.card_set().cards:
+        c.empty_cache()
+
+
+def memory_stats(device=None) -> dict:
+    """Allocator figures plus runtime counters (launches, native calls, CPU fallbacks)."""
+    c = _card(device)
+    st = {f"memory.{k}": v for k, v in c.mem_stats().items()}
+    st.update({f"runtime.{k}": v for k, v in c.counters().items()})
+    st["cpu_fallback.calls"] = sum(fallback.calls.values())
+    st.update({f"cpu_fallback.{op}": n for op, n in fallback.calls.items()})
+    return st
+
+
+# torch's random and autocast machinery asks the device module for these. Random ops
+# run through the CPU fallback, so the CPU generator is the one that matters.
+def manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+    torch.set_rng_state(new_state)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.float16, torch.bfloat16]

@@ -1,0 +1,176 @@
+"""``spyre-profile``: the profiler's command line.
+
+Each subcommand is a pair of small functions, one adding its arguments and one running it
+(``cmd_<name>(args, console) -> exit status``), registered in :data:`COMMANDS`. Usage
+errors exit with 2 (argparse), unreadable or malformed input files with 1, always with a
+one-line message and never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from rich.console import Console
+
+from . import compare, view
+
+PROG = "spyre-profile"
+
+
+class InputError(Exception):
+    """A file the user named cannot be used; the message says which and why."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, Console], int]
+
+
+# ---- view ----------------------------------------------------------------------------------
+
+
+def parse_window(text: str) -> tuple[float | None, float | None]:
+    """``START:END`` in µs from the trace's first event; either side may be left empty."""
+    if text.count(":") != 1:
+        raise argparse.ArgumentTypeError(f"expected START:END in µs (e.g. 0:500 or 100:), not {text!r}")
+    lo, hi = (part.strip() for part in text.split(":"))
+    try:
+        a = float(lo) if lo else None
+        b = float(hi) if hi else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"START and END must be numbers of µs, not {text!r}") from None
+    if a is not None and b is not None and b <= a:
+        raise argparse.ArgumentTypeError(f"END must be after START in {text!r}")
+    if any(x is not None and x < 0 for x in (a, b)):
+        raise argparse.ArgumentTypeError(f"times are µs from the trace's start, not negative: {text!r}")
+    return a, b
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, not {n}")
+    return n
+
+
+def _view_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a trace file (Chrome trace-event JSON written by spyre_rt.trace)")
+    p.add_argument("--window", type=parse_window, metavar="START:END",
+                   help="the time window to show, in µs from the trace's first event (default: all)")
+    p.add_argument("--top", type=positive_int, default=20, metavar="N",
+                   help="ops in the summary table (default 20)")
+
+
+def _load_trace(path: str) -> view.TraceData:
+    return _load(path, results=False)[1]
+
+
+def _load(path: str, results: bool | None) -> tuple[str, object]:
+    try:
+        return compare.load(path, results)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def cmd_view(args: argparse.Namespace, console: Console) -> int:
+    data = _load_trace(args.trace)
+    win = view.window(data, *args.window) if args.window else None
+    view.render(console, data, win, args.top, title=os.path.basename(args.trace))
+    return 0
+
+
+# ---- compare -------------------------------------------------------------------------------
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", metavar="A",
+                   help="the baseline: a trace, or a `spyre-profile run --json` result file")
+    p.add_argument("b", metavar="B", help="the file to compare with it (of the same kind)")
+    p.add_argument("--json", action="store_true",
+                   help="read A and B as result files of `spyre-profile run --json` (default: by content)")
+    p.add_argument("--top", type=positive_int, default=20, metavar="N",
+                   help="ops in the per-op table (default 20)")
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    forced = True if args.json else None
+    kind_a, a = _load(args.a, forced)
+    kind_b, b = _load(args.b, forced)
+    if kind_a != kind_b:
+        raise InputError(f"cannot compare a {kind_a} file ({args.a}) with a {kind_b} file ({args.b})")
+    la, lb = os.path.basename(args.a), os.path.basename(args.b)
+    if la == lb:
+        la, lb = args.a, args.b
+    cmp = compare.compare_traces(a, b, la, lb) if kind_a == "trace" else compare.compare_results(a, b, la, lb)
+    compare.render(console, cmp, args.top)
+    return 0
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+COMMANDS: dict[str, Subcommand] = {
+    "view": Subcommand("draw a trace in the terminal: timeline, per-op table, idle time, critical path",
+                       _view_arguments, cmd_view),
+    "compare": Subcommand("set two traces (or two run result files) side by side with deltas",
+                          _compare_arguments, cmd_compare),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Profile spyre_rt: run models, view and compare traces.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``spyre-profile``; returns the exit status (0 ok, 1 bad input file, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed usage and the error
+        return e.code if isinstance(e.code, int) else 2
+    console = Console()
+    try:
+        return args.run(args, console)
+    except InputError as e:
+        Console(stderr=True).print(f"{PROG}: error: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `spyre-profile view t.json | head`: stop quietly
+        try:  # the interpreter flushes stdout again at exit; make that flush go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

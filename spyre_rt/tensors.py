@@ -1,0 +1,142 @@
+"""Device tensors: allocation, copies and fills.
+
+A spyre tensor is a plain ``torch.Tensor`` on ``spyre:N`` whose storage is a device
+allocation: the DLPack import hands torch the device address and a deleter that frees the
+allocation when the last view dies. Torch sees logical strided storage; the stick layout
+behind it lives in :data:`spyre_rt.layout.registry`. Every copy between host and device
+goes through the transfer path (:mod:`spyre_rt.transfer`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from . import card as cards
+from . import config
+from .errors import SpyreError, SpyreNoDataError
+from .layout import DLPACK_CODE, StickLayout, layout_for, registry, spy_dtype
+from .native import check, ffi, lib
+from .transfer import ViewGeometry, from_device, to_device
+
+KDL_EXT_DEV = 12
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_state = threading.local()
+
+
+def current_device() -> int:
+    return getattr(_state, "device", 0)
+
+
+def set_current_device(index: int) -> None:
+    cards.get(index)  # validates the index
+    _state.device = index
+
+
+def device_index(device) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "spyre":
+        raise SpyreError(f"expected a spyre device, got {device}")
+    return current_device() if device.index is None else device.index
+
+
+def storage_numel(sizes, strides) -> int:
+    if any(s == 0 for s in sizes):
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
+
+
+def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """A new device tensor with the given geometry (uninitialised)."""
+    dtype = dtype or torch.get_default_dtype()
+    spy_dtype(dtype)  # rejects unsupported dtypes with a clear error
+    card = cards.get(device_index(device))
+    sizes, strides = [int(s) for s in sizes], [int(s) for s in strides]
+    layout = layout_for(sizes, strides, storage_numel(sizes, strides), dtype.itemsize, card.profile.stick_bytes)
+    return wrap_allocation(card, layout, sizes, strides, dtype)
+
+
+def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
+    addr = card.malloc(layout.nbytes)
+    registry.register(card.index, addr, layout)
+    ndim = len(sizes)
+    shape = ffi.new("int64_t[]", sizes or [0])
+    stride = ffi.new("int64_t[]", strides or [0])
+    out = ffi.new("void **")
+    code, bits = DLPACK_CODE[dtype]
+    status = lib.spy_dlpack_wrap(card.handle, addr, ndim, shape, stride, code, bits, KDL_EXT_DEV, out)
+    if status != lib.SPY_OK:
+        card.free(addr)
+        check(status, "wrapping a device allocation")
+    managed = out[0]
+    try:
+        capsule = _capsule_new(int(ffi.cast("uintptr_t", managed)), b"dltensor", None)
+        return torch._C._from_dlpack(capsule)
+    except BaseException:
+        lib.spy_dlpack_release(managed)
+        raise
+
+
+def geometry(t: torch.Tensor) -> tuple[cards.Card, ViewGeometry, int]:
+    """The card, view geometry and storage base address of a spyre tensor."""
+    card = cards.get(t.device.index or 0)
+    base = t.untyped_storage().data_ptr()
+    layout = registry.get(card.index, base)
+    if layout is None:
+        raise SpyreError(
+            f"spyre tensor at 0x{base:x} has no known layout; it was not allocated by spyre_rt"
+        )
+    return card, ViewGeometry(layout, t.storage_offset(), tuple(t.shape), tuple(t.stride())), base
+
+
+def _prebuilt_transfers() -> bool:
+    return config.settings().dispatch != "construct"
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """The values of a spyre tensor as a new CPU tensor of the same shape and dtype."""
+    card, view, base = geometry(t)
+    if not card.functional:
+        raise SpyreNoDataError(
+            f"{card!r} runs in timing mode and keeps no tensor data; values of spyre tensors "
+            "cannot be read (use a functional-mode card for numbers)"
+        )
+    return from_device(card, view, base, t.dtype, _prebuilt_transfers())
+
+
+def upload(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy a CPU tensor into a spyre tensor (broadcasting and converting like copy_)."""
+    card, view, base = geometry(dst)
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    if tuple(src.shape) != tuple(dst.shape):
+        src = src.expand(dst.shape)
+    to_device(card, src, view, base, _prebuilt_transfers())
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` where at least one side is on spyre."""
+    src_spyre, dst_spyre = src.device.type == "spyre", dst.device.type == "spyre"
+    if src_spyre and dst_spyre:
+        # Device to device: through host staging, which also makes overlapping views safe.
+        upload(to_host(src), dst)
+    elif dst_spyre:
+        upload(src, dst)
+    else:
+        dst.copy_(to_host(src))
+    return dst
+
+
+def fill(dst: torch.Tensor, value) -> torch.Tensor:
+    upload(torch.full((), value, dtype=dst.dtype), dst)
+    return dst

@@ -1,0 +1,59 @@
+"""Eager ops without a device kernel run on the CPU, correct, warned once, counted."""
+
+import warnings
+
+import pytest
+import torch
+
+import spyre_rt
+from spyre_rt import fallback
+
+
+def test_results_match_cpu_and_stay_on_spyre():
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    da, db = a.to("spyre"), b.to("spyre")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", spyre_rt.SpyreFallbackWarning)
+        cases = {
+            "add": (lambda x, y: x + y),
+            "matmul": (lambda x, y: x @ y.t()),
+            "softmax": (lambda x, y: torch.softmax(x, -1)),
+            "cat": (lambda x, y: torch.cat([x, y], 1)),
+            "max": (lambda x, y: x.max(1).values),
+            "where": (lambda x, y: torch.where(x > 0, x, y)),
+        }
+        for name, f in cases.items():
+            out = f(da, db)
+            assert out.device.type == "spyre", name
+            assert torch.allclose(out.cpu(), f(a, b), atol=1e-6), name
+
+
+def test_in_place_and_out_ops_write_back():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", spyre_rt.SpyreFallbackWarning)
+        x = torch.arange(6.0).reshape(2, 3).to("spyre")
+        r = x.add_(1)
+        assert r is x and x.cpu().tolist() == [[1, 2, 3], [4, 5, 6]]
+        x.t()[0].mul_(10)  # through a transposed view
+        assert x.cpu().tolist() == [[10, 2, 3], [40, 5, 6]]
+        out = torch.empty(0, device="spyre")
+        torch.abs(torch.tensor([-1.0, 2.0]).to("spyre"), out=out)
+        assert out.cpu().tolist() == [1.0, 2.0]
+
+
+def test_each_op_warns_once_and_is_counted():
+    x = torch.ones(3).to("spyre")
+    fallback._warned.discard("aten::exp.out")
+    before = fallback.calls["aten::exp.out"]
+    with pytest.warns(spyre_rt.SpyreFallbackWarning, match="aten::exp"):
+        torch.exp(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spyre_rt.SpyreFallbackWarning)
+        torch.exp(x)  # no second warning
+    assert fallback.calls["aten::exp.out"] - before == 2
+    assert torch.spyre.memory_stats()["cpu_fallback.aten::exp.out"] >= 2
+
+
+def test_mixed_devices_are_refused():
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(torch.ones(2, 2).to("spyre"), torch.ones(2, 2))

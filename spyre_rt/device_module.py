@@ -127,7 +127,8 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
+    """torch.manual_seed calls this after seeding the CPU generator, which is the one
+    random ops on spyre use (they run through the CPU fallback): nothing more to do."""
 
 
 def get_rng_state(device=None) -> torch.Tensor:

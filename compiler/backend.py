@@ -1,0 +1,99 @@
+"""The ``spyre_rt`` torch.compile backend.
+
+Found through the ``torch_dynamo_backends`` entry point, so ``torch.compile(model,
+backend="spyre_rt")`` works without importing spyre_rt first. The graph goes through AOT
+(inference) and TorchInductor with the spyre device backend; the result runs on the card.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import spyre_rt
+from spyre_rt import config
+
+_registered = False
+_lock = threading.Lock()
+
+# Inductor settings for the card: no Python/C++ templates, no autotuning, one kernel per
+# reduction (split reductions would need a second kernel and buy nothing on 32 cores).
+INDUCTOR_PATCHES = {
+    "size_asserts": False,
+    "nan_asserts": False,
+    "cpp_wrapper": False,
+    "max_autotune": False,
+    "max_autotune_gemm": False,
+    "triton.cudagraphs": False,
+    "fallback_random": True,
+    "freezing": False,
+    "graph_partition": False,
+    "combo_kernels": False,
+    "memory_planning": False,
+    "comprehensive_padding": False,
+    "split_reductions": False,
+    "unroll_reductions_threshold": 1,
+}
+
+OPTION_NAMES = ("dispatch", "cpu_fallback", "compute_dtype")
+
+
+def register() -> None:
+    """Register the Inductor device backend for ``spyre`` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    with _lock:
+        if _registered:
+            return
+        spyre_rt.register()
+        from torch._dynamo.device_interface import register_interface_for_device
+        from torch._inductor.codegen.common import register_backend_for_device, register_device_op_overrides
+
+        from . import options
+        from .inductor import lowering
+        from .inductor.interface import SpyreInterface, SpyreOpOverrides
+        from .inductor.scheduling import SpyreScheduling
+        from .inductor.wrapper import SpyreWrapperCodegen
+
+        register_interface_for_device("spyre", SpyreInterface)
+        register_device_op_overrides("spyre", SpyreOpOverrides())
+        register_backend_for_device("spyre", SpyreScheduling, SpyreWrapperCodegen, device_custom_config=options)
+        lowering.install()
+        _registered = True
+
+
+def _inner_compile(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from .inductor.lowering import decomposition_table
+
+    # The decomposition table handed to compile_fx reaches here and into Inductor's cache
+    # key; a module-level function pickles by name where the table itself cannot.
+    if "get_decomp_fn" in kwargs:
+        kwargs["get_decomp_fn"] = decomposition_table
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **_):
+    """torch.compile backend: options are spyre_rt settings (``dispatch``, ``cpu_fallback``,
+    ``compute_dtype``, ``cache_dir``...) or Inductor config keys."""
+    register()
+    from torch._inductor.compile_fx import compile_fx
+
+    from . import options as opts
+    from .inductor.lowering import decompositions
+
+    options = dict(options or {})
+    ours = {k.replace("-", "_"): options.pop(k) for k in list(options) if k.replace("-", "_") in config.Settings.__dataclass_fields__}
+    settings = config.with_options(ours)
+    patch = {
+        "dispatch": settings.dispatch,
+        "cpu_fallback": settings.cpu_fallback,
+        "compute_dtype": settings.compute_dtype,
+        "profile_digest": spyre_rt.card.card_set().profile.digest,
+    }
+    with opts.patch(patch):
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
+                          config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())

@@ -1,0 +1,1 @@
+"""The ``spyre`` device backend of TorchInductor: interface, lowerings, scheduling, wrapper."""

@@ -1,0 +1,108 @@
+"""Lowerings and decompositions for the card.
+
+Matmuls become :class:`SpyreMatmul` extern nodes that the wrapper turns into matmul kernels
+(an ``addmm`` whose bias broadcasts over rows keeps the bias as the matmul's epilogue).
+Inductor's lowering table is global, so every lowering here hands inputs on other devices
+back to the original one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._decomp import get_decompositions
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.decomposition import select_decomp_table
+
+aten = torch.ops.aten
+
+
+class SpyreMatmul(ir.ExternKernelOut):
+    """``out = a @ b (+ bias)``: a matmul kernel of the card (not a CPU extern)."""
+
+    spyre_kind = "matmul"
+
+
+_original: dict = {}
+_installed = False
+
+
+def _on_spyre(*xs) -> bool:
+    for x in xs:
+        try:
+            d = x.get_device()
+        except Exception:
+            continue
+        if d is not None and d.type == "spyre":
+            return True
+    return False
+
+
+def _matmul_operand(x):
+    """Realised, with one of its two inner dimensions contiguous (else copied so)."""
+    x = ir.ExternKernel.realize_input(x)
+    size, stride = x.get_size(), x.get_stride()
+    ok = any(int(size[d]) == 1 or int(stride[d]) == 1 for d in (-1, -2))
+    return x if ok else ir.ExternKernel.require_contiguous(x)
+
+
+def _matmul(a, b, bias=None):
+    a, b = _matmul_operand(a), _matmul_operand(b)
+    *batch, m, _ = (int(s) for s in a.get_size())
+    n = int(b.get_size()[-1])
+    layout = ir.FixedLayout(a.get_device(), a.get_dtype(), [*batch, m, n])
+    inputs = [a, b] + ([ir.ExternKernel.realize_input(bias)] if bias is not None else [])
+    node = SpyreMatmul(layout, inputs, python_kernel_name="spyre_rt.matmul")
+    return ir.TensorBox.create(node)
+
+
+def _bias_broadcasts_over_rows(bias, n: int) -> bool:
+    size = [int(s) for s in bias.get_size()]
+    return size[-1] == n and all(s == 1 for s in size[:-1])
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for op in (aten.mm.default, aten.bmm.default, aten.addmm.default):
+        _original[op] = L.lowerings[op]
+
+    @L.register_lowering(aten.mm.default, type_promotion_kind=None)
+    def mm(a, b, out_dtype=None, *, layout=None):
+        if not _on_spyre(a, b) or out_dtype is not None:
+            return _original[aten.mm.default](a, b, out_dtype, layout=layout)
+        return _matmul(a, b)
+
+    @L.register_lowering(aten.bmm.default, type_promotion_kind=None)
+    def bmm(a, b, out_dtype=None, *, layout=None):
+        if not _on_spyre(a, b) or out_dtype is not None:
+            return _original[aten.bmm.default](a, b, out_dtype, layout=layout)
+        return _matmul(a, b)
+
+    @L.register_lowering(aten.addmm.default, type_promotion_kind=None)
+    def addmm(inp, a, b, *, beta=1, alpha=1, layout=None):
+        if not _on_spyre(a, b):
+            return _original[aten.addmm.default](inp, a, b, beta=beta, alpha=alpha, layout=layout)
+        n = int(b.get_size()[-1])
+        if alpha == 1 and beta == 1 and _bias_broadcasts_over_rows(inp, n):
+            return _matmul(a, b, L.lowerings[aten.view.default](inp, [1, n]))
+        out = _matmul(a, b)
+        if alpha != 1:
+            out = L.lowerings[aten.mul.Tensor](out, alpha)
+        scaled = inp if beta == 1 else L.lowerings[aten.mul.Tensor](inp, beta)
+        return L.lowerings[aten.add.Tensor](out, scaled)
+
+
+def decompositions() -> dict:
+    """Inductor's decomposition table, plus ours (compile_fx takes the whole table)."""
+    table = dict(select_decomp_table())
+    # baddbmm = beta * input + alpha * bmm: the bmm becomes a matmul kernel, the rest fuses
+    table.update(get_decompositions([aten.baddbmm.default]))
+    return table
+
+
+def decomposition_table() -> dict:
+    """Module-level and picklable by name: Inductor's FX graph cache keys on it."""
+    return decompositions()

@@ -1,0 +1,68 @@
+"""Inductor Scheduling for the card: each fused group of loop nodes becomes a LoopKernel.
+
+Inductor's fusion policy (from SIMDScheduling) decides what goes together; this class only
+describes the result (see :mod:`spyre_rt.compiler.describe`) and registers it with the
+wrapper, which records the launch in the step. Buffers produced and consumed inside one
+kernel are removed: they never exist in device memory.
+"""
+
+from __future__ import annotations
+
+from torch._inductor.codegen.simd import SIMDScheduling
+from torch._inductor.virtualized import V
+
+from ..describe import NotSupported, describe_kernel
+from ..errors import compile_error
+
+
+class SpyreScheduling(SIMDScheduling):
+    def codegen_node(self, node) -> None:
+        sched = self.scheduler
+        nodes = [n for n in node.get_nodes() if n.get_name() not in sched.removed_ops]
+        if not nodes:
+            return
+        names = {n.get_name() for n in nodes}
+        local = {
+            b.get_name()
+            for n in nodes
+            for b in n.get_outputs()
+            if sched.can_buffer_be_removed_through_fusion(b.get_name(), names)
+            and b.get_name() not in V.graph.removed_buffers
+        }
+        _, (numel, rnumel) = max(nodes, key=lambda x: int(x.is_reduction())).group
+        wrapper = V.graph.wrapper_code
+        name = f"k{len(wrapper.spyre_kernels)}"
+
+        def real_name(n: str) -> str:
+            return sched.mutation_real_name.get(n, n)
+
+        try:
+            kernel = describe_kernel(name, nodes, int(numel), int(rnumel), local, real_name)
+        except NotSupported as e:
+            raise compile_error(str(e), nodes) from None
+        wrapper.define_spyre_kernel(kernel)
+        V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
+        for n in nodes:
+            n.mark_run()
+        args = [b.name for b in kernel.buffers]
+        wrapper.generate_kernel_call(name, args, triton=False)
+        self.free_buffers_in_scheduler()
+
+    def codegen_template(self, template_node, epilogue_nodes, prologue_nodes=(), **kwargs):
+        raise compile_error("template kernels are not supported on spyre", [template_node])
+
+    def codegen_combo_kernel(self, node) -> None:
+        for sub in node.get_subkernel_nodes():
+            self.codegen_node(sub)
+
+    def codegen_sync(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def ready_to_flush(self) -> bool:
+        return False
+
+    def benchmark_fused_nodes(self, nodes):
+        return 0.0, ""

@@ -1,0 +1,187 @@
+"""Kernel descriptions: what the compiler hands to construction, as plain data.
+
+Everything here round-trips through JSON (:func:`to_json` / :func:`from_json`): plan cache
+files carry the descriptions of a compiled step so that any dispatch mode can construct
+from them in a new process, and nothing is ever unpickled.
+
+A :class:`LoopKernel` is one fused Inductor kernel (pointwise, reduction, gather, scatter)
+over a box of *canonical* loop variables: every node of the kernel and every index
+expression is affine in them (non-affine ``//`` and ``%`` were removed by splitting
+variables at compile time). The trailing ``ncols`` variables form the columns of a tile
+(reduced when ``reduce``); the others its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A buffer a kernel touches: its dtype and the geometry Inductor gave it."""
+
+    name: str
+    dtype: str
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Access:
+    """Element ``const + sum(coeffs[v] * var_v) + sum(c * value(ind))`` of ``buf``.
+
+    ``ind`` terms come from indirect indexing: ``(ssa id of the index value, coefficient)``.
+    ``domain`` restricts a masked load to the box where its mask can be true, as
+    ``(var, lo, hi)`` triples (elsewhere the value is never used)."""
+
+    buf: str
+    const: int
+    coeffs: tuple[int, ...]
+    ind: tuple[tuple[str, int], ...] = ()
+    domain: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Op:
+    """One SSA operation of a kernel's body.
+
+    ``op`` is ``load``, ``store``, ``reduction``, ``constant``, ``index``, ``indirect``,
+    ``to_dtype``, ``where``/``masked`` or an elementwise operation name (``add``, ``exp``...).
+    ``dtype`` is the torch dtype name of the result."""
+
+    id: str
+    op: str
+    args: tuple[str, ...] = ()
+    dtype: str = ""
+    access: Access | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoopKernel:
+    name: str
+    sizes: tuple[int, ...]   # canonical variables, outermost first
+    ncols: int               # trailing variables that form a tile's columns
+    reduce: bool             # the columns are reduced
+    ops: tuple[Op, ...]
+    buffers: tuple[Buffer, ...]
+    origins: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        ops = {o.op for o in self.ops}
+        if any(o.op == "store" and o.access and o.access.ind for o in self.ops):
+            return "scatter"
+        if "reduction" in ops:
+            return "reduction"
+        if any(o.op == "load" and o.access and o.access.ind for o in self.ops):
+            return "gather"
+        return "pointwise"
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers."""
+
+    name: str
+    a: tuple[str, int, tuple[int, ...], tuple[int, ...]]      # (buffer, offset, sizes, strides)
+    b: tuple[str, int, tuple[int, ...], tuple[int, ...]]
+    out: tuple[str, int, tuple[int, ...], tuple[int, ...]]
+    in_dtype: str
+    out_dtype: str
+    bias: tuple[str, int, tuple[int, ...], tuple[int, ...]] | None = None
+    bias_dtype: str = ""
+    buffers: tuple[Buffer, ...] = ()
+    origins: tuple[str, ...] = ()
+
+    kind = "matmul"
+
+
+@dataclass(frozen=True)
+class CpuOp:
+    """An op that runs on the host inside a compiled step (CPU fallback).
+
+    ``args``/``kwargs`` are JSON: buffer references as ``{"buf": view}``, dtypes as
+    ``{"dtype": name}``; ``outputs`` are the buffers it produces."""
+
+    name: str
+    op: str
+    args: str
+    kwargs: str
+    outputs: tuple[Buffer, ...]
+    mutated: tuple[str, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class StepDesc:
+    """A compiled graph: what runs, in which order, on which buffers.
+
+    ``sequence`` items are ``("run", kernel name)``, ``("cpu", CpuOp)`` or
+    ``("pick", (tuple-output buffer, index path, buffer))``. Views are
+    ``(buffer, offset, sizes, strides)`` in logical elements."""
+
+    inputs: tuple[tuple[Buffer, bool], ...]                 # graph inputs, mutated?
+    outputs: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...]], ...]
+    buffers: dict[str, Buffer]                               # intermediates the step owns
+    aliases: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]]
+    constants: dict[str, Buffer]
+    kernels: dict[str, Any]
+    sequence: tuple[tuple[str, Any], ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_TYPES = {cls.__name__: cls for cls in (Buffer, Access, Op, LoopKernel, MatmulKernel, CpuOp, StepDesc)}
+
+
+def _encode(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {"__type__": type(obj).__name__}
+        for f in dataclasses.fields(obj):
+            out[f.name] = _encode(getattr(obj, f.name))
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_encode(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    return obj
+
+
+def _tuples(value: Any) -> Any:
+    """JSON arrays back to the tuples the dataclasses hold (dicts stay dicts)."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict) and "__type__" in obj:
+        cls = _TYPES.get(obj["__type__"])
+        if cls is None:
+            raise ValueError(f"unknown kernel description type {obj['__type__']!r}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in obj:
+                raise ValueError(f"{cls.__name__} description lacks {f.name!r}")
+            v = _decode(obj[f.name])
+            kwargs[f.name] = _tuples(v)
+        return cls(**kwargs)
+    if isinstance(obj, list):
+        return [_decode(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _decode(v) for k, v in obj.items()}
+    return obj
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(_encode(obj), separators=(",", ":"), sort_keys=True)
+
+
+def from_json(text: str) -> Any:
+    return _decode(json.loads(text))

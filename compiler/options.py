@@ -1,0 +1,18 @@
+"""Per-compile options of the spyre_rt backend, as a torch ConfigModule.
+
+Registered with Inductor as the device's custom config, so they are part of Inductor's
+FX graph cache key: a cached compile is only reused with the same options.
+
+    torch.compile(model, backend="spyre_rt", options={"dispatch": "construct"})
+"""
+
+import sys
+
+from torch.utils._config_module import install_config_module
+
+dispatch: str = ""            # "" = SPYRE_RT_DISPATCH or the default (prebuilt)
+cpu_fallback: bool = True     # run ops the card cannot on the CPU (else SpyreCompileError)
+compute_dtype: str = "auto"   # auto | float16 | float32
+profile_digest: str = ""      # the device profile the graph was compiled for
+
+install_config_module(sys.modules[__name__])

@@ -1,0 +1,362 @@
+"""Running a compiled step on a card, in any dispatch mode.
+
+A :class:`CompiledStep` is what a compiled graph's ``call(args)`` runs. For every input
+geometry (the stick layouts and storage offsets of the inputs it is called with) it keeps
+an :class:`Executable`: the static buffer plan (intermediates at fixed offsets of an arena
+allocated once), the relocation of every kernel's buffers against a few bindings
+(arena, inputs, constants, outputs) and, in ``prebuilt`` mode, the graph plans.
+
+Outputs are fresh device tensors on every call, so a later call never overwrites what an
+earlier one returned; intermediates live in the arena, which a call takes from a small
+pool (several threads may run one step at once).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from spyre_rt import card as cards
+from spyre_rt import config, jobs, tensors
+from spyre_rt.dispatch import override
+from spyre_rt.errors import SpyreError
+from spyre_rt.layout import StickLayout, layout_for, registry
+from spyre_rt.plan import GraphPlan, PlanJob
+from spyre_rt.plan import encode as encode_plan
+from spyre_rt.transfer import ViewGeometry, from_device, to_device
+
+from .build import loops, matmul
+from .build.context import BuildContext, Target
+from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_json
+
+ARENA = 0  # binding 0 is the arena of intermediates
+ALIGN = 128
+
+
+def load_step(text: str) -> CompiledStep:
+    return CompiledStep(from_json(text))
+
+
+def _storage_numel(b: Buffer) -> int:
+    if any(s == 0 for s in b.sizes):
+        return b.offset
+    return b.offset + 1 + sum((s - 1) * st for s, st in zip(b.sizes, b.strides, strict=True))
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class CompiledStep:
+    def __init__(self, desc: StepDesc):
+        self.desc = desc
+        self.default_mode = desc.options.get("dispatch") or config.settings().dispatch
+        self._executables: dict[tuple, Executable] = {}
+        self._lock = threading.Lock()
+
+    def executable(self, card: cards.Card, geometry: tuple) -> Executable:
+        key = (id(cards.card_set()), card.index, geometry)
+        exe = self._executables.get(key)
+        if exe is None:
+            with self._lock:
+                exe = self._executables.get(key)
+                if exe is None:
+                    exe = self._executables[key] = Executable(self.desc, card, geometry)
+        return exe
+
+    def __call__(self, args: list, module_globals: dict):
+        inputs = list(args)
+        args.clear()  # boxed calling convention: drop the caller's references early
+        inputs += [module_globals[name] for name in self.desc.constants]
+        spyre_in = [t for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "spyre"]
+        device = spyre_in[0].device if spyre_in else torch.device("spyre", tensors.current_device())
+        card = cards.get(device.index or 0)
+        host_inputs = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "spyre":
+                host_inputs[i] = t
+                inputs[i] = t.to(device)
+            elif t.device != device:
+                raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
+        geometry = []
+        for t in inputs:
+            base = t.untyped_storage().data_ptr()
+            layout = registry.get(card.index, base)
+            if layout is None:
+                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
+            geometry.append((layout, t.storage_offset()))
+        exe = self.executable(card, tuple(geometry))
+        outs = exe.run(inputs, override() or self.default_mode)
+        for i, t in host_inputs.items():
+            if i < len(self.desc.inputs) and self.desc.inputs[i][1]:
+                t.copy_(inputs[i])  # a mutated host input: write the new values back
+        if host_inputs and len(host_inputs) == len(inputs):
+            outs = [o.cpu() for o in outs]
+        return outs
+
+
+class Executable:
+    """A compiled step for one card and one input geometry."""
+
+    def __init__(self, desc: StepDesc, card: cards.Card, geometry: tuple):
+        self.desc = desc
+        self.card = card
+        self.target = Target.from_profile(card.profile)
+        stick = card.profile.stick_bytes
+        names_in = [b.name for b, _ in desc.inputs] + list(desc.constants)
+        self.layouts: dict[str, StickLayout] = {}
+        self.offsets: dict[str, int] = {}
+        for name, (layout, off) in zip(names_in, geometry, strict=True):
+            self.layouts[name], self.offsets[name] = layout, off
+        output_bases = []
+        for name, *_ in desc.outputs:
+            base = self._base(name)
+            if base in desc.buffers and base not in output_bases:
+                output_bases.append(base)
+        self.output_bases = output_bases
+        for name, b in desc.buffers.items():
+            self.layouts[name] = layout_for(b.sizes, b.strides, _storage_numel(b), _torch_dtype(b.dtype).itemsize, stick)
+            self.offsets[name] = 0
+        for name, (base, off, _, _) in desc.aliases.items():
+            root = self._base(base)
+            self.layouts[name] = self.layouts[root]
+            self.offsets[name] = self.offsets[root] + off
+        # bindings: arena, inputs, constants, outputs
+        self.binding_names = ["<arena>"] + names_in + output_bases
+        self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
+        self.arena_bytes = self._plan_arena()
+        for name, (base, _, _, _) in desc.aliases.items():
+            self.relocs[name] = self.relocs[self._base(base)]
+        self.segments = self._segments()
+        self._plans: dict[int, GraphPlan] = {}
+        self._arenas: list[int] = []
+        self._arena_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
+
+    def _base(self, name: str) -> str:
+        while name in self.desc.aliases:
+            name = self.desc.aliases[name][0]
+        return name
+
+    # ---- static buffer plan ----
+    def _uses(self, item) -> set[str]:
+        kind, x = item
+        if kind == "run":
+            k = self.desc.kernels[x]
+            return {self._base(b.name) for b in k.buffers}
+        if kind == "cpu":
+            names = {self._base(o.name) for o in x.outputs}
+            for ref in _buffer_refs(json.loads(x.args)) + _buffer_refs(json.loads(x.kwargs)):
+                names.add(self._base(ref[0]))
+            return names
+        src, _, out = x
+        return {self._base(src), self._base(out)}
+
+    def _plan_arena(self) -> int:
+        """Offsets of intermediates in one arena: a buffer lives from its first to its last
+        use and takes the lowest offset free over that interval (first fit)."""
+        first, last = {}, {}
+        for i, item in enumerate(self.desc.sequence):
+            for name in self._uses(item):
+                if name in self.desc.buffers and name not in self.output_bases:
+                    first.setdefault(name, i)
+                    last[name] = i
+        placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+        top = 0
+        for name in sorted(first, key=lambda n: (first[n], -self.layouts[n].nbytes)):
+            size = -(-self.layouts[name].nbytes // ALIGN) * ALIGN
+            lo, hi = first[name], last[name]
+            busy = sorted((o, o + s) for a, b, o, s in placed if not (b < lo or a > hi))
+            off = 0
+            for b0, b1 in busy:
+                if off + size <= b0:
+                    break
+                off = max(off, b1)
+            placed.append((lo, hi, off, size))
+            self.relocs[name] = (ARENA, off)
+            top = max(top, off + size)
+        return top
+
+    def _segments(self) -> list:
+        segs, run = [], []
+        for kind, x in self.desc.sequence:
+            if kind == "run":
+                run.append(x)
+                continue
+            if run:
+                segs.append(("device", tuple(run)))
+                run = []
+            segs.append((kind, x))
+        if run:
+            segs.append(("device", tuple(run)))
+        return segs
+
+    # ---- construction ----
+    def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
+        """Construct one kernel's program: the work the dispatch modes move."""
+        k = self.desc.kernels[kernel_name]
+        ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        if isinstance(k, MatmulKernel):
+            matmul.build_kernel(ctx, k)
+        elif isinstance(k, LoopKernel):
+            loops.build(ctx, k)
+        else:
+            raise SpyreError(f"unknown kernel description {type(k).__name__}")
+        return ctx.encode(), ctx.buffers()
+
+    def plan(self, segment: int) -> GraphPlan:
+        p = self._plans.get(segment)
+        if p is None:
+            with self._plan_lock:
+                p = self._plans.get(segment)
+                if p is None:
+                    p = self._plans[segment] = self._build_plan(segment)
+        return p
+
+    def _build_plan(self, segment: int) -> GraphPlan:
+        plan_jobs = []
+        for name in self.segments[segment][1]:
+            blob, bufs = self.build(name)
+            plan_jobs.append(PlanJob(blob, tuple(self.relocs[b] for b in bufs), name))
+        block = encode_plan(plan_jobs, len(self.binding_names), self.card.intern)
+        return GraphPlan(self.card, block)
+
+    # ---- running ----
+    def _take_arena(self) -> int:
+        with self._arena_lock:
+            if self._arenas:
+                return self._arenas.pop()
+        return self.card.malloc(max(self.arena_bytes, 1))
+
+    def _give_arena(self, addr: int) -> None:
+        with self._arena_lock:
+            self._arenas.append(addr)
+
+    def __del__(self):
+        for a in getattr(self, "_arenas", ()):
+            try:
+                self.card.free(a)
+            except Exception:
+                pass
+
+    def run(self, inputs: list[torch.Tensor], mode: str) -> list[torch.Tensor]:
+        desc = self.desc
+        device = inputs[0].device if inputs else torch.device("spyre", self.card.index)
+        outputs = {}
+        for name in self.output_bases:
+            b = desc.buffers[name]
+            outputs[name] = tensors.empty_strided(b.sizes, b.strides, _torch_dtype(b.dtype), device)
+        arena = self._take_arena()
+        try:
+            addrs = [arena]
+            addrs += [t.untyped_storage().data_ptr() for t in inputs]
+            addrs += [outputs[n].untyped_storage().data_ptr() for n in self.output_bases]
+            for i, (kind, x) in enumerate(self.segments):
+                if kind == "device":
+                    if mode == "prebuilt":
+                        self.plan(i).launch(addrs)
+                    else:
+                        for name in x:
+                            blob, bufs = self.build(name)
+                            slots = [addrs[b] + off for b, off in (self.relocs[n] for n in bufs)]
+                            jobs.run_once(self.card, blob, slots, name, prebuilt_transfer=mode != "construct")
+                elif kind == "cpu":
+                    self._run_cpu(x, addrs)
+        finally:
+            self._give_arena(arena)
+        named = {b.name: t for (b, _), t in zip(desc.inputs, inputs, strict=False)}
+        named.update(zip(desc.constants, inputs[len(desc.inputs):], strict=False))
+        named.update(outputs)
+        result = []
+        for name, off, sizes, strides in desc.outputs:
+            base = self._base(name)
+            t = named[base]
+            total = self.offsets.get(name, 0) - self.offsets.get(base, 0) + off + (
+                t.storage_offset() if base in named and base not in outputs else 0)
+            result.append(torch.as_strided(t, sizes, strides, total))
+        return result
+
+    # ---- CPU ops inside a step ----
+    def _geometry(self, name: str, view=None) -> tuple[ViewGeometry, int]:
+        base = self._base(name)
+        b_idx, off = self.relocs[name]
+        layout = self.layouts[base]
+        if view is None:
+            b = self.desc.buffers.get(name) or next(x for x, _ in self.desc.inputs if x.name == name)
+            view = (name, b.offset, b.sizes, b.strides)
+        _, voff, sizes, strides = view
+        return ViewGeometry(layout, self.offsets[name] + voff, tuple(sizes), tuple(strides)), (b_idx, off)
+
+    def _run_cpu(self, op: CpuOp, addrs: list[int]) -> None:
+        from spyre_rt.fallback import SpyreFallbackWarning
+
+        prebuilt = config.settings().dispatch != "construct"
+        if not self.card.functional:
+            _warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
+        _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", SpyreFallbackWarning)
+
+        def fetch(ref):
+            name, off, sizes, strides = ref
+            geo, (b, o) = self._geometry(name, ref)
+            dtype = _torch_dtype(self._dtype(name))
+            if not self.card.functional:
+                return torch.zeros(sizes, dtype=dtype).as_strided(sizes, strides) if sizes else torch.zeros((), dtype=dtype)
+            return from_device(self.card, geo, addrs[b] + o, dtype, prebuilt)
+
+        def decode(a):
+            if isinstance(a, dict) and "buf" in a:
+                return fetch(a["buf"])
+            if isinstance(a, dict) and "dtype" in a:
+                return _torch_dtype(a["dtype"])
+            if isinstance(a, dict) and "device" in a:
+                return torch.device("cpu")
+            if isinstance(a, list):
+                return [decode(x) for x in a]
+            return a
+
+        args = decode(json.loads(op.args))
+        kwargs = {k: decode(v) for k, v in json.loads(op.kwargs).items()}
+        fn = _resolve_op(op.op)
+        result = fn(*args, **kwargs)
+        results = list(result) if isinstance(result, (tuple, list)) else [result]
+        for out, value in zip(op.outputs, results, strict=False):
+            geo, (b, o) = self._geometry(out.name)
+            to_device(self.card, value.contiguous(), geo, addrs[b] + o, prebuilt)
+
+    def _dtype(self, name: str) -> str:
+        base = self._base(name)
+        if base in self.desc.buffers:
+            return self.desc.buffers[base].dtype
+        if base in self.desc.constants:
+            return self.desc.constants[base].dtype
+        return next(b.dtype for b, _ in self.desc.inputs if b.name == base)
+
+
+def _buffer_refs(a) -> list:
+    if isinstance(a, dict) and "buf" in a:
+        return [a["buf"]]
+    if isinstance(a, list):
+        return [r for x in a for r in _buffer_refs(x)]
+    if isinstance(a, dict):
+        return [r for x in a.values() for r in _buffer_refs(x)]
+    return []
+
+
+def _resolve_op(name: str):
+    # "aten.cumsum.default" -> torch.ops.aten.cumsum.default
+    ns, rest = name.split(".", 1)
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(op: str, what: str, category=UserWarning) -> None:
+    if (op, what) not in _warned:
+        _warned.add((op, what))
+        warnings.warn(f"spyre: {op} {what}", category, stacklevel=3)

@@ -1,0 +1,81 @@
+"""Graph plans: a whole compiled step, prebuilt, resident on the card, run with one call.
+
+A plan block holds every job's program and a relocation table: each slot of each job is
+``binding + offset``, where the bindings are the few addresses a step call provides (the
+arena of intermediates, the inputs, the outputs). The card validates the block and every
+program once when the plan is created; a launch checks each binding's extent, patches the
+table and runs the jobs back to back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .card import Card
+from .native import check, ffi, lib
+from .program import PLAN_HEADER, PLAN_JOB, RELOC
+
+
+class PlanJob(NamedTuple):
+    blob: np.ndarray                    # an encoded program block
+    relocs: tuple[tuple[int, int], ...]  # per slot: (binding, byte offset)
+    name: str
+
+
+def encode(jobs: list[PlanJob], nbindings: int, names) -> np.ndarray:
+    """The plan block of `jobs` (names: a function from job name to trace id)."""
+    nrelocs = sum(len(j.relocs) for j in jobs)
+    head = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize + nrelocs * RELOC.itemsize
+    offsets, pos = [], (head + 7) & ~7
+    for j in jobs:
+        offsets.append(pos)
+        pos += (j.blob.size + 7) & ~7
+    total = pos
+    buf = np.zeros(total // 8, dtype=np.uint64).view(np.uint8)
+    hdr = buf[: PLAN_HEADER.itemsize].view(PLAN_HEADER)
+    hdr["magic"] = lib.SPY_PLAN_MAGIC
+    hdr["version"] = lib.SPY_PLAN_VERSION
+    hdr["njobs"] = len(jobs)
+    hdr["nrelocs"] = nrelocs
+    hdr["nbindings"] = nbindings
+    hdr["total_bytes"] = total
+    table = buf[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize].view(PLAN_JOB)
+    rel = np.zeros(nrelocs, dtype=RELOC)
+    r = 0
+    for i, j in enumerate(jobs):
+        table[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), 0)
+        for b, off in j.relocs:
+            rel[r] = (b, 0, off)
+            r += 1
+        buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
+    start = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize
+    buf[start: start + rel.nbytes] = rel.view(np.uint8)
+    return buf
+
+
+class GraphPlan:
+    """A plan created on a card from a plan block."""
+
+    def __init__(self, card: Card, block: np.ndarray, name: str = "step"):
+        self.card = card
+        self.block = block
+        out = ffi.new("spy_plan **")
+        check(lib.spy_plan_create(card.handle, ffi.from_buffer(block), block.size, out), "creating a graph plan")
+        self.handle = ffi.gc(out[0], lib.spy_plan_destroy)
+        self.nbindings = int(np.frombuffer(block[:PLAN_HEADER.itemsize], dtype=PLAN_HEADER)["nbindings"][0])
+        self.njobs = int(lib.spy_plan_num_jobs(self.handle))
+        self.name = card.intern(name)
+        self._end = ffi.new("double *")
+
+    def extent(self, binding: int) -> int:
+        out = ffi.new("uint64_t *")
+        check(lib.spy_plan_binding_extent(self.handle, binding, out))
+        return int(out[0])
+
+    def launch(self, bindings) -> float:
+        """Run the whole step: one native call."""
+        arr = ffi.new("uint64_t[]", bindings)
+        check(lib.spy_plan_launch(self.handle, arr, self.nbindings, self.name, self._end), "running a graph plan")
+        return self._end[0]

@@ -91,6 +91,8 @@ def pattern(layout: StickLayout, base: int, counts, strides, lx_strides) -> Patt
     counts = [int(c) for c in counts]
     if any(c <= 0 for c in counts):
         raise NotAffine("empty box")
+    if layout.rows <= 1:
+        return _linear(e, base, counts, strides, lx_strides)
     r0, c0 = divmod(base, n_row)
     items = list(zip(counts, strides, lx_strides, strict=True))
     inner = None
@@ -137,6 +139,21 @@ def pattern(layout: StickLayout, base: int, counts, strides, lx_strides) -> Patt
     start = (c0 // s) * layout.stick_stride + r0 * sb + (c0 % s) * e
     run, merged = _fold_run(run, _merge(dims))
     bases = [(start, 0)]
+    while len(merged) > MAX_DIMS:
+        outer = merged.pop()
+        bases = [(b + k * outer.src, x + k * outer.dst) for k in range(outer.count) for b, x in bases]
+    return Pattern(run, tuple(merged), tuple(bases))
+
+
+def _linear(e: int, base: int, counts, strides, lx_strides) -> Pattern:
+    """A one-row storage is linear memory (its sticks follow each other): any box works."""
+    items = list(zip(counts, strides, lx_strides, strict=True))
+    run = e
+    if items and items[-1][1] == 1 and items[-1][2] == e:
+        run = items.pop()[0] * e
+    dims = [Dim(c, st * e, lx) for c, st, lx in reversed(items)]
+    run, merged = _fold_run(run, _merge(dims))
+    bases = [(base * e, 0)]
     while len(merged) > MAX_DIMS:
         outer = merged.pop()
         bases = [(b + k * outer.src, x + k * outer.dst) for k in range(outer.count) for b, x in bases]

@@ -36,7 +36,23 @@ INDUCTOR_PATCHES = {
     "unroll_reductions_threshold": 1,
 }
 
-OPTION_NAMES = ("dispatch", "cpu_fallback", "compute_dtype")
+
+
+def compiler_version() -> str:
+    """A digest of the compiler's own sources (part of every cache key)."""
+    global _version
+    if _version is None:
+        import hashlib
+        from pathlib import Path
+
+        h = hashlib.sha256(spyre_rt.__version__.encode())
+        for path in sorted(Path(__file__).parent.rglob("*.py")):
+            h.update(path.read_bytes())
+        _version = h.hexdigest()[:16]
+    return _version
+
+
+_version: str | None = None
 
 
 def register() -> None:
@@ -93,6 +109,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "cpu_fallback": settings.cpu_fallback,
         "compute_dtype": settings.compute_dtype,
         "profile_digest": spyre_rt.card.card_set().profile.digest,
+        "compiler_version": compiler_version(),
     }
     with opts.patch(patch):
         return compile_fx(gm, example_inputs, inner_compile=_inner_compile,

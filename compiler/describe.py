@@ -154,7 +154,7 @@ def _eval_namespace() -> dict[str, Callable]:
 def _compile_expr(expr: sympy.Expr, symbols: list[sympy.Symbol]) -> Callable[..., int]:
     names = [s.name for s in symbols]
     text = sympy.printing.str.sstr(expr)
-    code = compile(f"lambda {', '.join(names) or '_'}: {text}", "<index>", "eval")
+    code = compile(f"lambda {', '.join(names)}: {text}", "<index>", "eval")
     return eval(code, _eval_namespace())  # our own sympy output, evaluated on ints
 
 
@@ -170,6 +170,33 @@ def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[
                 if name == "ModularIndexing" and node.args[2].is_Integer:
                     points.add(var_stride[x] * int(d) * int(node.args[2]))
     return points
+
+
+def _row_points(expr, syms, sizes, var_stride, buf, real_name) -> set[int]:
+    """Where a loop that walks a buffer contiguously crosses the rows of its stick layout
+    (the size of the buffer's stride-1 dimension): tiles then follow the storage rows."""
+    try:
+        info = buffer_info(real_name(buf))
+    except NotSupported:
+        return set()
+    row = next((n for n, s in zip(info.sizes, info.strides, strict=True) if s == 1 and n > 1), 0)
+    if row <= 1:
+        return set()
+    f = _compile_expr(expr, [s for s in syms] + [x for x in expr.free_symbols if x not in syms])
+    nargs = len(syms) + len([x for x in expr.free_symbols if x not in syms])
+    zero = [0] * nargs
+    out = set()
+    for k, (sym, n) in enumerate(zip(syms, sizes, strict=True)):
+        if n <= row or n % row:
+            continue
+        pt = list(zero)
+        pt[k] = 1
+        try:
+            if f(*pt) - f(*zero) == 1:
+                out.add(var_stride[sym] * row)
+        except Exception:
+            continue
+    return out
 
 
 def canonical_sizes(total: int, boundaries: set[int]) -> list[int]:
@@ -250,15 +277,18 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
         for rec in ops:
             if isinstance(rec.get("index"), sympy.Expr):
                 boundaries |= _split_points(rec["index"], var_stride)
+                if rec["op"] in ("load", "store"):
+                    boundaries |= _row_points(rec["index"], syms, all_sizes, var_stride, rec["buf"], real_name)
     canon = canonical_sizes(total, boundaries)
     cstrides, acc = [], 1
     for n in reversed(canon):
         cstrides.append(acc)
         acc *= n
     cstrides.reverse()
-    ncols = sum(1 for s in cstrides if s < rnumel) if rnumel > 1 else 1
-    if rnumel == 1 and canon:
-        ncols = 1
+    # Columns: the reduced variables, or for pointwise kernels everything that the first
+    # node's innermost loop covers (a split of it must not become a row variable).
+    width = rnumel if rnumel > 1 else (recorded[0][0] + recorded[0][1] or [1])[-1]
+    ncols = max(1, sum(1 for s in cstrides if s < width)) if canon else 0
 
     buffers: dict[str, Buffer] = {}
     out_ops: list[Op] = []

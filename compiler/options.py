@@ -14,5 +14,6 @@ dispatch: str = ""            # "" = SPYRE_RT_DISPATCH or the default (prebuilt)
 cpu_fallback: bool = True     # run ops the card cannot on the CPU (else SpyreCompileError)
 compute_dtype: str = "auto"   # auto | float16 | float32
 profile_digest: str = ""      # the device profile the graph was compiled for
+compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 
 install_config_module(sys.modules[__name__])

@@ -118,8 +118,12 @@ class Executable:
             if base in desc.buffers and base not in output_bases:
                 output_bases.append(base)
         self.output_bases = output_bases
+        views = self._views()
         for name, b in desc.buffers.items():
-            self.layouts[name] = layout_for(b.sizes, b.strides, _storage_numel(b), _torch_dtype(b.dtype).itemsize, stick)
+            layout = layout_for(b.sizes, b.strides, _storage_numel(b), _torch_dtype(b.dtype).itemsize, stick)
+            if name not in output_bases:  # the step's own buffers: a layout every view suits
+                layout = choose_layout(layout, views.get(name, []))
+            self.layouts[name] = layout
             self.offsets[name] = 0
         for name, (base, off, _, _) in desc.aliases.items():
             root = self._base(base)
@@ -136,6 +140,25 @@ class Executable:
         self._arenas: list[int] = []
         self._arena_lock = threading.Lock()
         self._plan_lock = threading.Lock()
+
+    def _views(self) -> dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+        """Every (offset, sizes, strides) through which some kernel touches each buffer."""
+        out: dict[str, list] = {}
+        for k in self.desc.kernels.values():
+            if isinstance(k, MatmulKernel):
+                for v in (k.a, k.b, k.out, k.bias):
+                    if v is not None:
+                        out.setdefault(self._base(v[0]), []).append((v[1], tuple(v[2]), tuple(v[3])))
+                continue
+            for op in k.ops:
+                acc = op.access
+                if acc is None or not acc.buf:
+                    continue
+                dims = [(n, c) for n, c in zip(k.sizes, acc.coeffs, strict=True) if c and n > 1]
+                dims += [(2, c) for _, c in acc.ind]  # an indirect row moves by whole rows
+                out.setdefault(self._base(acc.buf), []).append(
+                    (acc.const, tuple(n for n, _ in dims), tuple(c for _, c in dims)))
+        return out
 
     def _base(self, name: str) -> str:
         while name in self.desc.aliases:
@@ -334,6 +357,47 @@ class Executable:
         if base in self.desc.constants:
             return self.desc.constants[base].dtype
         return next(b.dtype for b, _ in self.desc.inputs if b.name == base)
+
+
+def _fits(row_len: int, view) -> bool:
+    """No dimension of the view wraps a row of `row_len` elements: dimensions with strides
+    below the row stay inside one row, the others move whole rows."""
+    offset, sizes, strides = view
+    span = offset % row_len
+    for n, s in zip(sizes, strides, strict=True):
+        if n <= 1 or s == 0:
+            continue
+        if s >= row_len:
+            if s % row_len:
+                return False
+        else:
+            span += (n - 1) * s
+    return span < row_len
+
+
+def choose_layout(own: StickLayout, views) -> StickLayout:
+    """The stick layout for a buffer the step owns: rows as its innermost dimension if every
+    view fits them, else the shortest wider row that all views fit (at worst one row)."""
+    total = own.numel
+    if total == 0 or all(_fits(own.row_len, v) for v in views):
+        return own
+    candidates = sorted({n for n in (_contiguous_extent(v) for v in views) if n and total % n == 0} | {total})
+    for n in candidates:
+        if n > own.row_len and all(_fits(n, v) for v in views):
+            return StickLayout(total // n, n, own.itemsize, own.stick_bytes)
+    return StickLayout(1, total, own.itemsize, own.stick_bytes)
+
+
+def _contiguous_extent(view) -> int:
+    """Elements covered by the view's innermost dimensions that are contiguous together."""
+    _, sizes, strides = view
+    dims = sorted((s, n) for n, s in zip(sizes, strides, strict=True) if n > 1 and s > 0)
+    extent = 1
+    for s, n in dims:
+        if s != extent:
+            break
+        extent *= n
+    return extent
 
 
 def _buffer_refs(a) -> list:

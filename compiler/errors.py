@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from torch._dynamo.exc import ShortenTraceback
+
 from spyre_rt.errors import SpyreCompileError
 
 
+class CompileFailed(SpyreCompileError, ShortenTraceback):
+    """A SpyreCompileError that Dynamo and Inductor hand to the caller unwrapped (they
+    pass ShortenTraceback exceptions through instead of wrapping them)."""
+
+    def __init__(self, message: str):
+        ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+
 def source_of(nodes) -> str:
-    """'op at file:line' for the first node with a known origin."""
+    """'op (file:line of the model code)' for the first node with a known origin."""
     for n in nodes:
         node = getattr(n, "node", n)
         for origin in getattr(node, "origins", ()) or ():
@@ -14,12 +24,12 @@ def source_of(nodes) -> str:
             trace = meta.get("stack_trace")
             target = getattr(origin, "target", origin)
             if trace:
-                last = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-                where = next((ln for ln in reversed(last) if ln.startswith("File ")), last[-1] if last else "")
+                lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+                where = next((ln for ln in reversed(lines) if ln.startswith("File ")), lines[-1] if lines else "")
                 return f"{target} ({where})"
             return str(target)
     return "unknown op"
 
 
-def compile_error(reason: str, nodes) -> SpyreCompileError:
-    return SpyreCompileError(f"spyre cannot compile {source_of(nodes)}: {reason}")
+def compile_error(reason: str, nodes) -> CompileFailed:
+    return CompileFailed(f"spyre cannot compile {source_of(nodes)}: {reason}")

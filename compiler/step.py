@@ -274,6 +274,7 @@ class Executable:
             b = desc.buffers[name]
             outputs[name] = tensors.empty_strided(b.sizes, b.strides, _torch_dtype(b.dtype), device)
         arena = self._take_arena()
+        cpu_values: dict = {}
         try:
             addrs = [arena]
             addrs += [t.untyped_storage().data_ptr() for t in inputs]
@@ -288,7 +289,13 @@ class Executable:
                             slots = [addrs[b] + off for b, off in (self.relocs[n] for n in bufs)]
                             jobs.run_once(self.card, blob, slots, name, prebuilt_transfer=mode != "construct")
                 elif kind == "cpu":
-                    self._run_cpu(x, addrs)
+                    cpu_values[x.name] = self._run_cpu(x, addrs)
+                else:  # "pick": one element of a CPU op's tuple result into a buffer
+                    src, path, out = x
+                    value = cpu_values[src]
+                    for i in path:
+                        value = value[i]
+                    self._upload(out, value, addrs)
         finally:
             self._give_arena(arena)
         named = {b.name: t for (b, _), t in zip(desc.inputs, inputs, strict=False)}
@@ -347,8 +354,13 @@ class Executable:
         result = fn(*args, **kwargs)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
         for out, value in zip(op.outputs, results, strict=False):
-            geo, (b, o) = self._geometry(out.name)
-            to_device(self.card, value.contiguous(), geo, addrs[b] + o, prebuilt)
+            self._upload(out.name, value, addrs)
+        return result
+
+    def _upload(self, name: str, value: torch.Tensor, addrs: list[int]) -> None:
+        geo, (b, o) = self._geometry(name)
+        value = value.to(_torch_dtype(self._dtype(name))).expand(geo.sizes)
+        to_device(self.card, value, geo, addrs[b] + o, config.settings().dispatch != "construct")
 
     def _dtype(self, name: str) -> str:
         base = self._base(name)

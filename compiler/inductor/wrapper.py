@@ -92,9 +92,13 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         return k
 
     def _fallback(self, node) -> CpuOp:
+        from .. import options
+
         op = getattr(node, "op_overload", None)
         if op is None or not isinstance(node, ir.FallbackKernel):
             raise compile_error(f"extern kernel {getattr(node, 'python_kernel_name', node)}", [node])
+        if not options.cpu_fallback:
+            raise compile_error(f"{op} has no kernel on the card and CPU fallback is off", [node])
 
         class Ref:
             def __init__(self, x):

@@ -129,9 +129,36 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---- info ----------------------------------------------------------------------------------
+
+
+def _info_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=int, default=0, metavar="N", help="the card to test (default 0)")
+    p.add_argument("--profile", metavar="NAME_OR_PATH",
+                   help="device profile (default: SPYRE_RT_DEVICE_PROFILE or the built-in 'spyre')")
+    p.add_argument("--timing", action="store_true", help="open the card in timing mode (no data)")
+
+
+def cmd_info(args: argparse.Namespace, console: Console) -> int:
+    from .. import card as cards
+    from ..errors import SpyreProfileError
+    from . import info
+
+    if args.profile or args.timing:
+        try:
+            cards.configure(args.profile, "timing" if args.timing else None)
+        except SpyreProfileError as e:
+            raise InputError(str(e)) from None
+    if not 0 <= args.device < cards.count():
+        raise InputError(f"--device {args.device}: the profile has {cards.count()} card(s)")
+    return info.render(console, args.device)
+
+
 # ---- the command ---------------------------------------------------------------------------
 
 COMMANDS: dict[str, Subcommand] = {
+    "info": Subcommand("the device profile (every figure with its source) and a self-test on the card",
+                       _info_arguments, cmd_info),
     "view": Subcommand("draw a trace in the terminal: timeline, per-op table, idle time, critical path",
                        _view_arguments, cmd_view),
     "compare": Subcommand("set two traces (or two run result files) side by side with deltas",

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import warnings
 
 import numpy as np
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import config, jobs, tensors
+from spyre_rt import config, jobs, plan_cache, tensors
 from spyre_rt.dispatch import override
 from spyre_rt.errors import SpyreError
 from spyre_rt.layout import StickLayout, layout_for, registry
@@ -35,6 +36,9 @@ from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_jso
 
 ARENA = 0  # binding 0 is the arena of intermediates
 ALIGN = 128
+
+# Construction done by this process: a warm start from the plan cache builds nothing.
+stats = {"kernels_built": 0, "plans_built": 0, "plans_loaded": 0}
 
 
 def load_step(text: str) -> CompiledStep:
@@ -136,7 +140,7 @@ class Executable:
         for name, (base, _, _, _) in desc.aliases.items():
             self.relocs[name] = self.relocs[self._base(base)]
         self.segments = self._segments()
-        self._plans: dict[int, GraphPlan] = {}
+        self._plans: dict[int, GraphPlan] | None = None
         self._arenas: list[int] = []
         self._arena_lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -221,6 +225,7 @@ class Executable:
     # ---- construction ----
     def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
         """Construct one kernel's program: the work the dispatch modes move."""
+        stats["kernels_built"] += 1
         k = self.desc.kernels[kernel_name]
         ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
         if isinstance(k, MatmulKernel):
@@ -232,21 +237,63 @@ class Executable:
         return ctx.encode(), ctx.buffers()
 
     def plan(self, segment: int) -> GraphPlan:
-        p = self._plans.get(segment)
-        if p is None:
+        plans = self._plans
+        if plans is None:
             with self._plan_lock:
-                p = self._plans.get(segment)
-                if p is None:
-                    p = self._plans[segment] = self._build_plan(segment)
-        return p
+                if self._plans is None:
+                    self._plans = self._load_or_build_plans()
+                plans = self._plans
+        return plans[segment]
 
-    def _build_plan(self, segment: int) -> GraphPlan:
+    def cache_key(self) -> str:
+        """Everything that changes the commands of this step's plans."""
+        from spyre_rt import __version__
+        from spyre_rt.native import lib
+
+        from .backend import compiler_version
+        from .kernels import to_json
+
+        geometry = [(tuple(self.layouts[n]), self.offsets[n]) for n in self.binding_names[1:]]
+        return plan_cache.digest("spyre_rt plans", __version__, compiler_version(), torch.__version__,
+                                 int(lib.SPY_JOB_VERSION), int(lib.SPY_PLAN_VERSION), self.card.profile.digest,
+                                 to_json(self.desc), geometry, self.desc.options)
+
+    def _device_segments(self) -> list[int]:
+        return [i for i, (kind, _) in enumerate(self.segments) if kind == "device"]
+
+    def _load_or_build_plans(self) -> dict[int, GraphPlan]:
+        """Every device segment's plan: from the plan cache, or built (and cached)."""
+        cache = plan_cache.default()
+        key = self.cache_key()
+        segments = self._device_segments()
+        entry = cache.load(key) if cache else None
+        if entry is not None:
+            try:
+                if len(entry.blocks) != len(segments):
+                    raise SpyreError(f"{len(entry.blocks)} plans for {len(segments)} segments")
+                plans = [GraphPlan(self.card, block) for block in entry.blocks]
+                if any(p.nbindings != len(self.binding_names) for p in plans):
+                    raise SpyreError("plans bind a different number of buffers")
+                stats["plans_loaded"] += len(plans)
+                return dict(zip(segments, plans, strict=True))
+            except SpyreError as e:
+                cache.reject(key, str(e))
+        blocks = [self._build_plan_block(i) for i in segments]
+        plans = [GraphPlan(self.card, block) for block in blocks]
+        stats["plans_built"] += len(plans)
+        if cache:
+            header = {"kernels": sum(len(self.segments[i][1]) for i in segments),
+                      "profile": self.card.profile.name, "options": self.desc.options,
+                      "arena_bytes": self.arena_bytes, "created": time.time()}
+            cache.store(key, header, blocks)
+        return dict(zip(segments, plans, strict=True))
+
+    def _build_plan_block(self, segment: int) -> np.ndarray:
         plan_jobs = []
         for name in self.segments[segment][1]:
             blob, bufs = self.build(name)
             plan_jobs.append(PlanJob(blob, tuple(self.relocs[b] for b in bufs), name))
-        block = encode_plan(plan_jobs, len(self.binding_names), self.card.intern)
-        return GraphPlan(self.card, block)
+        return encode_plan(plan_jobs, len(self.binding_names), self.card.intern)
 
     # ---- running ----
     def _take_arena(self) -> int:

@@ -9,8 +9,10 @@ one-line message and never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -154,9 +156,71 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     return info.render(console, args.device)
 
 
+# ---- cache ---------------------------------------------------------------------------------
+
+
+def _cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("list", "inspect", "clear", "stats"),
+                   help="list the cached plans, inspect one, clear the cache, or show its statistics")
+    p.add_argument("key", nargs="?", help="for inspect: a plan key (or a unique prefix of one)")
+    p.add_argument("--dir", metavar="DIR", help="the cache directory (default: SPYRE_RT_CACHE_DIR or ~/.cache)")
+
+
+def cmd_cache(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from .. import config, plan_cache
+    from ..errors import SpyrePlanCacheError
+
+    s = config.settings()
+    cache = plan_cache.PlanCache(args.dir or s.cache_dir, s.cache_max_bytes)
+    entries = sorted(cache.entries(), key=lambda e: -e[1].st_mtime)
+    if args.action == "clear":
+        console.print(f"removed {cache.clear()} plan file(s) from {cache.dir}")
+        return 0
+    if args.action == "stats":
+        total = sum(st.st_size for _, st in entries)
+        t = Table(title=f"plan cache {cache.dir}", title_justify="left")
+        t.add_column("figure")
+        t.add_column("value", justify="right")
+        t.add_row("plans", str(len(entries)))
+        t.add_row("bytes", f"{total:,}")
+        t.add_row("bound (bytes)", f"{cache.max_bytes:,}")
+        for k, v in sorted(cache.persistent_stats().items()):
+            if k != "updated":
+                t.add_row(k, f"{v:,}")
+        console.print(t)
+        return 0
+    if args.action == "list":
+        t = Table(title=f"plan cache {cache.dir}", title_justify="left")
+        for col in ("key", "bytes", "last used"):
+            t.add_column(col, justify="right" if col == "bytes" else "left")
+        for p, st in entries:
+            t.add_row(p.stem[:16], f"{st.st_size:,}", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)))
+        console.print(t)
+        return 0
+    if not args.key:
+        raise InputError("cache inspect needs a KEY (see `spyre-profile cache list`)")
+    match = [p for p, _ in entries if p.stem.startswith(args.key)]
+    if len(match) != 1:
+        raise InputError(f"{len(match)} plans match {args.key!r}")
+    try:
+        entry = plan_cache.decode(match[0].read_bytes())
+    except SpyrePlanCacheError as e:
+        raise InputError(f"{match[0]}: {e}") from None
+    t = Table(title=str(match[0]), title_justify="left")
+    t.add_column("field")
+    t.add_column("value", overflow="fold")
+    for k, v in sorted(entry.header.items()):
+        t.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+    console.print(t)
+    return 0
+
+
 # ---- the command ---------------------------------------------------------------------------
 
 COMMANDS: dict[str, Subcommand] = {
+    "cache": Subcommand("the plan cache: list, inspect, clear, stats", _cache_arguments, cmd_cache),
     "info": Subcommand("the device profile (every figure with its source) and a self-test on the card",
                        _info_arguments, cmd_info),
     "view": Subcommand("draw a trace in the terminal: timeline, per-op table, idle time, critical path",

@@ -1,0 +1,242 @@
+"""The plan cache on disk: prebuilt graph plans, so a new process loads instead of building.
+
+One file per key. The key (a sha256) covers everything that changes the commands: the
+compiled step, the input geometry (shapes, dtypes, strides, stick layouts, offsets), the
+device profile, the compiler and torch versions and the compile options. A file is plain
+data, never pickle or code:
+
+    magic "SPYPLAN\\0" | format u32 | header length u32 | payload length u64 | sha256 (32 B)
+    | header (JSON) | payload (the plan blocks, 8-byte aligned)
+
+The checksum covers header and payload. A file that is truncated, corrupt, of another
+format or for another key is detected, logged, counted and rebuilt; the plan blocks are
+validated again by the card when the plans are created. Writes go to a temporary file in
+the cache directory and are renamed into place, so concurrent writers leave one valid file
+and readers never see a partial one. After a write the directory is trimmed to its size
+bound, least recently used first (a hit refreshes a file's time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SpyrePlanCacheError
+
+log = logging.getLogger("spyre_rt.plan_cache")
+
+MAGIC = b"SPYPLAN\0"
+FORMAT = 1
+_PREFIX = struct.Struct("<8sIIQ32s")  # magic, format, header length, payload length, sha256
+SUFFIX = ".plan"
+STATS_FILE = "stats.json"
+
+
+@dataclass
+class Entry:
+    key: str
+    header: dict
+    blocks: list[np.ndarray]
+
+
+class Stats:
+    """Counters of this process (hits, misses, corrupt files, writes, evictions)."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.corrupt = self.writes = self.evictions = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+stats = Stats()
+
+
+def digest(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def encode(key: str, header: dict, blocks: list[np.ndarray]) -> bytes:
+    header = dict(header, key=key, blocks=[int(b.size) for b in blocks])
+    head = json.dumps(header, sort_keys=True).encode()
+    head += b" " * (-len(head) % 8)
+    payload = b"".join(bytes(b) + b"\0" * (-b.size % 8) for b in blocks)
+    check = hashlib.sha256(head + payload).digest()
+    return _PREFIX.pack(MAGIC, FORMAT, len(head), len(payload), check) + head + payload
+
+
+def decode(data: bytes, key: str | None = None) -> Entry:
+    """Parse and check a cache file; raises SpyrePlanCacheError saying what is wrong."""
+    if len(data) < _PREFIX.size:
+        raise SpyrePlanCacheError(f"truncated: {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, fmt, nhead, npay, check = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise SpyrePlanCacheError("not a spyre_rt plan file (bad magic)")
+    if fmt != FORMAT:
+        raise SpyrePlanCacheError(f"plan file format {fmt}, this spyre_rt reads {FORMAT}")
+    if len(data) != _PREFIX.size + nhead + npay:
+        raise SpyrePlanCacheError(f"truncated or padded: {len(data)} bytes, the prefix says "
+                                  f"{_PREFIX.size + nhead + npay}")
+    body = memoryview(data)[_PREFIX.size:]
+    if hashlib.sha256(body).digest() != check:
+        raise SpyrePlanCacheError("checksum mismatch (corrupt file)")
+    try:
+        header = json.loads(bytes(body[:nhead]).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SpyrePlanCacheError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("blocks"), list):
+        raise SpyrePlanCacheError("header lacks the block table")
+    if key is not None and header.get("key") != key:
+        raise SpyrePlanCacheError("a file for another key (foreign or stale)")
+    blocks, pos = [], nhead
+    for size in header["blocks"]:
+        if not isinstance(size, int) or size < 0 or pos + size > nhead + npay:
+            raise SpyrePlanCacheError("block table points outside the payload")
+        raw = np.frombuffer(body[pos: pos + size], dtype=np.uint8)
+        aligned = np.zeros((size + 7) // 8, dtype=np.uint64).view(np.uint8)[:size]
+        aligned[:] = raw
+        blocks.append(aligned)
+        pos += size + (-size % 8)
+    return Entry(header["key"], header, blocks)
+
+
+class PlanCache:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int):
+        self.dir = Path(directory)
+        self.max_bytes = max_bytes
+
+    def path(self, key: str) -> Path:
+        return self.dir / f"{key}{SUFFIX}"
+
+    def load(self, key: str) -> Entry | None:
+        p = self.path(key)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            stats.misses += 1
+            self._bump("misses")
+            return None
+        except OSError as e:
+            log.warning("plan cache: cannot read %s (%s); rebuilding", p, e)
+            stats.misses += 1
+            return None
+        try:
+            entry = decode(data, key)
+        except SpyrePlanCacheError as e:
+            self.reject(key, str(e))
+            return None
+        stats.hits += 1
+        self._bump("hits")
+        with contextlib.suppress(OSError):
+            os.utime(p)  # recently used
+        return entry
+
+    def reject(self, key: str, why: str) -> None:
+        """A cached file proved unusable: log, count and remove it (it will be rebuilt)."""
+        log.warning("plan cache: %s is unusable (%s); rebuilding it", self.path(key).name, why)
+        stats.corrupt += 1
+        stats.misses += 1
+        self._bump("corrupt")
+        with contextlib.suppress(OSError):
+            self.path(key).unlink()
+
+    def store(self, key: str, header: dict, blocks: list[np.ndarray]) -> None:
+        data = encode(key, header, blocks)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=self.dir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path(key))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as e:
+            log.warning("plan cache: cannot write %s (%s); continuing without it", self.path(key), e)
+            return
+        stats.writes += 1
+        self._bump("writes")
+        self.trim()
+
+    def entries(self) -> list[tuple[Path, os.stat_result]]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for p in self.dir.iterdir():
+                if p.suffix == SUFFIX and not p.name.startswith(".tmp-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        out.append((p, p.stat()))
+        return out
+
+    def trim(self) -> int:
+        """Remove least recently used files until the directory is within its bound."""
+        files = sorted(self.entries(), key=lambda e: e[1].st_mtime)
+        total = sum(st.st_size for _, st in files)
+        removed = 0
+        while files and total > self.max_bytes:
+            p, st = files.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed += 1
+            total -= st.st_size
+        stats.evictions += removed
+        if removed:
+            self._bump("evictions", removed)
+        return removed
+
+    def clear(self) -> int:
+        n = 0
+        for p, _ in self.entries():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / STATS_FILE).unlink()
+        return n
+
+    # ---- persistent counters shared by the processes using this directory ----
+    def _bump(self, name: str, by: int = 1) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dir / ".stats.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                counts = self.persistent_stats()
+                counts[name] = counts.get(name, 0) + by
+                counts["updated"] = time.time()
+                tmp = self.dir / f".{STATS_FILE}.{os.getpid()}"
+                tmp.write_text(json.dumps(counts))
+                os.replace(tmp, self.dir / STATS_FILE)
+        except OSError:
+            pass  # counters are informative; never fail a run for them
+
+    def persistent_stats(self) -> dict:
+        try:
+            data = json.loads((self.dir / STATS_FILE).read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+
+def default() -> PlanCache | None:
+    from . import config
+
+    s = config.settings()
+    return PlanCache(s.cache_dir, s.cache_max_bytes) if s.cache_enabled else None

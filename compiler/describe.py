@@ -264,9 +264,12 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
     flat = []
     for sizes, rsizes, syms, ops in recorded:
         all_sizes = sizes + rsizes
-        if math.prod(all_sizes) != total:
+        # A node over the reduced values only (e.g. `x.sum(-1) + 1` fused into the
+        # reduction) walks the rows: its flat index scales by the row length.
+        acc = rnumel if (rnumel > 1 and math.prod(all_sizes) == numel) else 1
+        if math.prod(all_sizes) * acc != total:
             raise NotSupported(f"a fused node iterates {math.prod(all_sizes)} points, the kernel {total}")
-        strides, acc = [], 1
+        strides = []
         for n in reversed(all_sizes):
             strides.append(acc)
             acc *= n

@@ -133,6 +133,7 @@ class StepDesc:
     kernels: dict[str, Any]
     sequence: tuple[tuple[str, Any], ...]
     options: dict[str, Any] = field(default_factory=dict)
+    static_inputs: tuple[int, ...] = ()   # inputs whose memory does not change (parameters)
 
 
 _TYPES = {cls.__name__: cls for cls in (Buffer, Access, Op, LoopKernel, MatmulKernel, CpuOp, StepDesc)}

@@ -271,6 +271,7 @@ spy_status spy_alloc_put(spy_allocator *a, uint64_t addr)
         spy_program_free(b.prog);
         b.prog = NULL;
     }
+    b.plan_owned = 0;
     if (a->ncache >= CACHE_MAX_BLOCKS ||
         !grow((void **)&a->cache, &a->capcache, a->ncache + 1, sizeof(spy_block))) {
         /* Evict the oldest cached block to keep the cache bounded. */

@@ -16,6 +16,7 @@ struct spy_plan {
     uint32_t njobs, nbindings;
     struct plan_job {
         uint64_t prog_addr;
+        spy_program *prog;   /* committed when the plan was created; owned by its block */
         uint32_t reloc_begin, nslots, name;
     } *jobs;
     spy_reloc *relocs;
@@ -24,6 +25,9 @@ struct spy_plan {
     uint64_t *slot_addr;   /* scratch: addresses of one job's slots */
     uint32_t max_slots;
     uint64_t upload_bytes;
+    uint64_t epoch;           /* the device's reset epoch when the plan was created */
+    uint8_t *binding_written; /* per binding: some job writes through it */
+    uint8_t **binding_host;   /* scratch: host memory behind each binding of a launch */
 };
 
 /* Per-launch scratch: resolved host pointers of slots. */
@@ -257,6 +261,9 @@ spy_status spy_malloc(spy_device *d, uint64_t nbytes, uint32_t kind, uint64_t *a
 spy_status spy_free(spy_device *d, uint64_t addr)
 {
     ENTER(d);
+    spy_block *b = spy_alloc_find(&d->mem, addr, 1);
+    if (b && b->addr == addr && b->plan_owned)
+        LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1, "0x%llx belongs to a graph plan", (unsigned long long)addr));
     LEAVE(d, spy_alloc_put(&d->mem, addr));
 }
 
@@ -322,6 +329,8 @@ spy_status spy_mem_write(spy_device *d, uint64_t addr, const void *src, uint64_t
     ENTER(d);
     spy_block *b;
     spy_status s = mem_access(d, addr, len, &b);
+    if (s == SPY_OK && b->plan_owned)
+        s = spy_fail(SPY_E_BAD_ADDRESS, -1, "0x%llx belongs to a graph plan", (unsigned long long)addr);
     if (s == SPY_OK) {
         memcpy(b->backing + (addr - b->addr), src, len);
         uncommit(b);
@@ -400,8 +409,8 @@ static spy_status bind_slots(spy_device *d, const spy_block *self, const uint64_
                             "slot %u bound to [0x%llx, +%llu), which is not inside a live allocation",
                             s, (unsigned long long)addr[s], (unsigned long long)extent);
         slot_host[s] = b->backing ? b->backing + (addr[s] - b->addr) : NULL;
-        if (g->slot_written[s] && b == self)
-            return spy_fail(SPY_E_BAD_ADDRESS, -1, "slot %u: a job may not write its own program", s);
+        if (g->slot_written[s] && (b == self || b->plan_owned))
+            return spy_fail(SPY_E_BAD_ADDRESS, -1, "slot %u: a job may not write a program", s);
         if (g->slot_written[s] && b->prog)
             *written_prog = b;
     }
@@ -414,12 +423,15 @@ static void timing_host_slots(spy_device *d, const spy_program *g, const uint64_
 {
     if (d->mode != SPY_MODE_TIMING)
         return;
-    for (uint32_t i = 0; i < g->hdr->ncmds; i++) {
-        const spy_cmd *c = &g->cmds[i];
-        if (c->op == SPY_OP_H2D && slot_host[c->u.dma.dst_slot])
-            slot_host[c->u.dma.src_slot] = (uint8_t *)(uintptr_t)addr[c->u.dma.src_slot];
+    for (uint32_t k = 0; k < g->nh2d; k++) {
+        uint32_t src = g->h2d_pairs[2 * k], dst = g->h2d_pairs[2 * k + 1];
+        if (slot_host[dst])
+            slot_host[src] = (uint8_t *)(uintptr_t)addr[src];
     }
 }
+
+static spy_status execute_job(spy_device *d, spy_program *g, double not_before, uint32_t name,
+                              double *end);
 
 static spy_status run_job(spy_device *d, spy_block *blk, const uint64_t *addr, double not_before,
                           uint32_t name, double *end)
@@ -430,6 +442,17 @@ static spy_status run_job(spy_device *d, spy_block *blk, const uint64_t *addr, d
     if (s != SPY_OK)
         return s;
     timing_host_slots(d, g, addr);
+    s = execute_job(d, g, not_before, name, end);
+    if (overwritten)
+        uncommit(overwritten);
+    return s;
+}
+
+/* Run a job whose slots are resolved in slot_host. */
+static spy_status execute_job(spy_device *d, spy_program *g, double not_before, uint32_t name,
+                              double *end)
+{
+    spy_status s;
     /* The command processor needs job_launch_ns from a job becoming runnable (launched by
      * the host, or the previous job of a plan ending) to its first command, in every mode. */
     double start = (d->device_free > not_before ? d->device_free : not_before) + d->prof.job_launch_ns;
@@ -447,19 +470,9 @@ static spy_status run_job(spy_device *d, spy_block *blk, const uint64_t *addr, d
     d->counters.device_busy_ns += duration;
     d->counters.jobs++;
     d->counters.commands += g->hdr->ncmds;
-    for (uint32_t i = 0; i < g->hdr->ncmds; i++) {
-        const spy_cmd *c = &g->cmds[i];
-        if (c->op == SPY_OP_H2D || c->op == SPY_OP_D2H) {
-            uint64_t bytes = spy_host_dma_bytes(g, c);
-            if (c->op == SPY_OP_H2D)
-                d->counters.bytes_h2d += bytes;
-            else
-                d->counters.bytes_d2h += bytes;
-        }
-    }
+    d->counters.bytes_h2d += g->bytes_h2d;
+    d->counters.bytes_d2h += g->bytes_d2h;
     d->job_seq++;
-    if (overwritten)
-        uncommit(overwritten);
     return s;
 }
 
@@ -590,6 +603,21 @@ spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t 
 
 /* ---- plans ---- */
 
+static void release_plan_blocks(spy_device *d, spy_plan *p)
+{
+    if (p->epoch != d->epoch)
+        return; /* a reset dropped them already */
+    for (uint32_t j = 0; j < p->njobs; j++) {
+        if (!p->jobs[j].prog_addr)
+            continue;
+        spy_block *b = spy_alloc_find(&d->mem, p->jobs[j].prog_addr, 1);
+        if (b && b->addr == p->jobs[j].prog_addr)
+            b->plan_owned = 0;
+        (void)spy_alloc_put(&d->mem, p->jobs[j].prog_addr);
+        p->jobs[j].prog_addr = 0;
+    }
+}
+
 static spy_status plan_fail(spy_plan *p, spy_status s)
 {
     spy_plan_destroy(p);
@@ -650,13 +678,16 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->relocs = malloc(((size_t)h->nrelocs + 1) * sizeof *p->relocs);
     p->extent = calloc((size_t)h->nbindings + 1, sizeof *p->extent);
     p->binding_kind = malloc((size_t)h->nbindings + 1);
-    if (!p->jobs || !p->relocs || !p->extent || !p->binding_kind)
+    p->binding_written = calloc((size_t)h->nbindings + 1, 1);
+    p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
+    if (!p->jobs || !p->relocs || !p->extent || !p->binding_kind || !p->binding_written || !p->binding_host)
         return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
     memset(p->binding_kind, 0xff, (size_t)h->nbindings + 1);
 
     lock(d);
     d->counters.native_calls++;
+    p->epoch = d->epoch;
     if (d->lost) {
         unlock(d);
         return plan_fail(p, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal));
@@ -672,6 +703,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         p->jobs[j].nslots = pj[j].nslots;
         p->jobs[j].name = pj[j].name;
         spy_block *b = spy_alloc_find(&d->mem, addr, pj[j].prog_len);
+        b->plan_owned = 1;
         memcpy(b->backing, (const uint8_t *)blob + pj[j].prog_off, pj[j].prog_len);
         s = commit_block(d, b, pj[j].prog_len, NULL);
         if (s != SPY_OK) {
@@ -679,6 +711,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
             break;
         }
         const spy_program *g = b->prog;
+        p->jobs[j].prog = b->prog;
         if (g->hdr->nslots != pj[j].nslots) {
             s = spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: %u relocations for %u slots", j,
                          pj[j].nslots, g->hdr->nslots);
@@ -695,6 +728,8 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
             }
             if (need > p->extent[r->binding])
                 p->extent[r->binding] = need;
+            if (g->slot_written[k])
+                p->binding_written[r->binding] = 1;
             uint8_t kind = (uint8_t)g->slots[k].kind;
             if (p->binding_kind[r->binding] != 0xff && p->binding_kind[r->binding] != kind)
                 s = spy_fail(SPY_E_BAD_PROGRAM, -1,
@@ -709,9 +744,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
             s = spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     }
     if (s != SPY_OK) {
-        for (uint32_t j = 0; j < h->njobs; j++)
-            if (p->jobs[j].prog_addr)
-                (void)spy_alloc_put(&d->mem, p->jobs[j].prog_addr);
+        release_plan_blocks(d, p);
         unlock(d);
         free(p->jobs);
         p->jobs = NULL;
@@ -733,15 +766,15 @@ void spy_plan_destroy(spy_plan *p)
         return;
     if (p->jobs) {
         lock(p->dev);
-        for (uint32_t j = 0; j < p->njobs; j++)
-            if (p->jobs[j].prog_addr)
-                (void)spy_alloc_put(&p->dev->mem, p->jobs[j].prog_addr);
+        release_plan_blocks(p->dev, p);
         unlock(p->dev);
     }
     free(p->jobs);
     free(p->relocs);
     free(p->extent);
     free(p->binding_kind);
+    free(p->binding_written);
+    free(p->binding_host);
     free(p->slot_addr);
     free(p);
 }
@@ -767,17 +800,29 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
     d->counters.native_calls++;
     REFUSE_IF_LOST(d);
     uint64_t host_t = spy_host_clock_locked(d);
+    if (p->epoch != d->epoch)
+        LEAVE(d, spy_fail(SPY_E_NOT_COMMITTED, -1, "the plan was made before the device was reset; rebuild it"));
     if (nbindings != p->nbindings || (nbindings && !bindings))
         LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "plan takes %u bindings, %u given", p->nbindings,
                           nbindings));
-    /* Bounds of every binding, once: the commands were checked against slot extents. */
+    /* Bounds of every binding, once: the commands were checked against slot extents, and
+     * each slot is a binding plus an offset inside the binding's extent. */
     for (uint32_t b = 0; b < nbindings; b++) {
+        p->binding_host[b] = NULL;
+        if (p->binding_kind[b] == SPY_SLOT_HOST) {
+            p->binding_host[b] = d->mode == SPY_MODE_TIMING ? NULL : (uint8_t *)(uintptr_t)bindings[b];
+            continue;
+        }
         if (p->binding_kind[b] != SPY_SLOT_DRAM || p->extent[b] == 0)
             continue;
-        if (!spy_alloc_find(&d->mem, bindings[b], p->extent[b]))
+        spy_block *blk = spy_alloc_find(&d->mem, bindings[b], p->extent[b]);
+        if (!blk)
             LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1,
                               "plan binding %u: [0x%llx, +%llu) is not inside a live allocation", b,
                               (unsigned long long)bindings[b], (unsigned long long)p->extent[b]));
+        if ((blk->prog || blk->plan_owned) && p->binding_written[b])
+            LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u would overwrite a program", b));
+        p->binding_host[b] = blk->backing ? blk->backing + (bindings[b] - blk->addr) : NULL;
     }
     /* Patching the resident relocation table is a small control transfer. */
     double now = (double)spy_host_clock_locked(d);
@@ -786,18 +831,18 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
     uint64_t first = d->job_seq;
     double end = 0;
     spy_status s = SPY_OK;
+    if (!ensure_slot_host(p->max_slots + 1))
+        LEAVE(d, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     for (uint32_t j = 0; j < p->njobs && s == SPY_OK; j++) {
         const struct plan_job *job = &p->jobs[j];
         for (uint32_t k = 0; k < job->nslots; k++) {
             const spy_reloc *r = &p->relocs[job->reloc_begin + k];
             p->slot_addr[k] = bindings[r->binding] + r->offset;
+            slot_host[k] = p->binding_host[r->binding] ? p->binding_host[r->binding] + r->offset : NULL;
         }
-        spy_block *blk = spy_alloc_find(&d->mem, job->prog_addr, 1);
-        if (!blk || !blk->prog) {
-            s = spy_fail(SPY_E_NOT_COMMITTED, -1, "plan job %u: its program was overwritten", j);
-            break;
-        }
-        s = run_job(d, blk, p->slot_addr, j == 0 ? not_before : 0, job->name, &end);
+        spy_program *g = job->prog;
+        timing_host_slots(d, g, p->slot_addr);
+        s = execute_job(d, g, j == 0 ? not_before : 0, job->name, &end);
     }
     d->counters.plan_launches++;
     trace_launch(d, name, host_t, first, d->job_seq - first);

@@ -29,6 +29,7 @@ typedef struct spy_block {
     uint32_t kind;        /* SPY_MEM_DATA / SPY_MEM_CONTROL */
     uint8_t *backing;     /* NULL for DATA in timing mode */
     spy_program *prog;    /* the committed program resident here, or NULL */
+    uint32_t plan_owned;  /* a plan's program: only the plan may free it, nothing may write it */
 } spy_block;
 
 typedef struct spy_range {
@@ -68,6 +69,9 @@ struct spy_program {
     const spy_desc *descs;
     uint8_t *slot_written;   /* per slot: some command writes through it */
     uint32_t *order;         /* a topological order of the commands */
+    uint32_t *h2d_pairs;     /* (source slot, destination slot) of each H2D command */
+    uint32_t nh2d;
+    uint64_t bytes_h2d, bytes_d2h;
     spy_job_info info;
 };
 

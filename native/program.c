@@ -470,6 +470,7 @@ out:
 }
 
 static uint64_t align8(uint64_t x) { return (x + 7) & ~(uint64_t)7; }
+static spy_status summarise_host_dma(spy_program *g);
 
 spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
                               spy_program **out)
@@ -538,6 +539,8 @@ spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t l
             cores[core / 64] |= 1ull << (core % 64);
     }
     spy_status s = check_acyclic(p, g);
+    if (s == SPY_OK)
+        s = summarise_host_dma(g);
     if (s != SPY_OK) {
         spy_program_free(g);
         return s;
@@ -558,5 +561,31 @@ void spy_program_free(spy_program *g)
         return;
     free(g->slot_written);
     free(g->order);
+    free(g->h2d_pairs);
     free(g);
+}
+
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
+
+/* What a launch needs about host transfers, computed once instead of per launch. */
+static spy_status summarise_host_dma(spy_program *g)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < g->hdr->ncmds; i++)
+        n += g->cmds[i].op == SPY_OP_H2D;
+    g->h2d_pairs = malloc(2 * (size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (!g->h2d_pairs)
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
+    for (uint32_t i = 0; i < g->hdr->ncmds; i++) {
+        const spy_cmd *c = &g->cmds[i];
+        if (c->op == SPY_OP_H2D) {
+            g->h2d_pairs[2 * g->nh2d] = c->u.dma.src_slot;
+            g->h2d_pairs[2 * g->nh2d + 1] = c->u.dma.dst_slot;
+            g->nh2d++;
+            g->bytes_h2d += spy_host_dma_bytes(g, c);
+        } else if (c->op == SPY_OP_D2H) {
+            g->bytes_d2h += spy_host_dma_bytes(g, c);
+        }
+    }
+    return SPY_OK;
 }

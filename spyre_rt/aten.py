@@ -17,6 +17,16 @@ aten = torch.ops.aten
 _CPU = DispatchKeySet(DispatchKey.CPU)
 _KERNELS: dict[str, object] = {}
 
+# Bumped whenever a spyre tensor is pointed at another storage (`.data =`, `set_`, a growing
+# `resize_`). Compiled steps bind the memory of their static inputs once and re-check it
+# only when this changes, instead of asking every parameter for its address on every call.
+storage_swaps = 0
+
+
+def _swapped() -> None:
+    global storage_swaps
+    storage_swaps += 1
+
 
 def _kernel(*names: str):
     def deco(fn):
@@ -106,21 +116,22 @@ def _resize(self, size, memory_format=None):
     aten.set_.source_Storage_storage_offset.redispatch(
         _CPU, self, fresh.untyped_storage(), self.storage_offset(), size, strides
     )
+    _swapped()
     return self
 
 
 # Metadata-only ops: the CPU kernels never touch the data.
-_METADATA = (
-    "view", "as_strided", "_reshape_alias", "unfold", "set_.source_Storage",
-    "set_.source_Storage_storage_offset", "set_.source_Tensor", "set_", "alias",
-)
+_METADATA = ("view", "as_strided", "_reshape_alias", "unfold", "alias")
+_STORAGE_SWAPS = ("set_.source_Storage", "set_.source_Storage_storage_offset", "set_.source_Tensor", "set_")
 
 
-def _redispatch(name: str):
+def _redispatch(name: str, swaps: bool = False):
     packet, _, overload = name.partition(".")
     op = getattr(getattr(aten, packet), overload or "default")
 
     def kernel(*args, **kwargs):
+        if swaps:
+            _swapped()
         return op.redispatch(_CPU, *args, **kwargs)
 
     kernel.__name__ = "spyre_" + name.replace(".", "_")
@@ -129,6 +140,15 @@ def _redispatch(name: str):
 
 for _name in _METADATA:
     _KERNELS[_name] = _redispatch(_name)
+for _name in _STORAGE_SWAPS:
+    _KERNELS[_name] = _redispatch(_name, swaps=True)
+
+
+@_kernel("_has_compatible_shallow_copy_type")
+def _compatible_shallow_copy(self, from_):
+    # `tensor.data = other` asks this before swapping the storage: note the swap.
+    _swapped()
+    return self.device.type == from_.device.type
 
 
 @_kernel("convolution_overrideable")

@@ -16,7 +16,6 @@ from collections import Counter
 import torch
 
 from . import tensors
-from .errors import SpyreNoDataError
 
 aten = torch.ops.aten
 
@@ -174,13 +173,7 @@ def run_on_cpu(op, *args, **kwargs):
         if view is not None:
             return view
     device = _device_of(args, kwargs)
-    for v in list(args) + list(kwargs.values()):
-        if _is_spyre(v) and not tensors.geometry(v)[0].functional:
-            raise SpyreNoDataError(
-                f"{sc.name} would run on the CPU, but {v.device} is in timing mode and keeps no "
-                "data; compile the model for the card or use a functional-mode card"
-            )
-    call = _Call(device)
+    call = _Call(device)  # on a timing-mode card the inputs read as zeros
     read_ids = {id(a) for a in args}
     host_args = [call.down(a) for a in args]
     host_kwargs = {k: (call.down_out(v, read_ids) if k in sc.kw_out else call.down(v)) for k, v in kwargs.items()}

@@ -55,6 +55,21 @@ def encode(jobs: list[PlanJob], nbindings: int, names) -> np.ndarray:
     return buf
 
 
+def job_names(block: np.ndarray) -> int:
+    """Number of jobs of a plan block (its header's count)."""
+    return int(block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)["njobs"][0])
+
+
+def set_job_names(block: np.ndarray, names: list[str], intern) -> None:
+    """Write this process's trace ids of the jobs' names into a plan block (ids are
+    per process, so a block loaded from disk carries stale ones)."""
+    njobs = job_names(block)
+    if len(names) != njobs:
+        raise ValueError(f"{len(names)} names for {njobs} jobs")
+    table = block[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + njobs * PLAN_JOB.itemsize].view(PLAN_JOB)
+    table["name"] = [intern(n) for n in names]
+
+
 class GraphPlan:
     """A plan created on a card from a plan block."""
 
@@ -75,7 +90,9 @@ class GraphPlan:
         return int(out[0])
 
     def launch(self, bindings) -> float:
-        """Run the whole step: one native call."""
-        arr = ffi.new("uint64_t[]", bindings)
-        check(lib.spy_plan_launch(self.handle, arr, self.nbindings, self.name, self._end), "running a graph plan")
+        """Run the whole step: one native call. `bindings` is a list of addresses or a
+        ``uint64_t[]`` table the caller keeps (no copy then)."""
+        if not isinstance(bindings, ffi.CData):
+            bindings = ffi.new("uint64_t[]", bindings)
+        check(lib.spy_plan_launch(self.handle, bindings, self.nbindings, self.name, self._end), "running a graph plan")
         return self._end[0]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 
 import torch
 
 from . import card as cards
 from . import config
-from .errors import SpyreError, SpyreNoDataError
+from .errors import SpyreError
 from .layout import DLPACK_CODE, StickLayout, layout_for, registry, spy_dtype
 from .native import check, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
@@ -103,15 +104,29 @@ def _prebuilt_transfers() -> bool:
     return config.settings().dispatch != "construct"
 
 
+class SpyreTimingModeWarning(UserWarning):
+    """Values were read from a timing-mode card, which keeps no data: they are zeros."""
+
+
+_warned_timing = False
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """The values of a spyre tensor as a new CPU tensor of the same shape and dtype."""
+    """The values of a spyre tensor as a new CPU tensor of the same shape and dtype.
+
+    A timing-mode card keeps no data: the transfer is still made (and timed) and the
+    values are zeros, with a one-time SpyreTimingModeWarning."""
+    global _warned_timing
     card, view, base = geometry(t)
+    out = from_device(card, view, base, t.dtype, _prebuilt_transfers())
     if not card.functional:
-        raise SpyreNoDataError(
-            f"{card!r} runs in timing mode and keeps no tensor data; values of spyre tensors "
-            "cannot be read (use a functional-mode card for numbers)"
-        )
-    return from_device(card, view, base, t.dtype, _prebuilt_transfers())
+        if not _warned_timing:
+            _warned_timing = True
+            warnings.warn(f"{card!r} runs in timing mode and keeps no tensor data: values read from it "
+                          "are zeros (use a functional-mode card for numbers)", SpyreTimingModeWarning,
+                          stacklevel=3)
+        out.zero_()
+    return out
 
 
 def upload(src: torch.Tensor, dst: torch.Tensor) -> None:

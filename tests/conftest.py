@@ -1,11 +1,13 @@
 """Shared fixtures: cards opened directly from profiles, independent of the device registry."""
 
 import os
+import tempfile
 import textwrap
 
 import pytest
 
-os.environ.setdefault("SPYRE_RT_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".plan-cache"))
+# Every test session starts with an empty plan cache of its own.
+os.environ.setdefault("SPYRE_RT_CACHE_DIR", tempfile.mkdtemp(prefix="spyre-rt-plans-"))
 
 from spyre_rt import profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402

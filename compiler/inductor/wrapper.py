@@ -188,13 +188,14 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         constants = {}
         for name, t in g.constants.items():
             constants[name] = Buffer(name, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0)
-        from .. import options
+        from .. import backend, options
 
         return StepDesc(
             inputs=tuple(inputs), outputs=tuple(outputs), buffers=buffers, aliases=aliases,
             constants=constants, kernels=dict(self.spyre_kernels), sequence=tuple(seq),
             options={"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
                      "compute_dtype": options.compute_dtype},
+            static_inputs=backend.static_inputs(),
         )
 
     def _generate(self, is_inference):

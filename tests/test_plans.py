@@ -1,0 +1,257 @@
+"""Dispatch modes and graph plans: same results, same device work, less host work; the
+plan cache on disk."""
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spyre_rt
+from spyre_rt import card as cards
+from spyre_rt import plan_cache
+from spyre_rt.card import EV_CMD, EV_JOB
+from spyre_rt.compiler import step as step_mod
+from spyre_rt.dispatch import dispatch_mode
+
+MODES = ("construct", "prebuilt-transfer", "prebuilt")
+
+
+def mlp(x, w1, w2, w3):
+    h = F.silu(x @ w1.t()) * (x @ w2.t())
+    return torch.softmax(h @ w3.t(), -1)
+
+
+def _args(layers_in=64, hidden=96):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(5, layers_in, generator=g), torch.randn(hidden, layers_in, generator=g),
+            torch.randn(hidden, layers_in, generator=g), torch.randn(40, hidden, generator=g)]
+
+
+def _kernel_jobs(card, fn, args, mode):
+    """(name, number of commands, per-command (op, core, duration)) of each kernel job."""
+    card.trace_clear()
+    card.trace_enable(True, True)
+    try:
+        with dispatch_mode(mode):
+            out = fn(*args)
+    finally:
+        card.trace_enable(False)
+    ev = card.trace_events()
+    names = {}
+    for e in ev[ev["kind"] == EV_JOB]:
+        names[int(e["job"])] = card.name_of(int(e["a"]))
+    jobs = {}
+    for e in ev[ev["kind"] == EV_CMD]:
+        name = names.get(int(e["job"]), "")
+        if name.startswith("k"):  # kernel jobs; uploads and copies are named h2d/d2h
+            jobs.setdefault(int(e["job"]), (name, []))[1].append(
+                (int(e["a"]), int(e["core"]), round(e["end_ns"] - e["start_ns"], 6)))
+    return out, [jobs[j] for j in sorted(jobs)]
+
+
+def test_modes_give_identical_results_and_device_work():
+    card = cards.get(0)
+    f = torch.compile(mlp, backend="spyre_rt", dynamic=False)
+    args = [a.to("spyre") for a in _args()]
+    results = {m: _kernel_jobs(card, f, args, m) for m in MODES}
+    ref = mlp(*_args())
+    outs = {m: r[0].cpu() for m, r in results.items()}
+    assert torch.allclose(outs["prebuilt"], ref, rtol=1e-5, atol=1e-6)
+    for m in MODES:
+        assert torch.equal(outs[m], outs["construct"]), m
+        assert results[m][1] == results["construct"][1], f"{m} ran other device commands"
+    assert len(results["construct"][1]) >= 5  # matmuls and fused pointwise kernels
+
+
+def _native_calls(card, fn, args, mode) -> int:
+    with dispatch_mode(mode):
+        fn(*args)  # warm: plans and transfer graphs exist
+        before = card.counters()["native_calls"]
+        fn(*args)
+        return card.counters()["native_calls"] - before
+
+
+def test_prebuilt_native_calls_do_not_grow_with_kernels():
+    card = cards.get(0)
+
+    def chain(n):
+        def f(x):
+            for i in range(n):
+                x = torch.tanh(x @ x.t()[:, : x.shape[1]] + i)
+            return x
+        return torch.compile(f, backend="spyre_rt", dynamic=False)
+
+    x = [torch.randn(16, 16).to("spyre")]
+    short, long = chain(2), chain(6)
+    assert _native_calls(card, short, x, "prebuilt") == _native_calls(card, long, x, "prebuilt")
+    c_short, c_long = _native_calls(card, short, x, "construct"), _native_calls(card, long, x, "construct")
+    assert c_long > c_short + 4 * 4  # several native calls per extra kernel
+
+
+def test_outputs_of_a_step_survive_the_next_step():
+    f = torch.compile(lambda x: torch.exp(x) + 1, backend="spyre_rt", dynamic=False)
+    a, b = torch.randn(4, 70), torch.randn(4, 70)
+    out_a = f(a.to("spyre"))
+    out_b = f(b.to("spyre"))
+    assert out_a.untyped_storage().data_ptr() != out_b.untyped_storage().data_ptr()
+    assert torch.allclose(out_a.cpu(), torch.exp(a) + 1) and torch.allclose(out_b.cpu(), torch.exp(b) + 1)
+
+
+# ---- the plan cache --------------------------------------------------------------------
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch, spyre_rt
+    from spyre_rt.compiler import step
+    from spyre_rt import plan_cache
+    w = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) / 1000
+    f = torch.compile(lambda x, w: torch.relu(x @ w) * 0.5, backend="spyre_rt", dynamic=False)
+    x = torch.arange(5 * 64, dtype=torch.float32).reshape(5, 64) / 100
+    out = f(x.to("spyre"), w.to("spyre")).cpu()
+    ok = torch.allclose(out, torch.relu(x @ w) * 0.5, rtol=1e-5)
+    print(json.dumps({"ok": bool(ok), "step": step.stats, "cache": plan_cache.stats.as_dict()}))
+""")
+
+
+def _run(cache_dir, extra_env=None):
+    env = dict(os.environ, SPYRE_RT_CACHE_DIR=str(cache_dir), **(extra_env or {}))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_plans_and_builds_nothing(tmp_path):
+    first = _run(tmp_path)
+    assert first["ok"] and first["step"]["kernels_built"] > 0 and first["cache"]["writes"] == 1
+    second = _run(tmp_path)
+    assert second["ok"]
+    assert second["step"]["kernels_built"] == 0 and second["step"]["plans_loaded"] >= 1
+    assert second["cache"]["hits"] == 1 and second["cache"]["misses"] == 0
+
+
+def _one_plan(tmp_path):
+    files = [p for p in tmp_path.iterdir() if p.suffix == ".plan"]
+    assert len(files) == 1
+    return files[0]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "version", "foreign", "empty"])
+def test_damaged_files_are_detected_and_rebuilt(tmp_path, damage):
+    _run(tmp_path)
+    p = _one_plan(tmp_path)
+    data = bytearray(p.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "version":
+        data[8] = 99  # the format field after the magic
+    elif damage == "foreign":
+        other = plan_cache.decode(bytes(data))
+        data = bytearray(plan_cache.encode("0" * 64, {k: v for k, v in other.header.items() if k != "key"},
+                                           other.blocks))
+    else:
+        data = bytearray()
+    p.write_bytes(bytes(data))
+    again = _run(tmp_path)
+    assert again["ok"]  # results right
+    assert again["cache"]["corrupt"] == 1 and again["step"]["kernels_built"] > 0
+    assert again["cache"]["writes"] == 1
+    assert plan_cache.decode(_one_plan(tmp_path).read_bytes()).header["kernels"] > 0  # a valid file again
+
+
+def test_corrupt_file_is_logged(tmp_path, caplog):
+    cache = plan_cache.PlanCache(tmp_path, 1 << 20)
+    (tmp_path / ("a" * 64 + ".plan")).write_bytes(b"not a plan file, " * 8)
+    with caplog.at_level(logging.WARNING, logger="spyre_rt.plan_cache"):
+        assert cache.load("a" * 64) is None
+    assert "unusable" in caplog.text and "bad magic" in caplog.text
+    assert not (tmp_path / ("a" * 64 + ".plan")).exists()
+
+
+def test_every_part_of_the_key_matters():
+    before = set(step_mod._live_steps)
+    f = torch.compile(lambda x: x * 3 + 1, backend="spyre_rt", dynamic=False)
+    card = cards.get(0)
+    x = torch.randn(6, 70).to("spyre")
+    f(x)
+    (exe,) = list(_executables(before))
+    key = exe.cache_key()
+    # another input layout (the same values, held by a wider storage)
+    wide = torch.randn(6, 140).to("spyre")[:, :70]
+    f(wide)
+    keys = {e.cache_key() for e in _executables(before)}
+    assert len(keys) == 2 and key in keys
+    # another device profile, another compiler version, other options
+    other = copy.copy(exe)
+    other.desc = exe.desc.__class__(**{**exe.desc.__dict__, "options": {**exe.desc.options, "dispatch": "construct"}})
+    assert other.cache_key() != key
+    from spyre_rt.compiler import backend
+
+    saved = backend._version
+    try:
+        backend._version = "something-else"
+        assert exe.cache_key() != key
+    finally:
+        backend._version = saved
+    prof = card.profile
+    try:
+        object.__setattr__(prof, "digest", "0" * 64)
+        assert exe.cache_key() != key
+    finally:
+        object.__setattr__(prof, "digest", cards.get(0).profile.digest)
+
+
+def _executables(before):
+    """Executables of the steps compiled since `before` was taken."""
+    for obj in set(step_mod._live_steps) - before:
+        yield from obj._executables.values()
+
+
+def test_two_processes_compiling_at_once_leave_one_valid_file(tmp_path):
+    env = dict(os.environ, SPYRE_RT_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", SCRIPT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1000:] for o in outs]
+    assert all('"ok": true' in o[0] for o in outs)
+    plan_cache.decode(_one_plan(tmp_path).read_bytes())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_the_cache_stays_within_its_bound(tmp_path):
+    cache = plan_cache.PlanCache(tmp_path, 10_000)
+    import numpy as np
+
+    block = np.zeros(3000, dtype=np.uint8)
+    for i in range(8):
+        cache.store(f"{i:064x}", {"n": i}, [block])
+        os.utime(cache.path(f"{i:064x}"), (1000 + i, 1000 + i))
+    total = sum(p.stat().st_size for p in tmp_path.iterdir() if p.suffix == ".plan")
+    assert total <= 10_000
+    left = sorted(p.stem for p in tmp_path.iterdir() if p.suffix == ".plan")
+    assert left and left[-1] == f"{7:064x}"  # the most recent survive
+
+
+def test_timing_mode_runs_the_same_commands(small_cards=None):
+    """Timing and functional cards give the same device time for a compiled step."""
+    f = torch.compile(mlp, backend="spyre_rt", dynamic=False)
+    times = {}
+    for mode in ("functional", "timing"):
+        with cards.configured(None, mode):
+            card = cards.get(0)
+            args = [a.to("spyre") for a in _args()]
+            f(*args)
+            before = card.counters()["device_busy_ns"]
+            f(*args)
+            times[mode] = card.counters()["device_busy_ns"] - before
+    assert times["functional"] == times["timing"] > 0
+    assert spyre_rt  # the device stays registered

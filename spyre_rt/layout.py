@@ -80,7 +80,10 @@ class StickLayout(NamedTuple):
     def phys(self, logical):
         """Physical byte offset of logical element offset(s) (int or numpy array)."""
         s = self.stick_elems
-        r, c = np.divmod(logical, self.row_len)
+        if isinstance(logical, int):
+            r, c = divmod(logical, self.row_len)
+        else:
+            r, c = np.divmod(logical, self.row_len)
         return (c // s) * self.stick_stride + r * self.stick_bytes + (c % s) * self.itemsize
 
 

@@ -23,8 +23,8 @@ import weakref
 import numpy as np
 import torch
 
-from spyre_rt import card as cards
 from spyre_rt import aten, config, jobs, plan_cache, tensors
+from spyre_rt import card as cards
 from spyre_rt.dispatch import override
 from spyre_rt.errors import SpyreError
 from spyre_rt.layout import StickLayout, layout_for, registry

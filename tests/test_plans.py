@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from spyre_rt.compiler import step as step_mod
 
 import spyre_rt
 from spyre_rt import card as cards
 from spyre_rt import plan_cache
 from spyre_rt.card import EV_CMD, EV_JOB
-from spyre_rt.compiler import step as step_mod
 from spyre_rt.dispatch import dispatch_mode
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")

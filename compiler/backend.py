@@ -123,6 +123,15 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),
     }
+    from torch._inductor.exc import InductorError
+
     with opts.patch(patch):
-        return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
-                          config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
+        try:
+            return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
+                              config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
+        except InductorError as e:
+            # Inductor wraps exceptions on some paths (e.g. with its caches off): hand our
+            # compile errors to the caller as themselves.
+            if isinstance(e.inner_exception, spyre_rt.SpyreCompileError):
+                raise e.inner_exception from None
+            raise

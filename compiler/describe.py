@@ -28,6 +28,9 @@ from torch._inductor.virtualized import V
 from .kernels import Access, Buffer, LoopKernel, Op
 
 
+MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements
+
+
 class NotSupported(Exception):
     """The kernel uses something the card's construction cannot express."""
 
@@ -288,10 +291,21 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
         cstrides.append(acc)
         acc *= n
     cstrides.reverse()
-    # Columns: the reduced variables, or for pointwise kernels everything that the first
-    # node's innermost loop covers (a split of it must not become a row variable).
-    width = rnumel if rnumel > 1 else (recorded[0][0] + recorded[0][1] or [1])[-1]
-    ncols = max(1, sum(1 for s in cstrides if s < width)) if canon else 0
+    # Columns: the reduced variables. For pointwise kernels, the variables inside the first
+    # node's innermost loop (so a split of it does not become a row variable), as long as
+    # a row stays a reasonable scratchpad tile.
+    if not canon:
+        ncols = 0
+    elif rnumel > 1:
+        ncols = sum(1 for s in cstrides if s < rnumel)
+    else:
+        width = (recorded[0][0] + recorded[0][1] or [1])[-1]
+        ncols, cols = 0, 1
+        for n, s in zip(reversed(canon), reversed(cstrides), strict=True):
+            if s >= width or (ncols and cols * n > MAX_POINTWISE_COLUMNS):
+                break
+            ncols, cols = ncols + 1, cols * n
+        ncols = max(ncols, 1)
 
     buffers: dict[str, Buffer] = {}
     out_ops: list[Op] = []

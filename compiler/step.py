@@ -410,10 +410,7 @@ class Executable:
                     if mode == "prebuilt":
                         self.plan(i).launch(table)
                     else:
-                        for name in x:
-                            blob, bufs = self.build(name)
-                            slots = [addrs[b] + off for b, off in (self.relocs[n] for n in bufs)]
-                            jobs.run_once(self.card, blob, slots, name, prebuilt_transfer=mode != "construct")
+                        self._construct_and_run(x, addrs, mode)
                 elif kind == "cpu":
                     cpu_values[x.name] = self._run_cpu(x, addrs)
                 else:  # "pick": one element of a CPU op's tuple result into a buffer
@@ -429,6 +426,18 @@ class Executable:
             t = outputs[k] if fresh else inputs[k]
             result.append(torch.as_strided(t, sizes, strides, delta if fresh else delta + t.storage_offset()))
         return result
+
+    def _construct_and_run(self, kernels, addrs, mode: str) -> None:
+        """The construct modes: build each kernel's program at its launch, upload, run."""
+        card = self.card
+        tracing = card.tracing
+        for name in kernels:
+            t0 = card.host_clock_ns() if tracing else 0
+            blob, bufs = self.build(name)
+            if tracing:
+                card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
+            slots = [addrs[b] + off for b, off in (self.relocs[n] for n in bufs)]
+            jobs.run_once(card, blob, slots, name, prebuilt_transfer=mode != "construct")
 
     # ---- CPU ops inside a step ----
     def _geometry(self, name: str, view=None) -> tuple[ViewGeometry, int]:

@@ -48,6 +48,7 @@ class Card:
         check(lib.spy_device_open(native_profile, mode, index, out), f"opening spyre:{index}")
         self.handle = out[0]
         self.transfers = TransferCache()
+        self.tracing = False  # host spans are recorded only while tracing
         self._names: dict[str, int] = {}
         self._names_lock = threading.Lock()
 
@@ -141,6 +142,7 @@ class Card:
     def trace_enable(self, enabled: bool = True, commands: bool = True) -> None:
         """Record jobs, launches and host spans (and every command when `commands`)."""
         check(lib.spy_trace_enable(self.handle, int(enabled), int(commands)))
+        self.tracing = enabled
 
     def trace_host_span(self, name: str, start_ns: int, end_ns: int) -> None:
         check(lib.spy_trace_host_span(self.handle, self.intern(name), start_ns, end_ns))

@@ -31,7 +31,8 @@ Integer and boolean results must match exactly. Inputs are generated per case an
 its name: positive values for log/sqrt/rsqrt/pow and divisors, small integers where
 equality comparisons must be hit, indices in range, random boolean masks. Every compiled
 function must become exactly one graph, and nothing may run through the eager CPU fallback
-of the device (only ``cumsum`` is expected to run on the CPU, inside the compiled step).
+of the device (only ``cumsum``, ``gather`` and accumulating ``index_add``/``index_put`` are expected to run
+on the CPU, inside the compiled step).
 
 Cases that fail because of a gap in the compiler or runtime stay in the table with a
 ``Broken`` reason and run as ``xfail(strict=True)``: fixing the gap turns them into errors
@@ -50,9 +51,6 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from spyre_rt.compiler.build.loops import Unsupported
-from spyre_rt.compiler.errors import CompileFailed
-from torch._inductor.exc import InductorError  # wraps CompileFailed when the FX graph cache is off
 
 import spyre_rt
 from spyre_rt import fallback
@@ -197,21 +195,6 @@ P = A(3, 5, "D", gen=positive)
 # for sum_all, 5.7e-6 measured. 2e-5 is their floor. fp16 needs nothing extra: both sides
 # accumulate in fp32, and the fp16 rounding of the result dominates.
 SUMS = {F32: (1e-5, 2e-5)}
-
-# Known gaps (see the reasons; each has a minimal reproduction in the sweep's report).
-GATHER_COLUMNS = Broken(
-    "torch.gather along the last dim: 'an indirect index that varies along the columns' "
-    "(compiler/build/loops.py), raised when the kernel is built at the first call, not at compile",
-    Unsupported)
-ACCUMULATE = Broken(
-    "index_add / index_put(accumulate=True) lowers to a store with mode 'atomic_add', which "
-    "describe.py's recorder refuses (NotSupported) instead of the step running the op on the CPU "
-    "as cpu_fallback=True promises", (CompileFailed, InductorError))
-OUTPUT_VIEW = Broken(
-    "a graph output that is a TensorBox(ReinterpretView) adding size-1 dims to a buffer "
-    "(unsqueeze/view(1, ...)) comes back with the buffer's shape: the wrapper's graph-output "
-    "loop only recognises a bare ReinterpretView (compiler/inductor/wrapper.py)", AssertionError)
-
 
 def rms_norm(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -358,7 +341,8 @@ CASES: list[Case] = [
     Case("embedding", F.embedding, (A(2, 7, gen=ints(50)), A(50, "D"))),
     Case("index_select", lambda a, i: a.index_select(0, i), (A(12, "D"), A(5, gen=ints(12)))),
     Case("index_tensor", lambda a, i: a[i], (A(12, "D"), A(2, 3, gen=ints(12)))),
-    Case("gather_last", lambda a, i: torch.gather(a, -1, i), (A(6, "D"), A(6, 9, gen=ints("D"))), broken=GATHER_COLUMNS),
+    Case("gather_last", lambda a, i: torch.gather(a, -1, i), (A(6, "D"), A(6, 9, gen=ints("D"))),
+         fallback_op="gather"),
     Case("select", lambda a: a[:, 2] * 2, (X,)),
     Case("slice_step", lambda a: a[:, 1:, ::2] + 1, (X,)),
     Case("slice_narrow", lambda a: a.narrow(-1, 3, 20) * a[..., -20:], (X,)),
@@ -407,13 +391,13 @@ CASES: list[Case] = [
           A(1, 2, 1, "D"), A(1, 2, 1, "D")), tol=SUMS),
     # MoE token combine: out.index_add_(0, token_idx, expert_out)
     Case("index_add", lambda a, i, s: a.index_add(0, i, s), (A(12, "D"), A(5, gen=ints(12)), A(5, "D")),
-         broken=ACCUMULATE),
+         fallback_op="index"),
     # -- inputs that are views: transposed, offset into their storage, strided --
     Case("input_transposed", lambda a, b: a * 2 + b, (A("D", 15, view=lambda t: t.t()), A(15, "D"))),
     Case("input_offset", lambda a: torch.exp(a), (A(4, "D", view=lambda t: t[1:]),)),
     Case("input_strided_rows", lambda a: a.sum(-1), (A(6, "D", view=lambda t: t[::2]),), tol=SUMS),
     Case("mm_input_transposed", torch.mm, (A(8, "D"), A(24, "D", view=lambda t: t.t())), tol=SUMS),
-    Case("output_unsqueeze", lambda a: (a * 2).unsqueeze(0), (X,), broken=OUTPUT_VIEW),
+    Case("output_unsqueeze", lambda a: (a * 2).unsqueeze(0), (X,)),
     Case("output_is_input_view", lambda a: (a.transpose(0, 1), a[:, 1:3]), (X,)),
     # -- pieces of decoder layers --
     Case("rms_norm_upcast", lambda x, w: w * rms_norm(x.to(torch.float32), 1.0).to(x.dtype),
@@ -430,7 +414,7 @@ CASES: list[Case] = [
                                                                         enable_gqa=True),
          (A(1, 4, 8, "D"), A(1, 2, 8, "D"), A(1, 2, 8, "D")), tol=SUMS),
     Case("einsum_heads", lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k),
-         (A(1, 2, 8, "D"), A(1, 2, 8, "D")), tol=SUMS, broken=OUTPUT_VIEW),
+         (A(1, 2, 8, "D"), A(1, 2, 8, "D")), tol=SUMS),
     Case("pad_last", lambda a: F.pad(a, (1, 3)), (X,)),
     # -- a CPU fallback inside the compiled step --
     Case("cumsum", lambda a: torch.cumsum(a, -1) * 2, (X,), tol=SUMS, fallback_op="cumsum"),

@@ -66,6 +66,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    _install_cpu_ops()
     for op in (aten.mm.default, aten.bmm.default, aten.addmm.default):
         _original[op] = L.lowerings[op]
 
@@ -93,6 +94,41 @@ def install() -> None:
             out = L.lowerings[aten.mul.Tensor](out, alpha)
         scaled = inp if beta == 1 else L.lowerings[aten.mul.Tensor](inp, beta)
         return L.lowerings[aten.add.Tensor](out, scaled)
+
+
+# Ops whose kernels the card cannot express: an element-wise gather or an accumulating
+# scatter needs an address per element; they run on the CPU inside the compiled step.
+_ON_CPU = ("gather", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_reduce")
+
+
+def _install_cpu_ops() -> None:
+    for name in _ON_CPU:
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op not in L.lowerings:
+                continue
+            original = L.lowerings[op]
+            handler = L.fallback_handler(op, add_to_fallback_set=False)
+
+            def lowering(*args, _original=original, _handler=handler, **kwargs):
+                if _on_spyre(*args, *kwargs.values()):
+                    return _handler(*args, **kwargs)
+                return _original(*args, **kwargs)
+
+            L.lowerings[op] = lowering
+    for op in (aten.index_put.default, aten.index_put_.default):
+        original = L.lowerings[op]
+        handler = L.fallback_handler(op, add_to_fallback_set=False)
+
+        def index_put(x, indices, values, accumulate=False, _original=original, _handler=handler):
+            if accumulate and _on_spyre(x, values):
+                return _handler(x, indices, values, accumulate)
+            return _original(x, indices, values, accumulate)
+
+        L.lowerings[op] = index_put
 
 
 def decompositions() -> dict:

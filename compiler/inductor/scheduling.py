@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch._inductor.codegen.simd import SIMDScheduling
 from torch._inductor.virtualized import V
 
+from ..build.loops import Unsupported, check_kernel
 from ..describe import NotSupported, describe_kernel
 from ..errors import compile_error
 
@@ -38,7 +39,8 @@ class SpyreScheduling(SIMDScheduling):
 
         try:
             kernel = describe_kernel(name, nodes, int(numel), int(rnumel), local, real_name)
-        except NotSupported as e:
+            check_kernel(kernel)  # what construction cannot express fails now, not at the first call
+        except (NotSupported, Unsupported) as e:
             raise compile_error(str(e), nodes) from None
         wrapper.define_spyre_kernel(kernel)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated

@@ -178,6 +178,11 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             inputs.append((b, name in g.mutated_inputs))
         outputs = []
         for out in g.graph_outputs:
+            while isinstance(out, (ir.TensorBox, ir.StorageBox)) and isinstance(out.data, ir.IRNode):
+                if isinstance(out.data, ir.ReinterpretView) or isinstance(out, ir.TensorBox):
+                    out = out.data
+                else:
+                    break
             if isinstance(out, ir.ReinterpretView):
                 outputs.append(_view(out))
             elif isinstance(out, (ir.ShapeAsConstantBuffer,)) or not hasattr(out, "get_name"):

@@ -131,6 +131,75 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---- run -----------------------------------------------------------------------------------
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    from .run import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"modes must be a comma list of {', '.join(MODES)}, not {text!r}")
+    return modes
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a model profile name (granite-3.3-8b, granite-3.3-2b, granite-tiny) or a TOML path")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="N", help="batch size (default 1)")
+    p.add_argument("--seq", type=positive_int, default=1024, metavar="N", help="prompt length (default 1024)")
+    p.add_argument("--decode-steps", type=positive_int, default=8, metavar="N",
+                   help="greedy decode steps measured per mode (default 8)")
+    p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
+                   help="dispatch modes to compare (default: construct,prebuilt-transfer,prebuilt)")
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
+                     help="compute every value on the card (slow for full-size models)")
+    sim.add_argument("--timing", dest="sim_mode", action="store_const", const="timing",
+                     help="simulate time only (the default for full-size models)")
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                   help="use N layers instead of the profile's (a quicker, smaller run)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the measured runs")
+    p.add_argument("--json", metavar="FILE", help="write every figure of the report as JSON")
+    p.add_argument("--py-spy", dest="py_spy", nargs="?", const="", default=None, metavar="FILE",
+                   help="record the host dispatch path with py-spy (speedscope file; default: beside the trace)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also sweep batch sizes and sequence lengths and plot speedup against size")
+    p.add_argument("--sweep-batch", default="1,2,4", metavar="LIST", help="batch sizes of the sweep (default 1,2,4)")
+    p.add_argument("--sweep-seq", default="128,512,1024", metavar="LIST",
+                   help="sequence lengths of the sweep (default 128,512,1024)")
+    p.add_argument("--plot", metavar="FILE", default="spyre-sweep.png", help="where the sweep plot goes")
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from ..errors import SpyreProfileError
+    from . import run as runmod
+    from . import sweep as sweepmod
+
+    py_spy = args.py_spy
+    if py_spy == "":
+        py_spy = (os.path.splitext(args.trace)[0] if args.trace else "spyre-profile") + ".speedscope.json"
+    opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
+                          modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
+                          trace=args.trace, py_spy=py_spy)
+    try:
+        runmod.load_model(args.model)
+    except SpyreProfileError as e:
+        raise InputError(str(e)) from None
+    out = runmod.measure(opts, console)
+    runmod.render(console, out)
+    if args.trace:
+        console.print(f"trace written to {args.trace} (open it in ui.perfetto.dev or with `spyre-profile view`)")
+    if args.sweep:
+        sizes = sweepmod.parse_sizes(args.sweep_batch, args.sweep_seq)
+        out["sweep"] = sweepmod.sweep(opts, sizes, console, args.plot)
+    if args.json:
+        runmod.write_json(out, args.json)
+        console.print(f"figures written to {args.json}")
+    return 0
+
+
 # ---- info ----------------------------------------------------------------------------------
 
 
@@ -220,6 +289,8 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
 # ---- the command ---------------------------------------------------------------------------
 
 COMMANDS: dict[str, Subcommand] = {
+    "run": Subcommand("compile a Granite model and measure prefill and decode in every dispatch mode",
+                      _run_arguments, cmd_run),
     "cache": Subcommand("the plan cache: list, inspect, clear, stats", _cache_arguments, cmd_cache),
     "info": Subcommand("the device profile (every figure with its source) and a self-test on the card",
                        _info_arguments, cmd_info),

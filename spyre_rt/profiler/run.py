@@ -1,0 +1,423 @@
+"""``spyre-profile run``: prefill and decode of a Granite model in each dispatch mode.
+
+The model is Hugging Face ``GraniteForCausalLM`` built from a model profile with random
+weights (no download), compiled with ``torch.compile(backend="spyre_rt")`` and driven as a
+greedy decode loop with a static KV cache. Every mode runs the same compiled graphs; only
+when graph construction happens differs. Time is the card's: host time is real host work
+(the simulator's own arithmetic excluded), device time is simulated from the profile.
+
+Per mode and phase the report gives the latency (host clock from the start of the phase
+until the card has finished it), the host's own work, the device's busy time and the time
+the device sat idle waiting for the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.resources
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import card as cards
+from ..dispatch import dispatch_mode
+from ..errors import SpyreProfileError
+
+MODES = ("construct", "prebuilt-transfer", "prebuilt")
+PHASES = ("prefill", "decode")
+
+
+# ---- model profiles --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    dtype: torch.dtype
+    default_mode: str
+    config: dict[str, Any]
+    path: str
+
+    def hf_config(self, layers: int | None = None):
+        from transformers import GraniteConfig
+
+        cfg = dict(self.config)
+        if layers is not None:
+            cfg["num_hidden_layers"] = layers
+        return GraniteConfig(**cfg)
+
+
+_CONFIG_KEYS = {
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "embedding_multiplier",
+    "residual_multiplier", "attention_multiplier", "logits_scaling", "tie_word_embeddings", "hidden_act",
+    "attention_bias", "mlp_bias",
+}
+
+
+def _profile_text(name_or_path: str, kind: str) -> tuple[str, str] | None:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise SpyreProfileError(f"{kind} profile file {name_or_path!r} does not exist")
+        return str(p), p.read_text(encoding="utf-8")
+    res = importlib.resources.files("spyre_rt.profiles").joinpath(kind, f"{name_or_path}.toml")
+    if not res.is_file():
+        return None
+    return str(res), res.read_text(encoding="utf-8")
+
+
+def known_models() -> list[str]:
+    d = importlib.resources.files("spyre_rt.profiles").joinpath("models")
+    return sorted(f.name.removesuffix(".toml") for f in d.iterdir() if f.name.endswith(".toml"))
+
+
+def load_model(name_or_path: str) -> ModelProfile:
+    found = _profile_text(name_or_path, "models")
+    if found is None:
+        raise SpyreProfileError(f"no model profile named {name_or_path!r}; known: {known_models()}")
+    path, text = found
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpyreProfileError(f"{path}: not valid TOML: {e}") from None
+    model, config = doc.get("model"), doc.get("config")
+    if not isinstance(model, dict) or not isinstance(config, dict):
+        raise SpyreProfileError(f"{path}: needs [model] and [config] tables")
+    unknown = set(config) - _CONFIG_KEYS
+    missing = _CONFIG_KEYS - set(config)
+    if unknown or missing:
+        raise SpyreProfileError(f"{path}: [config] missing {sorted(missing)}, unknown {sorted(unknown)}")
+    if model.get("architecture") != "GraniteForCausalLM":
+        raise SpyreProfileError(f"{path}: architecture must be GraniteForCausalLM")
+    dtype = getattr(torch, str(model.get("dtype", "float16")), None)
+    if dtype not in (torch.float16, torch.float32, torch.bfloat16):
+        raise SpyreProfileError(f"{path}: dtype must be float16, bfloat16 or float32")
+    mode = model.get("default_mode", "timing")
+    if mode not in ("timing", "functional"):
+        raise SpyreProfileError(f"{path}: default_mode must be timing or functional")
+    return ModelProfile(str(model.get("name", Path(path).stem)), dtype, mode, config, path)
+
+
+def load_reference(model: str, batch: int, seq: int) -> dict | None:
+    """Published figures for this model and size, if the profiles carry them."""
+    found = _profile_text(model, "reference")
+    if found is None:
+        return None
+    doc = tomllib.loads(found[1])
+    ref = doc.get("reference", {})
+    if ref.get("batch") != batch or ref.get("seq") != seq:
+        return None
+    return {"source": ref.get("source", ""), "speedups": doc.get("speedups", {}),
+            "compute_share": doc.get("compute_share", {})}
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Options:
+    model: str
+    batch: int = 1
+    seq: int = 1024
+    decode_steps: int = 8
+    modes: tuple[str, ...] = MODES
+    sim_mode: str | None = None   # None: the model profile's default
+    layers: int | None = None     # override the number of layers (quick runs)
+    trace: str | None = None
+    py_spy: str | None = None
+    seed: int = 0
+
+
+class Phase:
+    """Card figures over one phase, from the card's counters and clocks."""
+
+    def __init__(self, card: cards.Card):
+        self.card = card
+
+    def __enter__(self):
+        self.card.synchronize()
+        self.c0 = self.card.counters()
+        self.h0 = self.card.host_clock_ns()
+        return self
+
+    def __exit__(self, *exc):
+        self.card.synchronize()
+        c1 = self.card.counters()
+        self.latency = (self.card.host_clock_ns() - self.h0) / 1e6
+        waited = (c1["wait_ns"] - self.c0["wait_ns"]) / 1e6
+        self.host = self.latency - waited
+        self.device = (c1["device_busy_ns"] - self.c0["device_busy_ns"]) / 1e6
+        self.wait_host = (c1["device_idle_host_ns"] - self.c0["device_idle_host_ns"]) / 1e6
+        self.native_calls = c1["native_calls"] - self.c0["native_calls"]
+        self.jobs = c1["jobs"] - self.c0["jobs"]
+        return False
+
+    def figures(self) -> dict[str, float]:
+        return {"latency_ms": self.latency, "host_ms": self.host, "device_ms": self.device,
+                "device_wait_host_ms": self.wait_host, "native_calls": self.native_calls, "jobs": self.jobs}
+
+
+class Session:
+    """A model on the card, compiled, with its static KV cache."""
+
+    def __init__(self, opts: Options, progress=None):
+        from transformers import GraniteForCausalLM, StaticCache
+
+        self.opts = opts
+        self.profile = load_model(opts.model)
+        mode = opts.sim_mode or self.profile.default_mode
+        self.sim_mode = mode
+        cards.configure(None, mode)
+        self.card = cards.get(0)
+        cfg = self.profile.hf_config(opts.layers)
+        self.cfg = cfg
+        dtype = self.profile.dtype
+        torch.manual_seed(opts.seed)
+        if mode == "timing":
+            with torch.device("meta"):
+                model = GraniteForCausalLM(cfg).to(dtype).eval()
+            model = model.to_empty(device="spyre")  # time only: the card keeps no data
+        else:
+            model = GraniteForCausalLM(cfg).to(dtype).eval().to("spyre")
+        self.model = model
+        self.cache = StaticCache(config=cfg, max_cache_len=opts.seq + opts.decode_steps + 1)
+        self.cache.early_initialization(batch_size=opts.batch, num_heads=cfg.num_key_value_heads,
+                                        head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=dtype,
+                                        device="spyre")
+        cache = self.cache
+
+        def forward(ids, pos):
+            return model(ids, cache=cache, position_ids=pos, use_cache=True).logits
+
+        self.forward = torch.compile(forward, backend="spyre_rt", fullgraph=True, dynamic=False)
+        self.prompt = torch.randint(0, cfg.vocab_size, (opts.batch, opts.seq))
+
+    def prefill(self):
+        opts = self.opts
+        ids = self.prompt.to("spyre")
+        pos = torch.arange(opts.seq).expand(opts.batch, opts.seq).to("spyre")
+        return self.forward(ids, pos)
+
+    def decode_step(self, logits, step: int):
+        last = logits[:, -1].cpu()  # the host picks the next token (greedy)
+        tok = last.float().argmax(-1, keepdim=True)
+        pos = torch.full((self.opts.batch, 1), self.opts.seq + step, dtype=torch.long)
+        return self.forward(tok.to("spyre"), pos.to("spyre"))
+
+    def run(self, mode: str, trace: bool = False) -> dict:
+        """One prefill and `decode_steps` decode steps in `mode` (the cache reset first)."""
+        card = self.card
+        with torch.no_grad(), dispatch_mode(mode):
+            self.cache.reset()
+            if trace:
+                card.trace_enable(True, commands=False)
+            with Phase(card) as pre:
+                logits = self.prefill()
+            if trace:
+                card.trace_host_span(f"prefill [{mode}]", pre.h0, card.host_clock_ns())
+                card.trace_enable(True, commands=True)
+            with Phase(card) as dec:
+                for step in range(self.opts.decode_steps):
+                    logits = self.decode_step(logits, step)
+            if trace:
+                card.trace_host_span(f"decode [{mode}]", dec.h0, card.host_clock_ns())
+                card.trace_enable(False)
+        steps = max(1, self.opts.decode_steps)
+        d = dec.figures()
+        return {
+            "prefill_ms": pre.latency,
+            "decode_ms_per_token": dec.latency / steps,
+            "host_ms": pre.host + dec.host,
+            "device_ms": pre.device + dec.device,
+            "device_wait_host_ms": pre.wait_host + dec.wait_host,
+            "phases": {"prefill": pre.figures(), "decode": {**d, "steps": steps}},
+        }
+
+
+def speedups_of(results: dict) -> dict:
+    base = results.get("construct")
+    out = {}
+    if base is None:
+        return out
+    for mode, r in results.items():
+        out[mode] = {"prefill": base["prefill_ms"] / r["prefill_ms"],
+                     "decode": base["decode_ms_per_token"] / r["decode_ms_per_token"]}
+    return out
+
+
+def compute_share_of(results: dict) -> dict:
+    """The share of the whole gain (construct -> prebuilt) made by moving construction off
+    the compute path (prebuilt-transfer -> prebuilt)."""
+    if not all(m in results for m in MODES):
+        return {}
+    out = {}
+    for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
+        c, t, p = (results[m][key] for m in MODES)
+        out[phase] = (t - p) / (c - p) if c != p else float("nan")
+    return out
+
+
+@contextlib.contextmanager
+def py_spy_recorder(path: str | None, console):
+    """Record this process with py-spy into a speedscope file, if it can attach."""
+    if not path:
+        yield None
+        return
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        console.print("[yellow]py-spy is not installed (pip install py-spy); continuing without it[/]")
+        yield None
+        return
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--format", "speedscope", "--output", path,
+           "--rate", "200", "--nonblocking"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    if proc.poll() is not None:
+        err = (proc.stderr.read() or "").strip().splitlines()
+        console.print(f"[yellow]py-spy could not attach ({err[-1] if err else 'exit ' + str(proc.returncode)}); "
+                      "continuing without it (it needs ptrace rights, e.g. root or CAP_SYS_PTRACE)[/]")
+        yield None
+        return
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if Path(path).exists():
+            console.print(f"py-spy profile written to {path}")
+        else:
+            console.print(f"[yellow]py-spy wrote no profile ({(proc.stderr.read() or '').strip()[-200:]})[/]")
+
+
+def measure(opts: Options, console, progress_factory=None) -> dict:
+    """Compile, warm up and measure every mode; the results as plain data."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = progress_factory() if progress_factory else Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+        console=console, transient=False)
+    results: dict[str, dict] = {}
+    timings: dict[str, float] = {}
+    with progress:
+        task = progress.add_task("building the model on the card", total=None)
+        t0 = time.perf_counter()
+        session = Session(opts)
+        timings["model_s"] = time.perf_counter() - t0
+        progress.update(task, description=f"compiling {session.profile.name} (prefill and decode graphs)")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = session.prefill()
+            session.decode_step(logits, 0)
+        timings["compile_s"] = time.perf_counter() - t0
+        progress.update(task, total=1, completed=1)
+        runs = progress.add_task("measuring", total=2 * len(opts.modes))
+        with py_spy_recorder(opts.py_spy, console):
+            for mode in opts.modes:
+                progress.update(runs, description=f"warm-up [{mode}]")
+                session.run(mode)  # builds plans, transfer graphs: not part of the steady state
+                progress.advance(runs)
+                progress.update(runs, description=f"measuring [{mode}]")
+                results[mode] = session.run(mode, trace=bool(opts.trace))
+                progress.advance(runs)
+    out = {
+        "model": session.profile.name,
+        "batch": opts.batch,
+        "seq": opts.seq,
+        "decode_steps": opts.decode_steps,
+        "layers": session.cfg.num_hidden_layers,
+        "dtype": str(session.profile.dtype).removeprefix("torch."),
+        "sim_mode": session.sim_mode,
+        "device_profile": session.card.profile.name,
+        "device_profile_digest": session.card.profile.digest,
+        "results": results,
+        "speedups": speedups_of(results),
+        "compute_share": compute_share_of(results),
+        "reference": load_reference(session.profile.name, opts.batch, opts.seq),
+        "timings": timings,
+    }
+    if opts.trace:
+        from .. import trace
+
+        trace.export(session.card.trace_events(), session.card.name_of, opts.trace,
+                     metadata={k: out[k] for k in ("model", "batch", "seq", "sim_mode", "device_profile")})
+    return out
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+
+def render(console, out: dict) -> None:
+    from rich.table import Table
+
+    res = out["results"]
+    title = (f"{out['model']} ({out['layers']} layers, {out['dtype']}), batch {out['batch']}, "
+             f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
+             f"{out['sim_mode']} mode")
+    t = Table(title=title, title_justify="left")
+    for col in ("mode", "prefill ms", "decode ms/token", "host ms", "device ms", "device waits for host ms",
+                "prefill speedup", "decode speedup"):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    sp = out["speedups"]
+    for mode, r in res.items():
+        s = sp.get(mode, {})
+        t.add_row(mode, f"{r['prefill_ms']:,.1f}", f"{r['decode_ms_per_token']:,.2f}", f"{r['host_ms']:,.1f}",
+                  f"{r['device_ms']:,.1f}", f"{r['device_wait_host_ms']:,.1f}",
+                  f"{s.get('prefill', float('nan')):.2f}x", f"{s.get('decode', float('nan')):.2f}x")
+    console.print(t)
+    share = out["compute_share"]
+    ref = out.get("reference")
+    if sp:
+        r = Table(title="against the published figures" if ref else "gains", title_justify="left")
+        for col in ("figure", "measured", "published", "difference"):
+            r.add_column(col, justify="left" if col == "figure" else "right")
+        rows = []
+        for mode in ("prebuilt-transfer", "prebuilt"):
+            for phase in PHASES:
+                if mode in sp:
+                    pub = ref["speedups"].get(mode, {}).get(phase) if ref else None
+                    rows.append((f"{phase} speedup, {mode}", sp[mode][phase], pub, "x"))
+        for phase in PHASES:
+            if phase in share:
+                pub = ref["compute_share"].get(phase) if ref else None
+                rows.append((f"{phase}: share of the gain from the compute path", share[phase], pub, "%"))
+        for name, mine, pub, unit in rows:
+            fmt = (lambda v: f"{v * 100:.0f} %") if unit == "%" else (lambda v: f"{v:.2f}x")
+            diff = "" if pub is None or not math.isfinite(mine) else f"{(mine - pub) / pub * 100:+.0f} %"
+            r.add_row(name, fmt(mine) if math.isfinite(mine) else "n/a", fmt(pub) if pub is not None else "—", diff)
+        console.print(r)
+        if ref:
+            console.print(f"[dim]published: {ref['source']}[/]")
+    tm = out.get("timings", {})
+    if tm:
+        console.print(f"[dim]model built in {tm.get('model_s', 0):.1f} s, compiled in {tm.get('compile_s', 0):.1f} s[/]")
+
+
+def write_json(out: dict, path: str) -> None:
+    """Write the figures atomically (temp file in the same directory, then rename)."""
+    import json
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1, sort_keys=True, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

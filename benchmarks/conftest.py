@@ -5,10 +5,13 @@ absolute times are for regression comparison between runs on one machine only.
 """
 
 import os
+import tempfile
 
 import pytest
+import torch
 
-os.environ.setdefault("SPYRE_RT_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".plan-cache"))
+# Every benchmark session starts with an empty plan cache of its own.
+os.environ.setdefault("SPYRE_RT_CACHE_DIR", tempfile.mkdtemp(prefix="spyre-rt-bench-plans-"))
 
 from spyre_rt import profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
@@ -27,3 +30,49 @@ def timing_card(spyre_profile):
 @pytest.fixture(scope="session")
 def functional_card(spyre_profile):
     return Card(spyre_profile, "functional", 1)
+
+
+class Decoder:
+    """A compiled Granite on the card with its prompt prefilled: ``step()`` is one decode step."""
+
+    def __init__(self, session):
+        self.session = session
+        self.card = session.card
+        with torch.no_grad():
+            session.prefill()
+            self.ids = torch.zeros(session.opts.batch, 1, dtype=torch.long).to("spyre")
+            self.pos = torch.full((session.opts.batch, 1), session.opts.seq, dtype=torch.long).to("spyre")
+
+    def step(self):
+        with torch.no_grad():
+            return self.session.forward(self.ids, self.pos)
+
+    def host_ns_per_step(self, steps: int) -> tuple[float, float]:
+        """Host time (simulator arithmetic and waits for the card excluded) and native calls
+        per step, from the card's clock and counters."""
+        card = self.card
+        card.synchronize()
+        c0, h0 = card.counters(), card.host_clock_ns()
+        for _ in range(steps):
+            self.step()
+        card.synchronize()
+        c1, h1 = card.counters(), card.host_clock_ns()
+        host = (h1 - h0) - (c1["wait_ns"] - c0["wait_ns"])
+        return host / steps, (c1["native_calls"] - c0["native_calls"]) / steps
+
+
+@pytest.fixture(scope="session")
+def tiny_granite():
+    """A factory of compiled Granite decoders in timing mode (the host path is what is
+    measured; the simulator keeps no data): ``tiny_granite(layers=None)``."""
+    from spyre_rt.profiler.run import Options, Session
+
+    made: dict = {}
+
+    def make(layers: int | None = None) -> Decoder:
+        if layers not in made:
+            made[layers] = Decoder(Session(Options(model="granite-tiny", seq=8, decode_steps=1,
+                                                   sim_mode="timing", layers=layers)))
+        return made[layers]
+
+    return make

@@ -27,7 +27,6 @@ from torch._inductor.virtualized import V
 
 from .kernels import Access, Buffer, LoopKernel, Op
 
-
 MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements
 
 

@@ -13,6 +13,7 @@ pool (several threads may run one step at once).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import threading
@@ -35,7 +36,7 @@ from spyre_rt.transfer import ViewGeometry, from_device, to_device
 
 from .build import loops, matmul
 from .build.context import BuildContext, Target
-from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_json
+from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_json, to_json
 
 ARENA = 0  # binding 0 is the arena of intermediates
 ALIGN = 128
@@ -45,7 +46,7 @@ stats = {"kernels_built": 0, "plans_built": 0, "plans_loaded": 0}
 
 
 def load_step(text: str) -> CompiledStep:
-    return CompiledStep(from_json(text))
+    return CompiledStep(from_json(text), hashlib.sha256(text.encode()).hexdigest())
 
 
 def _storage_numel(b: Buffer) -> int:
@@ -62,9 +63,11 @@ _live_steps: weakref.WeakSet = weakref.WeakSet()  # for tools and tests that ins
 
 
 class CompiledStep:
-    def __init__(self, desc: StepDesc):
+    def __init__(self, desc: StepDesc, digest: str | None = None):
         _live_steps.add(self)
         self.desc = desc
+        # the description's identity in plan-cache keys: hashing its JSON once, not per load
+        self.digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
         self.default_mode = desc.options.get("dispatch") or config.settings().dispatch
         self._executables: dict[tuple, Executable] = {}
         self._lock = threading.Lock()
@@ -77,7 +80,7 @@ class CompiledStep:
             with self._lock:
                 exe = self._executables.get(key)
                 if exe is None:
-                    exe = self._executables[key] = Executable(self.desc, card, geometry)
+                    exe = self._executables[key] = Executable(self.desc, card, geometry, self.digest)
         return exe
 
     def __call__(self, args: list, module_globals: dict):
@@ -162,8 +165,9 @@ class _FastPath:
 class Executable:
     """A compiled step for one card and one input geometry."""
 
-    def __init__(self, desc: StepDesc, card: cards.Card, geometry: tuple):
+    def __init__(self, desc: StepDesc, card: cards.Card, geometry: tuple, digest: str | None = None):
         self.desc = desc
+        self.desc_digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
         self.card = card
         self.target = Target.from_profile(card.profile)
         stick = card.profile.stick_bytes
@@ -319,12 +323,11 @@ class Executable:
         from spyre_rt.native import lib
 
         from .backend import compiler_version
-        from .kernels import to_json
 
         geometry = [(tuple(self.layouts[n]), self.offsets[n]) for n in self.binding_names[1:]]
         return plan_cache.digest("spyre_rt plans", __version__, compiler_version(), torch.__version__,
                                  int(lib.SPY_JOB_VERSION), int(lib.SPY_PLAN_VERSION), self.card.profile.digest,
-                                 to_json(self.desc), geometry, self.desc.options)
+                                 self.desc_digest, geometry, self.desc.options)
 
     def _device_segments(self) -> list[int]:
         return [i for i, (kind, _) in enumerate(self.segments) if kind == "device"]

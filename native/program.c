@@ -256,6 +256,11 @@ static spy_status check_operand(vctx *v, uint32_t i, uint32_t k, const spy_instr
                         name, (unsigned long long)o->v.off);
     uint64_t lo, hi;
     spy_operand_extent(o, ins->rows, ins->cols, &lo, &hi);
+    if (hi <= v->p->scratchpad_bytes) { /* the common case: no message to format */
+        if (hi > v->lx_high)
+            v->lx_high = hi;
+        return SPY_OK;
+    }
     char what[64];
     snprintf(what, sizeof what, "SFU instruction %u %s", k, name);
     return lx_range(v, i, what, lo, hi - lo);

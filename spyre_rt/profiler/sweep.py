@@ -44,15 +44,15 @@ def render(console, points: list[dict]) -> None:
     for col in ("batch", "seq", "prefill (prebuilt-transfer)", "prefill (prebuilt)", "decode (prebuilt-transfer)",
                 "decode (prebuilt)"):
         t.add_column(col, justify="right")
+    def cell(speedups, mode, phase):
+        v = speedups.get(mode, {}).get(phase)
+        return f"{v:.2f}x" if v is not None and math.isfinite(v) else "—"
+
     for p in points:
         sp = p["speedups"]
-
-        def cell(mode, phase):
-            v = sp.get(mode, {}).get(phase)
-            return f"{v:.2f}x" if v is not None and math.isfinite(v) else "—"
-
-        t.add_row(str(p["batch"]), str(p["seq"]), cell("prebuilt-transfer", "prefill"), cell("prebuilt", "prefill"),
-                  cell("prebuilt-transfer", "decode"), cell("prebuilt", "decode"))
+        t.add_row(str(p["batch"]), str(p["seq"]), cell(sp, "prebuilt-transfer", "prefill"),
+                  cell(sp, "prebuilt", "prefill"), cell(sp, "prebuilt-transfer", "decode"),
+                  cell(sp, "prebuilt", "decode"))
     console.print(t)
 
 

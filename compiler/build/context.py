@@ -1,0 +1,90 @@
+"""What a kernel builder needs: the card's figures, buffer layouts, a program to fill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spyre_rt.layout import StickLayout
+from spyre_rt.profile import DeviceProfile
+from spyre_rt.program import SLOT_DRAM, ProgramBuilder
+
+LX_ALIGN = 128  # scratchpad regions start on a stick
+
+
+@dataclass
+class Target:
+    """The figures of the card that shape construction (from the device profile)."""
+
+    num_cores: int
+    scratchpad_bytes: int
+    stick_bytes: int
+    macs_per_ns: float
+    gran_m: int
+    gran_n: int
+    dram_bytes_per_ns: float
+    core_dma_bytes_per_ns: float
+
+    @classmethod
+    def from_profile(cls, p: DeviceProfile) -> Target:
+        return cls(
+            num_cores=p.num_cores,
+            scratchpad_bytes=p.scratchpad_bytes,
+            stick_bytes=p.stick_bytes,
+            macs_per_ns=p["pt_macs_per_ns"] * p["pt_utilization"],
+            gran_m=int(p["pt_gran_m"]),
+            gran_n=int(p["pt_gran_n"]),
+            dram_bytes_per_ns=p["dram_bandwidth_gbps"],
+            core_dma_bytes_per_ns=p["core_dma_gbps"],
+        )
+
+
+class ScratchpadPlan:
+    """Bump allocation of one core's scratchpad; every core uses the same offsets."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.top = 0
+
+    def take(self, nbytes: int) -> int:
+        off = self.top
+        self.top += -(-max(nbytes, 1) // LX_ALIGN) * LX_ALIGN
+        if self.top > self.capacity:
+            raise ScratchpadOverflow(f"tiles need {self.top} bytes of a {self.capacity}-byte scratchpad")
+        return off
+
+
+class ScratchpadOverflow(Exception):
+    pass
+
+
+@dataclass
+class BuildContext:
+    """One program under construction: its slots are the kernel's buffers."""
+
+    target: Target
+    layouts: dict[str, StickLayout]
+    program: ProgramBuilder = field(default_factory=ProgramBuilder)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)  # logical start of a buffer in its storage
+
+    def offset(self, buffer: str) -> int:
+        return self.offsets.get(buffer, 0)
+
+    def slot(self, buffer: str) -> int:
+        s = self.slot_of.get(buffer)
+        if s is None:
+            s = self.slot_of[buffer] = self.program.slot(SLOT_DRAM, self.layouts[buffer].nbytes)
+        return s
+
+    def buffers(self) -> list[str]:
+        """Buffer names in slot order: what a launch binds."""
+        return sorted(self.slot_of, key=self.slot_of.get)
+
+    def encode(self) -> np.ndarray:
+        return self.program.encode()
+
+
+def round_up(x: int, g: int) -> int:
+    return -(-x // g) * g

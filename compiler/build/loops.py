@@ -543,24 +543,46 @@ class Builder:
         prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, ind, _imm(coef // n_row, "int64"))
         prog.emit(lib.SPY_SFU_ADD, rows, 1, dst, dst, tmp)
 
-    def prologue(self, tile: Tile) -> Program | None:
-        if not self.tile_consts:
-            return None
-        prog = Program()
+    def tile_bases(self, acc: Access, fixed: np.ndarray, start: np.ndarray, in_buffer: bool = True) -> np.ndarray:
+        """`tile_base` of every tile at once (`fixed`: tiles x outer variables); without the
+        buffer's offset in its storage for index values."""
+        base = np.full(len(start), acc.const + (self.ctx.offset(acc.buf) if in_buffer else 0), dtype=np.int64)
+        if fixed.shape[1]:
+            base += fixed @ np.asarray(acc.coeffs[: fixed.shape[1]], dtype=np.int64)
+        if self.block >= 0:
+            base += acc.coeffs[self.block] * start
+        return base
+
+    def prologue_column(self, vid: str, what: str, fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """One tile constant of every tile (see `prologue_values`)."""
+        acc = self.values[vid].op.access
+        if what == "index":
+            return self.tile_bases(acc, fixed, start, in_buffer=False)
+        return self.tile_bases(acc, fixed, start) // self.ctx.layouts[acc.buf].row_len
+
+    def prologue_values(self, tile: Tile) -> list[int]:
+        """The per-tile constants: the tile's origin in index terms, and the first buffer
+        row of each gather/scatter."""
+        vals = []
         for vid, what in self.tile_consts:
-            v = self.values[vid]
+            acc = self.values[vid].op.access
             if what == "index":
-                acc = v.op.access
                 val = acc.const + sum(acc.coeffs[j] * x for j, x in enumerate(tile.fixed))
                 if self.block >= 0:
                     val += acc.coeffs[self.block] * tile.start
             else:
-                acc = v.op.access
-                n_row = self.ctx.layouts[acc.buf].row_len
-                base = self.tile_base(acc, tile)
-                val = base // n_row
+                val = self.tile_base(acc, tile) // self.ctx.layouts[acc.buf].row_len
+            vals.append(int(val))
+        return vals
+
+    def prologue(self, tile: Tile) -> Program | None:
+        """One instruction per tile constant (the immediates differ from tile to tile)."""
+        if not self.tile_consts:
+            return None
+        prog = Program()
+        for (vid, what), val in zip(self.tile_consts, self.prologue_values(tile), strict=True):
             dst = Operand(SCALAR, "int64", self.const_off[(vid, what)])
-            prog.emit(lib.SPY_SFU_IOTA, 1, 1, dst, _imm(int(val), "int64"), _imm(0, "int64"), _imm(0, "int64"))
+            prog.emit(lib.SPY_SFU_IOTA, 1, 1, dst, _imm(val, "int64"), _imm(0, "int64"), _imm(0, "int64"))
         return prog
 
     # ---- DMA ------------------------------------------------------------------------------
@@ -627,21 +649,31 @@ _SFU_RES = (0,) * 22
 _GATHER_RES = (0, 0, 0, 0)
 
 
-class _Emitter:
-    """Commands of all tiles, with their dependencies, in per-core order.
+FREE_IN, FREE_OUT = -1, -2  # template dependencies on the tile two places back on the core
 
-    Commands are collected as plain tuples per command format and turned into arrays
-    once at the end: per-command numpy assignments would dominate construction time."""
 
-    def __init__(self, b: Builder):
+class _Template:
+    """The commands of one tile, recorded once per class of alike tiles and replicated over
+    the class with numpy (see :func:`build`).
+
+    Tiles of a class differ only in their core, the DRAM offsets of their loads and stores
+    (by a per-access shift: the class fixes each box and its column in the row, so tiles
+    are whole rows apart and the stick layout maps them by a constant), their prologue
+    immediates and the commands they depend on. Commands are collected as plain tuples
+    per command format and turned into one array at the end."""
+
+    def __init__(self, b: Builder, programs: dict, pattern_cache: dict):
         self.b = b
         self.ctx = b.ctx
         self.rows: dict[np.dtype, list] = {CMD_DMA: [], CMD_SFU: [], CMD_GATHER: []}
         self.where: dict[np.dtype, list[int]] = {CMD_DMA: [], CMD_SFU: [], CMD_GATHER: []}
-        self.deps: list[int] = []
+        self.deps: list[int] = []      # >= 0: a command of this tile; FREE_IN / FREE_OUT
         self.n = 0
-        self.pattern_cache: dict = {}
-        self.programs: dict = {}
+        self.programs = programs       # stage program key -> first instruction
+        self.pattern_cache = pattern_cache
+        self.shifted: list[tuple[int, int, str]] = []   # (command, access, field moved by the shift)
+        self.descs: list[tuple[int, int, str, np.ndarray]] = []  # (command, access, field, descriptors)
+        self.prologue: tuple[int, np.ndarray] | None = None      # (command, instructions)
 
     def _push(self, fmt: np.dtype, head: tuple, body: tuple, deps: list[int]) -> int:
         """Append one command: (op, flags, core) + its dependency range + the format's fields."""
@@ -652,16 +684,17 @@ class _Emitter:
         self.n += 1
         return i
 
-    def sfu(self, core: int, prog: Program, key, deps: list[int]) -> list[int]:
-        first = self.programs.get(key) if key is not None else None
+    def sfu(self, prog: Program, key, deps: list[int]) -> list[int]:
+        if key is None:  # the prologue: instructions of its own for every tile
+            i = self._push(CMD_SFU, (OP_SFU, 0, 0), (0, len(prog), _SFU_RES, _PAD), deps)
+            self.prologue = (i, prog.array())
+            return [i]
+        first = self.programs.get(key)
         if first is None:
-            first = self.ctx.program.add_instrs(prog.array())
-            if key is not None:
-                self.programs[key] = first
-        n = len(prog)
-        return [self._push(CMD_SFU, (OP_SFU, 0, core), (first, n, _SFU_RES, _PAD), deps)]
+            first = self.programs[key] = self.ctx.program.add_instrs(prog.array())
+        return [self._push(CMD_SFU, (OP_SFU, 0, 0), (first, len(prog), _SFU_RES, _PAD), deps)]
 
-    def dma(self, op: int, core: int, buf: str, box, lx_base: int, dtype: str, deps: list[int]) -> list[int]:
+    def dma(self, op: int, access: int, buf: str, box, lx_base: int, deps: list[int]) -> list[int]:
         base, counts, strides, lxs, lx_off = box
         layout = self.ctx.layouts[buf]
         slot = self.ctx.slot(buf)
@@ -676,8 +709,9 @@ class _Emitter:
             self.pattern_cache[key] = hit
         p, origin, dims = hit
         load = op == OP_LOAD
+        field = "src_off" if load else "dst_off"
         if p is None:
-            return self._descs(op, core, slot, layout, base, counts, strides, lxs, lx_base + lx_off, load, deps)
+            return self._descs(op, access, slot, layout, base, counts, strides, lxs, lx_base + lx_off, load, deps)
         shift = layout.phys(base) - origin
         count, sstr, dstr, ndims = dims
         out = []
@@ -687,11 +721,13 @@ class _Emitter:
                 src_slot, dst_slot, src, dst = slot, 0, dev, lxo
             else:
                 src_slot, dst_slot, src, dst = 0, slot, lxo, dev
-            out.append(self._push(CMD_DMA, (op, 0, core), (src_slot, dst_slot, src, dst, p.run, ndims, count, 0,
-                                                           sstr, dstr, _PAD), deps))
+            i = self._push(CMD_DMA, (op, 0, 0), (src_slot, dst_slot, src, dst, p.run, ndims, count, 0,
+                                                 sstr, dstr, _PAD), deps)
+            self.shifted.append((i, access, field))
+            out.append(i)
         return out
 
-    def _descs(self, op, core, slot, layout, base, counts, strides, lxs, lx_base, load, deps):
+    def _descs(self, op, access, slot, layout, base, counts, strides, lxs, lx_base, load, deps):
         """A descriptor-list DMA for accesses with no compact pattern (one run per element
         run that is contiguous on both sides)."""
         phys = element_offsets(layout, base, counts, strides)
@@ -708,19 +744,17 @@ class _Emitter:
         else:
             descs["src_off"], descs["dst_off"] = lx[starts], phys[starts]
         descs["bytes"] = lengths
-        first = self.ctx.program.add_descs(descs)
-        n = int(starts.size)
         src_slot, dst_slot = (slot, 0) if load else (0, slot)
-        return [self._push(CMD_DMA, (op, DMA_DESCS, core), (src_slot, dst_slot, first, 0, 0, 0, _ZERO3, n, _ZERO3,
-                                                            _ZERO3, _PAD), deps)]
+        i = self._push(CMD_DMA, (op, DMA_DESCS, 0), (src_slot, dst_slot, 0, 0, 0, 0, _ZERO3, int(starts.size),
+                                                     _ZERO3, _ZERO3, _PAD), deps)
+        self.descs.append((i, access, "src_off" if load else "dst_off", descs))
+        return [i]
 
-    def gather(self, op: int, core: int, v: Value, tile: Tile, data_off: int, idx_off: int,
-               deps: list[int]) -> list[int]:
+    def gather(self, op: int, v: Value, tile: Tile, data_off: int, idx_off: int, deps: list[int]) -> list[int]:
         b = self.b
         acc = v.op.access
         layout = self.ctx.layouts[acc.buf]
-        base = b.tile_base(acc, tile)
-        c0 = base % layout.row_len
+        c0 = b.tile_base(acc, tile) % layout.row_len
         e = layout.itemsize
         sl = b.slots[v.op.id]
         cols = b.tile_cols() if v.kind in (TILE, COL) else []
@@ -745,17 +779,17 @@ class _Emitter:
         table_slot = self.ctx.slot(acc.buf)
         out = []
         for dram, lxb in p.bases:
-            out.append(self._push(CMD_GATHER, (op, 0, core), (
+            out.append(self._push(CMD_GATHER, (op, 0, 0), (
                 table_slot, idx_off, lib.SPY_DT_I64, rows, dram, layout.stick_bytes, layout.rows, data_off + lxb,
                 pitch, p.run, len(p.dims), count, stride, _GATHER_RES, _PAD), deps))
         return out
 
-    def finish(self) -> None:
+    def commands(self) -> np.ndarray:
         cmds = np.zeros(self.n, dtype=CMD_DMA)
         for fmt, rows in self.rows.items():
             if rows:
                 cmds.view(fmt)[np.array(self.where[fmt])] = np.array(rows, dtype=fmt)
-        self.ctx.program.add(cmds, np.asarray(self.deps, dtype=np.uint32))
+        return cmds
 
 
 def _dims_tuples(p: Pattern, load: bool):
@@ -770,63 +804,175 @@ def check_kernel(k: LoopKernel) -> None:
     Builder(None, k).analyse()
 
 
+@dataclass
+class _Class:
+    """Tiles whose commands share one template."""
+
+    template: _Template
+    cmds: np.ndarray
+    deps: np.ndarray
+    rep_phys: np.ndarray   # the physical offset of each access's box in the recorded tile
+    last_sfu: int | None   # within the tile: what a load two tiles later waits for
+    last_out: int | None   # within the tile: what a first SFU command two tiles later waits for
+    tiles: list[int] = field(default_factory=list)
+
+
+def _record_tile(b: Builder, em: _Template, tile: Tile, accesses: dict[str, int], has_in: bool,
+                 has_out: bool, stage_programs: dict) -> tuple[int | None, int | None]:
+    """Record one tile's commands in `em`; the tile's last SFU and last store commands.
+
+    Per tile a core runs: loads -> prologue -> per level (SFU stage, gathers) -> stores."""
+    slot = tile.seq % 2
+    rows = tile.rows(b.inner)
+    free_in = [FREE_IN] if has_in else []
+    free_out = [FREE_OUT] if has_out else []
+    issued: dict[int, list[int]] = {lvl: [] for lvl in range(b.levels + 1)}
+    for v in b.loads:
+        if v.op.access.ind:
+            continue
+        box = b.box(v, tile, b.slots[v.op.id])
+        if box is not None:
+            issued[0] += em.dma(OP_LOAD, accesses[v.op.id], v.op.access.buf, box, b.slots[v.op.id].off[slot],
+                                free_in)
+    prev: list[int] = []
+    pro = b.prologue(tile)
+    if pro is not None:
+        prev = em.sfu(pro, None, [])
+    for lvl in range(b.levels):
+        deps = issued[lvl] + prev + (free_out if lvl == 0 else [])
+        key = (lvl, slot, rows, tile.blk)
+        prog = stage_programs.get(key)
+        if prog is None:
+            prog = stage_programs[key] = b.stage_program(lvl, slot, rows, tile.blk)
+        prev = em.sfu(prog, key, deps) if prog.rows else deps
+        for v in b.loads:
+            if v.op.access.ind and v.level == lvl + 1:
+                sl = b.slots[v.op.id]
+                issued[lvl + 1] += em.gather(OP_GATHER, v, tile, sl.off[slot], b.index_slots[v.op.id].off[slot],
+                                             prev + free_in)
+    own = [i for i in prev if i >= 0]
+    last_sfu = max(own) if own else (max(issued[0]) if issued[0] else None)
+    outs: list[int] = []
+    for v in b.stores:
+        sl = b.slots[v.op.id]
+        if v.op.access.ind:
+            outs += em.gather(OP_SCATTER, v, tile, sl.off[slot], b.index_slots[v.op.id].off[slot], prev)
+            continue
+        box = b.box(v, tile, sl)
+        if box is not None:
+            outs += em.dma(OP_STORE, accesses[v.op.id], v.op.access.buf, box, sl.off[slot], prev)
+    return last_sfu, (max(outs) if outs else None)
+
+
 def build(ctx: BuildContext, k: LoopKernel) -> None:
+    """All tiles' commands, in per-core order, with their dependencies.
+
+    Tiles are sorted into classes by everything that shapes their commands; each class's
+    commands are recorded once (from its first tile) and replicated over its tiles with
+    array arithmetic: the per-tile work in Python is a few integer operations."""
     b = Builder(ctx, k)
     b.analyse()
     b.choose_tiles()
     b.allocate()
-    em = _Emitter(b)
-    last_sfu: dict[tuple[int, int], int] = {}   # (core, seq) -> last SFU command of the tile
-    last_out: dict[tuple[int, int], int] = {}   # (core, seq) -> last store/scatter command
-    loads = [v for v in b.values.values() if v.op.op == "load"]
-    stores = [v for v in b.values.values() if v.op.op == "store"]
+    b.loads = [v for v in b.values.values() if v.op.op == "load"]
+    b.stores = [v for v in b.values.values() if v.op.op == "store"]
+    direct = [v for v in b.loads + b.stores if not v.op.access.ind]
+    accesses = {v.op.id: i for i, v in enumerate(direct)}
+    layouts = [ctx.layouts[v.op.access.buf] for v in direct]
+    indirect = [v for v in b.loads + b.stores if v.op.access.ind]
+    classes: dict[tuple, _Class] = {}
+    stage_programs: dict = {}
     programs: dict = {}
-    for tile in b.tiles:
-        core, seq, slot = tile.core, tile.seq, tile.seq % 2
-        rows = tile.rows(b.inner)
-        free_in = [last_sfu[(core, seq - 2)]] if seq >= 2 else []
-        free_out = [last_out[(core, seq - 2)]] if (core, seq - 2) in last_out else []
-        issued: dict[int, list[int]] = {lvl: [] for lvl in range(b.levels + 1)}
-        for v in loads:
-            if v.op.access.ind:
-                continue
+    pattern_cache: dict = {}
+    ntiles = len(b.tiles)
+    first = np.zeros(ntiles, dtype=np.int64)
+    dfirst = np.zeros(ntiles, dtype=np.int64)
+    free_in = np.zeros(ntiles, dtype=np.int64)
+    free_out = np.zeros(ntiles, dtype=np.int64)
+    phys = np.zeros((ntiles, max(1, len(direct))), dtype=np.int64)  # each access's box, per tile
+    last_sfu: list[int | None] = [None] * ntiles
+    last_out: list[int | None] = [None] * ntiles
+    # Per access and tile: what fixes the commands (box and column in the row) and the
+    # physical offset of the box, computed for all tiles at once where the access has no
+    # mask (a masked access clips its box tile by tile).
+    fixed = np.array([tile.fixed for tile in b.tiles], dtype=np.int64).reshape(ntiles, -1)
+    start = np.array([tile.start for tile in b.tiles], dtype=np.int64)
+    blks = [tile.blk for tile in b.tiles]
+    key_cols: list[list] = []
+    for a, (v, layout) in enumerate(zip(direct, layouts, strict=True)):
+        acc = v.op.access
+        if not acc.domain:
+            base = b.tile_bases(acc, fixed, start)
+            phys[:, a] = layout.phys(base)
+            # a one-row storage is linear: any two boxes are a constant apart
+            key_cols.append((base % layout.row_len).tolist() if layout.rows > 1 else [0] * ntiles)
+            continue
+        col = []
+        for t, tile in enumerate(b.tiles):
             box = b.box(v, tile, b.slots[v.op.id])
             if box is None:
+                col.append(None)
                 continue
-            issued[0] += em.dma(OP_LOAD, core, v.op.access.buf, box, b.slots[v.op.id].off[slot], v.dtype, free_in)
-        prev: list[int] = []
-        pro = b.prologue(tile)
-        if pro is not None:
-            prev = em.sfu(core, pro, None, [])
-        for lvl in range(b.levels):
-            deps = issued[lvl] + prev + (free_out if lvl == 0 else [])
-            key = (lvl, slot, rows, tile.blk)
-            prog = programs.get(key)
-            if prog is None:
-                prog = programs[key] = b.stage_program(lvl, slot, rows, tile.blk)
-            if prog.rows:
-                prev = em.sfu(core, prog, key, deps)
-            else:
-                prev = deps
-            for v in loads:
-                if v.op.access.ind and v.level == lvl + 1:
-                    sl = b.slots[v.op.id]
-                    issued[lvl + 1] += em.gather(OP_GATHER, core, v, tile, sl.off[slot],
-                                                 b.index_slots[v.op.id].off[slot], prev + free_in)
-        sfu_done = [i for i in prev]
-        last_sfu[(core, seq)] = max(sfu_done) if sfu_done else (max(issued[0]) if issued[0] else -1)
-        outs: list[int] = []
-        for v in stores:
-            sl = b.slots[v.op.id]
-            if v.op.access.ind:
-                outs += em.gather(OP_SCATTER, core, v, tile, sl.off[slot], b.index_slots[v.op.id].off[slot], prev)
-                continue
-            box = b.box(v, tile, sl)
-            if box is None:
-                continue
-            outs += em.dma(OP_STORE, core, v.op.access.buf, box, sl.off[slot], v.dtype, prev)
-        if outs:
-            last_out[(core, seq)] = max(outs)
-        if last_sfu[(core, seq)] < 0:
-            del last_sfu[(core, seq)]
-    em.finish()
+            base, counts, strides, lxs, lx_off = box
+            col.append((tuple(counts), tuple(strides), tuple(lxs), lx_off,
+                        base % layout.row_len if layout.rows > 1 else 0))
+            phys[t, a] = layout.phys(base)
+        key_cols.append(col)
+    for v in indirect:
+        acc = v.op.access
+        key_cols.append((b.tile_bases(acc, fixed, start) % ctx.layouts[acc.buf].row_len).tolist())
+    tile_keys = list(zip(blks, *key_cols, strict=True))
+    n = nd = 0
+    for t, tile in enumerate(b.tiles):
+        has_in = tile.seq >= 2 and last_sfu[t - 2] is not None
+        has_out = tile.seq >= 2 and last_out[t - 2] is not None
+        key = (tile.seq % 2, has_in, has_out, tile_keys[t])
+        c = classes.get(key)
+        if c is None:
+            em = _Template(b, programs, pattern_cache)
+            ls, lo = _record_tile(b, em, tile, accesses, has_in, has_out, stage_programs)
+            c = classes[key] = _Class(em, em.commands(), np.asarray(em.deps, dtype=np.int64),
+                                      phys[t].copy(), ls, lo)
+        c.tiles.append(t)
+        first[t], dfirst[t] = n, nd
+        if has_in:
+            free_in[t] = last_sfu[t - 2]
+        if has_out:
+            free_out[t] = last_out[t - 2]
+        last_sfu[t] = None if c.last_sfu is None else n + c.last_sfu
+        last_out[t] = None if c.last_out is None else n + c.last_out
+        n += len(c.cmds)
+        nd += len(c.deps)
+    cmds = np.zeros(n, dtype=CMD_DMA)
+    deps = np.zeros(nd, dtype=np.int64)
+    cores = np.array([tile.core for tile in b.tiles], dtype=np.uint16)
+    prologue_first = None
+    if b.tile_consts:
+        values = np.stack([b.prologue_column(vid, what, fixed, start) for vid, what in b.tile_consts], axis=1)
+    for c in classes.values():
+        idx = np.array(c.tiles)
+        em = c.template
+        block = np.repeat(c.cmds[None, :], len(idx), axis=0)
+        block["core"] = cores[idx][:, None]
+        block["dep_begin"] += dfirst[idx][:, None].astype(np.uint32)
+        moved = phys[idx] - c.rep_phys  # how far each tile's boxes are from the recorded tile's
+        for j, a, fld in em.shifted:
+            block[fld][:, j] = (block[fld][:, j].astype(np.int64) + moved[:, a]).astype(np.uint64)
+        for j, a, fld, descs in em.descs:
+            rep = np.repeat(descs[None, :], len(idx), axis=0)
+            rep[fld] = (rep[fld].astype(np.int64) + moved[:, a][:, None]).astype(np.uint64)
+            d0 = ctx.program.add_descs(rep.reshape(-1))
+            block["src_off"][:, j] = d0 + np.arange(len(idx), dtype=np.uint64) * len(descs)
+        if em.prologue is not None:
+            j, instrs = em.prologue
+            if prologue_first is None:
+                every = np.repeat(instrs[None, :], len(b.tiles), axis=0)
+                every["src"][:, :, 0]["v"] = values.view(np.uint64)
+                prologue_first = ctx.program.add_instrs(every.reshape(-1))
+            block.view(CMD_SFU)["instr_begin"][:, j] = prologue_first + idx * len(instrs)
+        cmds[first[idx][:, None] + np.arange(len(c.cmds))] = block
+        if len(c.deps):
+            d = np.where(c.deps == FREE_IN, free_in[idx][:, None],
+                         np.where(c.deps == FREE_OUT, free_out[idx][:, None], first[idx][:, None] + c.deps))
+            deps[dfirst[idx][:, None] + np.arange(len(c.deps))] = d
+    ctx.program.add(cmds, deps.astype(np.uint32))

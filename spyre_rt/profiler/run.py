@@ -215,9 +215,10 @@ class Session:
         pos = torch.full((self.opts.batch, 1), self.opts.seq + step, dtype=torch.long)
         return self.forward(tok.to("spyre"), pos.to("spyre"))
 
-    def run(self, mode: str, trace: bool = False) -> dict:
+    def run(self, mode: str, trace: bool = False, decode_steps: int | None = None) -> dict:
         """One prefill and `decode_steps` decode steps in `mode` (the cache reset first)."""
         card = self.card
+        decode_steps = self.opts.decode_steps if decode_steps is None else decode_steps
         with torch.no_grad(), dispatch_mode(mode):
             self.cache.reset()
             if trace:
@@ -228,12 +229,12 @@ class Session:
                 card.trace_host_span(f"prefill [{mode}]", pre.h0, card.host_clock_ns())
                 card.trace_enable(True, commands=True)
             with Phase(card) as dec:
-                for step in range(self.opts.decode_steps):
+                for step in range(decode_steps):
                     logits = self.decode_step(logits, step)
             if trace:
                 card.trace_host_span(f"decode [{mode}]", dec.h0, card.host_clock_ns())
                 card.trace_enable(False)
-        steps = max(1, self.opts.decode_steps)
+        steps = max(1, decode_steps)
         d = dec.figures()
         return {
             "prefill_ms": pre.latency,
@@ -328,7 +329,8 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         with py_spy_recorder(opts.py_spy, console):
             for mode in opts.modes:
                 progress.update(runs, description=f"warm-up [{mode}]")
-                session.run(mode)  # builds plans, transfer graphs: not part of the steady state
+                # builds plans and transfer graphs, which are not part of the steady state
+                session.run(mode, decode_steps=min(1, opts.decode_steps))
                 progress.advance(runs)
                 progress.update(runs, description=f"measuring [{mode}]")
                 results[mode] = session.run(mode, trace=bool(opts.trace))

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 from conftest import small_profile_text
+from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import card as cards
 from spyre_rt import plan_cache
-from spyre_rt.compiler import step as step_mod
 from spyre_rt.dispatch import dispatch_mode
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")

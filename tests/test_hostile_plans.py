@@ -3,6 +3,8 @@ passes the file checksum) with oversized counts, out-of-range addresses or offse
 program blocks is rejected before any command runs, and the step rebuilds its plans and
 gives the right results."""
 
+import hashlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -10,10 +12,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import SpyreInvalidCommandError, plan_cache
 from spyre_rt import card as cards
-from spyre_rt.compiler import step as step_mod
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.plan import GraphPlan, PlanJob
 from spyre_rt.plan import encode as encode_plan
@@ -128,24 +130,40 @@ def program(block, j):
     return jh, slots, cmds, instrs, deps
 
 
-def depend(block, i, on):
-    """Make command i of job 0 (which has dependencies) depend first on command `on`."""
-    _, _, cmds, _, deps = program(block, 0)
-    assert cmds["ndeps"][i] >= 1
-    deps[cmds["dep_begin"][i]] = on
+def depend(block, on) -> None:
+    """Make a command that has dependencies depend first on `on`: "self" (itself),
+    "successor" (a command that depends on it: a cycle) or a command number."""
+    for j in range(len(job_table(block))):
+        cmds, deps = program(block, j)[2], program(block, j)[4]
+        for i in np.flatnonzero(cmds["ndeps"] > 0):
+            succ = [k for k in range(len(cmds))
+                    if i in deps[cmds["dep_begin"][k]: cmds["dep_begin"][k] + cmds["ndeps"][k]]]
+            if on != "successor" or succ:
+                deps[cmds["dep_begin"][i]] = {"self": i, "successor": succ[0] if succ else 0}.get(on, on)
+                return
+    raise LookupError("no command fits")
+
+
+def dependent(block) -> tuple[int, int]:
+    """(job, command) of the first command that has dependencies."""
+    for j in range(len(job_table(block))):
+        hits = np.flatnonzero(program(block, j)[2]["ndeps"] > 0)
+        if hits.size:
+            return j, int(hits[0])
+    raise LookupError("no command has dependencies")
 
 
 def first(block, op):
     """(job, command index) of the first command with opcode `op`."""
     for j in range(len(job_table(block))):
-        cmds = program(block, j)[2]
-        hits = np.flatnonzero(cmds["op"] == op)
+        hits = np.flatnonzero(program(block, j)[2]["op"] == op)
         if hits.size:
             return j, int(hits[0])
     raise LookupError(op)
 
 
 def cmd(block, op, variant=CMD_DMA):
+    """The first command with opcode `op`, viewed as `variant`."""
     j, i = first(block, op)
     return program(block, j)[2][i: i + 1].view(variant)
 
@@ -165,8 +183,8 @@ MUTATIONS = {
     "total bytes": (lambda b: set_(header(b), "total_bytes", b.size + 8), "SPY_E_BAD_PROGRAM"),
     "plan magic": (lambda b: set_(header(b), "magic", 0x4E4C5054), "SPY_E_BAD_PROGRAM"),
     "plan version": (lambda b: set_(header(b), "version", 2), "SPY_E_BAD_PROGRAM"),
-    "program past the end": (lambda b: set_(job_table(b)[1:2], "prog_off", b.size), "SPY_E_BAD_PROGRAM"),
-    "program misaligned": (lambda b: set_(job_table(b)[1:2], "prog_off", int(job_table(b)["prog_off"][1]) + 4),
+    "program past the end": (lambda b: set_(job_table(b)[-1:], "prog_off", b.size), "SPY_E_BAD_PROGRAM"),
+    "program misaligned": (lambda b: set_(job_table(b)[-1:], "prog_off", int(job_table(b)["prog_off"][-1]) + 4),
                            "SPY_E_BAD_PROGRAM"),
     "program over the tables": (lambda b: set_(job_table(b)[0:1], "prog_off", 0), "SPY_E_BAD_PROGRAM"),
     "program length wraps": (lambda b: set_(job_table(b)[0:1], "prog_len", U64_MAX - 7), "SPY_E_BAD_PROGRAM"),
@@ -180,10 +198,10 @@ MUTATIONS = {
     "binding out of range": (lambda b: set_(relocs(b)[0:1], "binding", int(header(b)["nbindings"][0])),
                              "SPY_E_BAD_PROGRAM"),
     "relocation offset wraps": (lambda b: set_(relocs(b)[0:1], "offset", U64_MAX), "SPY_E_BAD_PROGRAM"),
-    "program magic": (lambda b: set_(program(b, 1)[0], "magic", 0), "SPY_E_BAD_PROGRAM"),
-    "program command count": (lambda b: set_(program(b, 1)[0], "ncmds", (1 << 26) + 1), "SPY_E_BAD_PROGRAM"),
-    "program counts and size disagree": (lambda b: set_(program(b, 1)[0], "ninstrs", 1000), "SPY_E_BAD_PROGRAM"),
-    "program flags": (lambda b: set_(program(b, 2)[0], "flags", 1), "SPY_E_BAD_PROGRAM"),
+    "program magic": (lambda b: set_(program(b, -1)[0], "magic", 0), "SPY_E_BAD_PROGRAM"),
+    "program command count": (lambda b: set_(program(b, -1)[0], "ncmds", (1 << 26) + 1), "SPY_E_BAD_PROGRAM"),
+    "program counts and size disagree": (lambda b: set_(program(b, 0)[0], "ninstrs", 1000), "SPY_E_BAD_PROGRAM"),
+    "program flags": (lambda b: set_(program(b, -1)[0], "flags", 1), "SPY_E_BAD_PROGRAM"),
     "slot kind": (lambda b: set_(program(b, 0)[1][0:1], "kind", 7), "SPY_E_BAD_PROGRAM"),
     "slot extent shrunk": (lambda b: set_(program(b, 0)[1], "extent", 64), "SPY_E_BAD_ADDRESS"),
     "opcode": (lambda b: set_(cmd(b, OP_SFU), "op", 99), "SPY_E_BAD_COMMAND"),
@@ -199,10 +217,11 @@ MUTATIONS = {
     "matmul past the scratchpad": (lambda b: set_(cmd(b, OP_MATMUL, CMD_MM), "c_off", 0xFFFFFF00), "SPY_E_SCRATCHPAD"),
     "SFU program outside": (lambda b: set_(cmd(b, OP_SFU, CMD_SFU), "instr_begin", 1 << 30), "SPY_E_BAD_COMMAND"),
     "SFU instruction opcode": (lambda b: set_(program(b, first(b, OP_SFU)[0])[3][0:1], "op", 200), "SPY_E_BAD_COMMAND"),
-    "dependency on itself": (lambda b: depend(b, 2, 2), "SPY_E_BAD_COMMAND"),
-    "dependency out of range": (lambda b: depend(b, 2, 1 << 20), "SPY_E_BAD_COMMAND"),
-    "dependency cycle": (lambda b: depend(b, 2, 4), "SPY_E_CYCLE"),
-    "dependency list outside": (lambda b: set_(program(b, 0)[2][2:3], "dep_begin", 1 << 31), "SPY_E_BAD_COMMAND"),
+    "dependency on itself": (lambda b: depend(b, "self"), "SPY_E_BAD_COMMAND"),
+    "dependency out of range": (lambda b: depend(b, 1 << 20), "SPY_E_BAD_COMMAND"),
+    "dependency cycle": (lambda b: depend(b, "successor"), "SPY_E_CYCLE"),
+    "dependency list outside": (lambda b: set_(program(b, dependent(b)[0])[2][dependent(b)[1]:][:1], "dep_begin",
+                                               1 << 31), "SPY_E_BAD_COMMAND"),
 }
 
 
@@ -337,3 +356,18 @@ def test_a_plan_file_with_a_host_slot_is_rejected_without_a_crash(step):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"exit {out.returncode}: {out.stdout[-500:]} {out.stderr[-1000:]}"
     assert "rejected: SpyreInvalidCommandError" in out.stdout
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library: spyre_rt.plan_cache.decode lets json's RecursionError out for a deeply nested "
+    "header; PlanCache.load only catches SpyrePlanCacheError, so the compiled step call fails "
+    "with RecursionError instead of rebuilding"))
+def test_a_plan_file_with_a_deeply_nested_header_is_rebuilt(step):
+    entry = plan_cache.decode(step.pristine, step.key)
+    head = json.dumps({**entry.header, "names": None}).replace("null", "[" * 100_000 + "]" * 100_000).encode()
+    head += b" " * (-len(head) % 8)
+    payload = step.pristine[plan_cache._PREFIX.size + plan_cache._PREFIX.unpack_from(step.pristine)[2]:]
+    check = hashlib.sha256(head + payload).digest()
+    data = plan_cache._PREFIX.pack(plan_cache.MAGIC, plan_cache.FORMAT, len(head), len(payload), check) + head + payload
+    step.cache.path(step.key).write_bytes(data)
+    assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,153 @@
+"""Field-aware mutations of program blocks and plan blocks, using the numpy dtypes that
+mirror native/spyre.h (spyre_rt.program)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from harness import mutate_record, mutate_value
+
+from spyre_rt.program import (
+    CMD_DMA,
+    CMD_GATHER,
+    CMD_MM,
+    CMD_RING,
+    CMD_SFU,
+    DESC,
+    INSTR,
+    JOB_HEADER,
+    OP_GATHER,
+    OP_MATMUL,
+    OP_RING,
+    OP_SCATTER,
+    OP_SFU,
+    PLAN_HEADER,
+    PLAN_JOB,
+    RELOC,
+    SLOT,
+)
+
+CMD_VARIANT = {OP_MATMUL: CMD_MM, OP_SFU: CMD_SFU, OP_RING: CMD_RING, OP_GATHER: CMD_GATHER, OP_SCATTER: CMD_GATHER}
+VARIANTS = (CMD_DMA, CMD_MM, CMD_SFU, CMD_RING, CMD_GATHER)
+
+
+def program_sections(buf: np.ndarray, off: int = 0, length: int | None = None) -> dict | None:
+    """Offsets and counts of a program block's sections, or None when its header does not
+    describe a block that fits."""
+    end = buf.size if length is None else off + length
+    if off < 0 or off + JOB_HEADER.itemsize > end:
+        return None
+    h = buf[off: off + JOB_HEADER.itemsize].view(JOB_HEADER)[0]
+    counts = {k: int(h[k]) for k in ("nslots", "ncmds", "ndeps", "ninstrs", "ndescs")}
+    pos = off + JOB_HEADER.itemsize
+    out = {"header": off}
+    for name, size in (("nslots", SLOT.itemsize), ("ncmds", CMD_DMA.itemsize), ("ndeps", 4),
+                       ("ninstrs", INSTR.itemsize), ("ndescs", DESC.itemsize)):
+        out[name] = (pos, counts[name])
+        pos += counts[name] * size if name != "ndeps" else (counts[name] * 4 + 7) & ~7
+        if pos > end:
+            return None
+    return out
+
+
+def mutate_program(rng: random.Random, buf: np.ndarray, off: int = 0, length: int | None = None) -> str:
+    """Change one field of the program block at `off` (in place); what was changed."""
+    sec = program_sections(buf, off, length)
+    if sec is None:
+        return mutate_record(rng, buf, off, JOB_HEADER) if off + JOB_HEADER.itemsize <= buf.size else "nothing"
+    choices = [("header", 1)]
+    for name, weight in (("ncmds", 8), ("nslots", 2), ("ndeps", 2), ("ninstrs", 4), ("ndescs", 2)):
+        if sec[name][1]:
+            choices.append((name, weight))
+    what = rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
+    if what == "header":
+        return "job header " + mutate_record(rng, buf, off, JOB_HEADER)
+    pos, count = sec[what]
+    i = rng.randrange(count)
+    if what == "ndeps":
+        dep = buf[pos + 4 * i: pos + 4 * i + 4].view(np.uint32)
+        dep[0] = mutate_value(rng, int(dep[0]), 32) if rng.random() < 0.5 else rng.randrange(sec["ncmds"][1] + 2)
+        return "dependency"
+    if what == "nslots":
+        return "slot " + mutate_record(rng, buf, pos + i * SLOT.itemsize, SLOT)
+    if what == "ninstrs":
+        return "instruction " + mutate_record(rng, buf, pos + i * INSTR.itemsize, INSTR)
+    if what == "ndescs":
+        return "descriptor " + mutate_record(rng, buf, pos + i * DESC.itemsize, DESC)
+    at = pos + i * CMD_DMA.itemsize
+    r = rng.random()
+    if r < 0.1 and count > 1:  # one command over another
+        j = rng.randrange(count)
+        buf[at: at + CMD_DMA.itemsize] = buf[pos + j * CMD_DMA.itemsize: pos + (j + 1) * CMD_DMA.itemsize].copy()
+        return "command copied"
+    op = int(buf[at])
+    variant = CMD_VARIANT.get(op, CMD_DMA) if r < 0.85 else rng.choice(VARIANTS)
+    return "command " + mutate_record(rng, buf, at, variant)
+
+
+def plan_sections(buf: np.ndarray) -> dict | None:
+    if buf.size < PLAN_HEADER.itemsize:
+        return None
+    h = buf[: PLAN_HEADER.itemsize].view(PLAN_HEADER)[0]
+    njobs, nrelocs = int(h["njobs"]), int(h["nrelocs"])
+    jobs_at = PLAN_HEADER.itemsize
+    relocs_at = jobs_at + njobs * PLAN_JOB.itemsize
+    if relocs_at + nrelocs * RELOC.itemsize > buf.size:
+        return None
+    table = buf[jobs_at: relocs_at].view(PLAN_JOB)
+    programs = [(int(j["prog_off"]), int(j["prog_len"])) for j in table]
+    return {"jobs": (jobs_at, njobs), "relocs": (relocs_at, nrelocs), "programs": programs}
+
+
+def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
+    """Change one field of a plan block (its header, job table, relocations or one of its
+    programs), in place; what was changed."""
+    sec = plan_sections(buf)
+    if sec is None:
+        return "plan header " + mutate_record(rng, buf, 0, PLAN_HEADER) if buf.size >= PLAN_HEADER.itemsize else "nothing"
+    r = rng.random()
+    if r < 0.12:
+        return "plan header " + mutate_record(rng, buf, 0, PLAN_HEADER)
+    pos, njobs = sec["jobs"]
+    if r < 0.30 and njobs:
+        j = rng.randrange(njobs)
+        if rng.random() < 0.15 and njobs > 1:  # two jobs swap their entries
+            k = rng.randrange(njobs)
+            a, b = pos + j * PLAN_JOB.itemsize, pos + k * PLAN_JOB.itemsize
+            buf[a: a + PLAN_JOB.itemsize], buf[b: b + PLAN_JOB.itemsize] = (
+                buf[b: b + PLAN_JOB.itemsize].copy(), buf[a: a + PLAN_JOB.itemsize].copy())
+            return "plan jobs swapped"
+        return "plan job " + mutate_record(rng, buf, pos + j * PLAN_JOB.itemsize, PLAN_JOB)
+    rpos, nrelocs = sec["relocs"]
+    if r < 0.45 and nrelocs:
+        return "relocation " + mutate_record(rng, buf, rpos + rng.randrange(nrelocs) * RELOC.itemsize, RELOC)
+    inside = [(o, n) for o, n in sec["programs"] if 0 <= o and o + n <= buf.size]
+    if inside:
+        o, n = rng.choice(inside)
+        return "program " + mutate_program(rng, buf, o, n)
+    return "plan header " + mutate_record(rng, buf, 0, PLAN_HEADER)
+
+
+def slot_table(buf: np.ndarray, off: int = 0) -> np.ndarray:
+    """The slots of a program block that the card accepted."""
+    sec = program_sections(buf, off)
+    pos, n = sec["nslots"]
+    return buf[pos: pos + n * SLOT.itemsize].view(SLOT)
+
+
+# ---- known bugs (suppressed while fuzzing; see harness.py) ----------------------------------
+
+SHARED_DEPENDENCIES = ("native: commands whose dependency windows overlap overflow the successor arrays "
+                       "of check_acyclic (program.c) and spy_sim_run (sim.c)")
+
+
+def shares_dependencies(buf: np.ndarray, off: int = 0, length: int | None = None) -> bool:
+    """More dependency edges than dependency entries: some commands' windows
+    [dep_begin, +ndeps) overlap, which the validator allows but sizes its arrays for not."""
+    sec = program_sections(buf, off, length)
+    if sec is None:
+        return False
+    pos, n = sec["ncmds"]
+    ndeps = buf[pos: pos + n * CMD_DMA.itemsize].view(CMD_DMA)["ndeps"]
+    return int(ndeps.sum(dtype=np.uint64)) > sec["ndeps"][1] or bool((ndeps > sec["ndeps"][1]).any())

@@ -1,0 +1,177 @@
+"""Write the fuzz seed corpus from real compiles and programs.
+
+    python fuzz/make_corpus.py            # rewrites fuzz/corpus/plan_reader and fuzz/corpus/validator
+
+plan_reader/: plan cache files of a few small compiled models (matmuls, fused pointwise
+kernels, reductions, gathers), re-encoded without their creation time so that a rerun
+writes the same bytes. validator/: every distinct program block of those plans, transfer
+graphs (host <-> device DMA with descriptors) and a few hand-made programs for the
+commands the models do not use (ring, barrier, strided DMA, transposed matmul).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "corpus"
+
+
+def compile_models(cache_dir: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from spyre_rt.dispatch import dispatch_mode
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    models = {
+        "mlp": (lambda x, w1, w2: torch.softmax(F.silu(x @ w1.t()) @ w2.t(), -1), [r(4, 64), r(96, 64), r(40, 96)]),
+        "norm": (lambda x, w: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-5) * w,
+                 [r(8, 128), r(128)]),
+        "embedding": (lambda idx, table: F.embedding(idx, table) * 2 + 1,
+                      [torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), r(16, 64)]),
+        "pointwise": (lambda x, y: torch.where(x > 0, torch.exp(x), y * 0.5).sum(0), [r(3, 70), r(70)]),
+    }
+    with dispatch_mode("prebuilt"):
+        for name, (fn, args) in models.items():
+            f = torch.compile(fn, backend="spyre_rt", dynamic=False)
+            before = set(os.listdir(cache_dir))
+            f(*[a.to("spyre") for a in args])
+            for new in sorted(set(os.listdir(cache_dir)) - before):
+                if new.endswith(".plan"):
+                    shutil.copy(os.path.join(cache_dir, new), os.path.join(cache_dir, f"{name}.seed"))
+
+
+def transfer_programs() -> dict[str, bytes]:
+    from spyre_rt.layout import StickLayout
+    from spyre_rt.program import (
+        CORE_CARD,
+        DESC,
+        DMA_DESCS,
+        OP_D2H,
+        OP_H2D,
+        SLOT_DRAM,
+        SLOT_HOST,
+        ProgramBuilder,
+        empty_cmds,
+    )
+    from spyre_rt.transfer import ViewGeometry, stick_descriptors
+
+    out = {}
+    views = {"rows": ViewGeometry(StickLayout(3, 100, 4), 0, (3, 100), (100, 1)),
+             "transposed": ViewGeometry(StickLayout(16, 70, 2), 5, (60, 16), (1, 70))}
+    for vname, view in views.items():
+        for op in (OP_H2D, OP_D2H):
+            host, dev, nbytes = stick_descriptors(view)
+            descs = np.zeros(len(nbytes), dtype=DESC)
+            descs["src_off"], descs["dst_off"] = (host, dev) if op == OP_H2D else (dev, host)
+            descs["bytes"] = nbytes
+            b = ProgramBuilder()
+            hs = b.slot(SLOT_HOST, int(np.prod(view.sizes)) * view.layout.itemsize)
+            ds = b.slot(SLOT_DRAM, view.layout.nbytes)
+            c = empty_cmds(1, op, CORE_CARD)
+            c["flags"] = DMA_DESCS
+            c["src_slot"], c["dst_slot"] = (hs, ds) if op == OP_H2D else (ds, hs)
+            c["src_off"] = b.add_descs(descs)
+            c["desc_count"] = len(descs)
+            b.add(c)
+            out[f"transfer-{vname}-{'h2d' if op == OP_H2D else 'd2h'}"] = b.encode().tobytes()
+    return out
+
+
+def hand_made_programs() -> dict[str, bytes]:
+    from spyre_rt.program import (
+        CMD_DMA,
+        CMD_MM,
+        CMD_RING,
+        CORE_CARD,
+        MM_TRANS_B,
+        OP_BARRIER,
+        OP_LOAD,
+        OP_MATMUL,
+        OP_RING,
+        OP_STORE,
+        SLOT_DRAM,
+        ProgramBuilder,
+        empty_cmds,
+    )
+
+    out = {}
+    # strided loads on 4 cores, a ring pass, a barrier joining them, strided stores
+    b = ProgramBuilder()
+    src, dst = b.slot(SLOT_DRAM, 4 * 4096), b.slot(SLOT_DRAM, 4 * 4096)
+    loads = empty_cmds(4, OP_LOAD, np.arange(4))
+    loads["src_slot"], loads["src_off"], loads["run_bytes"] = src, np.arange(4) * 4096, 256
+    loads["ndims"], loads["count"][:, 0], loads["src_stride"][:, 0], loads["dst_stride"][:, 0] = 1, 16, 256, 256
+    ring = empty_cmds(1, OP_RING, 0, CMD_RING)
+    ring["dst_core"], ring["ring_src"], ring["ring_dst"], ring["bytes"] = 3, 0, 8192, 4096
+    ring["dep_begin"], ring["ndeps"] = 0, 1
+    barrier = empty_cmds(1, OP_BARRIER, CORE_CARD)
+    barrier["dep_begin"], barrier["ndeps"] = 1, 4
+    stores = empty_cmds(4, OP_STORE, np.arange(4))
+    stores["dst_slot"], stores["dst_off"], stores["run_bytes"] = dst, np.arange(4) * 4096, 4096
+    stores["dep_begin"], stores["ndeps"] = np.arange(5, 9), 1  # every command has its own dependency window
+    b.add(np.concatenate([x.view(CMD_DMA) for x in (loads, ring, barrier, stores)]), np.array([0, 1, 2, 3, 4, 5, 5, 5, 5]))
+    out["ring-barrier"] = b.encode().tobytes()
+    # a transposed-B matmul in fp32 accumulating into C
+    b = ProgramBuilder()
+    c = empty_cmds(1, OP_MATMUL, 7, CMD_MM)
+    c["flags"] = MM_TRANS_B
+    c["a_off"], c["b_off"], c["c_off"] = 0, 8 * 32 * 4, 8 * 32 * 4 + 64 * 32 * 4
+    c["m"], c["n"], c["k"], c["lda"], c["ldb"], c["ldc"] = 8, 64, 32, 32, 32, 64
+    c["a_dtype"] = c["b_dtype"] = 0
+    b.add(c)
+    out["matmul-fp32-trans-b"] = b.encode().tobytes()
+    return out
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
+        from blocks import plan_sections
+
+        from spyre_rt import plan_cache
+
+        compile_models(cache_dir)
+        plans, programs = {}, {}
+        for seed in sorted(Path(cache_dir).glob("*.seed")):
+            entry = plan_cache.decode(seed.read_bytes())
+            header = {k: v for k, v in entry.header.items() if k not in ("key", "blocks", "created")}
+            plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks)
+            for block in entry.blocks:
+                for off, length in plan_sections(block)["programs"]:
+                    blob = block[off: off + length].tobytes()
+                    programs.setdefault(hashlib.sha256(blob).hexdigest()[:12], (seed.stem, blob))
+        validator = {f"{name}-{digest}": blob for digest, (name, blob) in sorted(programs.items())}
+        validator.update(transfer_programs())
+        validator.update(hand_made_programs())
+    from harness import aligned
+
+    from spyre_rt import card as cards
+    from spyre_rt import jobs
+
+    card = cards.get(0)
+    for blob in validator.values():
+        jobs.validate(card, aligned(blob))  # every seed is a valid program
+    for d, files, ext in ((OUT / "plan_reader", plans, ".plan"), (OUT / "validator", validator, ".bin")):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for name, data in sorted(files.items()):
+            (d / f"{name}{ext}").write_bytes(data)
+        print(f"{d.relative_to(HERE.parent)}: {len(files)} files, {sum(map(len, files.values()))} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Fuzzing in the default run: the plan-file reader and the command validator, each fuzzed
+for a bounded time with a fixed seed from the corpus in fuzz/corpus (see fuzz/harness.py),
+with the native code under AddressSanitizer and UBSan when gcc provides them.
+
+Both targets run at once, each in its own process, so that a crash or a sanitizer report is
+seen as the process's exit status instead of taking pytest down. Longer runs:
+``python fuzz/fuzz_plan_reader.py --seconds 600 --asan``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
+sys.path.insert(0, str(FUZZ))
+import sanitize  # noqa: E402
+
+SECONDS = 22
+SEED = 20240611
+MIN_INPUTS = 2000  # far below what either target tries in SECONDS, even on a slow machine
+ENV = dict(os.environ, PYTHONHASHSEED="0")
+ASAN = sanitize.runtime() is not None
+
+# Untyped errors the plan-file reader is known to raise (see the xfail below).
+KNOWN_READER_FINDINGS = ("decode: KeyError  'key'", "decode: RecursionError ")
+
+
+def _sanitized() -> list[str]:
+    """--asan when gcc has AddressSanitizer (the sanitized module is built once, cached)."""
+    if not ASAN:
+        return []
+    build = subprocess.run([sys.executable, str(FUZZ / "sanitize.py")], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stderr[-3000:]
+    return ["--asan"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both fuzz targets, run concurrently: {target: (exit status, summary, stderr)}."""
+    asan = _sanitized()
+    procs = {}
+    for target in ("plan_reader", "validator"):
+        findings = tmp_path_factory.mktemp(f"fuzz-{target}")
+        procs[target] = subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(FUZZ / f"fuzz_{target}.py"), "--seconds", str(SECONDS),
+             "--seed", str(SEED), "--findings", str(findings), "--quiet", *asan],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    out = {}
+    for target, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=SECONDS + 900)
+        lines = stdout.strip().splitlines()
+        summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+        out[target] = (proc.returncode, summary, stderr)
+    return out
+
+
+def _survived(run) -> dict:
+    status, summary, stderr = run
+    assert status in (0, 3), f"the fuzzed process died (exit status {status}):\n{stderr[-4000:]}"
+    assert summary is not None, stderr[-3000:]
+    return summary
+
+
+@pytest.mark.parametrize("target", ["plan_reader", "validator"])
+def test_the_fuzzed_process_survives_every_input(runs, target):
+    summary = _survived(runs[target])
+    assert summary["inputs"] >= MIN_INPUTS, summary
+    assert summary["seeds_accepted"] == summary["seeds"], "a seed of the corpus was rejected"
+    tried = summary["accepted"] + summary["rejected"] + sum(summary["findings"].values())
+    assert tried + sum(summary["suppressed"].values()) == summary["inputs"]
+    assert summary["rejected"] > 0 and summary["outcomes"] > 20, "the mutations reach few checks"
+    assert summary["sanitizers"] == ("address,undefined" if ASAN else "none")
+    print(f"{target}: {summary['inputs']} inputs in {summary['seconds']} s (sanitizers: {summary['sanitizers']}), "
+          f"{summary['accepted']} accepted, {summary['rejected']} rejected with typed errors, "
+          f"{summary['outcomes']} distinct outcomes, suppressed {summary['suppressed']}")
+
+
+def test_the_validator_accepts_or_rejects_every_input_with_a_typed_error(runs):
+    summary = _survived(runs["validator"])
+    assert summary["findings"] == {}, summary["findings"]
+
+
+def test_the_plan_reader_raises_no_untyped_error_but_the_known_ones(runs):
+    summary = _survived(runs["plan_reader"])
+    unknown = [f for f in summary["findings"] if not f.startswith(KNOWN_READER_FINDINGS)]
+    assert unknown == [], unknown
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library: spyre_rt.plan_cache.decode raises KeyError for a checksummed header without "
+    "'key' when called without a key (as `spyre-profile cache inspect` does), and "
+    "RecursionError for a deeply nested JSON header (with or without a key; PlanCache.load "
+    "then lets it escape into the compiled step instead of rebuilding)"))
+def test_the_plan_reader_accepts_or_rejects_every_input_with_a_typed_error(runs):
+    summary = _survived(runs["plan_reader"])
+    assert summary["findings"] == {}, summary["findings"]
+
+
+def shared_dependency_windows(n: int = 64) -> bytes:
+    """Barriers that all depend on the same two dependency entries (windows overlap)."""
+    from spyre_rt.program import CORE_CARD, OP_BARRIER, ProgramBuilder, empty_cmds
+
+    b = ProgramBuilder()
+    cmds = empty_cmds(n, OP_BARRIER, CORE_CARD)
+    cmds["ndeps"] = 2  # commands 2.. depend on entries [0, 2): commands 0 and 1
+    cmds["ndeps"][:2] = [0, 1]
+    b.add(cmds, np.array([0, 1]))
+    return b.encode().tobytes()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "native: the validator accepts commands whose dependency windows [dep_begin, +ndeps) "
+    "overlap, but check_acyclic (program.c) sizes its successor array ndeps + ncmds + 1 and "
+    "spy_sim_run (sim.c) ndeps: more edges than entries write past the heap buffers (found by "
+    "fuzzing under ASan; without it the heap is silently corrupted). Suppressed in the fuzz "
+    "targets as SHARED_DEPENDENCIES"))
+def test_commands_sharing_dependency_entries_are_validated_and_run_safely(tmp_path):
+    path = tmp_path / "shared-dependencies.bin"
+    path.write_bytes(shared_dependency_windows())
+    out = subprocess.run([sys.executable, "-W", "ignore", str(FUZZ / "fuzz_validator.py"), "--replay", str(path),
+                          *_sanitized()], capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, f"exit status {out.returncode}: {out.stdout[-500:]}{out.stderr[-3000:]}"

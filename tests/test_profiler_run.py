@@ -1,0 +1,124 @@
+"""``spyre-profile run``, ``info`` and ``cache`` on the tiny Granite (one layer, short prompt)."""
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from spyre_rt import trace
+from spyre_rt.profiler import cli
+from spyre_rt.profiler import run as runmod
+from spyre_rt.profiler import view as viewmod
+
+TINY = ["granite-tiny", "--seq", "16", "--decode-steps", "2", "--layers", "1"]
+PHASES = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    js, tr = d / "out.json", d / "out.trace.json"
+    code = cli.main(["run", *TINY, "--timing", "--json", str(js), "--trace", str(tr)])
+    return code, json.loads(js.read_text()), tr
+
+
+def _quiet_measure(sim_mode: str) -> dict:
+    opts = runmod.Options(model="granite-tiny", seq=16, decode_steps=2, layers=1, sim_mode=sim_mode)
+    return runmod.measure(opts, Console(file=io.StringIO()))
+
+
+def test_run_succeeds_and_the_json_carries_every_figure_of_the_table(cli_run):
+    code, out, _ = cli_run
+    assert code == 0
+    for key in ("model", "batch", "seq", "decode_steps", "layers", "dtype", "sim_mode", "device_profile",
+                "results", "speedups", "compute_share", "timings"):
+        assert key in out
+    assert set(out["results"]) == set(runmod.MODES)
+    for mode, r in out["results"].items():
+        for key in ("prefill_ms", "decode_ms_per_token", "host_ms", "device_ms", "device_wait_host_ms"):
+            assert r[key] >= 0, (mode, key)
+        for phase in PHASES:
+            f = r["phases"][phase]
+            for key in ("latency_ms", "host_ms", "device_ms", "device_wait_host_ms", "native_calls", "jobs"):
+                assert key in f, (mode, phase, key)
+            # latency is host work plus waiting for the card, never less than either
+            assert f["latency_ms"] >= f["host_ms"] - 1e-6
+    for mode in ("prebuilt-transfer", "prebuilt"):
+        for phase in PHASES:
+            assert out["speedups"][mode][phase] > 0
+    # the prebuilt step is one native launch, whatever its kernel count
+    assert out["results"]["prebuilt"]["phases"]["prefill"]["native_calls"] < \
+        out["results"]["construct"]["phases"]["prefill"]["native_calls"]
+
+
+def test_every_mode_runs_the_same_device_commands(cli_run):
+    _, out, _ = cli_run
+    for phase in PHASES:
+        jobs = {mode: out["results"][mode]["phases"][phase]["jobs"] for mode in runmod.MODES}
+        # both construct modes upload each kernel's program before running it (a job each);
+        # a plan's programs are resident, so it runs the kernels alone
+        assert jobs["construct"] == jobs["prebuilt-transfer"] > jobs["prebuilt"]
+
+
+def test_the_trace_of_a_run_loads_and_views(cli_run, capsys):
+    _, _, tr = cli_run
+    loaded = trace.load(str(tr))
+    spans = {e["name"] for e in loaded["traceEvents"] if e.get("ph") == "X"}
+    for mode in runmod.MODES:
+        assert {f"prefill [{mode}]", f"decode [{mode}]"} <= spans
+    data = viewmod.parse(loaded)
+    assert data.jobs and len(data.launches.op) > 0, "device jobs linked to host launches"
+    assert cli.main(["view", str(tr)]) == 0
+    printed = capsys.readouterr().out
+    for section in ("per-op summary", "critical path"):
+        assert section in printed
+
+
+def test_timing_and_functional_mode_agree_on_device_time():
+    timing, functional = _quiet_measure("timing"), _quiet_measure("functional")
+    assert timing["sim_mode"] == "timing" and functional["sim_mode"] == "functional"
+    for mode in runmod.MODES:
+        for phase in PHASES:
+            t = timing["results"][mode]["phases"][phase]
+            f = functional["results"][mode]["phases"][phase]
+            assert t["jobs"] == f["jobs"], (mode, phase)
+            assert t["device_ms"] == pytest.approx(f["device_ms"], rel=1e-9), (mode, phase)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "no-such-model"],
+    ["run", "granite-tiny", "--batch", "0"],
+    ["run", "granite-tiny", "--modes", "fastest"],
+    ["run", "granite-tiny", "--functional", "--timing"],
+])
+def test_run_refuses_bad_input_with_a_clear_error(argv, capsys):
+    code = cli.main(argv)
+    assert code in (1, 2)
+    err = capsys.readouterr().err
+    assert "error" in err and len(err.strip().splitlines()) <= 3
+
+
+def test_info_prints_the_profile_and_a_self_test(capsys):
+    assert cli.main(["info", "--timing"]) == 0
+    out = capsys.readouterr().out
+    assert "scratchpad" in out.lower() and "pcie" in out.lower()
+
+
+def test_cache_commands_list_inspect_stats_and_clear(cli_run, capsys, tmp_path):
+    from spyre_rt import config
+
+    d = config.settings().cache_dir
+    assert cli.main(["cache", "list", "--dir", d]) == 0
+    listed = capsys.readouterr().out
+    assert cli.main(["cache", "stats", "--dir", d]) == 0
+    assert "plans" in capsys.readouterr().out
+    keys = [line.split("│")[1].strip() for line in listed.splitlines() if line.count("│") >= 3]
+    assert keys, listed
+    assert cli.main(["cache", "inspect", keys[0], "--dir", d]) == 0
+    assert "names" in capsys.readouterr().out
+    assert cli.main(["cache", "inspect", "zzzz-no-such-key", "--dir", d]) == 1
+    assert cli.main(["cache", "inspect", "--dir", d]) == 1
+    empty = tmp_path / "cache"
+    assert cli.main(["cache", "clear", "--dir", str(empty)]) == 0
+    assert "removed 0" in capsys.readouterr().out

@@ -134,20 +134,3 @@ def slot_table(buf: np.ndarray, off: int = 0) -> np.ndarray:
     sec = program_sections(buf, off)
     pos, n = sec["nslots"]
     return buf[pos: pos + n * SLOT.itemsize].view(SLOT)
-
-
-# ---- known bugs (suppressed while fuzzing; see harness.py) ----------------------------------
-
-SHARED_DEPENDENCIES = ("native: commands whose dependency windows overlap overflow the successor arrays "
-                       "of check_acyclic (program.c) and spy_sim_run (sim.c)")
-
-
-def shares_dependencies(buf: np.ndarray, off: int = 0, length: int | None = None) -> bool:
-    """More dependency edges than dependency entries: some commands' windows
-    [dep_begin, +ndeps) overlap, which the validator allows but sizes its arrays for not."""
-    sec = program_sections(buf, off, length)
-    if sec is None:
-        return False
-    pos, n = sec["ncmds"]
-    ndeps = buf[pos: pos + n * CMD_DMA.itemsize].view(CMD_DMA)["ndeps"]
-    return int(ndeps.sum(dtype=np.uint64)) > sec["ndeps"][1] or bool((ndeps > sec["ndeps"][1]).any())

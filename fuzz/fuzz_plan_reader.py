@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402, F401, I001 - first: under --asan it swaps in the sanitized native module
 
 import numpy as np  # noqa: E402
-from blocks import SHARED_DEPENDENCIES, mutate_plan, plan_sections, program_sections, shares_dependencies  # noqa: E402
+from blocks import mutate_plan, plan_sections, program_sections  # noqa: E402
 from harness import aligned, arguments, mutate_bytes, mutate_record, run, stage  # noqa: E402
 
 from spyre_rt import jobs, plan_cache, profile  # noqa: E402
@@ -92,19 +92,6 @@ def launch(plan: GraphPlan, bindings: list[tuple[int, int]]) -> None:
     finally:
         for addr in device:
             card.free(addr)
-
-
-def known_bug(data: bytes) -> str | None:
-    try:
-        entry = plan_cache.decode(data)
-    except Exception:  # noqa: BLE001 - the target sees it
-        return None
-    for block in entry.blocks[:MAX_BLOCKS]:
-        sec = plan_sections(block)
-        for off, length in (sec["programs"] if sec else []):
-            if 0 <= off and off + length <= block.size and off % 8 == 0 and shares_dependencies(block, off, length):
-                return SHARED_DEPENDENCIES
-    return None
 
 
 # ---- mutations -----------------------------------------------------------------------------
@@ -196,4 +183,4 @@ def mutate(rng, parent: bytes, corpus: list[bytes]) -> bytes:
 
 
 if __name__ == "__main__":
-    sys.exit(run("plan_reader", target, mutate, arguments(__doc__.splitlines()[0]), known_bug))
+    sys.exit(run("plan_reader", target, mutate, arguments(__doc__.splitlines()[0])))

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402, F401, I001 - first: under --asan it swaps in the sanitized native module
 
 import numpy as np  # noqa: E402
-from blocks import SHARED_DEPENDENCIES, mutate_program, shares_dependencies, slot_table  # noqa: E402
+from blocks import mutate_program, slot_table  # noqa: E402
 from harness import aligned, arguments, mutate_bytes, run, stage  # noqa: E402
 
 from spyre_rt import jobs, profile  # noqa: E402
@@ -73,10 +73,6 @@ def target(data: bytes) -> None:
             card.free(addr)
 
 
-def known_bug(data: bytes) -> str | None:
-    return SHARED_DEPENDENCIES if shares_dependencies(aligned(data)) else None
-
-
 def mutate(rng, parent: bytes, corpus: list[bytes]) -> bytes:
     if rng.random() < 0.8:
         buf = aligned(parent)
@@ -87,4 +83,4 @@ def mutate(rng, parent: bytes, corpus: list[bytes]) -> bytes:
 
 
 if __name__ == "__main__":
-    sys.exit(run("validator", target, mutate, arguments(__doc__.splitlines()[0]), known_bug))
+    sys.exit(run("validator", target, mutate, arguments(__doc__.splitlines()[0])))

@@ -13,6 +13,9 @@
 #include "internal.h"
 
 #define MAX_COUNT (1u << 26)
+/* Dependency edges of one program. Commands may share dependency entries (their windows
+ * [dep_begin, +ndeps) may overlap), so the edge count is bounded on its own. */
+#define MAX_EDGES (1u << 26)
 
 typedef struct vctx {
     const spy_profile *p;
@@ -398,7 +401,8 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     uint32_t neng = p->num_cores * SPY_ENG_PER_CORE + 3;
     uint32_t *indeg = calloc(n ? n : 1, sizeof *indeg);
     uint32_t *succ_start = calloc((size_t)n + 1, sizeof *succ_start);
-    uint32_t *succ = malloc(((size_t)g->hdr->ndeps + n + 1) * sizeof *succ);
+    /* one entry per edge: nedges, not the header's ndeps (windows may overlap) */
+    uint32_t *succ = malloc(((size_t)g->nedges + 1) * sizeof *succ);
     uint32_t *eng_next = malloc((size_t)(n ? n : 1) * sizeof *eng_next);
     uint32_t *last_on = malloc((size_t)neng * sizeof *last_on);
     spy_status st = SPY_OK;
@@ -538,6 +542,15 @@ spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t l
         if (s != SPY_OK) {
             spy_program_free(g);
             return s;
+        }
+        /* each window was checked against ndeps (<= MAX_COUNT): no overflow in 64 bits */
+        g->nedges += g->cmds[i].ndeps;
+        if (g->nedges > MAX_EDGES) {
+            spy_program_free(g);
+            return spy_fail(SPY_E_BAD_PROGRAM, i,
+                            "command %u: the program's commands have more than %u dependency "
+                            "edges in all",
+                            i, MAX_EDGES);
         }
         uint16_t core = g->cmds[i].core;
         if (core != SPY_CORE_CARD && core < 256)

@@ -388,7 +388,9 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx,
     spy_sim *s = dev->sim;
     uint32_t n = g->hdr->ncmds;
     uint32_t neng = p->num_cores * SPY_ENG_PER_CORE + 3;
-    if (!reserve(s, n, g->hdr->ndeps, neng))
+    /* the successor array holds one entry per edge, which can exceed the dependency
+     * entries when commands share them (validation bounded the edge count) */
+    if (!reserve(s, n, (size_t)g->nedges, neng))
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted simulating");
     /* dependency successors (CSR) and per-engine command lists (counting sort) */
     memset(s->succ_start, 0, ((size_t)n + 1) * sizeof(uint32_t));

@@ -113,15 +113,50 @@ def shared_dependency_windows(n: int = 64) -> bytes:
     return b.encode().tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "native: the validator accepts commands whose dependency windows [dep_begin, +ndeps) "
-    "overlap, but check_acyclic (program.c) sizes its successor array ndeps + ncmds + 1 and "
-    "spy_sim_run (sim.c) ndeps: more edges than entries write past the heap buffers (found by "
-    "fuzzing under ASan; without it the heap is silently corrupted). Suppressed in the fuzz "
-    "targets as SHARED_DEPENDENCIES"))
 def test_commands_sharing_dependency_entries_are_validated_and_run_safely(tmp_path):
+    """Commands whose dependency windows [dep_begin, +ndeps) overlap have more edges than
+    dependency entries: the validator and the simulator size their arrays by the edges
+    (found by fuzzing under ASan, once a heap overflow)."""
     path = tmp_path / "shared-dependencies.bin"
     path.write_bytes(shared_dependency_windows())
     out = subprocess.run([sys.executable, "-W", "ignore", str(FUZZ / "fuzz_validator.py"), "--replay", str(path),
                           *_sanitized()], capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, f"exit status {out.returncode}: {out.stdout[-500:]}{out.stderr[-3000:]}"
+    assert out.stdout.strip().endswith("accepted"), out.stdout[-500:]  # validated, committed and run
+
+
+def test_shared_dependency_entries_keep_cycles_and_bad_dependencies_rejected():
+    from spyre_rt import card as cards
+    from spyre_rt import jobs
+    from spyre_rt.errors import SpyreInvalidCommandError
+
+    card = cards.get(0)
+    blob = np.frombuffer(shared_dependency_windows(), np.uint8).copy()
+    assert jobs.validate(card, blob)["ncmds"] == 64
+    jobs.run_once(card, blob, [])
+    deps_at = 64 + 64 * 128  # header, no slots, 64 commands
+    for dep, status in ((64, "SPY_E_BAD_COMMAND"), (40, "SPY_E_BAD_COMMAND")):  # out of range; 40 on itself
+        bad = blob.copy()
+        bad[deps_at: deps_at + 4].view(np.uint32)[0] = dep
+        with pytest.raises(SpyreInvalidCommandError) as e:
+            jobs.validate(card, bad)
+        assert e.value.status == status, str(e.value)
+
+
+
+def test_a_program_with_too_many_dependency_edges_is_refused():
+    """Shared windows multiply edges: 8193 commands each waiting for the same 8192 entries
+    make 2^26 + 8192 edges from 32 KiB of entries, which the validator refuses to allocate."""
+    from spyre_rt import card as cards
+    from spyre_rt import jobs
+    from spyre_rt.errors import SpyreInvalidCommandError
+    from spyre_rt.program import CORE_CARD, OP_BARRIER, ProgramBuilder, empty_cmds
+
+    n = 8192
+    b = ProgramBuilder()
+    cmds = empty_cmds(2 * n + 1, OP_BARRIER, CORE_CARD)
+    cmds["ndeps"][n:] = n  # every command after the first n waits for entries [0, n): those n
+    b.add(cmds, np.arange(n))
+    with pytest.raises(SpyreInvalidCommandError) as e:
+        jobs.validate(cards.get(0), b.encode())
+    assert e.value.status == "SPY_E_BAD_PROGRAM" and "dependency edges" in str(e.value)

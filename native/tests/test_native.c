@@ -249,6 +249,28 @@ static void test_validation(void)
     dma(&p, SPY_OP_LOAD, 0, s0, 0, 0, 128, 128);
     CHECK(validate(d, &p) == SPY_E_CYCLE);
 
+    memset(&p, 0, sizeof p); /* commands sharing dependency entries: more edges than entries */
+    for (int i = 0; i < 200; i++) {
+        c = cmd(&p, SPY_OP_BARRIER, SPY_CORE_CARD);
+        c->dep_begin = 0;
+        c->ndeps = i == 0 ? 0 : i == 1 ? 1 : 2;
+    }
+    p.deps[0] = 0;
+    p.deps[1] = 1;
+    p.ndeps = 2;
+    CHECK_OK(validate(d, &p));
+    {
+        double end = 0;
+        CHECK_OK(run(d, &p, NULL, &end));
+        CHECK(end > 0);
+    }
+    p.deps[0] = 200; /* ... a dependency out of range is still refused */
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    p.deps[0] = 0; /* ... and a cycle through the shared entries is still found */
+    p.deps[p.ndeps++] = 199;
+    p.cmds[1].dep_begin = 2; /* command 1 waits for 199, which waits for 1 */
+    CHECK(validate(d, &p) == SPY_E_CYCLE);
+
     memset(&p, 0, sizeof p); /* unknown opcode, bad core, self dependency */
     s0 = slot(&p, SPY_SLOT_DRAM, 4096);
     cmd(&p, 99, 0);

@@ -6,9 +6,9 @@ valid checksum (as a hostile writer would), so that they reach the block table, 
 header and the card's plan validation; the rest are raw damage (bit flips, truncation,
 splices) that the checksum must catch. ``decode`` must accept or raise
 ``SpyrePlanCacheError``; every block of an accepted file must be created as a plan or
-rejected with a typed error; a plan the card accepts is launched with every binding bound
-to memory of its declared extent (device memory for DRAM bindings, host memory for HOST
-bindings: what a caller must provide).
+rejected with a typed error (a plan job with a host slot is one: plans bind device memory
+only); a plan the card accepts is launched with every binding it uses bound to device
+memory of its declared extent (what a caller must provide).
 
     python fuzz/fuzz_plan_reader.py --seconds 600 [--seed N] [--runs N] [--asan]
 """
@@ -30,7 +30,7 @@ from harness import aligned, arguments, mutate_bytes, mutate_record, run, stage 
 from spyre_rt import jobs, plan_cache, profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 from spyre_rt.plan import GraphPlan  # noqa: E402
-from spyre_rt.program import PLAN_JOB, RELOC, SLOT, SLOT_HOST  # noqa: E402
+from spyre_rt.program import PLAN_JOB, RELOC, SLOT  # noqa: E402
 
 PREFIX = np.dtype([("magic", "u8"), ("format", "u4"), ("nhead", "u4"), ("npay", "u8")])
 MAX_BLOCKS = 16           # blocks of one file given to the card
@@ -77,13 +77,10 @@ def binding_kinds(block: np.ndarray, plan: GraphPlan) -> list[tuple[int, int]] |
 
 
 def launch(plan: GraphPlan, bindings: list[tuple[int, int]]) -> None:
-    addrs, device, host = [], [], []
+    addrs, device = [], []
     try:
         for kind, extent in bindings:
-            if kind == SLOT_HOST:
-                host.append(np.zeros(max(extent, 1), np.uint8))
-                addrs.append(host[-1].ctypes.data)
-            elif kind < 0:
+            if kind < 0:
                 addrs.append(0)  # a binding no job uses
             else:
                 device.append(stage("bind", card.malloc, max(extent, 1)))

@@ -21,8 +21,7 @@ struct spy_plan {
     } *jobs;
     spy_reloc *relocs;
     uint64_t *extent;      /* per binding: bytes the launch must provide */
-    uint8_t *binding_kind; /* per binding: SPY_SLOT_DRAM or SPY_SLOT_HOST */
-    uint64_t *slot_addr;   /* scratch: addresses of one job's slots */
+    uint8_t *binding_used; /* per binding: some slot is relocated against it (all DRAM) */
     uint32_t max_slots;
     uint64_t upload_bytes;
     uint64_t epoch;           /* the device's reset epoch when the plan was created */
@@ -677,13 +676,12 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->jobs = calloc(h->njobs, sizeof *p->jobs);
     p->relocs = malloc(((size_t)h->nrelocs + 1) * sizeof *p->relocs);
     p->extent = calloc((size_t)h->nbindings + 1, sizeof *p->extent);
-    p->binding_kind = malloc((size_t)h->nbindings + 1);
+    p->binding_used = calloc((size_t)h->nbindings + 1, 1);
     p->binding_written = calloc((size_t)h->nbindings + 1, 1);
     p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
-    if (!p->jobs || !p->relocs || !p->extent || !p->binding_kind || !p->binding_written || !p->binding_host)
+    if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host)
         return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
-    memset(p->binding_kind, 0xff, (size_t)h->nbindings + 1);
 
     lock(d);
     d->counters.native_calls++;
@@ -722,6 +720,14 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         for (uint32_t k = 0; k < g->hdr->nslots && s == SPY_OK; k++) {
             const spy_reloc *r = &p->relocs[pj[j].reloc_begin + k];
             uint64_t need;
+            /* A plan binds device memory only: a launch checks every binding against the
+             * card's allocations, which a host pointer would bypass. */
+            if (g->slots[k].kind != SPY_SLOT_DRAM) {
+                s = spy_fail(SPY_E_BAD_PROGRAM, -1,
+                             "plan job %u slot %u is a host slot; plans bind device memory only",
+                             j, k);
+                break;
+            }
             if (!spy_add_ok(r->offset, g->slots[k].extent, &need)) {
                 s = spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u slot %u: offset overflows", j, k);
                 break;
@@ -730,18 +736,9 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
                 p->extent[r->binding] = need;
             if (g->slot_written[k])
                 p->binding_written[r->binding] = 1;
-            uint8_t kind = (uint8_t)g->slots[k].kind;
-            if (p->binding_kind[r->binding] != 0xff && p->binding_kind[r->binding] != kind)
-                s = spy_fail(SPY_E_BAD_PROGRAM, -1,
-                             "plan binding %u is used both as a host and as a DRAM slot", r->binding);
-            p->binding_kind[r->binding] = kind;
+            p->binding_used[r->binding] = 1;
         }
         p->upload_bytes += pj[j].prog_len;
-    }
-    if (s == SPY_OK) {
-        p->slot_addr = malloc(((size_t)p->max_slots + 1) * sizeof *p->slot_addr);
-        if (!p->slot_addr)
-            s = spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     }
     if (s != SPY_OK) {
         release_plan_blocks(d, p);
@@ -772,10 +769,9 @@ void spy_plan_destroy(spy_plan *p)
     free(p->jobs);
     free(p->relocs);
     free(p->extent);
-    free(p->binding_kind);
+    free(p->binding_used);
     free(p->binding_written);
     free(p->binding_host);
-    free(p->slot_addr);
     free(p);
 }
 
@@ -809,11 +805,7 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
      * each slot is a binding plus an offset inside the binding's extent. */
     for (uint32_t b = 0; b < nbindings; b++) {
         p->binding_host[b] = NULL;
-        if (p->binding_kind[b] == SPY_SLOT_HOST) {
-            p->binding_host[b] = d->mode == SPY_MODE_TIMING ? NULL : (uint8_t *)(uintptr_t)bindings[b];
-            continue;
-        }
-        if (p->binding_kind[b] != SPY_SLOT_DRAM || p->extent[b] == 0)
+        if (!p->binding_used[b] || p->extent[b] == 0)
             continue;
         spy_block *blk = spy_alloc_find(&d->mem, bindings[b], p->extent[b]);
         if (!blk)
@@ -837,12 +829,9 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
         const struct plan_job *job = &p->jobs[j];
         for (uint32_t k = 0; k < job->nslots; k++) {
             const spy_reloc *r = &p->relocs[job->reloc_begin + k];
-            p->slot_addr[k] = bindings[r->binding] + r->offset;
             slot_host[k] = p->binding_host[r->binding] ? p->binding_host[r->binding] + r->offset : NULL;
         }
-        spy_program *g = job->prog;
-        timing_host_slots(d, g, p->slot_addr);
-        s = execute_job(d, g, j == 0 ? not_before : 0, job->name, &end);
+        s = execute_job(d, job->prog, j == 0 ? not_before : 0, job->name, &end);
     }
     d->counters.plan_launches++;
     trace_launch(d, name, host_t, first, d->job_seq - first);

@@ -445,6 +445,9 @@ spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t 
  *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][program blocks...]
  * Each job names its program block (offset/length inside the plan block) and its slot
  * relocations [reloc_begin, +nslots): slot address = bindings[reloc.binding] + reloc.offset.
+ * Plans bind device memory only: every slot of every job must be a DRAM slot (a plan job
+ * with a HOST slot is refused with SPY_E_BAD_PROGRAM), and every binding a job uses is a
+ * device address checked against the card's allocations at each launch.
  * spy_plan_create validates the whole block, uploads and commits every program. */
 
 #define SPY_PLAN_MAGIC 0x4E4C5053u /* "SPLN" */

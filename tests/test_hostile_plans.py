@@ -337,11 +337,9 @@ HOST_SLOT = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "native: spy_plan_create accepts plan jobs with HOST slots; a launch then uses the "
-    "bound device address as a host pointer, so a hostile plan file crashes the process "
-    "(SIGSEGV). Plans bind device memory only: reject host slots in plan jobs"))
 def test_a_plan_file_with_a_host_slot_is_rejected_without_a_crash(step):
+    """A launch would use the bound device address as a host pointer: plans bind device
+    memory only, so the card refuses a plan job with a host slot when the plan is made."""
     card = cards.get(0)
     b = ProgramBuilder()
     dram, host = b.slot(SLOT_DRAM, 4096), b.slot(SLOT_HOST, 4096)
@@ -356,6 +354,17 @@ def test_a_plan_file_with_a_host_slot_is_rejected_without_a_crash(step):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"exit {out.returncode}: {out.stdout[-500:]} {out.stderr[-1000:]}"
     assert "rejected: SpyreInvalidCommandError" in out.stdout
+    assert "plan job 0 slot 1 is a host slot; plans bind device memory only" in out.stdout
+    assert "[SPY_E_BAD_PROGRAM]" in out.stdout
+    # and in this process: refused before anything is uploaded or run, then rebuilt
+    card = cards.get(0)
+    before, mem = card.counters(), card.mem_stats()["allocated"]
+    with pytest.raises(SpyreInvalidCommandError, match="host slot"):
+        GraphPlan(card, block)
+    assert card.counters()["jobs"] == before["jobs"] and card.mem_stats()["allocated"] == mem
+    corrupt = plan_cache.stats.corrupt
+    assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    assert plan_cache.stats.corrupt == corrupt + 1
 
 
 @pytest.mark.xfail(strict=True, reason=(

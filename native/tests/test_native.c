@@ -605,6 +605,23 @@ static void test_plan(void)
     spy_reloc *pr2 = (spy_reloc *)(void *)(blob + sizeof h + sizeof jobs);
     pr2[3].binding = 7;
     CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    pr2[3].binding = 1;
+    CHECK_OK(spy_plan_create(d, blob, total, &plan));
+    spy_plan_destroy(plan);
+    /* a job with a host slot (a valid D2H program): plans bind device memory only */
+    memset(&p, 0, sizeof p);
+    s0 = slot(&p, SPY_SLOT_DRAM, 256);
+    uint32_t hs = slot(&p, SPY_SLOT_HOST, 256);
+    dma(&p, SPY_OP_D2H, SPY_CORE_CARD, s0, 0, hs, 0, 256);
+    dep(&p, cmd(&p, SPY_OP_BARRIER, SPY_CORE_CARD), 0); /* the size of the copy job */
+    uint64_t hlen;
+    uint8_t *hjob = encode(&p, &hlen);
+    CHECK_OK(spy_job_validate(d, hjob, hlen, NULL));
+    CHECK(hlen == plen);
+    memcpy(blob + off1, hjob, hlen);
+    free(hjob);
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    CHECK(strstr(spy_last_error(), "plan job 1 slot 1 is a host slot") != NULL);
     spy_mem_stats ms;
     CHECK_OK(spy_mem_stats_get(d, &ms));
     CHECK(ms.control == 0); /* failed plan creations leave nothing behind */

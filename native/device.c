@@ -704,7 +704,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         b->plan_owned = 1;
         memcpy(b->backing, (const uint8_t *)blob + pj[j].prog_off, pj[j].prog_len);
         s = commit_block(d, b, pj[j].prog_len, NULL);
-        if (s != SPY_OK) {
+        if (s != SPY_OK) { /* name the job; spy_fail copes with its own message as argument */
             s = spy_fail(s, spy_last_error_command(), "plan job %u: %s", j, spy_last_error());
             break;
         }

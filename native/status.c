@@ -1,6 +1,7 @@
 /* status.c -- status names, the per-thread last error, small helpers. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 
 #include "internal.h"
@@ -8,12 +9,17 @@
 static _Thread_local char last_message[512];
 static _Thread_local int64_t last_command = -1;
 
+/* The message is formatted into a buffer of its own and then copied: an argument may be
+ * spy_last_error() itself (a caller prefixing a nested failure's message), which
+ * vsnprintf must not read while writing it. */
 spy_status spy_fail(spy_status s, int64_t command, const char *fmt, ...)
 {
+    char message[sizeof last_message];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_message, sizeof last_message, fmt, ap);
+    vsnprintf(message, sizeof message, fmt, ap);
     va_end(ap);
+    memcpy(last_message, message, sizeof message);
     last_command = command;
     return s;
 }

@@ -302,15 +302,15 @@ def test_an_oversized_plan_file_is_rebuilt(step, name):
     assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "native: spy_plan_create passes a nested error message to spy_fail as an argument; "
-    "vsnprintf then reads the buffer it writes ('plan job 0: plan job 0: ource range ...')"))
 def test_plan_errors_name_the_job_and_the_command(step):
+    """The card prefixes a job's validation message with the job (once, not garbled)."""
     block = hostile(step, "DMA source past its slot")
     j, i = first(block, OP_LOAD)
     with pytest.raises(SpyreInvalidCommandError) as e:
         GraphPlan(cards.get(0), block)
-    assert f"plan job {j}: command {i}: source range" in str(e.value)
+    assert f"creating a graph plan: plan job {j}: command {i}: source range [{1 << 40}, +" in str(e.value)
+    assert str(e.value).count("plan job") == 1
+    assert e.value.command == i
 
 
 # ---- a plan job with a host slot ---------------------------------------------------------

@@ -622,6 +622,12 @@ static void test_plan(void)
     free(hjob);
     CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
     CHECK(strstr(spy_last_error(), "plan job 1 slot 1 is a host slot") != NULL);
+    /* a job the validator refuses: the message names the job, then the command */
+    spy_cmd *bad = (spy_cmd *)(void *)(blob + off0 + sizeof(spy_job_header) + 2 * sizeof(spy_slot));
+    bad->u.dma.src_off = 1 << 20;
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_ADDRESS);
+    CHECK(strncmp(spy_last_error(), "plan job 0: command 0: source range [1048576, +256)", 51) == 0);
+    CHECK(spy_last_error_command() == 0);
     spy_mem_stats ms;
     CHECK_OK(spy_mem_stats_get(d, &ms));
     CHECK(ms.control == 0); /* failed plan creations leave nothing behind */

@@ -316,6 +316,7 @@ static spy_status mem_access(spy_device *d, uint64_t addr, uint64_t len, spy_blo
 spy_status spy_mem_read(spy_device *d, uint64_t addr, void *dst, uint64_t len)
 {
     ENTER(d);
+    REFUSE_IF_LOST(d);
     spy_block *b;
     spy_status s = mem_access(d, addr, len, &b);
     if (s == SPY_OK)
@@ -326,6 +327,7 @@ spy_status spy_mem_read(spy_device *d, uint64_t addr, void *dst, uint64_t len)
 spy_status spy_mem_write(spy_device *d, uint64_t addr, const void *src, uint64_t len)
 {
     ENTER(d);
+    REFUSE_IF_LOST(d);
     spy_block *b;
     spy_status s = mem_access(d, addr, len, &b);
     if (s == SPY_OK && b->plan_owned)

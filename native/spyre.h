@@ -158,7 +158,8 @@ spy_status spy_free(spy_device *dev, uint64_t addr);
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
 spy_status spy_mem_reset_peak(spy_device *dev);
-/* Direct access to backed memory (tests, program upload checks): copies len bytes. */
+/* Direct access to backed memory (tests, program upload checks): copies len bytes.
+ * Like every call that touches the card, refused with SPY_E_DEVICE_LOST on a lost card. */
 spy_status spy_mem_read(spy_device *dev, uint64_t addr, void *dst, uint64_t len);
 spy_status spy_mem_write(spy_device *dev, uint64_t addr, const void *src, uint64_t len);
 

@@ -174,17 +174,25 @@ def test_raw_program_on_a_lost_card_every_call_fails_until_reset(card):
     assert card.mem_stats()["num_allocs"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "native: spy_mem_read and spy_mem_write do not check for a lost device (every other "
-    "entry point that touches the card refuses with SPY_E_DEVICE_LOST)"))
 def test_direct_memory_access_on_a_lost_card_is_refused(card):
     addr = card.malloc(4096)
-    card.fault_inject("lost", 0)
+    card.write(addr, b"before")
+    prog = jobs.ResidentProgram(card, matmul_program(), "mm")
+    card.fault_inject("lost", 0)  # the card is lost at its next command
+    with pytest.raises(SpyreDeviceLostError):
+        prog.launch([])
     with pytest.raises(SpyreDeviceLostError):
         card.malloc(1)
     for call in (lambda: card.read(addr, 16), lambda: card.write(addr, b"x" * 16)):
-        with pytest.raises(SpyreDeviceLostError):
+        with pytest.raises(SpyreDeviceLostError, match="device 1 is lost; reset it"):
             call()
+    prog.free()
+    card.free(addr)
+    card.reset()
+    addr = card.malloc(4096)
+    card.write(addr, b"after")
+    assert card.read(addr, 5) == b"after"
+    card.free(addr)
 
 
 # ---- eager copies ------------------------------------------------------------------------

@@ -531,6 +531,9 @@ static void test_gather_and_faults(void)
     CHECK(run(d, &p, bind, NULL) == SPY_E_DEVICE_LOST);
     uint64_t x;
     CHECK(spy_malloc(d, 128, SPY_MEM_DATA, &x) == SPY_E_DEVICE_LOST);
+    CHECK(spy_mem_read(d, idx, rows, sizeof rows) == SPY_E_DEVICE_LOST);
+    CHECK(spy_mem_write(d, idx, rows, sizeof rows) == SPY_E_DEVICE_LOST);
+    CHECK(strstr(spy_last_error(), "lost; reset it") != NULL);
     CHECK_OK(spy_device_reset(d));
     CHECK_OK(spy_malloc(d, 128, SPY_MEM_DATA, &x));
     spy_device_close(d);

@@ -2,7 +2,7 @@
  *
  * Everything a command could do wrong is caught here, before anything runs: the block's
  * own sizes and offsets, every command's opcode, core, dtype and shape, every scratchpad
- * range against the scratchpad, every DRAM or host range against its slot's declared
+ * range against the scratchpad (and the alignment of typed scratchpad operands), every DRAM or host range against its slot's declared
  * extent, and cycles in the graph formed by dependencies *and* engine order (commands on
  * one engine run in program order, so a dependency on a later command of the same engine
  * is a deadlock even when the dependency graph alone is acyclic). */
@@ -161,12 +161,27 @@ static spy_status check_dma(vctx *v, uint32_t i, const spy_cmd *c)
 
 static bool mm_dtype_ok(uint32_t dt) { return dt == SPY_DT_F16 || dt == SPY_DT_BF16 || dt == SPY_DT_F32; }
 
+/* Typed scratchpad operands start on a whole element: the kernels load them as arrays of
+ * their dtype (pitches are in elements, so every row stays aligned too). */
+static spy_status lx_aligned(uint32_t i, const char *what, uint64_t off, uint32_t es)
+{
+    if (es > 1 && off % es)
+        return spy_fail(SPY_E_BAD_COMMAND, i,
+                        "command %u: %s scratchpad offset %llu is not a multiple of its %u-byte "
+                        "elements",
+                        i, what, (unsigned long long)off, es);
+    return SPY_OK;
+}
+
 static spy_status check_matrix(vctx *v, uint32_t i, const char *what, uint32_t off, uint32_t rows,
                                uint32_t cols, uint32_t ld, uint32_t es)
 {
     if (ld < cols)
         return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: %s row pitch %u below its %u columns",
                         i, what, ld, cols);
+    spy_status s = lx_aligned(i, what, off, es);
+    if (s != SPY_OK)
+        return s;
     uint64_t len = ((uint64_t)(rows - 1) * ld + cols) * es;
     return lx_range(v, i, what, off, len);
 }
@@ -257,6 +272,12 @@ static spy_status check_operand(vctx *v, uint32_t i, uint32_t k, const spy_instr
         return spy_fail(SPY_E_SCRATCHPAD, i,
                         "command %u: SFU instruction %u %s at %llu outside the scratchpad", i, k,
                         name, (unsigned long long)o->v.off);
+    uint32_t es = spy_dtype_size(o->dtype);
+    if (es > 1 && o->v.off % es)
+        return spy_fail(SPY_E_BAD_COMMAND, i,
+                        "command %u: SFU instruction %u %s scratchpad offset %llu is not a "
+                        "multiple of its %u-byte elements",
+                        i, k, name, (unsigned long long)o->v.off, es);
     uint64_t lo, hi;
     spy_operand_extent(o, ins->rows, ins->cols, &lo, &hi);
     if (hi <= v->p->scratchpad_bytes) { /* the common case: no message to format */
@@ -334,8 +355,10 @@ static spy_status check_gather(vctx *v, uint32_t i, const spy_cmd *c)
         gt->ndims > 2)
         return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: gather of %u indices, limit %llu", i,
                         gt->nidx, (unsigned long long)gt->limit);
-    spy_status s = lx_range(v, i, "indices", gt->idx_off,
-                            (uint64_t)gt->nidx * spy_dtype_size(gt->idx_dtype));
+    spy_status s = lx_aligned(i, "indices", gt->idx_off, spy_dtype_size(gt->idx_dtype));
+    if (s != SPY_OK)
+        return s;
+    s = lx_range(v, i, "indices", gt->idx_off, (uint64_t)gt->nidx * spy_dtype_size(gt->idx_dtype));
     if (s != SPY_OK)
         return s;
     uint64_t span, rows_span, dram;

@@ -238,8 +238,11 @@ typedef struct spy_dma {
 #define SPY_MM_TRANS_A 2
 #define SPY_MM_TRANS_B 4
 
+/* Typed scratchpad operands (matmul A, B and C, SFU operands, gather/scatter indices)
+ * start at a multiple of their element size; the validator refuses others
+ * (SPY_E_BAD_COMMAND). DMA and ring transfers move bytes and take any offset. */
 typedef struct spy_matmul {
-    uint32_t a_off, b_off, c_off;   /* scratchpad byte offsets */
+    uint32_t a_off, b_off, c_off;   /* scratchpad byte offsets (element aligned) */
     uint32_t m, n, k;
     uint32_t lda, ldb, ldc;         /* row pitch in elements */
     uint32_t a_dtype, b_dtype;      /* F16, BF16 or F32; C is F32 */

@@ -172,6 +172,11 @@ def set_(view, field, value):
     view[field] = value
 
 
+def sfu_operand(block):
+    """The destination operand of the first SFU instruction (a view)."""
+    return program(block, first(block, OP_SFU)[0])[3][0:1]["dst"]
+
+
 # Each mutation edits a copy of a real plan block in place. Expected: the status the card
 # rejects it with when the plan is created.
 MUTATIONS = {
@@ -215,6 +220,11 @@ MUTATIONS = {
                                         set_(cmd(b, OP_LOAD), "src_stride", [1 << 44, 0, 0])), "SPY_E_BAD_COMMAND"),
     "matmul shape": (lambda b: set_(cmd(b, OP_MATMUL, CMD_MM), "m", 0), "SPY_E_BAD_COMMAND"),
     "matmul past the scratchpad": (lambda b: set_(cmd(b, OP_MATMUL, CMD_MM), "c_off", 0xFFFFFF00), "SPY_E_SCRATCHPAD"),
+    "matmul C misaligned": (lambda b: set_(cmd(b, OP_MATMUL, CMD_MM), "c_off", int(cmd(b, OP_MATMUL, CMD_MM)["c_off"][0]) + 8193),
+                            "SPY_E_BAD_COMMAND"),
+    "matmul A misaligned": (lambda b: set_(cmd(b, OP_MATMUL, CMD_MM), "a_off", int(cmd(b, OP_MATMUL, CMD_MM)["a_off"][0]) + 1),
+                            "SPY_E_BAD_COMMAND"),
+    "SFU operand misaligned": (lambda b: sfu_operand(b)["v"].__iadd__(1), "SPY_E_BAD_COMMAND"),
     "SFU program outside": (lambda b: set_(cmd(b, OP_SFU, CMD_SFU), "instr_begin", 1 << 30), "SPY_E_BAD_COMMAND"),
     "SFU instruction opcode": (lambda b: set_(program(b, first(b, OP_SFU)[0])[3][0:1], "op", 200), "SPY_E_BAD_COMMAND"),
     "dependency on itself": (lambda b: depend(b, "self"), "SPY_E_BAD_COMMAND"),

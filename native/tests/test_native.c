@@ -295,6 +295,33 @@ static void test_validation(void)
                            .a_dtype = SPY_DT_F16, .b_dtype = SPY_DT_F16};
     CHECK(validate(d, &p) == SPY_E_SCRATCHPAD);
 
+    /* typed scratchpad operands on a whole element only: C is fp32, A and B fp16 */
+    c->u.mm.c_off = 8193;
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    CHECK(strstr(spy_last_error(), "offset 8193 is not a multiple of its 4-byte elements") != NULL);
+    c->u.mm.c_off = 8194;
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    c->u.mm.c_off = 8192;
+    c->u.mm.b_off = 1;
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    c->u.mm.b_off = 2;
+    CHECK_OK(validate(d, &p));
+    memset(&p, 0, sizeof p); /* an SFU source at an odd offset */
+    p.instrs[0] = (spy_instr){.op = SPY_SFU_NEG, .rows = 1, .cols = 8,
+                              .dst = {.kind = SPY_OPND_TILE, .dtype = SPY_DT_F16, .pitch = 8, .v.off = 0},
+                              .src = {{.kind = SPY_OPND_TILE, .dtype = SPY_DT_F16, .pitch = 8, .v.off = 257}}};
+    p.ninstrs = 1;
+    c = cmd(&p, SPY_OP_SFU, 0);
+    c->u.sfu.ninstrs = 1;
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    p.instrs[0].src[0].v.off = 258;
+    CHECK_OK(validate(d, &p));
+    p.instrs[0].src[0].dtype = SPY_DT_F32; /* 258 is no whole fp32 */
+    CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+    p.instrs[0].src[0].dtype = SPY_DT_U8; /* bytes go anywhere */
+    p.instrs[0].src[0].v.off = 259;
+    CHECK_OK(validate(d, &p));
+
     /* a truncated or corrupted block */
     memset(&p, 0, sizeof p);
     s0 = slot(&p, SPY_SLOT_DRAM, 4096);

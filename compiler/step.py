@@ -343,7 +343,8 @@ class Executable:
                 if len(entry.blocks) != len(segments):
                     raise SpyreError(f"{len(entry.blocks)} plans for {len(segments)} segments")
                 names = entry.header.get("names")
-                if not isinstance(names, list) or len(names) != len(entry.blocks):
+                if (not isinstance(names, list) or len(names) != len(entry.blocks)
+                        or not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names)):
                     raise SpyreError("the plan file does not name its jobs")
                 for block, segment_names in zip(entry.blocks, names, strict=True):
                     set_job_names(block, segment_names, self.card.intern)

@@ -81,7 +81,8 @@ def encode(key: str, header: dict, blocks: list[np.ndarray]) -> bytes:
 
 
 def decode(data: bytes, key: str | None = None) -> Entry:
-    """Parse and check a cache file; raises SpyrePlanCacheError saying what is wrong."""
+    """Parse and check a cache file; raises SpyrePlanCacheError saying what is wrong (and no
+    other error, whatever the bytes: a caller rejects the file and rebuilds)."""
     if len(data) < _PREFIX.size:
         raise SpyrePlanCacheError(f"truncated: {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
     magic, fmt, nhead, npay, check = _PREFIX.unpack_from(data)
@@ -99,13 +100,17 @@ def decode(data: bytes, key: str | None = None) -> Entry:
         header = json.loads(bytes(body[:nhead]).decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise SpyrePlanCacheError(f"unreadable header: {e}") from None
+    except RecursionError:  # nesting deeper than the json module parses
+        raise SpyrePlanCacheError("unreadable header: nested too deeply") from None
     if not isinstance(header, dict) or not isinstance(header.get("blocks"), list):
         raise SpyrePlanCacheError("header lacks the block table")
-    if key is not None and header.get("key") != key:
+    if not isinstance(header.get("key"), str):
+        raise SpyrePlanCacheError("header lacks its key")
+    if key is not None and header["key"] != key:
         raise SpyrePlanCacheError("a file for another key (foreign or stale)")
     blocks, pos = [], nhead
     for size in header["blocks"]:
-        if not isinstance(size, int) or size < 0 or pos + size > nhead + npay:
+        if type(size) is not int or size < 0 or pos + size > nhead + npay:
             raise SpyrePlanCacheError("block table points outside the payload")
         raw = np.frombuffer(body[pos: pos + size], dtype=np.uint8)
         aligned = np.zeros((size + 7) // 8, dtype=np.uint64).view(np.uint8)[:size]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from spyre_rt.compiler import step as step_mod
 
-from spyre_rt import SpyreInvalidCommandError, plan_cache
+from spyre_rt import SpyreInvalidCommandError, SpyrePlanCacheError, plan_cache
 from spyre_rt import card as cards
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.plan import GraphPlan, PlanJob
@@ -377,16 +377,46 @@ def test_a_plan_file_with_a_host_slot_is_rejected_without_a_crash(step):
     assert plan_cache.stats.corrupt == corrupt + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: spyre_rt.plan_cache.decode lets json's RecursionError out for a deeply nested "
-    "header; PlanCache.load only catches SpyrePlanCacheError, so the compiled step call fails "
-    "with RecursionError instead of rebuilding"))
-def test_a_plan_file_with_a_deeply_nested_header_is_rebuilt(step):
-    entry = plan_cache.decode(step.pristine, step.key)
-    head = json.dumps({**entry.header, "names": None}).replace("null", "[" * 100_000 + "]" * 100_000).encode()
+def _sealed(step, header: dict | bytes) -> bytes:
+    """The step's plan file with another header, resealed with a valid checksum."""
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     payload = step.pristine[plan_cache._PREFIX.size + plan_cache._PREFIX.unpack_from(step.pristine)[2]:]
     check = hashlib.sha256(head + payload).digest()
-    data = plan_cache._PREFIX.pack(plan_cache.MAGIC, plan_cache.FORMAT, len(head), len(payload), check) + head + payload
+    return plan_cache._PREFIX.pack(plan_cache.MAGIC, plan_cache.FORMAT, len(head), len(payload), check) + head + payload
+
+
+def test_a_plan_file_with_a_deeply_nested_header_is_rebuilt(step):
+    entry = plan_cache.decode(step.pristine, step.key)
+    head = json.dumps({**entry.header, "names": None}).replace("null", "[" * 100_000 + "]" * 100_000).encode()
+    data = _sealed(step, head)
+    for key in (None, step.key):
+        with pytest.raises(SpyrePlanCacheError, match="nested too deeply"):
+            plan_cache.decode(data, key)
     step.cache.path(step.key).write_bytes(data)
+    corrupt = plan_cache.stats.corrupt
     assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    assert plan_cache.stats.corrupt == corrupt + 1
+    assert plan_cache.decode(step.cache.path(step.key).read_bytes(), step.key).header["names"] == entry.header["names"]
+
+
+@pytest.mark.parametrize("change", ["no key", "key not a string", "block size a bool", "names not strings"])
+def test_a_plan_file_with_a_malformed_header_is_rejected_with_a_typed_error(step, change):
+    header = dict(plan_cache.decode(step.pristine, step.key).header)
+    if change == "no key":
+        del header["key"]
+    elif change == "key not a string":
+        header["key"] = [step.key]
+    elif change == "block size a bool":
+        header["blocks"] = [True] * len(header["blocks"])
+    else:
+        header["names"] = [[["nested"]] * len(n) for n in header["names"]]
+    data = _sealed(step, header)
+    if change != "names not strings":  # a header the reader refuses, with or without a key
+        for key in (None, step.key):
+            with pytest.raises(SpyrePlanCacheError):
+                plan_cache.decode(data, key)
+    step.cache.path(step.key).write_bytes(data)
+    corrupt = plan_cache.stats.corrupt
+    assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    assert plan_cache.stats.corrupt == corrupt + 1

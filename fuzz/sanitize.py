@@ -68,8 +68,9 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(NATIVE))
     try:
-        from build import cdef_from_header
         from cffi import FFI
+
+        from build import cdef_from_header
     finally:
         sys.path.remove(str(NATIVE))
     ffi = FFI()

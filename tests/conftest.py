@@ -9,6 +9,8 @@ import pytest
 # Every test session starts with an empty plan cache of its own.
 os.environ.setdefault("SPYRE_RT_CACHE_DIR", tempfile.mkdtemp(prefix="spyre-rt-plans-"))
 
+from small_profiles import small_profile_text  # noqa: E402
+
 from spyre_rt import profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 
@@ -26,13 +28,6 @@ def functional_card(spyre_profile):
 @pytest.fixture
 def timing_card(spyre_profile):
     return Card(spyre_profile, "timing", 1)
-
-
-def small_profile_text(dram_gib: float = 1 / 1024, count: int = 1) -> str:
-    """The built-in profile with another capacity (default 1 MiB) and card count."""
-    text = profile._source_text("spyre")[1]
-    text = text.replace("dram_gib = { value = 128,", f"dram_gib = {{ value = {dram_gib},")
-    return text.replace("count = 1", f"count = {count}")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import small_profile_text
+from small_profiles import small_profile_text
 from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import card as cards

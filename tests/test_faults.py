@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import small_profile_text
+from small_profiles import small_profile_text
 
 from spyre_rt import (
     SpyreDeviceError,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spyre_rt.native import lib
 from spyre_rt.program import (
     CMD_MM,
     CMD_SFU,
@@ -35,7 +36,6 @@ from spyre_rt.program import (
     OPND_TILE,
     empty_cmds,
 )
-from spyre_rt.native import lib
 
 from ..access import Pattern, pattern
 from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, round_up

@@ -185,6 +185,16 @@ spy_status spy_device_reset(spy_device *d)
     return s;
 }
 
+uint64_t spy_device_epoch(spy_device *d)
+{
+    if (!d)
+        return 0;
+    lock(d);
+    uint64_t e = d->epoch;
+    unlock(d);
+    return e;
+}
+
 /* ---- clocks ---- */
 
 uint64_t spy_host_clock_locked(spy_device *d)
@@ -257,13 +267,26 @@ spy_status spy_malloc(spy_device *d, uint64_t nbytes, uint32_t kind, uint64_t *a
     LEAVE(d, spy_alloc_get(&d->mem, nbytes, kind, backed, addr));
 }
 
+static spy_status free_locked(spy_device *d, uint64_t addr)
+{
+    spy_block *b = spy_alloc_find(&d->mem, addr, 1);
+    if (b && b->addr == addr && b->plan_owned)
+        return spy_fail(SPY_E_BAD_ADDRESS, -1, "0x%llx belongs to a graph plan", (unsigned long long)addr);
+    return spy_alloc_put(&d->mem, addr);
+}
+
 spy_status spy_free(spy_device *d, uint64_t addr)
 {
     ENTER(d);
-    spy_block *b = spy_alloc_find(&d->mem, addr, 1);
-    if (b && b->addr == addr && b->plan_owned)
-        LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1, "0x%llx belongs to a graph plan", (unsigned long long)addr));
-    LEAVE(d, spy_alloc_put(&d->mem, addr));
+    LEAVE(d, free_locked(d, addr));
+}
+
+spy_status spy_free_epoch(spy_device *d, uint64_t addr, uint64_t epoch)
+{
+    ENTER(d);
+    if (epoch != d->epoch)
+        LEAVE(d, SPY_OK); /* a reset dropped it already */
+    LEAVE(d, free_locked(d, addr));
 }
 
 spy_status spy_empty_cache(spy_device *d)

@@ -119,8 +119,12 @@ spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t o
                            spy_device **out);
 void spy_device_close(spy_device *dev);
 uint32_t spy_device_mode(const spy_device *dev);
-/* Clear a lost device: drops every allocation, program and plan. */
+/* Clear a lost device: drops every allocation, program and plan, and starts a new epoch. */
 spy_status spy_device_reset(spy_device *dev);
+/* The device's reset epoch: 0 when opened, one more after every spy_device_reset. What was
+ * allocated, committed or planned in an older epoch is gone, and its addresses may belong
+ * to newer allocations. */
+uint64_t spy_device_epoch(spy_device *dev);
 
 /* ---- clocks --------------------------------------------------------------------------- */
 
@@ -154,6 +158,10 @@ typedef struct spy_mem_stats {
 
 spy_status spy_malloc(spy_device *dev, uint64_t nbytes, uint32_t kind, uint64_t *addr);
 spy_status spy_free(spy_device *dev, uint64_t addr);
+/* spy_free of an allocation made in `epoch` (spy_device_epoch read before spy_malloc): if the
+ * device was reset since, the reset dropped it and the address may now start a newer
+ * allocation, so nothing is freed and the call succeeds. */
+spy_status spy_free_epoch(spy_device *dev, uint64_t addr, uint64_t epoch);
 /* Release cached free blocks back to the address space. */
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);

@@ -75,8 +75,20 @@ class Card:
         check(status, f"allocating {nbytes} bytes on spyre:{self.index}")
         return int(out[0])
 
-    def free(self, addr: int) -> None:
-        check(lib.spy_free(self.handle, addr), f"spyre:{self.index}")
+    def free(self, addr: int, epoch: int | None = None) -> None:
+        """Free an allocation. With the `epoch` it was made in (:attr:`epoch` read before
+        :meth:`malloc`), nothing is freed if the card was reset since: the reset dropped it,
+        and the address may now belong to a newer allocation."""
+        if epoch is None:
+            check(lib.spy_free(self.handle, addr), f"spyre:{self.index}")
+        else:
+            check(lib.spy_free_epoch(self.handle, addr, epoch), f"spyre:{self.index}")
+
+    @property
+    def epoch(self) -> int:
+        """The reset epoch: one more after every :meth:`reset`. Addresses, programs and
+        plans of an older epoch are gone."""
+        return int(lib.spy_device_epoch(self.handle))
 
     def empty_cache(self) -> None:
         check(lib.spy_empty_cache(self.handle))
@@ -170,7 +182,8 @@ class Card:
         check(lib.spy_fault_inject(self.handle, kinds[kind], after))
 
     def reset(self) -> None:
-        """Recover a lost card: every allocation, program and plan on it is dropped."""
+        """Recover a lost card: every allocation, program and plan on it is dropped and a
+        new :attr:`epoch` begins (holders of older addresses free nothing)."""
         check(lib.spy_device_reset(self.handle))
 
 

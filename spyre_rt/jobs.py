@@ -21,14 +21,18 @@ def program_view(nbytes: int) -> ViewGeometry:
 
 
 class ResidentProgram:
-    """A committed program in a control allocation of a card."""
+    """A committed program in a control allocation of a card.
 
-    __slots__ = ("card", "addr", "nbytes", "nslots", "info", "name", "_blob")
+    It remembers the card's reset epoch it was made in: after a reset the program is gone
+    and :meth:`free` leaves whatever newer allocation took its address alone."""
+
+    __slots__ = ("card", "addr", "epoch", "nbytes", "nslots", "info", "name", "_blob")
 
     def __init__(self, card: Card, blob: np.ndarray, name: str = "", prebuilt_transfer: bool = True):
         self.card = card
         self.nbytes = int(blob.size)
         self.name = card.intern(name) if name else 0
+        self.epoch = card.epoch  # before the allocation: a reset in between makes it stale
         self.addr = card.malloc(self.nbytes, MEM_CONTROL)
         try:
             graph_for(card, H2D, program_view(self.nbytes), prebuilt_transfer).run(
@@ -36,7 +40,7 @@ class ResidentProgram:
             info = ffi.new("spy_job_info *")
             check(lib.spy_program_commit(card.handle, self.addr, info), f"committing {name or 'a program'}")
         except BaseException:
-            card.free(self.addr)
+            card.free(self.addr, self.epoch)
             raise
         self.info = info
         self.nslots = int(info.nslots)
@@ -51,8 +55,8 @@ class ResidentProgram:
 
     def free(self) -> None:
         if self.addr:
-            self.card.free(self.addr)
-            self.addr = 0
+            addr, self.addr = self.addr, 0
+            self.card.free(addr, self.epoch)
 
     def __del__(self):
         try:

@@ -19,7 +19,7 @@ from . import card as cards
 from . import config
 from .errors import SpyreError
 from .layout import DLPACK_CODE, StickLayout, layout_for, registry, spy_dtype
-from .native import check, ffi, lib
+from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
 
 KDL_EXT_DEV = 12
@@ -68,6 +68,7 @@ def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None)
 
 
 def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
+    epoch = card.epoch  # before the allocation: a reset in between makes it stale
     addr = card.malloc(layout.nbytes)
     registry.register(card.index, addr, layout)
     ndim = len(sizes)
@@ -77,8 +78,9 @@ def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtyp
     code, bits = DLPACK_CODE[dtype]
     status = lib.spy_dlpack_wrap(card.handle, addr, ndim, shape, stride, code, bits, KDL_EXT_DEV, out)
     if status != lib.SPY_OK:
-        card.free(addr)
-        check(status, "wrapping a device allocation")
+        err = error_for(status, "wrapping a device allocation")  # before free() clears the error
+        card.free(addr, epoch)
+        raise err
     managed = out[0]
     try:
         capsule = _capsule_new(int(ffi.cast("uintptr_t", managed)), b"dltensor", None)

@@ -358,16 +358,33 @@ def test_a_plan_made_before_a_reset_frees_nothing_after_it(card):
     card.write(mine, b"still mine")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: jobs.ResidentProgram keeps a raw device address; freeing it after "
-    "Card.reset() frees whatever new allocation now starts at that address"))
 def test_a_program_made_before_a_reset_frees_nothing_after_it(card):
     prog = jobs.ResidentProgram(card, matmul_program())
+    old = prog.addr
     card.reset()
     mine = card.malloc(prog.nbytes)  # a new allocation at the program's old address
+    assert mine == old
     prog.free()
     assert card.mem_stats()["num_allocs"] == 1
     card.write(mine, b"still mine")
+    assert card.read(mine, 10) == b"still mine"
+    # a program made after the reset frees its memory as before
+    prog = jobs.ResidentProgram(card, matmul_program())
+    assert card.mem_stats()["num_allocs"] == 2
+    prog.free()
+    assert card.mem_stats()["num_allocs"] == 1
+
+
+def test_a_tensor_made_before_a_reset_frees_nothing_when_it_dies(card):
+    x = torch.ones(4, 64).to(DEV)
+    old = x.untyped_storage().data_ptr()
+    card.reset()
+    y = torch.full((4, 64), 3.0).to(DEV)  # a new tensor at the old tensor's address
+    assert y.untyped_storage().data_ptr() == old
+    del x
+    gc.collect()
+    assert card.mem_stats()["num_allocs"] == 1
+    assert torch.equal(y.cpu(), torch.full((4, 64), 3.0))
 
 
 # ---- the plan cache survives faults --------------------------------------------------------

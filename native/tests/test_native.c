@@ -561,8 +561,21 @@ static void test_gather_and_faults(void)
     CHECK(spy_mem_read(d, idx, rows, sizeof rows) == SPY_E_DEVICE_LOST);
     CHECK(spy_mem_write(d, idx, rows, sizeof rows) == SPY_E_DEVICE_LOST);
     CHECK(strstr(spy_last_error(), "lost; reset it") != NULL);
+    uint64_t before = spy_device_epoch(d);
     CHECK_OK(spy_device_reset(d));
+    CHECK(spy_device_epoch(d) == before + 1);
     CHECK_OK(spy_malloc(d, 128, SPY_MEM_DATA, &x));
+    /* table was allocated before the reset: freeing it in its epoch leaves a newer
+     * allocation at the same address alone */
+    CHECK(x == table);
+    CHECK_OK(spy_free_epoch(d, table, before));
+    spy_mem_stats ms;
+    CHECK_OK(spy_mem_stats_get(d, &ms));
+    CHECK(ms.num_allocs == 1);
+    CHECK_OK(spy_free_epoch(d, x, before + 1)); /* freed in the epoch it was made in */
+    CHECK(spy_free_epoch(d, x, before + 1) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_mem_stats_get(d, &ms));
+    CHECK(ms.num_allocs == 0);
     spy_device_close(d);
 }
 

@@ -9,6 +9,10 @@ allocated once), the relocation of every kernel's buffers against a few bindings
 Outputs are fresh device tensors on every call, so a later call never overwrites what an
 earlier one returned; intermediates live in the arena, which a call takes from a small
 pool (several threads may run one step at once).
+
+Arenas and graph plans belong to the card's reset epoch they were made in: after a reset
+(:func:`spyre_rt.reset_device`) the next call drops them and makes new ones (plans from
+the plan cache when it has them), never touching the addresses the old ones had.
 """
 
 from __future__ import annotations
@@ -212,8 +216,9 @@ class Executable:
                 self._outputs.append((False, index_in[base], delta, sizes, strides))
         self._out_specs = [(desc.buffers[n].sizes, desc.buffers[n].strides, _torch_dtype(desc.buffers[n].dtype))
                            for n in output_bases]
-        self._plans: dict[int, GraphPlan] | None = None
-        self._arenas: list[tuple[int, object]] = []
+        # graph plans and pooled arenas, each with the card's reset epoch they were made in
+        self._plans: tuple[int, dict[int, GraphPlan]] | None = None
+        self._arenas: list[tuple[int, object, int]] = []
         self._arena_lock = threading.Lock()
         self._plan_lock = threading.Lock()
 
@@ -308,14 +313,18 @@ class Executable:
             raise SpyreError(f"unknown kernel description {type(k).__name__}")
         return ctx.encode(), ctx.buffers()
 
-    def plan(self, segment: int) -> GraphPlan:
+    def plan(self, segment: int, epoch: int | None = None) -> GraphPlan:
+        """The plan of a device segment, made in the card's current reset epoch (`epoch`
+        when the caller has read it): plans of an older epoch are gone from the card."""
+        if epoch is None:
+            epoch = self.card.epoch
         plans = self._plans
-        if plans is None:
+        if plans is None or plans[0] != epoch:
             with self._plan_lock:
-                if self._plans is None:
-                    self._plans = self._load_or_build_plans()
+                if self._plans is None or self._plans[0] != epoch:
+                    self._plans = (epoch, self._load_or_build_plans())
                 plans = self._plans
-        return plans[segment]
+        return plans[1][segment]
 
     def cache_key(self) -> str:
         """Everything that changes the commands of this step's plans."""
@@ -374,32 +383,37 @@ class Executable:
         return encode_plan(plan_jobs, len(self.binding_names), self.card.intern)
 
     # ---- running ----
-    def _take_arena(self) -> tuple[int, object]:
-        """An arena for one call, with the binding table that goes with it."""
+    def _take_arena(self, epoch: int) -> tuple[int, object, int]:
+        """An arena of the card's reset epoch `epoch` for one call, with the binding table
+        that goes with it. Pooled arenas of an older epoch were dropped by the reset: they
+        are forgotten, not freed (their addresses may belong to others now)."""
         with self._arena_lock:
-            if self._arenas:
-                return self._arenas.pop()
+            while self._arenas:
+                taken = self._arenas.pop()
+                if taken[2] == epoch:
+                    return taken
         arena = self.card.malloc(max(self.arena_bytes, 1))
         table = ffi.new("uint64_t[]", len(self.binding_names))
         table[0] = arena
-        return arena, table
+        return arena, table, epoch
 
-    def _give_arena(self, taken: tuple[int, object]) -> None:
+    def _give_arena(self, taken: tuple[int, object, int]) -> None:
         with self._arena_lock:
             self._arenas.append(taken)
 
     def __del__(self):
-        for arena, _ in getattr(self, "_arenas", ()):
+        for arena, _, epoch in getattr(self, "_arenas", ()):
             try:
-                self.card.free(arena)
+                self.card.free(arena, epoch)
             except Exception:
                 pass
 
     def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None) -> list[torch.Tensor]:
         device = inputs[0].device if inputs else torch.device("spyre", self.card.index)
         outputs = [tensors.empty_strided(sizes, strides, dtype, device) for sizes, strides, dtype in self._out_specs]
-        taken = self._take_arena()
-        arena, table = taken
+        epoch = self.card.epoch
+        taken = self._take_arena(epoch)
+        table = taken[1]
         cpu_values: dict = {}
         try:
             if bases is None:
@@ -412,7 +426,7 @@ class Executable:
             for i, (kind, x) in enumerate(self.segments):
                 if kind == "device":
                     if mode == "prebuilt":
-                        self.plan(i).launch(table)
+                        self.plan(i, epoch).launch(table)
                     else:
                         self._construct_and_run(x, addrs, mode)
                 elif kind == "cpu":

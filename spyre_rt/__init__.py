@@ -47,6 +47,7 @@ def _autoload() -> None:
 register()
 
 from .card import configure, configured  # noqa: E402
+from .device_module import reset_device  # noqa: E402
 from .errors import (  # noqa: E402
     SpyreCompileError,
     SpyreDeviceError,
@@ -63,7 +64,7 @@ from .errors import (  # noqa: E402
 from .fallback import SpyreFallbackWarning  # noqa: E402
 
 __all__ = [
-    "register", "configure", "configured", "SpyreError", "SpyreCompileError", "SpyreDeviceError",
+    "register", "configure", "configured", "reset_device", "SpyreError", "SpyreCompileError", "SpyreDeviceError",
     "SpyreDeviceLostError", "SpyreDMAError", "SpyreIndexError", "SpyreInvalidCommandError",
     "SpyreNoDataError", "SpyreOutOfMemoryError", "SpyrePlanCacheError", "SpyreProfileError",
     "SpyreFallbackWarning",

@@ -69,6 +69,19 @@ def _card(device=None) -> cards.Card:
     return cards.get(tensors.device_index(device))
 
 
+def reset_device(device=None) -> None:
+    """Reset a card: the way back from :class:`~spyre_rt.SpyreDeviceLostError`, after which
+    every call on the card fails until it is reset. Also ``spyre_rt.reset_device``.
+
+    `device` is a spyre device, index or name (default: the current device). Every
+    allocation, program and graph plan on the card is dropped and injected faults are
+    cleared. Tensors that lived on the card lose their values: do not use them again
+    (their memory may now hold newer tensors; letting them die frees nothing). Compiled
+    functions stay usable: their next call makes new arenas and graph plans (plans from
+    the plan cache when it has them)."""
+    _card(device).reset()
+
+
 def synchronize(device=None) -> None:
     """Wait for the card: the host clock moves to the end of its last job."""
     _card(device).synchronize()

@@ -54,7 +54,8 @@ class SpyreDMAError(SpyreDeviceError):
 
 
 class SpyreDeviceLostError(SpyreDeviceError):
-    """The card is lost: every call fails until ``spyre_rt.reset_device`` is called."""
+    """The card is lost: every call on it fails until ``spyre_rt.reset_device(device)``
+    resets it (tensors that were on it are gone; compiled functions keep working)."""
 
 
 class SpyreNoDataError(SpyreError):

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 from small_profiles import small_profile_text
+from spyre_rt.compiler import step as step_mod
 
+import spyre_rt
 from spyre_rt import (
     SpyreDeviceError,
     SpyreDeviceLostError,
@@ -329,11 +331,6 @@ def test_a_function_compiled_after_a_reset_runs(card):
     assert torch.allclose(out.cpu(), torch.tanh(ARGS[0] @ ARGS[1].t()) * 2, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: a compiled step keeps its arena pool and graph plans across Card.reset(); "
-    "afterwards construct/prebuilt-transfer calls write intermediates into whatever new "
-    "allocation took the arena's old address, and prebuilt calls fail with "
-    "SPY_E_NOT_COMMITTED forever (compiler/step.py Executable has no reset hook)"))
 @pytest.mark.parametrize("mode", MODES)
 def test_a_compiled_step_works_after_reset_and_touches_only_its_own_memory(card, compiled, mode):
     with dispatch_mode(mode):
@@ -341,11 +338,24 @@ def test_a_compiled_step_works_after_reset_and_touches_only_its_own_memory(card,
         card.fault_inject("lost", 0)
         with pytest.raises(SpyreDeviceLostError):
             compiled(*[a.to(DEV) for a in ARGS])
-        card.reset()
+        epoch = card.epoch
+        spyre_rt.reset_device(DEV)
+        assert card.epoch == epoch + 1
         sentinel = torch.full((64, 1024), 7.0).to(DEV)  # takes the low addresses again
-        out = compiled(*[a.to(DEV) for a in ARGS])
+        built, loaded = step_mod.stats["kernels_built"], step_mod.stats["plans_loaded"]
+        args = [a.to(DEV) for a in ARGS]
+        out = compiled(*args)
         assert torch.allclose(out.cpu(), REF, rtol=1e-4, atol=1e-6)
         assert bool((sentinel.cpu() == 7.0).all()), "the step wrote into a tensor it does not own"
+        if mode == "prebuilt":  # new plans on the card, from the plan cache: nothing rebuilt
+            assert step_mod.stats["plans_loaded"] > loaded
+            assert step_mod.stats["kernels_built"] == built
+        del out
+        start = allocated(card)
+        for _ in range(3):  # the new arena is pooled: later calls allocate nothing more
+            assert torch.allclose(compiled(*args).cpu(), REF, rtol=1e-4, atol=1e-6)
+        assert allocated(card) == start
+        assert bool((sentinel.cpu() == 7.0).all())
 
 
 def test_a_plan_made_before_a_reset_frees_nothing_after_it(card):

@@ -64,6 +64,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 _live_steps: weakref.WeakSet = weakref.WeakSet()  # for tools and tests that inspect steps
+_ADDRESS_BASE, _WINDOW_SHIFT = cards.ADDRESS_BASE, cards.WINDOW_SHIFT
 
 
 class CompiledStep:
@@ -78,7 +79,7 @@ class CompiledStep:
         self._fast: _FastPath | None = None
 
     def executable(self, card: cards.Card, geometry: tuple) -> Executable:
-        key = (id(cards.card_set()), card.index, geometry)
+        key = (card.instance, geometry)
         exe = self._executables.get(key)
         if exe is None:
             with self._lock:
@@ -101,21 +102,27 @@ class CompiledStep:
 
     def _call(self, inputs: list):
         spyre_in = [t for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "spyre"]
-        device = spyre_in[0].device if spyre_in else torch.device("spyre", tensors.current_device())
-        card = cards.get(device.index or 0)
+        if spyre_in:  # the card that holds the first input, of whichever card set
+            device, card = spyre_in[0].device, tensors.card_of(spyre_in[0])
+        else:
+            device = torch.device("spyre", tensors.current_device())
+            card = cards.get(device.index)
         host_inputs = {}
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor) and t.device.type != "spyre":
                 host_inputs[i] = t
-                inputs[i] = t.to(device)
+                inputs[i] = tensors.to_card(t, card)
             elif t.device != device:
                 raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
         geometry = []
         for t in inputs:
             base = t.untyped_storage().data_ptr()
-            layout = registry.get(card.index, base)
+            layout = registry.get(base)
             if layout is None:
                 raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
+            if cards.owner(base) is not card:
+                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
+                                 "sets, spyre_rt.configure); use one card")
             geometry.append((layout, t.storage_offset()))
         exe = self.executable(card, tuple(geometry))
         if not host_inputs:
@@ -138,6 +145,7 @@ class _FastPath:
         static = set(step.desc.static_inputs)
         self.exe = exe
         self.card_set = id(cards.card_set())
+        self.window = exe.card.instance  # dynamic inputs must be in the card's address window
         self.device = inputs[0].device if inputs else None
         self.n = len(inputs)
         self.static_idx = [i for i in range(len(inputs)) if i in static]
@@ -154,13 +162,13 @@ class _FastPath:
         if not all(map(operator.is_, [inputs[i] for i in self.static_idx], self.statics)):
             return None
         bases = list(self.bases)
-        index = self.exe.card.index
+        window = self.window
         for i, geo in self.dynamic:
             t = inputs[i]
             if t.device != self.device:
                 return None
             base = t.untyped_storage().data_ptr()
-            if (registry.get(index, base), t.storage_offset()) != geo:
+            if (registry.get(base), t.storage_offset()) != geo or (base - _ADDRESS_BASE) >> _WINDOW_SHIFT != window:
                 return None
             bases[i] = base
         return self.exe.run(inputs, mode, bases)
@@ -409,8 +417,8 @@ class Executable:
                 pass
 
     def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None) -> list[torch.Tensor]:
-        device = inputs[0].device if inputs else torch.device("spyre", self.card.index)
-        outputs = [tensors.empty_strided(sizes, strides, dtype, device) for sizes, strides, dtype in self._out_specs]
+        card = self.card
+        outputs = [tensors.empty_strided(sizes, strides, dtype, card=card) for sizes, strides, dtype in self._out_specs]
         epoch = self.card.epoch
         taken = self._take_arena(epoch)
         table = taken[1]

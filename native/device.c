@@ -2,14 +2,16 @@
  * the trace buffer and fault injection. Every entry point takes the device lock, so one
  * card can be driven from several threads. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 
-/* Device addresses never look like host pointers: each card gets its own window. */
-#define ADDRESS_BASE 0x100000000000ull
-#define ADDRESS_WINDOW 0x10000000000ull /* 1 TiB per card */
+/* Device addresses never look like host pointers, and each device opened gets a window of
+ * its own (spyre.h): the next free window is handed out at open. */
+#define ADDRESS_WINDOW (1ull << SPY_ADDRESS_WINDOW_SHIFT) /* 1 TiB per device */
+static atomic_uint_fast64_t next_instance;
 
 struct spy_plan {
     spy_device *dev;
@@ -94,7 +96,7 @@ static void free_lx(spy_device *d)
 
 static spy_status make_state(spy_device *d)
 {
-    spy_status s = spy_alloc_init(&d->mem, ADDRESS_BASE + (uint64_t)d->ordinal * ADDRESS_WINDOW,
+    spy_status s = spy_alloc_init(&d->mem, (uint64_t)SPY_ADDRESS_BASE + d->instance * ADDRESS_WINDOW,
                                   d->prof.dram_bytes, d->prof.stick_bytes);
     if (s != SPY_OK)
         return s;
@@ -125,12 +127,17 @@ spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t o
     spy_status s = check_profile(profile);
     if (s != SPY_OK)
         return s;
+    uint64_t instance = atomic_fetch_add(&next_instance, 1);
+    if (instance >= SPY_MAX_DEVICE_INSTANCES)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "%d devices were opened already: no address window is left",
+                        SPY_MAX_DEVICE_INSTANCES);
     spy_device *d = calloc(1, sizeof *d);
     if (!d)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     d->prof = *profile;
     d->mode = mode;
     d->ordinal = ordinal;
+    d->instance = instance;
     d->clock_origin = spy_now_ns();
     pthread_mutex_init(&d->lock, NULL);
     d->sim = spy_sim_new();
@@ -168,6 +175,8 @@ void spy_device_close(spy_device *d)
 }
 
 uint32_t spy_device_mode(const spy_device *d) { return d->mode; }
+
+uint64_t spy_device_instance(const spy_device *d) { return d ? d->instance : 0; }
 
 spy_status spy_device_reset(spy_device *d)
 {

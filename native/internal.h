@@ -99,6 +99,7 @@ struct spy_device {
     spy_profile prof;
     uint32_t mode;
     uint32_t ordinal;
+    uint64_t instance;         /* address window: unique among the devices of the process */
     bool lost;
     spy_allocator mem;
     uint8_t **lx;              /* per-core scratchpads (functional mode) */

@@ -115,10 +115,20 @@ typedef struct spy_device spy_device;
 #define SPY_MODE_FUNCTIONAL 0 /* computes every value */
 #define SPY_MODE_TIMING 1     /* computes only time: no arithmetic, no backing for data */
 
+/* Device addresses: every device opened in the process gets an address window of its own,
+ * [SPY_ADDRESS_BASE + (i << SPY_ADDRESS_WINDOW_SHIFT), + 1 TiB) for its instance number i
+ * (0, 1, 2... in the order of opening, whatever the ordinal), so an address names its
+ * device: two devices never hand out the same address, even with the same ordinal. */
+#define SPY_ADDRESS_BASE 0x100000000000
+#define SPY_ADDRESS_WINDOW_SHIFT 40
+#define SPY_MAX_DEVICE_INSTANCES 1048576 /* devices a process can open */
+
 spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t ordinal,
                            spy_device **out);
 void spy_device_close(spy_device *dev);
 uint32_t spy_device_mode(const spy_device *dev);
+/* The device's instance number: its address window, unique in the process. */
+uint64_t spy_device_instance(const spy_device *dev);
 /* Clear a lost device: drops every allocation, program and plan, and starts a new epoch. */
 spy_status spy_device_reset(spy_device *dev);
 /* The device's reset epoch: 0 when opened, one more after every spy_device_reset. What was

@@ -109,7 +109,7 @@ def _resize(self, size, memory_format=None):
     # Growing: a new storage holding the old elements, then repoint the tensor at it.
     old = self.untyped_storage()
     old_numel = old.nbytes() // self.element_size()
-    fresh = tensors.empty_strided([need], [1], self.dtype, self.device)
+    fresh = tensors.empty_strided([need], [1], self.dtype, card=tensors.card_of(self))
     if old_numel:
         flat_old = aten.as_strided.default.redispatch(_CPU, self, [old_numel], [1], 0)
         tensors.copy(fresh[:old_numel], flat_old)

@@ -4,6 +4,9 @@ A :class:`Card` owns one native device. Cards are opened lazily from the configu
 device profile and simulation mode, and are never closed while the process lives: the
 deleters of device tensors refer to them. Reconfiguring (:func:`configure`) opens a new
 set of cards; the old set stays alive for the tensors that still use it.
+
+Every card opened in the process has an address window of its own (spyre.h), so a device
+address names its card (:func:`owner`) even when several sets have a ``spyre:0``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH = 1, 2, 3, 4
 ENGINE_NAMES = ("load", "store", "pt", "sfu", "ring")
 CARD_ENGINE_NAMES = ("pcie-h2d", "pcie-d2h", "ctrl")
 CORE_CARD = 0xFFFF
+ADDRESS_BASE = int(lib.SPY_ADDRESS_BASE)
+WINDOW_SHIFT = int(lib.SPY_ADDRESS_WINDOW_SHIFT)
+
+_by_instance: dict = {}  # instance number (address window) -> Card, for every card opened
 
 
 class Card:
@@ -47,6 +54,8 @@ class Card:
         mode = lib.SPY_MODE_TIMING if sim_mode == "timing" else lib.SPY_MODE_FUNCTIONAL
         check(lib.spy_device_open(native_profile, mode, index, out), f"opening spyre:{index}")
         self.handle = out[0]
+        self.instance = int(lib.spy_device_instance(self.handle))  # its address window
+        _by_instance[self.instance] = self
         self.transfers = TransferCache()
         self.tracing = False  # host spans are recorded only while tracing
         self._names: dict[str, int] = {}
@@ -244,6 +253,11 @@ def configured(device_profile: str | None = None, sim_mode: str | None = None) -
         with _lock:
             _retired.append(cs)
             _current = previous
+
+
+def owner(addr: int) -> Card | None:
+    """The card whose memory `addr` is (of whichever card set), or None."""
+    return _by_instance.get((addr - ADDRESS_BASE) >> WINDOW_SHIFT)
 
 
 def get(index: int) -> Card:

@@ -9,7 +9,8 @@ innermost dimension of the tensor that created it). The innermost dimension is c
 Torch sees ordinary strided tensors over a flat storage of ``rows * row_len`` logical
 elements; every piece of code that touches device memory maps logical element offsets
 to physical bytes with :meth:`StickLayout.phys`. The layout of each live storage is kept
-in a registry keyed by (card, base address).
+in a registry keyed by its base address: every card opened in the process has its own
+address window, so an address names one storage of one card (:func:`spyre_rt.card.owner`).
 """
 
 from __future__ import annotations
@@ -97,22 +98,24 @@ def layout_for(sizes, strides, storage_numel: int, itemsize: int, stick_bytes: i
 
 
 class LayoutRegistry:
-    """(card index, base address) -> StickLayout of the storage allocated there."""
+    """Device base address -> StickLayout of the storage allocated there. Addresses are
+    unique among all the cards of the process (each has its own address window), so two
+    card sets never share an entry."""
 
     def __init__(self) -> None:
-        self._map: dict[tuple[int, int], StickLayout] = {}
+        self._map: dict[int, StickLayout] = {}
         self._lock = threading.Lock()
 
-    def register(self, card: int, addr: int, layout: StickLayout) -> None:
+    def register(self, addr: int, layout: StickLayout) -> None:
         with self._lock:
-            self._map[(card, addr)] = layout
+            self._map[addr] = layout
 
-    def get(self, card: int, addr: int) -> StickLayout | None:
-        return self._map.get((card, addr))
+    def get(self, addr: int) -> StickLayout | None:
+        return self._map.get(addr)
 
-    def forget(self, card: int, addr: int) -> None:
+    def forget(self, addr: int) -> None:
         with self._lock:
-            self._map.pop((card, addr), None)
+            self._map.pop(addr, None)
 
     def __len__(self) -> int:
         return len(self._map)

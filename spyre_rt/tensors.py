@@ -57,11 +57,13 @@ def storage_numel(sizes, strides) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
-def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-    """A new device tensor with the given geometry (uninitialised)."""
+def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None, card=None) -> torch.Tensor:
+    """A new device tensor with the given geometry (uninitialised), on `card` if given (a
+    card of any card set) or else on `device` of the current card set."""
     dtype = dtype or torch.get_default_dtype()
     spy_dtype(dtype)  # rejects unsupported dtypes with a clear error
-    card = cards.get(device_index(device))
+    if card is None:
+        card = cards.get(device_index(device))
     sizes, strides = [int(s) for s in sizes], [int(s) for s in strides]
     layout = layout_for(sizes, strides, storage_numel(sizes, strides), dtype.itemsize, card.profile.stick_bytes)
     return wrap_allocation(card, layout, sizes, strides, dtype)
@@ -70,7 +72,7 @@ def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None)
 def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
     epoch = card.epoch  # before the allocation: a reset in between makes it stale
     addr = card.malloc(layout.nbytes)
-    registry.register(card.index, addr, layout)
+    registry.register(addr, layout)
     ndim = len(sizes)
     shape = ffi.new("int64_t[]", sizes or [0])
     stride = ffi.new("int64_t[]", strides or [0])
@@ -91,15 +93,30 @@ def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtyp
 
 
 def geometry(t: torch.Tensor) -> tuple[cards.Card, ViewGeometry, int]:
-    """The card, view geometry and storage base address of a spyre tensor."""
-    card = cards.get(t.device.index or 0)
+    """The card, view geometry and storage base address of a spyre tensor. The card is
+    the one that allocated the storage, whichever card set it belongs to."""
     base = t.untyped_storage().data_ptr()
-    layout = registry.get(card.index, base)
-    if layout is None:
+    layout = registry.get(base)
+    card = cards.owner(base)
+    if layout is None or card is None:
         raise SpyreError(
             f"spyre tensor at 0x{base:x} has no known layout; it was not allocated by spyre_rt"
         )
     return card, ViewGeometry(layout, t.storage_offset(), tuple(t.shape), tuple(t.stride())), base
+
+
+def card_of(t: torch.Tensor) -> cards.Card:
+    """The card holding a spyre tensor's storage (of whichever card set)."""
+    return geometry(t)[0]
+
+
+def to_card(src: torch.Tensor, card: cards.Card) -> torch.Tensor:
+    """A copy of a CPU tensor on `card` (of any card set), with the strides ``src.to()``
+    would give it."""
+    strides = torch.empty_like(src, device="meta").stride()
+    dst = empty_strided(src.shape, strides, src.dtype, card=card)
+    upload(src, dst)
+    return dst
 
 
 def _prebuilt_transfers() -> bool:

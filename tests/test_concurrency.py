@@ -196,26 +196,53 @@ def test_threads_on_two_cards_use_their_own_card(tmp_path):
     assert result["launches"][0] >= per_card  # both cards ran their own threads' steps
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: spyre_rt.layout.registry is keyed by (card index, address), not by card, so a "
-    "card set opened by cards.configured() overwrites the layouts of live tensors of another "
-    "set at the same address (and tensors.geometry() resolves a tensor's card by index in the "
-    "*current* set): such tensors then read wrong data or fail with SPY_E_BAD_ADDRESS"))
 def test_a_tensor_keeps_its_layout_when_another_card_set_reuses_its_address(tmp_path):
+    """Two card sets each have a spyre:0 whose first allocation is a tensor: each tensor
+    keeps its own card and layout inside and after the block that opened the second set,
+    for copies and for one compiled function called on either card."""
     profile = tmp_path / "one.toml"
     profile.write_text(textwrap.dedent(small_profile_text(dram_gib=1 / 64)))
     script = textwrap.dedent("""
         import sys, torch
-        from spyre_rt import card as cards
+        from spyre_rt import SpyreError, card as cards, tensors
         ref = torch.arange(256, dtype=torch.float32).reshape(2, 128)
+        other = torch.arange(256, dtype=torch.float32).reshape(128, 2)
+        f = torch.compile(lambda a: a * 2 + 1, backend="spyre_rt", dynamic=False)
         x = ref.to("spyre")                              # the first allocation of spyre:0
-        with cards.configured(sys.argv[1]):
-            y = torch.zeros(64, 4).to("spyre")           # the first allocation of another spyre:0
+        card_x = tensors.card_of(x)
+        assert torch.equal(f(x).cpu(), ref * 2 + 1)
+        with cards.configured(sys.argv[1]) as cs:
+            y = other.to("spyre")                        # the first allocation of another spyre:0
+            card_y = tensors.card_of(y)
+            assert card_y is cs.cards[0] and card_x is not card_y
+            assert x.data_ptr() != y.data_ptr()
+            assert torch.equal(x.cpu(), ref), "the first set's tensor, read inside the block"
+            out = f(x)                                   # runs on x's card, not the current spyre:0
+            assert tensors.card_of(out) is card_x and torch.equal(out.cpu(), ref * 2 + 1)
+            z = ref.flip(0).to("spyre")
+            assert torch.equal(f(z).cpu(), ref.flip(0) * 2 + 1)
+            assert tensors.card_of(f(z)) is card_y
+            w = torch.empty(2, 128, device="spyre")
+            w.copy_(x)                                   # from one set's card to the other's
+            assert torch.equal(w.cpu(), ref)
         assert torch.equal(x.cpu(), ref)
+        assert torch.equal(y.cpu(), other)
+        assert torch.equal(w.cpu(), ref)
+        assert torch.equal(f(x).cpu(), ref * 2 + 1)
+        assert torch.equal(f(w).cpu(), ref * 2 + 1)     # w lives on the second set's card
+        g = torch.compile(lambda a, b: a + b, backend="spyre_rt", dynamic=False)
+        try:
+            g(x, w)                                      # a step runs on one card
+        except SpyreError as e:
+            assert "inputs are on two different spyre:0 cards" in str(e), e
+        else:
+            raise AssertionError("a step ran on tensors of two cards")
+        print("ok")
     """)
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(profile)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-1500:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"
 
 
 # ---- processes sharing one plan cache ------------------------------------------------------

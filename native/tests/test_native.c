@@ -203,6 +203,19 @@ static void test_allocator(void)
     CHECK_OK(spy_empty_cache(d));
     CHECK_OK(spy_mem_stats_get(d, &st));
     CHECK(st.largest_free == pr.dram_bytes);
+    /* another device with the same ordinal has an address window of its own */
+    spy_device *e;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &e));
+    CHECK(spy_device_instance(e) > spy_device_instance(d));
+    CHECK_OK(spy_malloc(d, 128, SPY_MEM_DATA, &a));
+    CHECK_OK(spy_malloc(e, 128, SPY_MEM_DATA, &b));
+    CHECK(a != b);
+    CHECK(a >> SPY_ADDRESS_WINDOW_SHIFT == (SPY_ADDRESS_BASE >> SPY_ADDRESS_WINDOW_SHIFT) + spy_device_instance(d));
+    CHECK(b >> SPY_ADDRESS_WINDOW_SHIFT == (SPY_ADDRESS_BASE >> SPY_ADDRESS_WINDOW_SHIFT) + spy_device_instance(e));
+    CHECK(spy_free(e, a) == SPY_E_BAD_ADDRESS); /* one device's address is not the other's */
+    CHECK_OK(spy_free(d, a));
+    CHECK_OK(spy_free(e, b));
+    spy_device_close(e);
     spy_device_close(d);
 }
 

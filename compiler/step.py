@@ -368,6 +368,7 @@ class Executable:
                 plans = [GraphPlan(self.card, block) for block in entry.blocks]
                 if any(p.nbindings != len(self.binding_names) for p in plans):
                     raise SpyreError("plans bind a different number of buffers")
+                self._check_extents(plans)
                 stats["plans_loaded"] += len(plans)
                 return dict(zip(segments, plans, strict=True))
             except (SpyreError, ValueError) as e:
@@ -382,6 +383,19 @@ class Executable:
                       "arena_bytes": self.arena_bytes, "created": time.time()}
             cache.store(key, header, blocks)
         return dict(zip(segments, plans, strict=True))
+
+    def _check_extents(self, plans: list[GraphPlan]) -> None:
+        """Every binding of every plan fits the memory a call binds there: the arena, each
+        input's and constant's storage, each fresh output. The card accepts a plan whose
+        extents exceed them (it checks them against the allocations at each launch), so a
+        cached plan that needs more would have every launch refused."""
+        limits = [self.arena_bytes] + [self.layouts[n].nbytes for n in self.binding_names[1:]]
+        for plan in plans:
+            for b, limit in enumerate(limits):
+                need = plan.extent(b)
+                if need > limit:
+                    raise SpyreError(f"a plan needs {need} bytes of {self.binding_names[b]} (binding {b}); "
+                                     f"a call binds {limit}")
 
     def _build_plan_block(self, segment: int) -> np.ndarray:
         plan_jobs = []

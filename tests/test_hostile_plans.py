@@ -280,7 +280,8 @@ def test_a_plan_file_with_another_binding_count_is_rebuilt(step):
 
 
 # Plans the card accepts but whose bindings need more memory than the step's buffers: the
-# launch is refused before any command runs, but the step does not rebuild.
+# card refuses every launch before any command runs, so a step rejects such a plan file
+# when it loads it and rebuilds.
 OVERSIZED = {
     "relocation offset far out": lambda b: set_(relocs(b)[0:1], "offset", 1 << 40),
     "slot extent inflated": lambda b: set_(program(b, 0)[1][0:1], "extent", 1 << 36),
@@ -292,24 +293,35 @@ def test_an_oversized_plan_is_refused_before_any_command_runs(step, name):
     card = cards.get(0)
     block = step.block.copy()
     OVERSIZED[name](block)
-    step.install(block)
+    plan = GraphPlan(card, block)  # accepted: extents are checked against each launch's memory
+    (exe,) = step.step._executables.values()
+    sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
+    bufs = [card.malloc(max(n, 1)) for n in sizes]  # what a call of the step binds
     before = card.counters()
-    with pytest.raises(SpyreInvalidCommandError, match="not inside a live allocation"):
-        step.run_fresh()
+    try:
+        with pytest.raises(SpyreInvalidCommandError, match="not inside a live allocation"):
+            plan.launch(bufs)
+    finally:
+        for addr in bufs:
+            card.free(addr)
     assert card.counters()["jobs"] == before["jobs"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: compiler/step.py loads a cached plan whose binding extents exceed the step's "
-    "buffers (the card accepts it: extents are only checked at launch); every launch is then "
-    "refused and the file is never rejected or rebuilt. Check GraphPlan.extent(b) against the "
-    "arena and input sizes when loading"))
 @pytest.mark.parametrize("name", sorted(OVERSIZED))
-def test_an_oversized_plan_file_is_rebuilt(step, name):
+def test_an_oversized_plan_file_is_rebuilt(step, name, caplog):
     block = step.block.copy()
     OVERSIZED[name](block)
     step.install(block)
-    assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    corrupt, loaded = plan_cache.stats.corrupt, step_mod.stats["plans_loaded"]
+    with caplog.at_level("WARNING", logger="spyre_rt.plan_cache"):
+        assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    assert plan_cache.stats.corrupt == corrupt + 1
+    assert step_mod.stats["plans_loaded"] == loaded  # rejected, not used
+    assert any("unusable" in r.getMessage() and "bytes of" in r.getMessage() for r in caplog.records)
+    rebuilt = plan_cache.decode(step.cache.path(step.key).read_bytes(), step.key)
+    assert np.array_equal(rebuilt.blocks[0], step.block)
+    assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)  # the rebuilt file loads
+    assert plan_cache.stats.corrupt == corrupt + 1
 
 
 def test_plan_errors_name_the_job_and_the_command(step):

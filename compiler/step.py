@@ -226,6 +226,9 @@ class Executable:
                            for n in output_bases]
         # graph plans and pooled arenas, each with the card's reset epoch they were made in
         self._plans: tuple[int, dict[int, GraphPlan]] | None = None
+        # Tile choices per kernel: decided at the first construction (compile time), not
+        # again at every launch; what construct mode repeats is building the job graph.
+        self._tilings: dict[str, object] = {}
         self._arenas: list[tuple[int, object, int]] = []
         self._arena_lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -313,10 +316,11 @@ class Executable:
         stats["kernels_built"] += 1
         k = self.desc.kernels[kernel_name]
         ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        tiling = self._tilings.get(kernel_name)
         if isinstance(k, MatmulKernel):
-            matmul.build_kernel(ctx, k)
+            self._tilings[kernel_name] = matmul.build_kernel(ctx, k, tiling)
         elif isinstance(k, LoopKernel):
-            loops.build(ctx, k)
+            self._tilings[kernel_name] = loops.build(ctx, k, tiling)
         else:
             raise SpyreError(f"unknown kernel description {type(k).__name__}")
         return ctx.encode(), ctx.buffers()

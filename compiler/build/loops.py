@@ -864,15 +864,26 @@ def _record_tile(b: Builder, em: _Template, tile: Tile, accesses: dict[str, int]
     return last_sfu, (max(outs) if outs else None)
 
 
-def build(ctx: BuildContext, k: LoopKernel) -> None:
-    """All tiles' commands, in per-core order, with their dependencies.
+# What analysis and tiling decide for a kernel: it depends only on the kernel and the
+# target, so it is compile-time work, made once and reused by every construction.
+_TILING = ("values", "nvars", "nrow", "rowvars", "colvars", "C", "bufs", "levels", "needs", "block", "blk",
+           "inner", "rmax", "tiles")
+
+
+def build(ctx: BuildContext, k: LoopKernel, tiling: dict | None = None) -> dict:
+    """All tiles' commands, in per-core order, with their dependencies; returns the tiling
+    (pass it back to build the same kernel on the same target again without re-deciding it).
 
     Tiles are sorted into classes by everything that shapes their commands; each class's
     commands are recorded once (from its first tile) and replicated over its tiles with
     array arithmetic: the per-tile work in Python is a few integer operations."""
     b = Builder(ctx, k)
-    b.analyse()
-    b.choose_tiles()
+    if tiling is None:
+        b.analyse()
+        b.choose_tiles()
+        tiling = {name: getattr(b, name) for name in _TILING}
+    else:
+        b.__dict__.update(tiling)
     b.allocate()
     b.loads = [v for v in b.values.values() if v.op.op == "load"]
     b.stores = [v for v in b.values.values() if v.op.op == "store"]
@@ -976,3 +987,4 @@ def build(ctx: BuildContext, k: LoopKernel) -> None:
                          np.where(c.deps == FREE_OUT, free_out[idx][:, None], first[idx][:, None] + c.deps))
             deps[dfirst[idx][:, None] + np.arange(len(c.deps))] = d
     ctx.program.add(cmds, deps.astype(np.uint32))
+    return tiling

@@ -374,9 +374,10 @@ def _epilogue(ctx: BuildContext, spec: MatmulSpec, slot: int, r: int, c: int, c_
 _DT = {"float32": lib.SPY_DT_F32, "float16": lib.SPY_DT_F16, "bfloat16": lib.SPY_DT_BF16}
 
 
-def build_kernel(ctx: BuildContext, k) -> Tiles:
+def build_kernel(ctx: BuildContext, k, tiles: Tiles | None = None) -> Tiles:
     """Build a :class:`~spyre_rt.compiler.kernels.MatmulKernel` (views relative to their
-    buffers' starts) into the context's program."""
+    buffers' starts) into the context's program; returns its tiles (pass them back to build
+    it again on the same target without choosing them again)."""
 
     def view(v) -> View:
         name, off, sizes, strides = v
@@ -387,4 +388,4 @@ def build_kernel(ctx: BuildContext, k) -> Tiles:
             raise NotImplementedError(f"matmul in {dt}")
     spec = MatmulSpec(view(k.a), view(k.b), view(k.out), _DT[k.in_dtype], _DT[k.out_dtype],
                       bias=view(k.bias) if k.bias else None, bias_dtype=_DT.get(k.bias_dtype, 0))
-    return build(ctx, spec)
+    return build(ctx, spec, tiles)

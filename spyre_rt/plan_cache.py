@@ -13,7 +13,9 @@ format or for another key is detected, logged, counted and rebuilt; the plan blo
 validated again by the card when the plans are created. Writes go to a temporary file in
 the cache directory and are renamed into place, so concurrent writers leave one valid file
 and readers never see a partial one. After a write the directory is trimmed to its size
-bound, least recently used first (a hit refreshes a file's time).
+bound, least recently used first (a hit refreshes a file's time); temp files count
+against the bound, and those left by writers that died (untouched for
+:data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear` removes every file.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ FORMAT = 1
 _PREFIX = struct.Struct("<8sIIQ32s")  # magic, format, header length, payload length, sha256
 SUFFIX = ".plan"
 STATS_FILE = "stats.json"
+TEMP_PREFIX = ".tmp-"
+# A temp file untouched this long belongs to a writer that died: a live writer creates,
+# writes and renames its file within moments.
+STALE_TEMP_SECONDS = 600
 
 
 @dataclass
@@ -164,7 +170,7 @@ class PlanCache:
         data = encode(key, header, blocks)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=self.dir)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=self.dir)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -182,19 +188,44 @@ class PlanCache:
         self._bump("writes")
         self.trim()
 
-    def entries(self) -> list[tuple[Path, os.stat_result]]:
+    def _listing(self, temps: bool) -> list[tuple[Path, os.stat_result]]:
         out = []
         with contextlib.suppress(FileNotFoundError):
             for p in self.dir.iterdir():
-                if p.suffix == SUFFIX and not p.name.startswith(".tmp-"):
+                if temps:  # a plan file being written, or a stats file being replaced
+                    wanted = p.name.startswith(TEMP_PREFIX) or p.name.startswith(f".{STATS_FILE}.")
+                else:
+                    wanted = p.suffix == SUFFIX and not p.name.startswith(TEMP_PREFIX)
+                if wanted:
                     with contextlib.suppress(FileNotFoundError):
                         out.append((p, p.stat()))
         return out
 
+    def entries(self) -> list[tuple[Path, os.stat_result]]:
+        """The finished plan files."""
+        return self._listing(temps=False)
+
+    def temp_files(self) -> list[tuple[Path, os.stat_result]]:
+        """Files being written (or left half written by writers that died)."""
+        return self._listing(temps=True)
+
     def trim(self) -> int:
-        """Remove least recently used files until the directory is within its bound."""
+        """Remove temp files left by writers that died (untouched for STALE_TEMP_SECONDS),
+        then least recently used plan files until the directory, with the temp files of
+        live writers, is within its bound. Returns the number of files removed."""
+        now = time.time()
+        stale = live = 0
+        for p, st in self.temp_files():
+            if now - st.st_mtime > STALE_TEMP_SECONDS:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    stale += 1
+            else:
+                live += st.st_size
+        if stale:
+            log.info("plan cache: removed %d temp file(s) left by writers that died", stale)
         files = sorted(self.entries(), key=lambda e: e[1].st_mtime)
-        total = sum(st.st_size for _, st in files)
+        total = live + sum(st.st_size for _, st in files)
         removed = 0
         while files and total > self.max_bytes:
             p, st = files.pop(0)
@@ -205,11 +236,13 @@ class PlanCache:
         stats.evictions += removed
         if removed:
             self._bump("evictions", removed)
-        return removed
+        return stale + removed
 
     def clear(self) -> int:
+        """Remove every plan file, every temp file (a writer busy meanwhile only fails to
+        store its file) and the shared counters. Returns the number of files removed."""
         n = 0
-        for p, _ in self.entries():
+        for p, _ in self.entries() + self.temp_files():
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 n += 1

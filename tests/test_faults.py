@@ -552,15 +552,39 @@ def test_a_writer_killed_mid_write_leaves_the_old_entry_and_an_ignored_temp_file
         assert plan_cache.decode(temp.read_bytes(), "7" * 64).header["fill"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: PlanCache.clear() and trim() skip '.tmp-*' files, so temp files left by killed "
-    "writers are never removed and are not counted against the size bound"))
+def _stray(directory, name: str, nbytes: int, age: float):
+    p = directory / name
+    p.write_bytes(b"half a plan file".ljust(nbytes, b"\0"))
+    then = time.time() - age
+    os.utime(p, (then, then))
+    return p
+
+
 def test_clear_removes_temp_files_left_by_killed_writers(tmp_path):
     cache = plan_cache.PlanCache(tmp_path, 1 << 20)
     cache.store("a" * 64, {}, [np.zeros(1000, np.uint8)])
-    stray = tmp_path / ".tmp-killedwriter.plan"
-    stray.write_bytes(b"half a plan file")
-    old = time.time() - 3600
-    os.utime(stray, (old, old))
-    cache.clear()
-    assert not list(tmp_path.glob("*.plan")) and not stray.exists()
+    stale = _stray(tmp_path, ".tmp-killedwriter.plan", 100, 3600)
+    fresh = _stray(tmp_path, ".tmp-justkilled.plan", 100, 0)
+    stats_temp = _stray(tmp_path, f".{plan_cache.STATS_FILE}.12345", 10, 3600)
+    assert cache.clear() == 4
+    assert not list(tmp_path.glob("*.plan")) and not list(tmp_path.glob(".tmp-*"))
+    assert not stale.exists() and not fresh.exists() and not stats_temp.exists()
+    assert not (tmp_path / plan_cache.STATS_FILE).exists()
+
+
+def test_trim_removes_stale_temp_files_and_counts_live_ones(tmp_path):
+    cache = plan_cache.PlanCache(tmp_path, 10_000)
+    for i, key in enumerate(("a" * 64, "b" * 64)):
+        cache.store(key, {"i": i}, [np.zeros(3000, np.uint8)])
+        then = time.time() - 100 + i  # "a" is the least recently used
+        os.utime(cache.path(key), (then, then))
+    stale = _stray(tmp_path, ".tmp-killedwriter.plan", 50_000, plan_cache.STALE_TEMP_SECONDS + 60)
+    assert cache.trim() == 1  # the stale temp file only: the entries fit
+    assert not stale.exists() and len(cache.entries()) == 2
+    live = _stray(tmp_path, ".tmp-writing.plan", 5000, 0)  # a writer busy right now
+    evictions = plan_cache.stats.evictions
+    assert cache.trim() == 1  # its bytes count against the bound: the LRU entry goes
+    assert live.exists(), "trim removed the temp file of a live writer"
+    assert [p.stem for p, _ in cache.entries()] == ["b" * 64]
+    assert plan_cache.stats.evictions == evictions + 1
+    assert cache.load("b" * 64).header["i"] == 1

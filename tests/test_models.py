@@ -301,18 +301,41 @@ def test_unsupported_op_with_fallback_off_is_a_compile_error_naming_op_and_line(
 
 # ---- where results go ---------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "a module on spyre called with CPU inputs fails while Dynamo traces it: FakeTensor "
-    "'Tensor device mismatch ... cpu and spyre:0' at the first F.linear (torch._dynamo.exc."
-    "TorchRuntimeError); CompiledStep's host-input path is never reached"))
-def test_cpu_inputs_to_a_spyre_model_give_outputs_on_the_inputs_device():
-    torch._dynamo.reset()
+def _small_mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8)).eval()
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8)).eval()
+
+
+def test_cpu_inputs_to_a_spyre_model_are_an_error_naming_both_devices():
+    """As with a CUDA model given CPU inputs: the inputs are not moved behind the user's
+    back; tracing stops with PyTorch's device-mismatch error, which names both devices
+    (eager mode says the same)."""
+    torch._dynamo.reset()
+    model = _small_mlp()
     x = torch.randn(4, 16)
-    compiled = torch.compile(copy.deepcopy(model).to("spyre"), backend="spyre_rt", dynamic=False)
+    on_card = copy.deepcopy(model).to("spyre")
+    compiled = torch.compile(on_card, backend="spyre_rt", dynamic=False)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError) as info:
+            compiled(x)
+        message = str(info.value)
+        assert "same device" in message and "cpu" in message and "spyre:0" in message, message
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", spyre_rt.SpyreFallbackWarning)
+            with pytest.raises(RuntimeError, match="same device.*(cpu and spyre:0|spyre:0 and cpu)"):
+                on_card(x)
+        out = compiled(x.to("spyre"))  # with its inputs on the card, the model runs
+    assert out.device.type == "spyre"
+    torch.testing.assert_close(out.cpu(), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_cpu_model_compiled_with_spyre_rt_on_cpu_inputs_gives_cpu_outputs():
+    torch._dynamo.reset()
+    model = _small_mlp()
+    x = torch.randn(4, 16)
+    compiled = torch.compile(copy.deepcopy(model), backend="spyre_rt", dynamic=False)
     with torch.no_grad():
         out = compiled(x)
         ref = model(x)
-    assert out.device == x.device
+    assert out.device == torch.device("cpu")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

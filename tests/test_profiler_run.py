@@ -19,7 +19,7 @@ PHASES = ("prefill", "decode")
 def cli_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     js, tr = d / "out.json", d / "out.trace.json"
-    code = cli.main(["run", *TINY, "--timing", "--json", str(js), "--trace", str(tr)])
+    code = cli.main(["run", *TINY, "--timing", "--repeats", "2", "--json", str(js), "--trace", str(tr)])
     return code, json.loads(js.read_text()), tr
 
 
@@ -34,6 +34,7 @@ def test_run_succeeds_and_the_json_carries_every_figure_of_the_table(cli_run):
     for key in ("model", "batch", "seq", "decode_steps", "layers", "dtype", "sim_mode", "device_profile",
                 "results", "speedups", "compute_share", "timings"):
         assert key in out
+    assert out["repeats"] == 2
     assert set(out["results"]) == set(runmod.MODES)
     for mode, r in out["results"].items():
         for key in ("prefill_ms", "decode_ms_per_token", "host_ms", "device_ms", "device_wait_host_ms"):
@@ -50,6 +51,13 @@ def test_run_succeeds_and_the_json_carries_every_figure_of_the_table(cli_run):
     # the prebuilt step is one native launch, whatever its kernel count
     assert out["results"]["prebuilt"]["phases"]["prefill"]["native_calls"] < \
         out["results"]["construct"]["phases"]["prefill"]["native_calls"]
+
+
+def test_figures_are_medians_of_the_runs_figure_by_figure():
+    runs = [{"prefill_ms": v, "phases": {"decode": {"jobs": j, "note": "x"}}}
+            for v, j in ((5.0, 3), (1.0, 9), (3.0, 4))]
+    assert runmod.median_of(runs) == {"prefill_ms": 3.0, "phases": {"decode": {"jobs": 4, "note": "x"}}}
+    assert runmod.median_of(runs[:2])["prefill_ms"] == 3.0  # an even count: the mean of the middle two
 
 
 def test_every_mode_runs_the_same_device_commands(cli_run):
@@ -91,6 +99,7 @@ def test_timing_and_functional_mode_agree_on_device_time():
     ["run", "granite-tiny", "--batch", "0"],
     ["run", "granite-tiny", "--modes", "fastest"],
     ["run", "granite-tiny", "--functional", "--timing"],
+    ["run", "granite-tiny", "--repeats", "0"],
 ])
 def test_run_refuses_bad_input_with_a_clear_error(argv, capsys):
     code = cli.main(argv)

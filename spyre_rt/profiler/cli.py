@@ -151,6 +151,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=positive_int, default=1024, metavar="N", help="prompt length (default 1024)")
     p.add_argument("--decode-steps", type=positive_int, default=8, metavar="N",
                    help="greedy decode steps measured per mode (default 8)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="measured runs per mode, interleaved across modes; the median is reported (default 3)")
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
                    help="dispatch modes to compare (default: construct,prebuilt-transfer,prebuilt)")
     sim = p.add_mutually_exclusive_group()
@@ -181,7 +183,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if py_spy == "":
         py_spy = (os.path.splitext(args.trace)[0] if args.trace else "spyre-profile") + ".speedscope.json"
     opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
-                          modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
+                          repeats=args.repeats, modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
                           trace=args.trace, py_spy=py_spy)
     try:
         runmod.load_model(args.model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.resources
 import math
 import os
@@ -131,6 +132,7 @@ class Options:
     batch: int = 1
     seq: int = 1024
     decode_steps: int = 8
+    repeats: int = 3              # measured runs per mode, interleaved; medians reported
     modes: tuple[str, ...] = MODES
     sim_mode: str | None = None   # None: the model profile's default
     layers: int | None = None     # override the number of layers (quick runs)
@@ -246,6 +248,22 @@ class Session:
         }
 
 
+def median_of(samples: list[dict]) -> dict:
+    """Figure by figure, the median of several runs' results (nested dicts of numbers)."""
+    out: dict = {}
+    for key, first in samples[0].items():
+        values = [s[key] for s in samples]
+        if isinstance(first, dict):
+            out[key] = median_of(values)
+        elif isinstance(first, int | float):
+            ordered = sorted(values)
+            mid = len(ordered) // 2
+            out[key] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        else:
+            out[key] = first
+    return out
+
+
 def speedups_of(results: dict) -> dict:
     base = results.get("construct")
     out = {}
@@ -325,21 +343,36 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
             session.decode_step(logits, 0)
         timings["compile_s"] = time.perf_counter() - t0
         progress.update(task, total=1, completed=1)
-        runs = progress.add_task("measuring", total=2 * len(opts.modes))
+        runs = progress.add_task("measuring", total=(1 + opts.repeats) * len(opts.modes))
+        samples: dict[str, list[dict]] = {mode: [] for mode in opts.modes}
         with py_spy_recorder(opts.py_spy, console):
             for mode in opts.modes:
                 progress.update(runs, description=f"warm-up [{mode}]")
                 # builds plans and transfer graphs, which are not part of the steady state
                 session.run(mode, decode_steps=min(1, opts.decode_steps))
                 progress.advance(runs)
-                progress.update(runs, description=f"measuring [{mode}]")
-                results[mode] = session.run(mode, trace=bool(opts.trace))
-                progress.advance(runs)
+            # As long-running inference servers do: what compiling left on the heap is kept out
+            # of later collections, so that a full collection (hundreds of ms on this heap)
+            # does not land in one mode's measurement by chance.
+            gc.collect()
+            gc.freeze()
+            try:
+                # Rounds interleave the modes, so that the machine's drift is shared by all.
+                for round_ in range(opts.repeats):
+                    for mode in opts.modes:
+                        progress.update(runs, description=f"measuring [{mode}] {round_ + 1}/{opts.repeats}")
+                        last = round_ == opts.repeats - 1
+                        samples[mode].append(session.run(mode, trace=bool(opts.trace) and last))
+                        progress.advance(runs)
+            finally:
+                gc.unfreeze()
+        results = {mode: median_of(runs_) for mode, runs_ in samples.items()}
     out = {
         "model": session.profile.name,
         "batch": opts.batch,
         "seq": opts.seq,
         "decode_steps": opts.decode_steps,
+        "repeats": opts.repeats,
         "layers": session.cfg.num_hidden_layers,
         "dtype": str(session.profile.dtype).removeprefix("torch."),
         "sim_mode": session.sim_mode,
@@ -363,21 +396,26 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
 
 
 def render(console, out: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     res = out["results"]
     title = (f"{out['model']} ({out['layers']} layers, {out['dtype']}), batch {out['batch']}, "
              f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
-             f"{out['sim_mode']} mode")
-    t = Table(title=title, title_justify="left")
-    for col in ("mode", "prefill ms", "decode ms/token", "host ms", "device ms", "device waits for host ms",
+             f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} runs per mode")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    for col in ("mode", "prefill ms", "decode ms/tok", "host ms", "device ms", "device waits for host ms",
                 "prefill speedup", "decode speedup"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
+        t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
     sp = out["speedups"]
+
+    def ms(v: float) -> str:  # four significant figures are plenty, and the table fits 80 columns
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}"
+
     for mode, r in res.items():
         s = sp.get(mode, {})
-        t.add_row(mode, f"{r['prefill_ms']:,.1f}", f"{r['decode_ms_per_token']:,.2f}", f"{r['host_ms']:,.1f}",
-                  f"{r['device_ms']:,.1f}", f"{r['device_wait_host_ms']:,.1f}",
+        t.add_row(mode, ms(r["prefill_ms"]), ms(r["decode_ms_per_token"]), ms(r["host_ms"]),
+                  ms(r["device_ms"]), ms(r["device_wait_host_ms"]),
                   f"{s.get('prefill', float('nan')):.2f}x", f"{s.get('decode', float('nan')):.2f}x")
     console.print(t)
     share = out["compute_share"]

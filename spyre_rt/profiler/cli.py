@@ -149,10 +149,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help="a model profile name (granite-3.3-8b, granite-3.3-2b, granite-tiny) or a TOML path")
     p.add_argument("--batch", type=positive_int, default=1, metavar="N", help="batch size (default 1)")
     p.add_argument("--seq", type=positive_int, default=1024, metavar="N", help="prompt length (default 1024)")
-    p.add_argument("--decode-steps", type=positive_int, default=8, metavar="N",
-                   help="greedy decode steps measured per mode (default 8)")
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
-                   help="measured runs per mode, interleaved across modes; the median is reported (default 3)")
+    p.add_argument("--decode-steps", type=positive_int, default=4, metavar="N",
+                   help="greedy decode steps measured per mode (default 4)")
+    p.add_argument("--repeats", type=positive_int, default=2, metavar="N",
+                   help="measured runs per mode, interleaved across modes; medians are reported (default 2)")
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
                    help="dispatch modes to compare (default: construct,prebuilt-transfer,prebuilt)")
     sim = p.add_mutually_exclusive_group()

@@ -131,8 +131,8 @@ class Options:
     model: str
     batch: int = 1
     seq: int = 1024
-    decode_steps: int = 8
-    repeats: int = 3              # measured runs per mode, interleaved; medians reported
+    decode_steps: int = 4
+    repeats: int = 2              # measured runs per mode, interleaved; medians reported
     modes: tuple[str, ...] = MODES
     sim_mode: str | None = None   # None: the model profile's default
     layers: int | None = None     # override the number of layers (quick runs)

@@ -17,9 +17,10 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
+from spyre_rt import card as cards
 from spyre_rt import fallback
 from spyre_rt.dispatch import dispatch_mode
 
@@ -116,28 +117,40 @@ def matmul_weights(shape, steps, g):
     return weights
 
 
+def _run_on_card(compiled, xb, xview, yb, yview, mode: str) -> torch.Tensor:
+    x, y = xview(xb.to("spyre")), yview(yb.to("spyre"))
+    before = sum(fallback.calls.values())
+    with dispatch_mode(mode), torch.no_grad():
+        out = compiled(x, y)
+    assert sum(fallback.calls.values()) == before, "an op ran as an eager CPU fallback"
+    assert out.device.type == "spyre"
+    return out.cpu()
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(graphs())
+# found by this test: a matmul over an empty inner dimension; a one-element tensor after
+# another test had left a timing-mode card set configured
+@example(((0,), ["contiguous", "contiguous"], [("matmul", 1)]))
+@example(((1,), ["contiguous", "contiguous"], [("unary", "abs")]))
 def test_random_graphs_match_eager_in_every_dispatch_mode(graph):
     shape, layouts, steps = graph
     g = torch.Generator().manual_seed(zlib.crc32(repr(graph).encode()))
     (xb, xview), (yb, yview) = (make_input(shape, lay, g) for lay in layouts)
     weights = matmul_weights(shape, steps, g)
-    expected = make_fn(steps, weights)(xview(xb), yview(yb))
+    try:
+        expected = make_fn(steps, weights)(xview(xb), yview(yb))
+    except (IndexError, RuntimeError):  # eager refuses it too (amax of an empty row): not a graph
+        reject()
 
     torch._dynamo.reset()  # a fresh compile per example: no recompile limit shared
-    on_card = make_fn(steps, [w.to("spyre") for w in weights])
-    compiled = torch.compile(on_card, backend="spyre_rt", dynamic=False, fullgraph=True)
     results = {}
-    for mode in MODES:
-        x, y = xview(xb.to("spyre")), yview(yb.to("spyre"))
-        before = sum(fallback.calls.values())
-        with dispatch_mode(mode), torch.no_grad():
-            out = compiled(x, y)
-        assert sum(fallback.calls.values()) == before, "an op ran as an eager CPU fallback"
-        assert out.device.type == "spyre"
-        results[mode] = out.cpu()
+    with cards.configured(None, "functional"):  # numbers, whatever card set earlier tests left
+        on_card = make_fn(steps, [w.to("spyre") for w in weights])
+        compiled = torch.compile(on_card, backend="spyre_rt", dynamic=False, fullgraph=True)
+        for mode in MODES:
+            results[mode] = _run_on_card(compiled, xb, xview, yb, yview, mode)
     for mode in MODES[:-1]:
         assert torch.equal(results[mode].view(torch.int32), results["prebuilt"].view(torch.int32)), \
             f"{mode} and prebuilt differ"

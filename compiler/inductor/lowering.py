@@ -47,6 +47,14 @@ def _matmul_operand(x):
 
 
 def _matmul(a, b, bias=None):
+    *batch, m, k = (int(s) for s in a.get_size())
+    size = [*batch, m, int(b.get_size()[-1])]
+    if k == 0 or 0 in size:  # an empty result, or an empty contraction (all zeros, plus the bias)
+        zeros = L.full(size, 0, dtype=a.get_dtype(), device=a.get_device())
+        return zeros if bias is None else L.lowerings[aten.add.Tensor](zeros, bias)
+    if k == 1:  # an outer product: one multiply per element, a broadcast on the SFU
+        prod = L.lowerings[aten.mul.Tensor](a, b)
+        return prod if bias is None else L.lowerings[aten.add.Tensor](prod, bias)
     a, b = _matmul_operand(a), _matmul_operand(b)
     *batch, m, _ = (int(s) for s in a.get_size())
     n = int(b.get_size()[-1])

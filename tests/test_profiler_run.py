@@ -6,6 +6,7 @@ import json
 import pytest
 from rich.console import Console
 
+from spyre_rt import card as cards
 from spyre_rt import trace
 from spyre_rt.profiler import cli
 from spyre_rt.profiler import run as runmod
@@ -13,6 +14,14 @@ from spyre_rt.profiler import view as viewmod
 
 TINY = ["granite-tiny", "--seq", "16", "--decode-steps", "2", "--layers", "1"]
 PHASES = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_card_set():
+    """`spyre-profile run` configures the process's cards (timing mode for these runs): give
+    the card set that was current back afterwards, so later tests keep functional cards."""
+    with cards.configured():
+        yield
 
 
 @pytest.fixture(scope="module")

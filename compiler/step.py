@@ -64,7 +64,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 _live_steps: weakref.WeakSet = weakref.WeakSet()  # for tools and tests that inspect steps
-_ADDRESS_BASE, _WINDOW_SHIFT = cards.ADDRESS_BASE, cards.WINDOW_SHIFT
 
 
 class CompiledStep:
@@ -168,7 +167,7 @@ class _FastPath:
             if t.device != self.device:
                 return None
             base = t.untyped_storage().data_ptr()
-            if (registry.get(base), t.storage_offset()) != geo or (base - _ADDRESS_BASE) >> _WINDOW_SHIFT != window:
+            if (registry.get(base), t.storage_offset()) != geo or cards.window_of(base) != window:
                 return None
             bases[i] = base
         return self.exe.run(inputs, mode, bases)
@@ -177,9 +176,9 @@ class _FastPath:
 class Executable:
     """A compiled step for one card and one input geometry."""
 
-    def __init__(self, desc: StepDesc, card: cards.Card, geometry: tuple, digest: str | None = None):
+    def __init__(self, desc: StepDesc, card: cards.Card, geometry: tuple, digest: str):
         self.desc = desc
-        self.desc_digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
+        self.desc_digest = digest  # CompiledStep.digest: the description's identity in cache keys
         self.card = card
         self.target = Target.from_profile(card.profile)
         stick = card.profile.stick_bytes

@@ -255,9 +255,14 @@ def configured(device_profile: str | None = None, sim_mode: str | None = None) -
             _current = previous
 
 
+def window_of(addr: int) -> int:
+    """The address window (:attr:`Card.instance`) a device address lies in."""
+    return (addr - ADDRESS_BASE) >> WINDOW_SHIFT
+
+
 def owner(addr: int) -> Card | None:
     """The card whose memory `addr` is (of whichever card set), or None."""
-    return _by_instance.get((addr - ADDRESS_BASE) >> WINDOW_SHIFT)
+    return _by_instance.get(window_of(addr))
 
 
 def get(index: int) -> Card:

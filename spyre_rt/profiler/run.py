@@ -329,7 +329,6 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
     progress = progress_factory() if progress_factory else Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
         console=console, transient=False)
-    results: dict[str, dict] = {}
     timings: dict[str, float] = {}
     with progress:
         task = progress.add_task("building the model on the card", total=None)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from spyre_rt.layout import StickLayout
 
 
@@ -160,11 +162,24 @@ def _linear(e: int, base: int, counts, strides, lx_strides) -> Pattern:
     return Pattern(run, tuple(merged), tuple(bases))
 
 
-def element_offsets(layout: StickLayout, base: int, counts, strides):
-    """Physical byte offsets of every element of a box, in row-major box order (numpy)."""
-    import numpy as np
-
+def element_offsets(layout: StickLayout, base: int, counts, strides) -> np.ndarray:
+    """Physical byte offsets of every element of a box, in row-major box order."""
     idx = np.array([base], dtype=np.int64)
     for count, stride in zip(counts, strides, strict=True):
         idx = (idx[:, None] + np.arange(count, dtype=np.int64) * stride).ravel()
     return layout.phys(idx)
+
+
+def descriptor_runs(layout: StickLayout, base: int, counts, strides, lx_base: int,
+                    lx_strides) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A box with no compact pattern as runs contiguous on both sides: (device byte
+    offsets, scratchpad byte offsets, bytes) of each run, for a descriptor-list DMA."""
+    phys = element_offsets(layout, base, counts, strides)
+    lx = np.array([lx_base], dtype=np.int64)
+    for c, s in zip(counts, lx_strides, strict=True):
+        lx = (lx[:, None] + np.arange(c, dtype=np.int64) * s).ravel()
+    e = layout.itemsize
+    brk = np.r_[True, (np.diff(phys) != e) | (np.diff(lx) != e)]
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.r_[starts, phys.size]) * e
+    return phys[starts], lx[starts], lengths

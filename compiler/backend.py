@@ -14,6 +14,8 @@ import torch
 import spyre_rt
 from spyre_rt import config
 
+from .version import compiler_version
+
 _registered = False
 _lock = threading.Lock()
 _compiling = threading.local()
@@ -41,24 +43,6 @@ INDUCTOR_PATCHES = {
     "split_reductions": False,
     "unroll_reductions_threshold": 1,
 }
-
-
-
-def compiler_version() -> str:
-    """A digest of the compiler's own sources (part of every cache key)."""
-    global _version
-    if _version is None:
-        import hashlib
-        from pathlib import Path
-
-        h = hashlib.sha256(spyre_rt.__version__.encode())
-        for path in sorted(Path(__file__).parent.rglob("*.py")):
-            h.update(path.read_bytes())
-        _version = h.hexdigest()[:16]
-    return _version
-
-
-_version: str | None = None
 
 
 def register() -> None:

@@ -41,6 +41,7 @@ from spyre_rt.transfer import ViewGeometry, from_device, to_device
 from .build import loops, matmul
 from .build.context import BuildContext, Target
 from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_json, to_json
+from .version import compiler_version
 
 ARENA = 0  # binding 0 is the arena of intermediates
 ALIGN = 128
@@ -275,13 +276,13 @@ class Executable:
         use and takes the lowest offset free over that interval (first fit)."""
         first, last = {}, {}
         for i, item in enumerate(self.desc.sequence):
-            for name in self._uses(item):
+            for name in sorted(self._uses(item)):  # a set: its order differs between processes
                 if name in self.desc.buffers and name not in self.output_bases:
                     first.setdefault(name, i)
                     last[name] = i
         placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
         top = 0
-        for name in sorted(first, key=lambda n: (first[n], -self.layouts[n].nbytes)):
+        for name in sorted(first, key=lambda n: (first[n], -self.layouts[n].nbytes, n)):
             size = -(-self.layouts[name].nbytes // ALIGN) * ALIGN
             lo, hi = first[name], last[name]
             busy = sorted((o, o + s) for a, b, o, s in placed if not (b < lo or a > hi))
@@ -342,12 +343,13 @@ class Executable:
         from spyre_rt import __version__
         from spyre_rt.native import lib
 
-        from .backend import compiler_version
-
         geometry = [(tuple(self.layouts[n]), self.offsets[n]) for n in self.binding_names[1:]]
+        # The memory plan too: CPU ops and restores address the arena through this
+        # process's offsets, which must be the ones the plan's jobs were built with.
+        memory = [self.arena_bytes, sorted(self.relocs.items())]
         return plan_cache.digest("spyre_rt plans", __version__, compiler_version(), torch.__version__,
                                  int(lib.SPY_JOB_VERSION), int(lib.SPY_PLAN_VERSION), self.card.profile.digest,
-                                 self.desc_digest, geometry, self.desc.options)
+                                 self.desc_digest, geometry, memory, self.desc.options)
 
     def _device_segments(self) -> list[int]:
         return [i for i, (kind, _) in enumerate(self.segments) if kind == "device"]

@@ -36,7 +36,7 @@ from spyre_rt.program import (
     OP_STORE,
 )
 
-from ..access import NotAffine, Pattern, element_offsets, pattern
+from ..access import NotAffine, Pattern, descriptor_runs, pattern
 from ..kernels import Access, LoopKernel, Op
 from .context import BuildContext, ScratchpadOverflow, round_up
 from .sfu import (
@@ -698,7 +698,9 @@ class _Template:
         base, counts, strides, lxs, lx_off = box
         layout = self.ctx.layouts[buf]
         slot = self.ctx.slot(buf)
-        key = (buf, tuple(counts), tuple(strides), tuple(lxs), base % layout.row_len)
+        # Everything the cached pattern and stride tuples depend on: a store's source and
+        # destination strides are a load's swapped, so the direction is part of the key.
+        key = (op, buf, tuple(counts), tuple(strides), tuple(lxs), base % layout.row_len)
         hit = self.pattern_cache.get(key)
         if hit is None:
             try:
@@ -730,22 +732,15 @@ class _Template:
     def _descs(self, op, access, slot, layout, base, counts, strides, lxs, lx_base, load, deps):
         """A descriptor-list DMA for accesses with no compact pattern (one run per element
         run that is contiguous on both sides)."""
-        phys = element_offsets(layout, base, counts, strides)
-        lx = np.array([lx_base], dtype=np.int64)
-        for c, s in zip(counts, lxs, strict=True):
-            lx = (lx[:, None] + np.arange(c) * s).ravel()
-        e = layout.itemsize
-        brk = np.r_[True, (np.diff(phys) != e) | (np.diff(lx) != e)]
-        starts = np.flatnonzero(brk)
-        lengths = np.diff(np.r_[starts, phys.size]) * e
-        descs = np.zeros(starts.size, dtype=DESC)
+        dev, lx, lengths = descriptor_runs(layout, base, counts, strides, lx_base, lxs)
+        descs = np.zeros(lengths.size, dtype=DESC)
         if load:
-            descs["src_off"], descs["dst_off"] = phys[starts], lx[starts]
+            descs["src_off"], descs["dst_off"] = dev, lx
         else:
-            descs["src_off"], descs["dst_off"] = lx[starts], phys[starts]
+            descs["src_off"], descs["dst_off"] = lx, dev
         descs["bytes"] = lengths
         src_slot, dst_slot = (slot, 0) if load else (0, slot)
-        i = self._push(CMD_DMA, (op, DMA_DESCS, 0), (src_slot, dst_slot, 0, 0, 0, 0, _ZERO3, int(starts.size),
+        i = self._push(CMD_DMA, (op, DMA_DESCS, 0), (src_slot, dst_slot, 0, 0, 0, 0, _ZERO3, int(lengths.size),
                                                      _ZERO3, _ZERO3, _PAD), deps)
         self.descs.append((i, access, "src_off" if load else "dst_off", descs))
         return [i]
@@ -864,6 +859,13 @@ def _record_tile(b: Builder, em: _Template, tile: Tile, accesses: dict[str, int]
     return last_sfu, (max(outs) if outs else None)
 
 
+def memo() -> dict:
+    """A construction memo (tile classes, stage programs, DMA patterns): each key holds
+    everything its value depends on, so a build that never hits one (tests swap this for
+    such a dict) makes the same commands tile by tile."""
+    return {}
+
+
 # What analysis and tiling decide for a kernel: it depends only on the kernel and the
 # target, so it is compile-time work, made once and reused by every construction.
 _TILING = ("values", "nvars", "nrow", "rowvars", "colvars", "C", "bufs", "levels", "needs", "block", "blk",
@@ -891,10 +893,10 @@ def build(ctx: BuildContext, k: LoopKernel, tiling: dict | None = None) -> dict:
     accesses = {v.op.id: i for i, v in enumerate(direct)}
     layouts = [ctx.layouts[v.op.access.buf] for v in direct]
     indirect = [v for v in b.loads + b.stores if v.op.access.ind]
-    classes: dict[tuple, _Class] = {}
-    stage_programs: dict = {}
-    programs: dict = {}
-    pattern_cache: dict = {}
+    classes: dict[tuple, _Class] = memo()
+    stage_programs: dict = memo()
+    programs: dict = memo()
+    pattern_cache: dict = memo()
     ntiles = len(b.tiles)
     first = np.zeros(ntiles, dtype=np.int64)
     dfirst = np.zeros(ntiles, dtype=np.int64)

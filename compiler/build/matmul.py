@@ -23,6 +23,8 @@ from spyre_rt.native import lib
 from spyre_rt.program import (
     CMD_MM,
     CMD_SFU,
+    DESC,
+    DMA_DESCS,
     INSTR,
     MM_ACCUMULATE,
     MM_TRANS_A,
@@ -37,7 +39,7 @@ from spyre_rt.program import (
     empty_cmds,
 )
 
-from ..access import Pattern, pattern
+from ..access import NotAffine, Pattern, descriptor_runs, pattern
 from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, round_up
 
 
@@ -135,27 +137,47 @@ def _orientation(view: View, contiguous_inner: int, other: int) -> bool:
 
 class _Patterns:
     """The DMA patterns of one operand over many tiles: tiles whose boxes have the same
-    shape and stick alignment share a pattern and differ only by where they start."""
+    shape and start at the same column of a storage row share a pattern and differ only by
+    where they start. A box with no compact pattern (its columns wrap into the next storage
+    row, as in a matmul over a reshaped input) is moved by a descriptor list of its own."""
 
     def __init__(self, ctx: BuildContext, view: View, dims: tuple[int, int], boxes: np.ndarray,
                  lx_pitch: int, itemsize: int, bases: np.ndarray):
         layout = ctx.layouts[view.buf]
-        strides = (view.strides[dims[0]], view.strides[dims[1]])
-        bases = np.asarray(bases, dtype=np.int64)
-        align = bases % layout.row_len % layout.stick_elems
-        keys = np.stack([boxes[:, 0], boxes[:, 1], align], axis=1)
+        self.ctx, self.layout = ctx, layout
+        self.strides = (view.strides[dims[0]], view.strides[dims[1]])
+        self.lx_strides = (lx_pitch, itemsize)
+        self.boxes = boxes
+        self.bases = bases = np.asarray(bases, dtype=np.int64)
+        # A pattern depends on the box and on where it starts in its storage row (how it
+        # meets the sticks and whether it reaches the row's end); boxes a whole number of
+        # rows apart share it. A one-row storage is linear: every start shares it.
+        column = bases % layout.row_len if layout.rows > 1 else np.zeros_like(bases)
+        keys = np.stack([boxes[:, 0], boxes[:, 1], column], axis=1)
         uniq, self.pid = np.unique(keys, axis=0, return_inverse=True)
         self.pid = self.pid.ravel()
-        self.patterns: list[Pattern] = []
+        self.patterns: list[Pattern | None] = []
         origin = np.zeros(len(uniq), dtype=np.int64)
         for u, key in enumerate(uniq):
             first = int(np.flatnonzero(self.pid == u)[0])
-            self.patterns.append(pattern(layout, int(bases[first]), (int(key[0]), int(key[1])), strides,
-                                         (lx_pitch, itemsize)))
+            try:
+                p = pattern(layout, int(bases[first]), (int(key[0]), int(key[1])), self.strides, self.lx_strides)
+            except NotAffine:
+                p = None
+            self.patterns.append(p)
             origin[u] = layout.phys(int(bases[first]))
         # device byte offset of each tile relative to its pattern's first base
         self.start = layout.phys(bases) - origin[self.pid]
-        self.nbases = np.array([len(p.bases) for p in self.patterns], dtype=np.int64)[self.pid]
+        self.nbases = np.array([len(p.bases) if p else 1 for p in self.patterns], dtype=np.int64)[self.pid]
+
+    def descriptors(self, item: int, lx_off: int, load: bool) -> tuple[int, int]:
+        """(first descriptor, count) of a descriptor-list DMA moving one item's box."""
+        dev, lx, nbytes = descriptor_runs(self.layout, int(self.bases[item]), tuple(int(c) for c in self.boxes[item]),
+                                          self.strides, lx_off, self.lx_strides)
+        descs = np.zeros(nbytes.size, dtype=DESC)
+        descs["src_off"], descs["dst_off"] = (dev, lx) if load else (lx, dev)
+        descs["bytes"] = nbytes
+        return self.ctx.program.add_descs(descs), int(nbytes.size)
 
 
 def _fill_dmas(cmds: np.ndarray, rows: np.ndarray, pats: _Patterns, items: np.ndarray, slot: int,
@@ -165,6 +187,15 @@ def _fill_dmas(cmds: np.ndarray, rows: np.ndarray, pats: _Patterns, items: np.nd
     for u, p in enumerate(pats.patterns):
         sel = np.flatnonzero(pats.pid[items] == u)
         if not sel.size:
+            continue
+        if p is None:
+            for s_ in sel:
+                first, n = pats.descriptors(int(items[s_]), int(lx_off[s_]), load)
+                c = cmds[rows[s_]]
+                c["flags"] = DMA_DESCS
+                c["src_slot"], c["dst_slot"] = (slot, 0) if load else (0, slot)
+                c["src_off"], c["desc_count"] = first, n
+                cmds[rows[s_]] = c
             continue
         for j, (dram, lxb) in enumerate(p.bases):
             r = rows[sel] + j

@@ -1,0 +1,274 @@
+"""Every cache's key holds everything its value depends on.
+
+Each cache of construction and of the runtime (DMA patterns and tile classes of loop
+kernels, operand patterns of matmuls, transfer graphs, plan files and the memory plan
+behind them) is checked by varying each input of its key, or against the same work done
+with the cache never hitting.
+"""
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from spyre_rt.compiler import step as step_mod
+from spyre_rt.compiler.access import NotAffine, pattern
+from spyre_rt.compiler.build import loops
+from spyre_rt.compiler.build import matmul as mm
+from spyre_rt.compiler.build.context import BuildContext, Target
+
+from spyre_rt import card as cards
+from spyre_rt import fallback, profile
+from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.layout import StickLayout
+
+MODES = ("construct", "prebuilt-transfer", "prebuilt")
+
+
+@pytest.fixture
+def functional():
+    with cards.configured(sim_mode="functional") as cs:
+        yield cs
+
+
+# ---- loop kernels: DMA patterns, stage programs, tile classes -------------------------
+
+def _in_place(op):
+    def f(a, x):
+        op(a, x)
+        return a * 1
+    return f
+
+
+IN_PLACE = {
+    "add_": lambda a, x: a.add_(x),
+    "mul_": lambda a, x: a.mul_(x),
+    "copy_": lambda a, x: a.copy_(x),
+    "sub_ of a transposed view": lambda a, x: a.t().sub_(x.t()),
+    "slice assigned": lambda a, x: a[1:].copy_(x[:-1] * 2),
+}
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (2, 3, 64), (512, 256), (5, 7), (3, 130)])
+@pytest.mark.parametrize("name", list(IN_PLACE))
+def test_in_place_updates_of_inputs_land_at_their_positions(functional, name, shape):
+    """A store and a load with the same geometry share no DMA pattern: a store's strides
+    are a load's swapped (the pattern cache once left the direction out of its key)."""
+    if name == "sub_ of a transposed view" and len(shape) != 2:
+        pytest.skip("a 2-d op")
+    f = _in_place(IN_PLACE[name])
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    a, x = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    want_a = a.clone()
+    want_out = f(want_a, x)
+    torch._dynamo.reset()  # every test compiles its own graph (no recompile limit, no eager)
+    compiled = torch.compile(f, backend="spyre_rt", dynamic=False)
+    for mode in MODES:
+        ad, xd = a.to("spyre"), x.to("spyre")
+        eager = sum(fallback.calls.values())
+        with dispatch_mode(mode):
+            out = compiled(ad, xd)
+        assert sum(fallback.calls.values()) == eager, "the call ran eagerly, not compiled"
+        assert torch.equal(ad.cpu(), want_a), f"{mode}: the mutated input"
+        assert torch.equal(out.cpu(), want_out), f"{mode}: the output"
+
+
+class NeverHit(dict):
+    """A memo that is never hit: every tile is its own class and records its own stage
+    programs and DMA patterns."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(len(self), value)
+
+
+KERNELS = {
+    "in-place add": (lambda a, x: a.add_(x).mul(3), [(37, 96), (37, 96)]),
+    "transposed store": (lambda a, x: (a.t() * 2 + x.t()).contiguous(), [(70, 130), (70, 130)]),
+    "row reduction": (lambda a, x: (a * x).sum(-1, keepdim=True) + a, [(33, 200), (33, 200)]),
+    "masked cat": (lambda a, x: torch.cat([a, x[:, :5]], 1) * 2, [(40, 64), (40, 64)]),
+    "gather rows": (lambda a, i: torch.nn.functional.embedding(i, a) + 1, [(50, 96), None]),
+    "scatter rows": (lambda a, x: a.index_copy_(0, torch.tensor([3, 7, 1], device=a.device), x[:3]).sum(0), [(20, 72), (20, 72)]),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_loop_kernels_built_with_no_memo_make_the_same_results(functional, monkeypatch, name):
+    fn, shapes = KERNELS[name]
+    g = torch.Generator().manual_seed(7)
+    args = [torch.randn(s, generator=g) if s else torch.randint(0, 50, (9,), generator=g) for s in shapes]
+
+    def run():
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend="spyre_rt", dynamic=False)
+        dev = [a.to("spyre") for a in args]
+        with dispatch_mode("construct"):  # builds every kernel at its launch
+            out = f(*dev)
+        return [out.cpu()] + [d.cpu() for d in dev]
+
+    memoised = run()
+    monkeypatch.setattr(loops, "memo", NeverHit)
+    fresh = run()
+    for got, want in zip(fresh, memoised, strict=True):
+        assert torch.equal(got, want)
+
+
+# ---- matmul operand patterns ----------------------------------------------------------
+
+def _target() -> Target:
+    return Target.from_profile(profile.load("spyre"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matmul_operand_patterns_equal_each_boxs_own(seed):
+    """Boxes share a pattern only when the pattern of each, made on its own, is the same
+    one moved: same box, same column of a storage row (a box that reaches the row's end at
+    one column and not at another once shared its neighbour's pattern)."""
+    rng = np.random.default_rng(seed)
+    itemsize = int(rng.choice([2, 4]))
+    row_len = int(rng.choice([40, 96, 160, 200, 256]))
+    rows = int(rng.integers(5, 12))
+    layout = StickLayout(rows, row_len, itemsize)
+    ctx = BuildContext(_target(), {"x": layout})
+    view = mm.View("x", 0, (1, rows * row_len // 48, 48), (0, 48, 1))
+    n = 40
+    # few box shapes and start columns (some near the row's end), many rows: boxes repeat
+    boxes = np.stack([rng.integers(1, 3, n), rng.choice([8, 32, 48], n)], axis=1)
+    columns = rng.choice([0, 16, 32, 64, row_len - 40, row_len - 8], n)
+    bases = rng.integers(0, rows - 3, n) * row_len + columns
+    pats = mm._Patterns(ctx, view, (1, 2), boxes, 96 * itemsize, itemsize, bases)
+    shared = 0
+    for i in range(n):
+        try:
+            own = pattern(layout, int(bases[i]), tuple(int(c) for c in boxes[i]), (48, 1), (96 * itemsize, itemsize))
+        except NotAffine:
+            own = None
+        got = pats.patterns[pats.pid[i]]
+        if own is None:
+            assert got is None, "a box with no pattern of its own was given another box's"
+            continue
+        assert got is not None and (got.run, got.dims) == (own.run, own.dims)
+        assert [(d + int(pats.start[i]), x) for d, x in got.bases] == list(own.bases)
+        shared += int(np.sum(pats.pid == pats.pid[i]) > 1)
+    assert shared, "no two boxes shared a pattern: the test checks nothing"
+
+
+def test_a_matmul_over_a_reshaped_input_reads_rows_that_wrap(functional):
+    """The operand's rows span two storage rows: its boxes have no compact pattern and are
+    moved by descriptor lists."""
+    f = torch.compile(lambda x, w: x.view(2, 192) @ w, backend="spyre_rt", dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 96, generator=g), torch.randn(192, 70, generator=g)
+    for mode in MODES:
+        with dispatch_mode(mode):
+            out = f(x.to("spyre"), w.to("spyre")).cpu()
+        torch.testing.assert_close(out, x.view(2, 192) @ w, rtol=1e-5, atol=1e-4)
+
+
+# ---- transfer graphs ---------------------------------------------------------------------
+
+def test_transfer_graphs_are_keyed_by_every_field_of_the_view(functional):
+    """Copies through views that differ in one field each (offset, sizes, strides, dtype,
+    layout, direction) each get their own graph and move the right elements."""
+    card = cards.get(0)
+    base = torch.arange(12 * 40, dtype=torch.float32).reshape(12, 40)
+    views = {
+        "whole": lambda t: t,
+        "offset": lambda t: t[1:],
+        "sizes": lambda t: t[:5],
+        "strides": lambda t: t[::2],
+        "transposed": lambda t: t.t(),
+        "columns": lambda t: t[:, 3:17],
+    }
+    for dtype in (torch.float32, torch.float16):
+        for shape in ((12, 40), (40, 12)):
+            src = base.reshape(shape).to(dtype)
+            dev = src.to("spyre")
+            with dispatch_mode("prebuilt"):
+                for name, v in views.items():
+                    assert torch.equal(v(dev).cpu(), v(src)), (dtype, shape, name)
+                    fresh = torch.full_like(v(src), -1)
+                    v(dev).copy_(fresh)
+                    assert torch.equal(v(dev).cpu(), fresh), (dtype, shape, name, "upload")
+                    v(dev).copy_(v(src))
+    assert card.transfers.hits > 0
+
+
+# ---- plan files and the memory plan ---------------------------------------------------
+
+def _executables():
+    return [e for s in list(step_mod._live_steps) for e in s._executables.values()]
+
+
+def test_the_plan_key_changes_with_each_input(functional, monkeypatch):
+    f = torch.compile(lambda x: torch.relu(x) * 2, backend="spyre_rt", dynamic=False)
+    f(torch.randn(8, 64).to("spyre"))
+    exe = next(e for e in _executables() if e.card is cards.get(0))
+    first_input = exe.binding_names[1]
+    variants = {
+        "step description": {"desc_digest": "0" * 64},
+        "options": {"desc": dataclasses.replace(exe.desc, options={**exe.desc.options, "cpu_fallback": False})},
+        "input offset": {"offsets": {**exe.offsets, first_input: exe.offsets[first_input] + 64}},
+        "input layout": {"layouts": {**exe.layouts, first_input: StickLayout(1, 512, 4)}},
+        "arena size": {"arena_bytes": exe.arena_bytes + 128},
+        "arena offsets": {"relocs": {**exe.relocs, "<none>": (0, 128)}},
+        "device profile": {"card": SimpleNamespace(profile=SimpleNamespace(digest="other"))},
+    }
+    keys = {"as compiled": exe.cache_key()}
+    for what, fields in variants.items():
+        other = copy.copy(exe)
+        for name, value in fields.items():
+            setattr(other, name, value)
+        keys[what] = other.cache_key()
+    f(torch.randn(16, 64).to("spyre")[8:])  # the same sizes and strides, in a larger storage
+    keys["a larger input storage"] = next(e for e in _executables() if e is not exe and e.card is cards.get(0)
+                                          and e.desc is exe.desc).cache_key()
+    monkeypatch.setattr(step_mod, "compiler_version", lambda: "another compiler")
+    keys["compiler and runtime"] = exe.cache_key()
+    monkeypatch.setattr(torch, "__version__", "0.0")
+    keys["torch"] = exe.cache_key()
+    assert len(set(keys.values())) == len(keys), keys
+
+
+def test_the_compiler_version_covers_the_runtime_and_the_native_module():
+    from spyre_rt.compiler.version import sources
+
+    names = {p.name for p in sources()}
+    assert {"step.py", "loops.py", "layout.py", "transfer.py", "plan.py"} <= names
+    assert any(n.startswith("_native") for n in names)
+
+
+ARENA_SCRIPT = textwrap.dedent("""
+    import json, torch, spyre_rt
+    from spyre_rt.compiler import step
+    def f(x, w):
+        h = x @ w
+        a, b, c = torch.relu(h), torch.sigmoid(h), torch.tanh(h)
+        return (a @ w.t()) + (b @ w.t()) + (c @ w.t()) + h.cumsum(-1)
+    torch.compile(f, backend="spyre_rt", dynamic=False)(torch.randn(64, 128).to("spyre"),
+                                                         torch.randn(128, 128).to("spyre"))
+    exe = [e for s in step._live_steps for e in s._executables.values()][0]
+    print(json.dumps([exe.arena_bytes, sorted(exe.relocs.items()), exe.cache_key()]))
+""")
+
+
+def test_the_memory_plan_is_the_same_in_every_process(tmp_path):
+    """Two processes with the same step and the same plan key lay out the same arena (it
+    once followed set iteration order, which differs with the hash seed: a plan file from
+    one process then met another process's offsets under one key)."""
+    plans = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, SPYRE_RT_CACHE="0")
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", ARENA_SCRIPT], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        plans.add(out.stdout.strip().splitlines()[-1])
+    assert len(plans) == 1

@@ -13,6 +13,15 @@ pool (several threads may run one step at once).
 Arenas and graph plans belong to the card's reset epoch they were made in: after a reset
 (:func:`spyre_rt.reset_device`) the next call drops them and makes new ones (plans from
 the plan cache when it has them), never touching the addresses the old ones had.
+
+Inputs a step mutates are all-or-nothing. The step's first job copies every byte range a
+mutated input covers into the arena (a snapshot, on the card: load and store through the
+scratchpads); if anything fails after that job completed (a card fault, a CPU op), a
+restore job copies the snapshots back before the error reaches the caller, so a failed
+call leaves every mutated input as it was. Snapshot-and-restore costs one device copy of
+the mutated inputs per call; the alternative, computing into step-owned shadows and
+committing them with a final copy, costs two, and a fault inside the commit copy would
+still leave an input half-written.
 """
 
 from __future__ import annotations
@@ -38,13 +47,15 @@ from spyre_rt.plan import GraphPlan, PlanJob, set_job_names
 from spyre_rt.plan import encode as encode_plan
 from spyre_rt.transfer import ViewGeometry, from_device, to_device
 
-from .build import loops, matmul
+from .build import copy, loops, matmul
 from .build.context import BuildContext, Target
 from .kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, from_json, to_json
 from .version import compiler_version
 
 ARENA = 0  # binding 0 is the arena of intermediates
 ALIGN = 128
+SNAPSHOT = "<snapshot>"  # the job that saves the mutated inputs (see the module docstring)
+RESTORE = "<restore>"
 
 # Construction done by this process: a warm start from the plan cache builds nothing.
 stats = {"kernels_built": 0, "plans_built": 0, "plans_loaded": 0}
@@ -209,6 +220,7 @@ class Executable:
         self.binding_names = ["<arena>"] + names_in + output_bases
         self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
         self.arena_bytes = self._plan_arena()
+        self.snapshots = self._plan_snapshots(names_in)
         for name, (base, _, _, _) in desc.aliases.items():
             self.relocs[name] = self.relocs[self._base(base)]
         self.segments = self._segments()
@@ -296,6 +308,25 @@ class Executable:
             top = max(top, off + size)
         return top
 
+    def _plan_snapshots(self, names_in: list[str]) -> list[copy.Copy]:
+        """Arena space for the bytes each mutated input covers: the copies the snapshot
+        job makes (their reverse restores them)."""
+        out = []
+        stick = self.card.profile.stick_bytes
+        for b, mutated in self.desc.inputs:
+            if not mutated:
+                continue
+            lo, hi = _byte_range(self.layouts[b.name], self.offsets[b.name] + b.offset, b.sizes, b.strides)
+            if hi <= lo:
+                continue
+            name = f"{SNAPSHOT}{len(out)}"
+            size = -(-(hi - lo) // ALIGN) * ALIGN
+            self.layouts[name] = StickLayout(1, size, 1, stick)
+            self.relocs[name] = (ARENA, self.arena_bytes)
+            self.arena_bytes += size
+            out.append(copy.Copy(b.name, lo, name, 0, hi - lo))
+        return out
+
     def _segments(self) -> list:
         segs, run = [], []
         for kind, x in self.desc.sequence:
@@ -308,14 +339,24 @@ class Executable:
             segs.append((kind, x))
         if run:
             segs.append(("device", tuple(run)))
+        if self.snapshots:  # the snapshot job runs first, in the first device segment
+            if segs and segs[0][0] == "device":
+                segs[0] = ("device", (SNAPSHOT,) + segs[0][1])
+            else:
+                segs.insert(0, ("device", (SNAPSHOT,)))
         return segs
 
     # ---- construction ----
     def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
         """Construct one kernel's program: the work the dispatch modes move."""
         stats["kernels_built"] += 1
-        k = self.desc.kernels[kernel_name]
         ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        if kernel_name in (SNAPSHOT, RESTORE):
+            copies = self.snapshots if kernel_name == SNAPSHOT else [
+                copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
+            copy.build(ctx, copies)
+            return ctx.encode(), ctx.buffers()
+        k = self.desc.kernels[kernel_name]
         tiling = self._tilings.get(kernel_name)
         if isinstance(k, MatmulKernel):
             self._tilings[kernel_name] = matmul.build_kernel(ctx, k, tiling)
@@ -450,20 +491,31 @@ class Executable:
             for k, t in enumerate(outputs):
                 table[1 + n + k] = t.untyped_storage().data_ptr()
             addrs = table
-            for i, (kind, x) in enumerate(self.segments):
-                if kind == "device":
-                    if mode == "prebuilt":
-                        self.plan(i, epoch).launch(table)
-                    else:
-                        self._construct_and_run(x, addrs, mode)
-                elif kind == "cpu":
-                    cpu_values[x.name] = self._run_cpu(x, addrs)
-                else:  # "pick": one element of a CPU op's tuple result into a buffer
-                    src, path, out = x
-                    value = cpu_values[src]
-                    for i in path:
-                        value = value[i]
-                    self._upload(out, value, addrs)
+            saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
+            try:
+                for i, (kind, x) in enumerate(self.segments):
+                    if kind == "device":
+                        try:
+                            if mode == "prebuilt":
+                                self.plan(i, epoch).launch(table)
+                            else:
+                                self._construct_and_run(x, addrs, mode)
+                        except SpyreError as e:  # job 0 of the first device segment is the snapshot
+                            saved = saved or e.job > 0
+                            raise
+                        saved = True
+                    elif kind == "cpu":
+                        cpu_values[x.name] = self._run_cpu(x, addrs, mode)
+                    else:  # "pick": one element of a CPU op's tuple result into a buffer
+                        src, path, out = x
+                        value = cpu_values[src]
+                        for i in path:
+                            value = value[i]
+                        self._upload(out, value, addrs, mode)
+            except BaseException:
+                if saved and self.snapshots:
+                    self._restore(addrs, mode)
+                raise
         finally:
             self._give_arena(taken)
         result = []
@@ -472,17 +524,29 @@ class Executable:
             result.append(torch.as_strided(t, sizes, strides, delta if fresh else delta + t.storage_offset()))
         return result
 
+    def _restore(self, addrs, mode: str) -> None:
+        """Copy the snapshots back into the mutated inputs after a failed call. On a lost
+        card there is nothing to restore: the caller gets the original error."""
+        try:
+            self._construct_and_run((RESTORE,), addrs, mode)
+        except SpyreError:
+            pass
+
     def _construct_and_run(self, kernels, addrs, mode: str) -> None:
         """The construct modes: build each kernel's program at its launch, upload, run."""
         card = self.card
         tracing = card.tracing
-        for name in kernels:
+        for position, name in enumerate(kernels):
             t0 = card.host_clock_ns() if tracing else 0
             blob, bufs = self.build(name)
             if tracing:
                 card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
             slots = [addrs[b] + off for b, off in (self.relocs[n] for n in bufs)]
-            jobs.run_once(card, blob, slots, name, prebuilt_transfer=mode != "construct")
+            try:
+                jobs.run_once(card, blob, slots, name, prebuilt_transfer=mode != "construct")
+            except SpyreError as e:
+                e.job = position  # as a plan launch names its failing job
+                raise
 
     # ---- CPU ops inside a step ----
     def _geometry(self, name: str, view=None) -> tuple[ViewGeometry, int]:
@@ -495,10 +559,11 @@ class Executable:
         _, voff, sizes, strides = view
         return ViewGeometry(layout, self.offsets[name] + voff, tuple(sizes), tuple(strides)), (b_idx, off)
 
-    def _run_cpu(self, op: CpuOp, addrs: list[int]) -> None:
-        from spyre_rt.fallback import SpyreFallbackWarning
+    def _run_cpu(self, op: CpuOp, addrs: list[int], mode: str) -> None:
+        from spyre_rt.fallback import SpyreFallbackWarning, in_steps
 
-        prebuilt = config.settings().dispatch != "construct"
+        in_steps[op.op] += 1
+        prebuilt = mode != "construct"
         if not self.card.functional:
             _warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
         _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", SpyreFallbackWarning)
@@ -528,13 +593,13 @@ class Executable:
         result = fn(*args, **kwargs)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
         for out, value in zip(op.outputs, results, strict=False):
-            self._upload(out.name, value, addrs)
+            self._upload(out.name, value, addrs, mode)
         return result
 
-    def _upload(self, name: str, value: torch.Tensor, addrs: list[int]) -> None:
+    def _upload(self, name: str, value: torch.Tensor, addrs: list[int], mode: str) -> None:
         geo, (b, o) = self._geometry(name)
         value = value.to(_torch_dtype(self._dtype(name))).expand(geo.sizes)
-        to_device(self.card, value, geo, addrs[b] + o, config.settings().dispatch != "construct")
+        to_device(self.card, value, geo, addrs[b] + o, mode != "construct")
 
     def _dtype(self, name: str) -> str:
         base = self._base(name)
@@ -543,6 +608,19 @@ class Executable:
         if base in self.desc.constants:
             return self.desc.constants[base].dtype
         return next(b.dtype for b, _ in self.desc.inputs if b.name == base)
+
+
+def _byte_range(layout: StickLayout, offset: int, sizes, strides) -> tuple[int, int]:
+    """Physical bytes [lo, hi) of a storage that hold every element of a view: the sticks
+    of its rows, of the sticks its columns reach when it stays inside one row."""
+    if any(n == 0 for n in sizes):
+        return 0, 0
+    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+    r0, c0 = divmod(offset, layout.row_len)
+    r1, c1 = divmod(last, layout.row_len)
+    s = layout.stick_elems
+    k0, k1 = (c0 // s, c1 // s) if r0 == r1 else (0, layout.sticks_per_row - 1)
+    return k0 * layout.stick_stride + r0 * layout.stick_bytes, k1 * layout.stick_stride + (r1 + 1) * layout.stick_bytes
 
 
 def _fits(row_len: int, view) -> bool:

@@ -869,6 +869,8 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
             slot_host[k] = p->binding_host[r->binding] ? p->binding_host[r->binding] + r->offset : NULL;
         }
         s = execute_job(d, job->prog, j == 0 ? not_before : 0, job->name, &end);
+        if (s != SPY_OK)
+            spy_note_error_job(j);
     }
     uint64_t walked = spy_now_ns() - walk_t0;
     d->excluded_ns = excluded0 + walked;

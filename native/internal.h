@@ -13,6 +13,8 @@
 spy_status spy_fail(spy_status s, int64_t command, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void spy_clear_error(void);
+/* Names the plan job the last failure happened in (see spy_last_error_job). */
+void spy_note_error_job(int64_t job);
 
 /* ---- small helpers ---- */
 uint64_t spy_now_ns(void);

@@ -71,6 +71,10 @@ typedef enum spy_status {
 const char *spy_last_error(void);
 /* The index of the command the last failure was about, or -1. */
 int64_t spy_last_error_command(void);
+/* The index of the job of a plan the last failure was about (spy_plan_launch stops at the
+ * first failing job: the jobs before it ran to completion, the later ones did not run), or
+ * -1. */
+int64_t spy_last_error_job(void);
 const char *spy_status_name(spy_status s);
 
 /* ---- the device profile -------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 static _Thread_local char last_message[512];
 static _Thread_local int64_t last_command = -1;
+static _Thread_local int64_t last_job = -1;
 
 /* The message is formatted into a buffer of its own and then copied: an argument may be
  * spy_last_error() itself (a caller prefixing a nested failure's message), which
@@ -28,11 +29,16 @@ void spy_clear_error(void)
 {
     last_message[0] = '\0';
     last_command = -1;
+    last_job = -1;
 }
+
+void spy_note_error_job(int64_t job) { last_job = job; }
 
 const char *spy_last_error(void) { return last_message; }
 
 int64_t spy_last_error_command(void) { return last_command; }
+
+int64_t spy_last_error_job(void) { return last_job; }
 
 const char *spy_status_name(spy_status s)
 {

@@ -8,6 +8,8 @@ import torch
 class SpyreError(RuntimeError):
     """Base class of every error spyre_rt raises."""
 
+    job: int = -1  # the failing job of a graph plan launch, -1 otherwise
+
 
 class SpyreProfileError(SpyreError, ValueError):
     """A device or model profile is missing a figure, has an unknown one, or a bad value."""

@@ -24,7 +24,8 @@ class SpyreFallbackWarning(UserWarning):
     """An op ran on the CPU because the card has no kernel for it."""
 
 
-calls: Counter[str] = Counter()
+calls: Counter[str] = Counter()     # eager calls that ran on the CPU, by op
+in_steps: Counter[str] = Counter()  # CPU ops run inside compiled steps, by op (compiler.step)
 _warned: set[str] = set()
 _lock = threading.Lock()
 

@@ -32,7 +32,14 @@ def last_error() -> tuple[str, int]:
 
 
 def error_for(status: int, context: str = "") -> SpyreError:
-    """The typed exception for a failing native status (reads the thread's last error)."""
+    """The typed exception for a failing native status (reads the thread's last error).
+    Its ``job`` is the index of the plan job that failed (-1 outside plan launches)."""
+    err = _typed_error(status, context)
+    err.job = int(lib.spy_last_error_job())
+    return err
+
+
+def _typed_error(status: int, context: str) -> SpyreError:
     message, command = last_error()
     name = ffi.string(lib.spy_status_name(status)).decode()
     text = f"{context}: {message}" if context else message

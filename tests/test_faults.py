@@ -296,6 +296,52 @@ def test_compiled_step_fault_is_typed_and_the_next_call_is_right(card, compiled,
         assert allocated(card) == start
 
 
+def mutating(a, b, x, idx, rows):
+    """Mutates three inputs: one in full, one in place twice, one through a scatter (as a
+    static KV cache is updated)."""
+    a.add_(torch.tanh(x))
+    b.mul_(2)
+    b.add_(1)
+    rows.index_copy_(0, idx, x[:2])
+    return a * 3
+
+
+_M = torch.Generator().manual_seed(12)
+M_ARGS = [torch.randn(256, 192, generator=_M), torch.randn(40, 64, generator=_M),
+          torch.randn(256, 192, generator=_M), torch.tensor([5, 1]), torch.randn(16, 192, generator=_M)]
+
+
+@pytest.mark.parametrize("kind", ["command", "dma"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_call_leaves_every_mutated_input_as_it_was(card, mode, kind):
+    """A fault anywhere in a step that mutates its inputs (including inside the snapshot
+    job, and in the last command) leaves all of them as they were; a clean call after it
+    updates all of them."""
+    f = torch.compile(mutating, backend="spyre_rt", dynamic=False)
+    expected = [t.clone() for t in M_ARGS]
+    mutating(*expected)
+    args = [t.to(DEV) for t in M_ARGS]
+    with dispatch_mode(mode):
+        f(*args)  # warm: plans and transfer graphs exist
+        for t, orig in zip(args, M_ARGS, strict=True):
+            t.copy_(orig)
+        total, dma = commands_of_a_call(card, lambda: f(*args))
+        for t, orig in zip(args, M_ARGS, strict=True):
+            t.copy_(orig)
+        n = total if kind == "command" else dma
+        for after in sorted({0, 1, 2, n // 4, n // 2, 3 * n // 4, n - 2, n - 1}):
+            card.fault_inject(kind, after)
+            with pytest.raises(SpyreDeviceError) as e:
+                f(*args)
+            expect(kind, e)
+            del e
+            for t, orig in zip(args, M_ARGS, strict=True):
+                assert torch.equal(t.cpu(), orig), f"a fault after {after} of {n} commands changed an input"
+        f(*args)
+        for t, want in zip(args, expected, strict=True):
+            assert torch.allclose(t.cpu(), want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_step_on_a_lost_card_fails_every_call_until_reset(card, compiled, mode):
     args = [a.to(DEV) for a in ARGS]

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import card as cards
-from . import config
+from . import config, dispatch
 from .errors import SpyreError
 from .layout import DLPACK_CODE, StickLayout, layout_for, registry, spy_dtype
 from .native import error_for, ffi, lib
@@ -120,7 +120,9 @@ def to_card(src: torch.Tensor, card: cards.Card) -> torch.Tensor:
 
 
 def _prebuilt_transfers() -> bool:
-    return config.settings().dispatch != "construct"
+    """Whether eager copies use cached transfer graphs: in the dispatch mode of the
+    enclosing :func:`~spyre_rt.dispatch.dispatch_mode` block, else the configured one."""
+    return (dispatch.override() or config.settings().dispatch) != "construct"
 
 
 class SpyreTimingModeWarning(UserWarning):

@@ -82,3 +82,28 @@ def test_round_trip_in_both_transfer_modes(monkeypatch, mode):
     finally:
         monkeypatch.delenv("SPYRE_RT_DISPATCH")
         config.reload()
+
+
+@pytest.mark.parametrize("configured, block", [("prebuilt", "construct"), ("construct", "prebuilt")])
+def test_eager_copies_follow_the_dispatch_mode_block(monkeypatch, configured, block):
+    """Inside ``dispatch_mode(m)``, copies build their transfer graphs as mode m does
+    (construct: a new graph every copy; the prebuilt modes: one cached graph per view),
+    whatever mode the process is configured with."""
+    from spyre_rt import card as cards
+    from spyre_rt import config
+    from spyre_rt.dispatch import dispatch_mode
+
+    monkeypatch.setenv("SPYRE_RT_DISPATCH", configured)
+    config.reload()
+    try:
+        transfers = cards.get(0).transfers
+        x = _sample((17, 70), torch.float32)
+        with dispatch_mode(block):
+            before = (transfers.hits, transfers.misses)
+            for _ in range(3):
+                assert _same_bits(x.to("spyre").cpu(), x)
+            used_cache = (transfers.hits, transfers.misses) != before
+        assert used_cache == (block != "construct")
+    finally:
+        monkeypatch.delenv("SPYRE_RT_DISPATCH")
+        config.reload()

@@ -205,7 +205,7 @@ class CardSet:
 
 _lock = threading.RLock()
 _current: CardSet | None = None
-_retired: list[CardSet] = []  # kept alive: their tensors' deleters still refer to them
+_retired: list[CardSet] = []  # every set opened, kept alive: their tensors' deleters refer to them
 
 
 def _open_default() -> CardSet:
@@ -222,37 +222,52 @@ def card_set() -> CardSet:
     return _current
 
 
-def configure(device_profile: str | None = None, sim_mode: str | None = None) -> CardSet:
-    """Open a new set of cards from a profile and simulation mode (defaults: settings).
-
-    Tensors on the previous cards stay valid on those cards; new ``spyre:N`` tensors go to
-    the new ones."""
-    global _current
+def open_set(device_profile: str | None = None, sim_mode: str | None = None) -> CardSet:
+    """Open a new set of cards from a profile and simulation mode (defaults: settings),
+    without making it current (see :func:`using`). Every set stays open for the tensors
+    that use it."""
     s = config.settings()
     profile = load_profile(device_profile or s.device_profile)
     mode = sim_mode or s.sim_mode
     if mode not in config.SIM_MODES:
         raise ValueError(f"sim_mode must be one of {config.SIM_MODES}, not {mode!r}")
+    cs = CardSet(profile, mode)
     with _lock:
-        if _current is not None:
-            _retired.append(_current)
-        _current = CardSet(profile, mode)
-        return _current
+        _retired.append(cs)
+    return cs
+
+
+def configure(device_profile: str | None = None, sim_mode: str | None = None) -> CardSet:
+    """Open a new set of cards and make it current: new ``spyre:N`` tensors go to it.
+
+    Tensors on the previous cards stay valid on those cards."""
+    global _current
+    cs = open_set(device_profile, sim_mode)
+    with _lock:
+        _current = cs
+    return cs
+
+
+@contextmanager
+def using(cs: CardSet) -> Iterator[CardSet]:
+    """Make an open card set current for the duration of a block, then give back the one
+    that was current before it."""
+    global _current
+    with _lock:
+        previous = _current
+        _current = cs
+    try:
+        yield cs
+    finally:
+        with _lock:
+            _current = previous
 
 
 @contextmanager
 def configured(device_profile: str | None = None, sim_mode: str | None = None) -> Iterator[CardSet]:
     """Use another profile or simulation mode for the duration of a block."""
-    global _current
-    with _lock:
-        previous = _current
-    cs = configure(device_profile, sim_mode)
-    try:
+    with using(open_set(device_profile, sim_mode)) as cs:
         yield cs
-    finally:
-        with _lock:
-            _retired.append(cs)
-            _current = previous
 
 
 def window_of(addr: int) -> int:

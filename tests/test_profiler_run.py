@@ -140,3 +140,24 @@ def test_cache_commands_list_inspect_stats_and_clear(cli_run, capsys, tmp_path):
     empty = tmp_path / "cache"
     assert cli.main(["cache", "clear", "--dir", str(empty)]) == 0
     assert "removed 0" in capsys.readouterr().out
+
+
+def test_a_session_gives_back_the_card_set_it_found():
+    """A profiler session (the benchmarks' decoders are sessions) works on timing-mode
+    cards of its own: whatever ran it keeps the cards it had (a benchmark once left the
+    process on cards that move no data, and later figures were measured on them)."""
+    before = cards.card_set()
+    session = runmod.Session(runmod.Options(model="granite-tiny", seq=8, decode_steps=1, layers=1,
+                                            sim_mode="timing"))
+    assert cards.card_set() is before
+    session.run("prebuilt", decode_steps=1)
+    assert cards.card_set() is before
+    assert session.card.sim_mode == "timing" and session.card is not cards.get(0)
+
+
+def test_the_published_compute_share_follows_from_the_published_speedups():
+    """By the run's own formula: (1/1.099 - 1/1.7) / (1 - 1/1.7) = 78.1 % in prefill,
+    (1/1.136 - 1/2.4) / (1 - 1/2.4) = 79.5 % in decode (not the 75 % of the prose)."""
+    ref = runmod.load_reference("granite-3.3-8b", 1, 1024)
+    assert ref["compute_share"]["prefill"] == pytest.approx(0.7812, abs=1e-4)
+    assert ref["compute_share"]["decode"] == pytest.approx(0.7948, abs=1e-4)

@@ -38,7 +38,7 @@ class Decoder:
     def __init__(self, session):
         self.session = session
         self.card = session.card
-        with torch.no_grad():
+        with torch.no_grad(), session.active():  # the session's own (timing-mode) cards
             session.prefill()
             self.ids = torch.zeros(session.opts.batch, 1, dtype=torch.long).to("spyre")
             self.pos = torch.full((session.opts.batch, 1), session.opts.seq, dtype=torch.long).to("spyre")

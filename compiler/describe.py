@@ -254,6 +254,25 @@ def buffer_info(name: str) -> Buffer:
                   tuple(int(s) for s in layout.stride), int(layout.offset))
 
 
+def copy_kernel(name: str, src: Buffer, dst: Buffer) -> LoopKernel:
+    """A kernel copying `src` into `dst` (same sizes), element by element over dst's sizes."""
+    if src.sizes != dst.sizes:
+        raise NotSupported(f"a copy from {src.sizes} into {dst.sizes}")
+    sizes, src_strides, dst_strides = list(dst.sizes or (1,)), list(src.strides or (0,)), list(dst.strides or (0,))
+    n = sizes[-1]
+    if n > MAX_POINTWISE_COLUMNS:  # a tile's row stays a reasonable scratchpad area
+        cols = max(c for c in range(1, MAX_POINTWISE_COLUMNS + 1) if n % c == 0)
+        sizes[-1:] = [n // cols, cols]
+        src_strides[-1:] = [src_strides[-1] * cols, src_strides[-1]]
+        dst_strides[-1:] = [dst_strides[-1] * cols, dst_strides[-1]]
+    ops = (Op("c0", "load", (), src.dtype, Access(src.name, 0, tuple(src_strides))),
+           Op("c1", "store", ("c0",), dst.dtype, Access(dst.name, 0, tuple(dst_strides))))
+    if src.dtype != dst.dtype:
+        ops = (ops[0], Op("c2", "to_dtype", ("c0",), dst.dtype), Op("c1", "store", ("c2",), dst.dtype, ops[1].access))
+    return LoopKernel(name, tuple(sizes), 1, False, ops, (src, dst),
+                      ("aten.copy_.default",))
+
+
 def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
                     real_name: Callable[[str], str]) -> LoopKernel:
     """A LoopKernel for one fused group of SchedulerNodes."""

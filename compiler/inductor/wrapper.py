@@ -9,18 +9,19 @@ spyre runtime, so Inductor's FX graph cache can reload it with none of our hooks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.codegen import wrapper as W
-from torch._inductor.utils import ValueWithLineMap
+from torch._inductor.utils import LineContext, ValueWithLineMap
 from torch._inductor.virtualized import V
 
-from ..describe import buffer_info, dtype_name
+from ..describe import buffer_info, copy_kernel, dtype_name
 from ..errors import compile_error, source_of
-from ..kernels import Buffer, MatmulKernel, to_json
+from ..kernels import Buffer, LoopKernel, MatmulKernel, to_json
 from ..step import CpuOp, StepDesc
 from .lowering import SpyreMatmul
 
@@ -42,6 +43,24 @@ def _batched(view, nd: int):
     return view
 
 
+@dataclasses.dataclass
+class DeviceCopyLine(W.WrapperLine):
+    """A copy of a buffer into another inside the step (Inductor's DeviceCopy: a CPU input
+    used on the card). The step runs it as a copy kernel on the card: by then every input
+    is on the card."""
+
+    src: str
+    dst: str
+
+    def codegen(self, code) -> None:
+        code.writeline(f"{self.dst}.copy_({self.src})")
+
+
+# Wrapper lines that only render the reference Python or free what the plan never allocates.
+_NO_WORK = (W.CommentLine, LineContext, W.KernelDefinitionLine, W.FreeLine, W.FreeIfNotReusedLine, W.NullLine,
+            W.EnterDeviceContextManagerLine, W.ExitDeviceContextManagerLine, W.AssertSizeStrideLine)
+
+
 class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
@@ -57,6 +76,17 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     def define_spyre_kernel(self, kernel) -> None:
         self.spyre_kernels[kernel.name] = kernel
         self.define_kernel(kernel.name, "None  # a spyre kernel description", gpu=False)
+
+    def codegen_device_copy(self, src, dst, non_blocking) -> None:
+        self.writeline(DeviceCopyLine(str(src), str(dst)))
+
+    def _device_copy(self, line: DeviceCopyLine) -> LoopKernel:
+        for name in (line.src, line.dst):
+            if V.graph.get_buffer(name) is None and name not in V.graph.graph_inputs:
+                raise compile_error(f"a device copy of {name} (only whole buffers are copied)", [])
+        kernel = copy_kernel(f"k{len(self.spyre_kernels)}", buffer_info(line.src), buffer_info(line.dst))
+        self.spyre_kernels[kernel.name] = kernel
+        return kernel
 
     def _generate_kernel_call_helper(self, kernel_name, call_args, **kwargs):
         # only renders the reference Python, which is never run
@@ -167,8 +197,14 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 aliases[line.reused_as.get_name()] = (line.node.get_name(), int(lay.offset),
                                                       tuple(int(s) for s in lay.size),
                                                       tuple(int(s) for s in lay.stride))
+            elif isinstance(line, DeviceCopyLine):
+                seq.append(("run", self._device_copy(line).name))
             elif isinstance(line, (W.IndexPutFallbackLine, W.ScatterFallbackLine)):
                 raise compile_error("an index_put/scatter fallback", [line.node])
+            elif not isinstance(line, _NO_WORK):
+                # A line kind this step description does not know would be work left undone
+                # (a device copy once was, and its buffer held garbage): refuse it.
+                raise compile_error(f"a wrapper line of kind {type(line).__name__} ({str(line)[:120]})", [])
         inputs = []
         for name in g.graph_input_names:
             inp = g.graph_inputs[name]

@@ -583,6 +583,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, _NUMBER) and not isinstance(v, bool)
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, str) or (_is_number(v) and math.isfinite(v))
+
+
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a trace file; a ValueError names what is malformed and where."""
     return validate(read_json(path), os.fspath(path))
@@ -617,7 +621,7 @@ def validate(obj: Any, where: str = "trace") -> dict[str, Any]:
         raise ValueError(f"{where}: no 'traceEvents' array" if events is None
                          else f"{where}: 'traceEvents' must be an array, not {type(events).__name__}")
     for i, ev in enumerate(events):
-        problem = _event_problem(ev)
+        problem = event_problem(ev)
         if problem:
             raise ValueError(f"{where}: traceEvents[{i}]: {problem}")
     return obj
@@ -630,20 +634,24 @@ _NEEDS = {
 }
 
 
-def _event_problem(ev: Any) -> str | None:
+def event_problem(ev: Any) -> str | None:
+    """What makes `ev` not a usable trace event, or None when it is one."""
     if not isinstance(ev, dict):
         return f"an event must be a JSON object, not {type(ev).__name__}"
     ph = ev.get("ph")
     if not isinstance(ph, str) or not ph:
         return "missing the 'ph' (phase) string"
-    if not _is_number(ev.get("pid")):
+    # Numbers in our traces; torch.profiler's also name some tracks with strings ("Spans").
+    if not _is_id(ev.get("pid")):
         return f"'{ph}' event without a numeric 'pid'"
     for field in _NEEDS.get(ph, ("ts",)):
         v = ev.get(field)
         if v is None:
             return f"'{ph}' event without '{field}'"
-        if field in ("ts", "dur", "tid") and not (_is_number(v) and math.isfinite(v)):
+        if field in ("ts", "dur") and not (_is_number(v) and math.isfinite(v)):
             return f"'{ph}' event: '{field}' must be a finite number, not {v!r}"
+        if field == "tid" and not _is_id(v):
+            return f"'{ph}' event: 'tid' must be a finite number or a string, not {v!r}"
         if field == "name" and not isinstance(v, str):
             return f"'{ph}' event: 'name' must be a string, not {v!r}"
     if ph == "X" and ev["dur"] < 0:

@@ -16,6 +16,7 @@ The keys an info dict may carry (all optional; unknown keys are kept as they are
 ``dram_bytes``            the DRAM bytes its program moves
 ``cores``                 the cores it runs on
 ``scratchpad_peak``       the most scratchpad bytes it holds at once, on any core
+``dtype``                 its compute dtype (``float16``, ``float32``): fp32 runs slower
 ========================  ================================================================
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-KEYS = ("kind", "op", "module", "flops", "dram_bytes_min", "dram_bytes", "cores", "scratchpad_peak")
+KEYS = ("kind", "op", "module", "flops", "dram_bytes_min", "dram_bytes", "cores", "scratchpad_peak", "dtype")
 
 _registry: dict[str, dict[str, Any]] = {}
 _lock = threading.Lock()

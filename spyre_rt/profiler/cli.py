@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from . import compare, view
+from . import compare, optable, view
 
 PROG = "spyre-profile"
 
@@ -72,16 +72,34 @@ def positive_int(text: str) -> int:
     return n
 
 
+def _group_by_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group-by", choices=optable.GROUPINGS, default=optable.DEFAULT_GROUPING,
+                   help="rows of the per-op table: kernel, op (aten ops and module, layers folded "
+                        "together; the default), module, or layer")
+
+
 def _view_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a trace file (Chrome trace-event JSON written by spyre_rt.trace)")
-    p.add_argument("--window", type=parse_window, metavar="START:END",
-                   help="the time window to show, in µs from the trace's first event (default: all)")
+    p.add_argument("trace", help="a trace file (Chrome trace-event JSON, plain or .gz)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--window", type=parse_window, metavar="START:END",
+                       help="the time window to show, in µs from the trace's first event (default: all)")
+    where.add_argument("--span", metavar="NAME",
+                       help='the window of a host span, e.g. "decode [prebuilt]" (spans of `spyre-profile run`)')
     p.add_argument("--top", type=positive_int, default=20, metavar="N",
-                   help="ops in the summary table (default 20)")
+                   help="rows of the per-op table (default 20)")
+    _group_by_argument(p)
 
 
 def _load_trace(path: str) -> view.TraceData:
     return _load(path, results=False)[1]
+
+
+def _span_window(data: view.TraceData, name: str) -> view.Window:
+    found = data.span(name)
+    if found is None:
+        known = ", ".join(repr(n) for n in list(data.spans)[:8]) or "none"
+        raise InputError(f"no host span named {name!r} in the trace (spans: {known})")
+    return found
 
 
 def _load(path: str, results: bool | None) -> tuple[str, object]:
@@ -99,8 +117,8 @@ def _load(path: str, results: bool | None) -> tuple[str, object]:
 
 def cmd_view(args: argparse.Namespace, console: Console) -> int:
     data = _load_trace(args.trace)
-    win = view.window(data, *args.window) if args.window else None
-    view.render(console, data, win, args.top, title=os.path.basename(args.trace))
+    win = view.window(data, *args.window) if args.window else _span_window(data, args.span) if args.span else None
+    view.render(console, data, win, args.top, title=os.path.basename(args.trace), by=args.group_by)
     return 0
 
 
@@ -114,7 +132,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="read A and B as result files of `spyre-profile run --json` (default: by content)")
     p.add_argument("--top", type=positive_int, default=20, metavar="N",
-                   help="ops in the per-op table (default 20)")
+                   help="rows of the per-op table (default 20)")
+    _group_by_argument(p)
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
@@ -126,7 +145,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     la, lb = os.path.basename(args.a), os.path.basename(args.b)
     if la == lb:
         la, lb = args.a, args.b
-    cmp = compare.compare_traces(a, b, la, lb) if kind_a == "trace" else compare.compare_results(a, b, la, lb)
+    cmp = (compare.compare_traces(a, b, la, lb, args.group_by) if kind_a == "trace"
+           else compare.compare_results(a, b, la, lb))
     compare.render(console, cmp, args.top)
     return 0
 

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .. import trace as trace_format
-from . import view
+from . import optable, tracedata, view
+from .tracefile import TraceFile
 
 RESULT_METRICS = ("prefill_ms", "decode_ms_per_token", "host_ms", "device_ms", "device_wait_host_ms")
 RUN_KEYS = ("model", "batch", "seq", "device_profile")
@@ -89,17 +89,20 @@ class ResultsComparison:
 def load(path: str | os.PathLike[str], results: bool | None = None) -> tuple[str, Any]:
     """("trace", TraceData) or ("results", dict) for a file; `results` forces the kind.
 
-    Raises ValueError naming the problem when the file is neither."""
+    A trace is streamed, never parsed whole. Raises ValueError naming the problem when the
+    file is neither."""
     path = os.fspath(path)
-    obj = trace_format.read_json(path)
-    is_results = isinstance(obj, dict) and "results" in obj and "traceEvents" not in obj
-    if results is None:
-        results = is_results
-    if results:
-        return "results", validate_results(obj, path)
-    if is_results:
+    with TraceFile(path) as f:
+        if f.has_events and results:
+            raise ValueError(f"{path}: a trace, not a result file")
+        if f.has_events:
+            return "trace", tracedata.read(f)
+        doc = f.header
+    if results or (results is None and "results" in doc):
+        return "results", validate_results(doc, path)
+    if "results" in doc:
         raise ValueError(f"{path}: a result file, not a trace")
-    return "trace", view.parse(trace_format.validate(obj, path))
+    raise ValueError(f"{path}: no 'traceEvents' array")
 
 
 def validate_results(obj: Any, where: str = "results") -> dict[str, Any]:
@@ -129,9 +132,9 @@ def _is_number(v: Any) -> bool:
 # ---- computing -----------------------------------------------------------------------------
 
 
-def compare_traces(a: view.TraceData, b: view.TraceData, label_a: str = "A",
-                   label_b: str = "B") -> TraceComparison:
-    """Device time breakdown and per-op device/host µs of two whole traces."""
+def compare_traces(a: view.TraceData, b: view.TraceData, label_a: str = "A", label_b: str = "B",
+                   by: str = optable.DEFAULT_GROUPING) -> TraceComparison:
+    """Device time breakdown and per-op (grouped `by`) device/host µs of two whole traces."""
     ia, ib = view.idle_breakdown(a), view.idle_breakdown(b)
     ca, cb = view.critical_path(a), view.critical_path(b)
     summary = [
@@ -142,8 +145,8 @@ def compare_traces(a: view.TraceData, b: view.TraceData, label_a: str = "A",
         Delta("host-bound %", ca.host_pct, cb.host_pct, relative=False),
         Delta("jobs", float(ia.jobs), float(ib.jobs), higher_is_better=None, digits=0),
     ]
-    oa = {o.name: o for o in view.op_summary(a)}
-    ob = {o.name: o for o in view.op_summary(b)}
+    oa = {o.name: o for o in optable.op_table(a, by=by)}
+    ob = {o.name: o for o in optable.op_table(b, by=by)}
     ops = []
     for name in oa.keys() | ob.keys():
         x, y = oa.get(name), ob.get(name)

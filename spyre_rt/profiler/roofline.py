@@ -66,10 +66,13 @@ class Roofline:
 
     def bound(self, flops: float, dram_bytes_min: float, calls: int = 1, dtype: str | None = None) -> str:
         """What bounds `calls` kernels of these total figures: compute, DRAM or latency."""
-        compute, dram = self.compute_ns(flops, dtype), self.dram_ns(dram_bytes_min)
-        if max(compute, dram) < self.job_latency_ns * max(calls, 1):
+        return self.bound_of(self.compute_ns(flops, dtype), self.dram_ns(dram_bytes_min), calls)
+
+    def bound_of(self, compute_ns: float, dram_ns: float, calls: int = 1) -> str:
+        """What bounds `calls` kernels whose roofline times add up to these."""
+        if max(compute_ns, dram_ns) < self.job_latency_ns * max(calls, 1):
             return LATENCY
-        return COMPUTE if compute >= dram else DRAM
+        return COMPUTE if compute_ns >= dram_ns else DRAM
 
 
 def kernel_figures(info: Mapping[str, Any] | None) -> tuple[float, float, str | None] | None:

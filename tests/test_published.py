@@ -50,16 +50,21 @@ def test_the_whatif_curve_passes_through_the_published_point():
     implied = published.implied(RESULTS, REFERENCE, KERNELS)
     w = published.whatif(RESULTS, implied, KERNELS)
     pre = w["prefill"]
-    assert pre["curve"][0] == [0.0, 1.0]  # no construction, no gain
+    assert pre["curve"][0] == [0.0, 1.0, 1.0]  # no construction, no gain
     x, y = pre["published"]["us_per_kernel"], pre["published"]["speedup"]
     assert published.speedup_at(x, pre["device_ms"], pre["kernels"]) == pytest.approx(y)
     # the curve reaches past both points
     assert pre["curve"][-1][0] == pytest.approx(1.25 * pre["ours"]["us_per_kernel"])
     # ours: measured cost per kernel and measured speedup
     assert pre["ours"] == {"us_per_kernel": pytest.approx(3_900_000 / 960), "speedup": pytest.approx(5000 / 1100)}
-    # a line: 1 + 960 x c / 1,000,000 µs
-    for c, s in pre["curve"]:
-        assert s == pytest.approx(1 + 960 * c / 1_000_000)
+    # two lines: 1 + 960 x c / 1,000,000 µs of device time, and over our 1,100 ms prebuilt step
+    assert pre["columns"] == ["us_per_kernel", "speedup_device_bound", "speedup_this_host"]
+    for c, device_bound, this_host in pre["curve"]:
+        assert device_bound == pytest.approx(1 + 960 * c / 1_000_000)
+        assert this_host == pytest.approx(1 + 960 * c / 1_100_000)
+    # ours lies on this host's line
+    c = pre["ours"]["us_per_kernel"]
+    assert published.speedup_at(c, pre["prebuilt_ms"], 960) == pytest.approx(pre["ours"]["speedup"])
 
 
 def test_the_whatif_is_drawn_in_the_terminal_without_matplotlib(tmp_path, monkeypatch):
@@ -78,6 +83,8 @@ def test_the_whatif_is_drawn_in_the_terminal_without_matplotlib(tmp_path, monkey
     published.render_whatif(console, w, str(tmp_path / "whatif.png"))
     out = console.export_text()
     assert "matplotlib is not installed" in out
-    assert out.count("P published, O ours") == 2 and "P" in out and "O" in out
+    assert out.count("P published  O ours") == 2
+    plot = out[out.index("prefill: speedup"):]
+    assert "P" in plot.split("\n", 2)[2] and "O" in plot.split("\n", 2)[2]  # the points, below the legend
     assert max(len(line) for line in out.splitlines()) <= 80
     assert not (tmp_path / "whatif.png").exists()

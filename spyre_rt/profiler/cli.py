@@ -182,7 +182,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                      help="simulate time only (the default for full-size models)")
     p.add_argument("--layers", type=positive_int, default=None, metavar="N",
                    help="use N layers instead of the profile's (a quicker, smaller run)")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the measured runs")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the last measured run of each mode (gzip if FILE ends in .gz)")
+    p.add_argument("--trace-detail", choices=("jobs", "commands"), default="jobs",
+                   help="jobs: one event per kernel, plus counters (the default); commands: every command of "
+                        "every core too (large: use it with few layers)")
+    p.add_argument("--whatif-plot", metavar="FILE",
+                   help="draw the what-if curve (speedup against construction per kernel) as a PNG "
+                        "(needs matplotlib; without it, or without this option, it is drawn in the terminal)")
     p.add_argument("--json", metavar="FILE", help="write every figure of the report as JSON")
     p.add_argument("--py-spy", dest="py_spy", nargs="?", const="", default=None, metavar="FILE",
                    help="record the host dispatch path with py-spy (speedscope file; default: beside the trace)")
@@ -204,13 +211,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         py_spy = (os.path.splitext(args.trace)[0] if args.trace else "spyre-profile") + ".speedscope.json"
     opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
                           repeats=args.repeats, modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
-                          trace=args.trace, py_spy=py_spy)
+                          trace=args.trace, trace_detail=args.trace_detail, whatif_plot=args.whatif_plot, py_spy=py_spy)
     try:
         runmod.load_model(args.model)
     except SpyreProfileError as e:
         raise InputError(str(e)) from None
     out = runmod.measure(opts, console)
-    runmod.render(console, out)
+    runmod.render(console, out, args.whatif_plot)
     if args.trace:
         console.print(f"trace written to {args.trace} (open it in ui.perfetto.dev or with `spyre-profile view`)")
     if args.sweep:

@@ -93,3 +93,25 @@ def test_granite_8b_decode_is_bound_by_reading_its_weights(card):
 def test_phase_must_be_prefill_or_decode():
     with pytest.raises(ValueError, match="phase"):
         analytic.granite_step(TINY, 1, 16, "train")
+
+
+def test_a_phase_with_kernel_info_is_measured_against_its_kernels(card):
+    from spyre_rt.profiler import efficiency
+
+    info = {"k1": {"flops": 2 * 1024**3, "dram_bytes_min": 3 * 1024 * 1024 * 2},  # 41.94 µs, DRAM
+            "k2": {"flops": 32 * 1024**3, "dram_bytes_min": 33 * 1024 * 1024 * 2}}  # 470.9 µs, compute
+    names = efficiency.kernel_names(["h2d", "k1", "k2", "k1", "d2h"])
+    assert names == ["k1", "k2", "k1"]
+    kernels = efficiency.kernels_roofline(names, card, info.get)
+    compute_k2 = 32 * 1024**3 / (2 * 36_480.6144) / 1e6
+    assert kernels["roofline_ms"] == pytest.approx(2 * 0.04194304 + compute_k2)
+    assert kernels["dram_bound_ms"] == pytest.approx(2 * 0.04194304)
+    assert kernels["kernels"] == kernels["kernels_with_info"] == 3
+    cost = analytic.granite_step(TINY, 1, 16, "prefill")
+    e = efficiency.phase_efficiency(1.0, kernels, cost, card)
+    assert (e["source"], e["bound"]) == ("kernels", "compute")
+    assert e["fraction"] == pytest.approx(kernels["roofline_ms"])  # over 1 ms of device time
+    # one kernel without info: the analytic model stands in, and says so
+    partial = efficiency.kernels_roofline(["k1", "k9"], card, info.get)
+    e = efficiency.phase_efficiency(1.0, partial, cost, card)
+    assert e["source"] == "analytic" and e["roofline_ms"] == pytest.approx(cost.roofline_ms(card))

@@ -53,3 +53,30 @@ def clear() -> None:
     """Forget every kernel (tests; a process that recompiles everything)."""
     with _lock:
         _registry.clear()
+
+
+# ---- names a user knows ---------------------------------------------------------------------
+
+
+def op_names(info: dict[str, Any]) -> str | None:
+    """The aten ops without their namespace, joined: ``mm``, ``mul+add+rsqrt``."""
+    op = info.get("op")
+    ops = [op] if isinstance(op, str) else op if isinstance(op, list) else []
+    names = [str(o).removeprefix("aten.").removeprefix("aten::") for o in ops if o]
+    return "+".join(names) or None
+
+
+def module_path(info: dict[str, Any]) -> str | None:
+    """The module path without the causal-LM wrapper's ``model.`` prefix: ``layers.3.mlp.up_proj``."""
+    m = info.get("module")
+    return m.removeprefix("model.") if isinstance(m, str) and m else None
+
+
+def describe(job_name: str) -> str:
+    """A kernel by what it computes: ``k12 · mm · layers.3.mlp.up_proj`` (the job name alone
+    when nothing was registered)."""
+    info = lookup(job_name)
+    if not info:
+        return job_name
+    return " · ".join(x for x in (job_name, op_names(info), module_path(info)) if x)
+

@@ -33,6 +33,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from ..kernel_info import module_path, op_names
 from .roofline import HOST, Roofline, kernel_figures
 from .tracedata import TraceData, Window, device, job_waits, window
 
@@ -45,20 +46,6 @@ _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the path up to the first index
 
 
 # ---- grouping ----------------------------------------------------------------------------------
-
-
-def module_path(info: dict[str, Any]) -> str | None:
-    """The module path without the causal-LM wrapper's ``model.`` prefix."""
-    m = info.get("module")
-    return m.removeprefix("model.") if isinstance(m, str) and m else None
-
-
-def op_names(info: dict[str, Any]) -> str | None:
-    """The aten ops, without their namespace: ``mm``, ``mul+add+rsqrt``."""
-    op = info.get("op")
-    ops = [op] if isinstance(op, str) else op if isinstance(op, list) else []
-    names = [str(o).removeprefix("aten.").removeprefix("aten::") for o in ops if o]
-    return "+".join(names) or None
 
 
 def group_name(job_name: str, info: dict[str, Any] | None, by: str) -> str:

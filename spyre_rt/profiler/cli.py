@@ -151,6 +151,42 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---- merge ---------------------------------------------------------------------------------
+
+
+def _merge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("torch_trace", metavar="TORCH_TRACE",
+                   help="a trace torch.profiler exported (prof.export_chrome_trace), plain or .gz")
+    p.add_argument("card_traces", metavar="CARD_TRACE", nargs="+",
+                   help="card traces of the same run (trace.capture(card).export(...)), one per card")
+    p.add_argument("-o", "--output", metavar="FILE", required=True,
+                   help="the merged trace (gzip if FILE ends in .gz); open it in ui.perfetto.dev")
+
+
+def cmd_merge(args: argparse.Namespace, console: Console) -> int:
+    from . import merge
+
+    try:
+        traces = [merge.read(path) for path in (args.torch_trace, *args.card_traces)]
+    except FileNotFoundError as e:
+        raise InputError(f"{e.filename}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{getattr(e, 'filename', '')}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    merged, report = merge.merge(traces[0], traces[1:])
+    from .. import trace
+
+    trace.write(merged, args.output)
+    cards = ", ".join(f"spyre:{c}" for c in report.cards)
+    console.print(f"{args.output}: {report.jobs:,} jobs of {cards} on the torch.profiler timeline; "
+                  f"{report.matched:,} of {report.ranges:,} launch ranges matched to the card's launches")
+    if report.ranges == 0:
+        console.print("[yellow]the torch trace has no spyre launch ranges: was the card used inside "
+                      "torch.profiler.profile()? The card's tracks are placed by their own clock[/]")
+    return 0
+
+
 # ---- run -----------------------------------------------------------------------------------
 
 
@@ -327,6 +363,8 @@ COMMANDS: dict[str, Subcommand] = {
                        _view_arguments, cmd_view),
     "compare": Subcommand("set two traces (or two run result files) side by side with deltas",
                           _compare_arguments, cmd_compare),
+    "merge": Subcommand("merge card traces into a torch.profiler trace: aten ops, launches and card work "
+                        "on one timeline", _merge_arguments, cmd_merge),
 }
 
 

@@ -279,3 +279,20 @@ def test_compare_works_on_two_real_run_outputs(cli_run, other_run, capsys):
     spread = out["spread"]["speedups"]["prebuilt"]["decode"]
     assert speedup.spread_a == (spread["min"], spread["max"])
     assert set(cmp.modes) == {"construct", "prebuilt-transfer", "prebuilt"}
+
+
+def test_cache_inspect_shows_the_kernel_info_a_plan_file_carries(tmp_path, capsys):
+    import numpy as np
+
+    from spyre_rt import plan_cache
+
+    cache = plan_cache.PlanCache(tmp_path, 1 << 30)
+    info = {"k3": {"kind": "matmul", "op": "aten.mm", "module": "model.layers.3.mlp.up_proj", "flops": 2 * 64**3,
+                   "dram_bytes_min": 24_576, "dram_bytes": 32_768, "cores": 32, "scratchpad_peak": 65_536}}
+    cache.store("ab" * 32, {"kernels": 1, "names": [["k3"]], "kernel_info": info}, [np.zeros(8, np.uint8)])
+    assert cli.main(["cache", "inspect", "abab", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: what each computes" in out
+    row = next(line for line in out.splitlines() if line.startswith("k3 "))
+    assert row.split() == ["k3", "matmul", "mm", "·", "layers.3.mlp.up_proj", "0.5", "24", "32", "32", "64"]
+    assert '"k3": {' not in out  # not repeated as raw JSON in the header table

@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from . import compare, optable, view
 
@@ -301,8 +303,6 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_cache(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
     from .. import config, plan_cache
     from ..errors import SpyrePlanCacheError
 
@@ -346,9 +346,34 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
     t.add_column("field")
     t.add_column("value", overflow="fold")
     for k, v in sorted(entry.header.items()):
-        t.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+        if k != "kernel_info":  # drawn as a table of its own
+            t.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
     console.print(t)
+    info = entry.header.get("kernel_info")
+    if isinstance(info, dict) and info:
+        console.print(kernel_info_table(info))
     return 0
+
+
+def kernel_info_table(info: dict) -> Table:
+    """What each kernel of a plan computes (the ``kernel_info`` of a plan file's header)."""
+    from ..kernel_info import module_path, op_names
+
+    def number(v, scale: float = 1.0, digits: int = 0) -> str:
+        return f"{v / scale:,.{digits}f}" if isinstance(v, int | float) and not isinstance(v, bool) else ""
+
+    t = Table(title="kernels: what each computes", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False, collapse_padding=True)
+    for col in ("kernel", "kind", "op · module", "MFLOP", "min DRAM\nKiB", "DRAM\nKiB", "cores", "LX peak\nKiB"):
+        t.add_column(col, justify="left" if col in ("kernel", "kind", "op · module") else "right",
+                     overflow="fold" if col == "op · module" else "ellipsis")
+    for name, k in info.items():
+        k = k if isinstance(k, dict) else {}
+        what = " · ".join(x for x in (op_names(k), module_path(k)) if x)
+        t.add_row(str(name), str(k.get("kind", "")), what, number(k.get("flops"), 1e6, 1),
+                  number(k.get("dram_bytes_min"), 1024), number(k.get("dram_bytes"), 1024), number(k.get("cores")),
+                  number(k.get("scratchpad_peak"), 1024))
+    return t
 
 
 # ---- the command ---------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any]:
     with TraceFile(path) as f:
         if not f.has_events:
             raise ValueError(f"{f.path}: no 'traceEvents' array")
-        events = list(f.validated_events())
+        with trace_format.gc_paused():
+            events = list(f.validated_events())
         return {**f.document(), "traceEvents": events}
 
 

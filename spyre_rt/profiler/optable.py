@@ -22,6 +22,7 @@ too long loses its middle, never its tail.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -107,7 +108,7 @@ def op_table(data: TraceData, win: Window | None = None, device_pid: Any = None,
     roofline = Roofline.of_trace_metadata(data.metadata)
     groups: dict[str, _Acc] = defaultdict(_Acc)
     info_of = data.jobs[dev].info if dev is not None else {}
-    group_of = _memo(lambda name: group_name(name, info_of.get(name), by))
+    group_of = functools.cache(lambda name: group_name(name, info_of.get(name), by))
     if dev is not None:
         _add_jobs(groups, data, dev, (a, b), group_of, roofline)
     _add_launches(groups, data, dev, (a, b), group_of)
@@ -115,18 +116,6 @@ def op_table(data: TraceData, win: Window | None = None, device_pid: Any = None,
     rows = [_row(name, g, total, roofline) for name, g in groups.items()]
     rows.sort(key=lambda r: (-r.device_us, -r.host_us, r.name))
     return rows
-
-
-def _memo(f: Callable[[str], str]) -> Callable[[str], str]:
-    seen: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        got = seen.get(name)
-        if got is None:
-            got = seen[name] = f(name)
-        return got
-
-    return get
 
 
 def _add_jobs(groups: dict[str, _Acc], data: TraceData, dev: Any, win: Window, group_of: Callable[[str], str],

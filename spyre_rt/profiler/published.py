@@ -213,6 +213,6 @@ def _terminal_plot(console: Console, phase: str, w: dict[str, Any], width: int =
     for i, line in enumerate(grid):
         y = y_hi - (y_hi - 1.0) * i / (height - 1)
         label = f"{y:6.2f}x|" if i % 3 == 0 or i == height - 1 else "       |"
-        console.print(label + "".join(line), markup=False, highlight=False)
+        console.print(label + "".join(line), markup=False, highlight=False, emoji=False)
     console.print("       +" + "-" * width, markup=False, highlight=False)
     console.print(f"        0{'µs per kernel'.center(width - 12)}{x_hi:,.0f}", markup=False, highlight=False)

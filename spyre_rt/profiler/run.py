@@ -528,8 +528,6 @@ def render(console, out: dict, whatif_plot: str | None = None) -> None:
     """The report: latency per mode and phase, the gains against the published figures with
     their spread, device efficiency, and the published figures placed on our model."""
     console.print(_latency_table(out))
-    if out.get("host"):
-        console.print(f"[dim]{host.label(out['host'])}[/]")
     if out["speedups"]:
         console.print(_gains_table(out))
         if out.get("reference"):
@@ -559,7 +557,9 @@ def _latency_table(out: dict):
     title = (f"{out['model']} ({out['layers']} layers, {out['dtype']}), batch {out['batch']}, "
              f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
              f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} runs per mode")
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
+              caption=host.label(out["host"]) if out.get("host") else None, caption_justify="left",
+              caption_style="dim")
     for col in ("mode", "prefill ms", "decode ms/tok", "host ms", "device ms", "device waits for host ms",
                 "prefill speedup", "decode speedup"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernel_info
+from .. import trace as trace_format
 from ..trace import DEVICE_PID_BASE, link_launches
 from .tracefile import TraceFile
 
@@ -196,7 +197,8 @@ def load(path: str | os.PathLike[str]) -> TraceData:
 
 def read(f: TraceFile) -> TraceData:
     """The TraceData of an open trace file with events (read to its end)."""
-    raw = collect(f.validated_events())
+    with trace_format.gc_paused():  # the events are dicts made and dropped by the million
+        raw = collect(f.validated_events())
     metadata = f.document().get("metadata")
     return arrays(raw, metadata if isinstance(metadata, dict) else {})
 

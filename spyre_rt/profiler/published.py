@@ -40,8 +40,8 @@ def speedup_at(us_per_kernel: float, device_ms: float, kernels: int) -> float:
 
 
 def phase_figures(results: dict[str, Any], mode: str, phase: str) -> dict[str, float] | None:
-    """(latency, device ms, kernels) of one step of a phase in a mode (a decode step is one
-    token), from ``spyre-profile run`` results; None when the mode was not run."""
+    """Latency, device time (ms) and jobs of one step of a phase in a mode (a decode step
+    is one token), from ``spyre-profile run`` results; None when the mode was not run."""
     r = results.get(mode)
     if not r or "phases" not in r:
         return None

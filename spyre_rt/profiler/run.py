@@ -38,7 +38,6 @@ from .roofline import Roofline
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")
 PHASES = ("prefill", "decode")
-TRACE_DETAILS = ("jobs", "commands")
 FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
 
 
@@ -391,10 +390,15 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         timings["compile_s"] = time.perf_counter() - t0
         progress.update(task, total=1, completed=1)
         runs = progress.add_task("measuring", total=(1 + opts.repeats) * len(opts.modes))
-        with py_spy_recorder(opts.py_spy, console):
-            def step(text: str | None = None) -> None:  # a run begins (its description), or ends
-                progress.update(runs, description=text) if text else progress.advance(runs)
 
+        def step(text: str | None = None) -> None:
+            """A run begins (named `text`), or the run ends."""
+            if text:
+                progress.update(runs, description=text)
+            else:
+                progress.advance(runs)
+
+        with py_spy_recorder(opts.py_spy, console):
             census = _warm_up(session, opts, step)
             first_traced = session.card.trace_count()
             samples = _measure_rounds(session, opts, step)

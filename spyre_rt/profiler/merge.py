@@ -82,12 +82,6 @@ def merge(torch_trace: dict[str, Any], card_traces: list[dict[str, Any]]) -> tup
     return merged, report
 
 
-def merge_files(torch_path: str, card_paths: list[str], out_path: str) -> MergeReport:
-    merged, report = merge(read(torch_path), [read(p) for p in card_paths])
-    trace_format.write(merged, out_path)
-    return report
-
-
 # ---- the anchors -------------------------------------------------------------------------------
 
 
@@ -133,38 +127,48 @@ def _place_card(card_trace: dict[str, Any], ranges: list[Launch], pid: int,
     """The card's device events moved onto the torch clock (pid `pid`), with flows; the
     number of launches matched and the next free flow id."""
     events = card_trace["traceEvents"]
-    device_pids = {e["pid"] for e in events if e.get("cat") == "job"}
     launches = sorted((Launch(_launch_name(e), e["ts"], e) for e in events if e.get("cat") == "launch"),
                       key=lambda x: x.ts)
     pairs = match(ranges, launches)
-    wall = _launch_wall_times(launches, pairs)
     jobs = sorted((e for e in events if e.get("cat") == "job"), key=lambda e: e["ts"])
-    shift, starter = _job_shifts(jobs, launches, wall)
-    by_seq = {e["args"].get("seq"): s for e, s in zip(jobs, shift, strict=True) if isinstance(e.get("args"), dict)}
-    starts = np.asarray([e["ts"] for e in jobs], np.float64)
-    out: list[dict[str, Any]] = []
-    for e in events:
-        if e.get("pid") not in device_pids:
-            continue  # the card trace's host process: the torch trace has the real host
-        if e["ph"] == "M":
-            # after the torch trace's processes, whose sort indices are their pids
-            args = {"sort_index": pid} if e["name"] == "process_sort_index" else e.get("args", {})
-            out.append({**e, "pid": pid, "args": args})
-        elif e.get("cat") == "cmd":
-            out.append({**e, "pid": pid, "ts": e["ts"] + by_seq.get(e["args"].get("job"), _shift_at(starts, shift, e["ts"]))})
-        elif e["ph"] in ("X", "C", "i", "I") and e.get("cat") != "flow":
-            s = by_seq.get(e["args"]["seq"]) if e.get("cat") == "job" else _shift_at(starts, shift, e["ts"])
-            out.append({**e, "pid": pid, "ts": e["ts"] + s})
+    shifts, starter = _job_shifts(jobs, launches, _launch_wall_times(launches, pairs))
+    out = _moved_device_events(events, jobs, shifts, pid)
     by_range = {id(launch.event): r for r, launch in pairs}
-    for job, s, li in zip(jobs, shift, starter, strict=True):
+    for job, shift, li in zip(jobs, shifts, starter, strict=True):
         r = by_range.get(id(launches[li].event)) if li >= 0 else None
         if r is not None:
             out.append({"name": "launch", "cat": "flow", "ph": "s", "id": flow_id, "ts": r.ts,
                         "pid": r.event["pid"], "tid": r.event["tid"]})
-            out.append({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": flow_id, "ts": job["ts"] + s,
-                        "pid": pid, "tid": job["tid"]})
+            out.append({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": flow_id,
+                        "ts": job["ts"] + shift, "pid": pid, "tid": job["tid"]})
             flow_id += 1
     return out, len(pairs), flow_id
+
+
+def _moved_device_events(events: list[dict[str, Any]], jobs: list[dict[str, Any]], shifts: list[float],
+                         pid: int) -> list[dict[str, Any]]:
+    """The events of the card's device process under `pid`: jobs moved by their shift,
+    commands by their job's, the rest (counters) by the shift of the job running then.
+    The card trace's own host process and flows are left out."""
+    device_pids = {e["pid"] for e in jobs}
+    by_seq = {e["args"].get("seq"): s for e, s in zip(jobs, shifts, strict=True)}
+    starts = np.asarray([e["ts"] for e in jobs], np.float64)
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e.get("pid") not in device_pids or e.get("cat") == "flow":
+            continue
+        if e["ph"] == "M":
+            # after the torch trace's processes, whose sort indices are their pids
+            args = {"sort_index": pid} if e["name"] == "process_sort_index" else e.get("args", {})
+            out.append({**e, "pid": pid, "args": args})
+            continue
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        key = args.get("seq") if e.get("cat") == "job" else args.get("job") if e.get("cat") == "cmd" else None
+        shift = by_seq.get(key) if key is not None else None
+        if shift is None:
+            shift = _shift_at(starts, shifts, e["ts"])
+        out.append({**e, "pid": pid, "ts": e["ts"] + shift})
+    return out
 
 
 def _launch_name(e: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import torch_ranges
 from .card import MEM_CONTROL, Card
 from .layout import StickLayout
 from .native import check, ffi, lib
@@ -47,6 +48,12 @@ class ResidentProgram:
         self._blob = None
 
     def launch(self, bindings) -> float:
+        if torch_ranges.active():
+            with torch_ranges.launch_range(self.card, self.name):
+                return self._launch(bindings)
+        return self._launch(bindings)
+
+    def _launch(self, bindings) -> float:
         end = ffi.new("double *")
         arr = ffi.new("uint64_t[]", list(bindings)) if self.nslots else ffi.NULL
         check(lib.spy_launch(self.card.handle, self.addr, arr, self.nslots, self.name, end),

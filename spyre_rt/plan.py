@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import torch_ranges
 from .card import Card
 from .native import check, ffi, lib
 from .program import PLAN_HEADER, PLAN_JOB, RELOC
@@ -92,6 +93,12 @@ class GraphPlan:
     def launch(self, bindings) -> float:
         """Run the whole step: one native call. `bindings` is a list of addresses or a
         ``uint64_t[]`` table the caller keeps (no copy then)."""
+        if torch_ranges.active():
+            with torch_ranges.launch_range(self.card, self.name):
+                return self._launch(bindings)
+        return self._launch(bindings)
+
+    def _launch(self, bindings) -> float:
         if not isinstance(bindings, ffi.CData):
             bindings = ffi.new("uint64_t[]", bindings)
         check(lib.spy_plan_launch(self.handle, bindings, self.nbindings, self.name, self._end), "running a graph plan")

@@ -6,22 +6,30 @@ Layout of an exported file (one card per file; ``ts``/``dur`` in microseconds, w
   overlap without nesting); tid 100 + card "launch → spyre:N" holds one complete event
   per launch call, named ``launch <op>``.
 - pid 2 + card "spyre:N": tid 1 "jobs" (one complete event per job, named by the job's
-  name), tid 2 + engine for the card engines ("pcie-h2d", "pcie-d2h", "ctrl") and tid
-  16 + 16 * core + engine for the per-core engines ("core 07 · pt").
+  name; its args carry what :mod:`spyre_rt.kernel_info` knows of the kernel: ``op``,
+  ``module``, ``flops``, ``dram_bytes_min``, ...), tid 2 + engine for the card engines
+  ("pcie-h2d", "pcie-d2h", "ctrl") and tid 16 + 16 * core + engine for the per-core
+  engines ("core 07 · pt"), when commands were recorded.
 - A flow (``s`` at the launch's start, ``f`` bound to the job's start) links each launch to
   every job it started.
 - Counters on the device process: ``queue depth`` (jobs launched, not yet finished),
   ``DRAM bandwidth`` (GB/s over fixed windows) and ``scratchpad`` (bytes of LX in use,
-  an approximation: see :func:`_scratchpad_counter`).
+  an approximation: see :func:`_scratchpad_counter`). Without commands in the trace the
+  last two come from the jobs' kernel info (``dram_bytes``, ``scratchpad_peak``).
+- ``metadata.spyre_rt.device``: the figures of the card's device profile, so that a
+  reader can place each kernel against the card's roofline.
 
 Host times are the host clock and device times are simulated, on one time axis (ns since
-the card was opened), so both processes line up in the viewer.
+the card was opened), so both processes line up in the viewer. A path ending in ``.gz``
+is written gzip-compressed (Perfetto UI opens it as it is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import gzip
+import io
 import json
 import math
 import os
@@ -33,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from . import kernel_info
 from .card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
+from .profile import DeviceProfile
 from .program import OP_NAMES
 
 HOST_PID = 1
@@ -72,23 +82,26 @@ def export(
     metadata: dict[str, Any] | None = None,
     card_index: int = 0,
     dram_window_ns: int | None = None,
+    device: DeviceProfile | None = None,
 ) -> dict[str, Any]:
     """The Chrome trace (JSON object form) of `events`, a TRACE_EVENT array of one card.
 
     `names` resolves the interned name ids of jobs, launches and host spans. When `path`
-    is given the trace is also written there atomically. `metadata` goes, with the
-    exporter's own notes, under the file's ``metadata`` key. `dram_window_ns` is the width
-    of the DRAM bandwidth windows (default: a round figure giving about 500 windows)."""
+    is given the trace is also written there atomically (gzip-compressed when it ends in
+    ``.gz``). `metadata` goes, with the exporter's own notes, under the file's
+    ``metadata`` key; `device` (the card's profile) adds its figures to the notes.
+    `dram_window_ns` is the width of the DRAM bandwidth windows (default: a round figure
+    giving about 500 windows)."""
     ev = _check_events(events)
-    with _gc_paused():
-        trace = _build(ev, names, metadata, card_index, dram_window_ns)
+    with gc_paused():
+        trace = _build(ev, names, metadata, card_index, dram_window_ns, device)
     if path is not None:
         write(trace, path)
     return trace
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Creating a million small dicts sets off the cyclic collector again and again (each
     pass walking every dict made so far) for nothing: none of them can be in a cycle."""
     enabled = gc.isenabled()
@@ -103,16 +116,32 @@ def _gc_paused() -> Iterator[None]:
 Tracks = dict[tuple[int, int], tuple[str, int]]  # (pid, tid) -> (thread name, sort index)
 
 
-def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any] | None, card_index: int,
-           dram_window_ns: int | None) -> dict[str, Any]:
-    cache: dict[int, str] = {}
+class _Names:
+    """Interned names resolved once each, and the kernel info of each job name."""
 
-    def name_of(nid: int) -> str:
-        got = cache.get(nid)
+    def __init__(self, names: Callable[[int], str]):
+        self._names = names
+        self._text: dict[int, str] = {}
+        self._info: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, nid: int) -> str:
+        got = self._text.get(nid)
         if got is None:
-            got = cache[nid] = (names(nid) if nid else "") or ""
+            got = self._text[nid] = (self._names(nid) if nid else "") or ""
         return got
 
+    def info(self, nid: int) -> dict[str, Any]:
+        """The kernel-info keys of a job name, as job args ({} when none was registered)."""
+        got = self._info.get(nid)
+        if got is None:
+            found = kernel_info.lookup(self(nid)) or {}
+            got = self._info[nid] = {k: found[k] for k in kernel_info.KEYS if k in found}
+        return got
+
+
+def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any] | None, card_index: int,
+           dram_window_ns: int | None, device: DeviceProfile | None) -> dict[str, Any]:
+    name_of = _Names(names)
     dev = device_pid(card_index)
     tracks: Tracks = {}
     kind = ev["kind"]
@@ -126,32 +155,15 @@ def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any]
     _name_tracks(tracks, HOST_PID, l_tid, lambda tid: (f"launch → spyre:{card_index}", 1))
     link = link_launches(l_s, launches["job"], launches["b"], jobs["job"], job_s)
 
-    out = [
-        {"name": name_of(a) or "job", "cat": "job", "ph": "X", "ts": t, "dur": d, "pid": dev, "tid": k,
-         "args": {"seq": q, "commands": c}}
-        for a, t, d, k, q, c in zip(jobs["a"].tolist(), _us(job_s), _us(job_e - job_s), job_tid.tolist(),
-                                    jobs["job"].tolist(), jobs["b"].tolist(), strict=True)
-    ]
-    ops = [name_of(a) or ("plan" if b > 1 else "job")
-           for a, b in zip(launches["a"].tolist(), launches["b"].tolist(), strict=True)]
-    out += [
-        {"name": "launch " + op, "cat": "launch", "ph": "X", "ts": t, "dur": d, "pid": HOST_PID,
-         "tid": k, "args": {"op": op, "card": card_index, "first_job": q, "jobs": c}}
-        for op, t, d, k, q, c in zip(ops, _us(l_s), _us(l_e - l_s), l_tid.tolist(),
-                                     launches["job"].tolist(), launches["b"].tolist(), strict=True)
-    ]
+    out = _job_events(jobs, job_s, job_e, job_tid, dev, name_of)
+    out += _launch_events(launches, l_s, l_e, l_tid, card_index, name_of)
     out += _host_events(ev[kind == EV_HOST], name_of, tracks)
     out += _command_events(cmds, dev, tracks)
-    # A flow from each launch to each job it started.
-    for n, j in enumerate(np.flatnonzero(link >= 0).tolist()):
-        li, fid = int(link[j]), (card_index << 32) + n + 1
-        out.append({"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": int(l_s[li]) / 1000,
-                    "pid": HOST_PID, "tid": int(l_tid[li])})
-        out.append({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid,
-                    "ts": int(job_s[j]) / 1000, "pid": dev, "tid": int(job_tid[j])})
+    out += _flow_events(link, l_s, l_tid, job_s, job_tid, dev, card_index)
     # A job joins the queue when its launch call begins (when it has none in the trace: as it starts).
     enqueued = np.where(link >= 0, l_s[np.maximum(link, 0)] if len(l_s) else 0, job_s)
-    counters, window = _counters(cmds, jobs, job_s, job_e, enqueued, dram_window_ns)
+    infos = [name_of.info(a) for a in jobs["a"].tolist()]
+    counters, notes = _counters(cmds, jobs, job_s, job_e, enqueued, infos, dram_window_ns)
     for cname, key, t, v in counters:
         # Perfetto keeps counters per process; the tid is the jobs track's, so that every
         # (pid, tid) in the file is a named track.
@@ -160,18 +172,55 @@ def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any]
         out += [{"name": cname, "ph": "C", "ts": ti / 1000, "pid": dev, "tid": TID_JOBS, "args": {key: vi}}
                 for ti, vi in zip(t.tolist(), v.tolist(), strict=True)]
 
-    notes: dict[str, Any] = {
+    notes = {
         "card": f"spyre:{card_index}",
         "clock": "ns since the card was opened; host events: host clock; device events: simulated",
-        "scratchpad_counter": "approximate: per core, the largest single load/gather of the running job",
+        "commands": bool(len(cmds)),
+        **notes,
     }
-    if window is not None:
-        notes["dram_window_us"] = window / 1000
+    if device is not None:
+        notes["device"] = {"name": device.name, "digest": device.digest,
+                           "figures": {k: f.value for k, f in device.figures.items()}}
     return {
         "traceEvents": _metadata_events(tracks) + out,
         "displayTimeUnit": "ns",
         "metadata": {**(metadata or {}), "spyre_rt": notes},
     }
+
+
+def _job_events(jobs: np.ndarray, s: np.ndarray, e: np.ndarray, tid: np.ndarray, dev: int,
+                name_of: _Names) -> list[dict[str, Any]]:
+    return [
+        {"name": name_of(a) or "job", "cat": "job", "ph": "X", "ts": t, "dur": d, "pid": dev, "tid": k,
+         "args": {"seq": q, "commands": c, **name_of.info(a)}}
+        for a, t, d, k, q, c in zip(jobs["a"].tolist(), _us(s), _us(e - s), tid.tolist(),
+                                    jobs["job"].tolist(), jobs["b"].tolist(), strict=True)
+    ]
+
+
+def _launch_events(launches: np.ndarray, s: np.ndarray, e: np.ndarray, tid: np.ndarray, card_index: int,
+                   name_of: _Names) -> list[dict[str, Any]]:
+    ops = [name_of(a) or ("plan" if b > 1 else "job")
+           for a, b in zip(launches["a"].tolist(), launches["b"].tolist(), strict=True)]
+    return [
+        {"name": "launch " + op, "cat": "launch", "ph": "X", "ts": t, "dur": d, "pid": HOST_PID,
+         "tid": k, "args": {"op": op, "card": card_index, "first_job": q, "jobs": c}}
+        for op, t, d, k, q, c in zip(ops, _us(s), _us(e - s), tid.tolist(),
+                                     launches["job"].tolist(), launches["b"].tolist(), strict=True)
+    ]
+
+
+def _flow_events(link: np.ndarray, l_s: np.ndarray, l_tid: np.ndarray, job_s: np.ndarray, job_tid: np.ndarray,
+                 dev: int, card_index: int) -> list[dict[str, Any]]:
+    """A flow from each launch to each job it started."""
+    out = []
+    for n, j in enumerate(np.flatnonzero(link >= 0).tolist()):
+        li, fid = int(link[j]), (card_index << 32) + n + 1
+        out.append({"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": int(l_s[li]) / 1000,
+                    "pid": HOST_PID, "tid": int(l_tid[li])})
+        out.append({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid,
+                    "ts": int(job_s[j]) / 1000, "pid": dev, "tid": int(job_tid[j])})
+    return out
 
 
 def _host_events(host: np.ndarray, name_of: Callable[[int], str], tracks: Tracks) -> list[dict[str, Any]]:
@@ -221,25 +270,54 @@ def _engine_track(tid: int) -> tuple[str, int]:
     return f"core {c:02d} · {ENGINE_NAMES[e] if e < len(ENGINE_NAMES) else f'engine {e}'}", tid
 
 
+Series = tuple[str, str, np.ndarray, np.ndarray]  # (name, arg key, times ns, values)
+
+
 def _counters(cmds: np.ndarray, jobs: np.ndarray, job_s: np.ndarray, job_e: np.ndarray, enqueued: np.ndarray,
-              dram_window_ns: int | None) -> tuple[list[tuple[str, str, np.ndarray, np.ndarray]], int | None]:
-    """(name, arg key, times ns, values) of each counter, and the DRAM window width."""
-    out = [("queue depth", "jobs", *_queue_depth(enqueued, job_e))]
+              infos: list[dict[str, Any]], dram_window_ns: int | None) -> tuple[list[Series], dict[str, Any]]:
+    """Each counter's series, and notes on how the approximate ones were made.
+
+    DRAM bandwidth and scratchpad use come from the commands when the trace has them, else
+    from each job's kernel info (a trace of jobs only has no commands to count)."""
+    out: list[Series] = [("queue depth", "jobs", *_queue_depth(enqueued, job_e))]
+    notes: dict[str, Any] = {}
     opcode = cmds["a"]
     ops = {op: _op_name(op) for op in np.unique(opcode).tolist()}
     dram = np.isin(opcode, [op for op, name in ops.items() if name in _DRAM_OPS])
-    window = None
-    if dram.any():
-        window, t, v = _dram_bandwidth(cmds["start_ns"][dram], cmds["end_ns"][dram],
-                                       cmds["b"][dram].astype(np.float64), dram_window_ns)
+    job_dram = _info_column(infos, "dram_bytes")
+    if dram.any() or job_dram.any():
+        if dram.any():
+            s, e, nbytes = cmds["start_ns"][dram], cmds["end_ns"][dram], cmds["b"][dram].astype(np.float64)
+            notes["dram_counter"] = "DRAM commands, each one's bytes spread over its duration"
+        else:
+            s, e, nbytes = job_s.astype(np.float64), job_e.astype(np.float64), job_dram
+            notes["dram_counter"] = "kernel info: each job's dram_bytes spread over its duration"
+        window, t, v = _dram_bandwidth(s, e, nbytes, dram_window_ns)
         out.append(("DRAM bandwidth", "GB/s", t, v))
+        notes["dram_window_us"] = window / 1000
     fill = np.isin(opcode, [op for op, name in ops.items() if name in _LX_FILL_OPS])
     fill &= cmds["core"] != CORE_CARD
+    job_lx = _info_column(infos, "scratchpad_peak") * np.maximum(_info_column(infos, "cores"), 1)
     if fill.any() and len(jobs):
         lx = _scratchpad_counter(cmds["job"][fill], cmds["core"][fill].astype(np.int64), cmds["b"][fill],
                                  jobs["job"], job_s, job_e)
         out.append(("scratchpad", "bytes", *lx))
-    return out, window
+        notes["scratchpad_counter"] = "approximate: per core, the largest single load/gather of the running job"
+    elif job_lx.any():
+        out.append(("scratchpad", "bytes", *_per_job_level(job_lx.astype(np.int64), job_s, job_e)))
+        notes["scratchpad_counter"] = "kernel info: the running job's scratchpad_peak times its cores"
+    return out, notes
+
+
+def _info_column(infos: list[dict[str, Any]], key: str) -> np.ndarray:
+    """One numeric kernel-info figure per job (0 where a job's kernel does not give it)."""
+    return np.asarray([v if _is_number(v := info.get(key)) else 0 for info in infos], np.float64)
+
+
+def _per_job_level(value: np.ndarray, job_start: np.ndarray, job_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A counter at each job's value while it runs and zero between jobs. Ends come before
+    starts, so at equal times a job that starts as another ends wins."""
+    return _steps(np.concatenate([job_end, job_start]), np.concatenate([np.zeros(len(value), np.int64), value]))
 
 
 def _check_events(events: np.ndarray) -> np.ndarray:
@@ -433,25 +511,48 @@ def _scratchpad_counter(job: np.ndarray, core: np.ndarray, nbytes: np.ndarray, j
     seq = np.asarray(job_seq, np.int64)
     pos = np.minimum(np.searchsorted(uj, seq), len(uj) - 1)
     val = np.where(uj[pos] == seq, per_job[pos], 0.0).astype(np.int64)
-    # Ends before starts, so at equal times a job that starts as another ends wins.
-    return _steps(np.concatenate([job_end, job_start]), np.concatenate([np.zeros(len(val), np.int64), val]))
+    return _per_job_level(val, job_start, job_end)
 
 
 # ---- writing and reading -----------------------------------------------------------------
 
 
 def write(trace: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write a trace dict as JSON, atomically (temp file in the same directory + rename)."""
+    """Write a trace dict as JSON, atomically (temp file in the same directory + rename);
+    gzip-compressed when the name ends in ``.gz``."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as raw, _text_writer(raw, compress=path.endswith(".gz")) as f:
             _dump(trace, f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _text_writer(raw, compress: bool) -> Iterator[io.TextIOBase]:
+    # Level 6 (gzip's default) is a good trade of size against time for JSON; mtime 0 keeps
+    # the bytes of a trace the same from run to run. Closing the text layer closes the gzip
+    # layer (which writes its trailer) but not `raw`: the caller closes that.
+    inner = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) if compress else raw
+    with io.TextIOWrapper(inner, encoding="utf-8") as text:
+        yield text
+
+
+def open_text(path: str | os.PathLike[str]) -> io.TextIOBase:
+    """A trace file opened as UTF-8 text, decompressed when it is gzip (by its magic bytes,
+    whatever its name)."""
+    f = open(path, "rb")
+    try:
+        magic = f.read(2)
+        f.seek(0)
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=f) if magic == b"\x1f\x8b" else f, encoding="utf-8")
+    except BaseException:
+        f.close()
         raise
 
 
@@ -482,6 +583,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, _NUMBER) and not isinstance(v, bool)
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, str) or (_is_number(v) and math.isfinite(v))
+
+
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a trace file; a ValueError names what is malformed and where."""
     return validate(read_json(path), os.fspath(path))
@@ -491,15 +596,17 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     """A JSON file's content; ValueError (naming the file, line and column) when it is not
     JSON. OSError (missing, unreadable) passes through."""
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         try:
-            with _gc_paused():
+            with gc_paused():
                 return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") \
                 from None
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not a UTF-8 text file ({e.reason})") from None
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise ValueError(f"{path}: a broken gzip file ({e})") from None
 
 
 def validate(obj: Any, where: str = "trace") -> dict[str, Any]:
@@ -514,7 +621,7 @@ def validate(obj: Any, where: str = "trace") -> dict[str, Any]:
         raise ValueError(f"{where}: no 'traceEvents' array" if events is None
                          else f"{where}: 'traceEvents' must be an array, not {type(events).__name__}")
     for i, ev in enumerate(events):
-        problem = _event_problem(ev)
+        problem = event_problem(ev)
         if problem:
             raise ValueError(f"{where}: traceEvents[{i}]: {problem}")
     return obj
@@ -527,20 +634,53 @@ _NEEDS = {
 }
 
 
-def _event_problem(ev: Any) -> str | None:
+_NUMBER_TYPES = (int, float)  # exact types: bool is not a number here
+_ID_TYPES = (int, float, str)
+_FLOW_PHASES = ("s", "t", "f")
+
+
+def event_problem(ev: Any) -> str | None:
+    """What makes `ev` not a usable trace event, or None when it is one."""
+    # The events that fill a trace (slices and counters) are checked inline first: a
+    # viewer checks hundreds of thousands of them. `x - x == 0` is false for inf and NaN.
+    if type(ev) is dict:
+        ph, pid, ts = ev.get("ph"), ev.get("pid"), ev.get("ts")
+        if (type(ts) in _NUMBER_TYPES and ts - ts == 0 and type(pid) in _ID_TYPES and type(ev.get("name")) is str
+                and (type(pid) is str or pid - pid == 0)):
+            if ph == "X":
+                dur, tid = ev.get("dur"), ev.get("tid")
+                if (type(dur) in _NUMBER_TYPES and dur - dur == 0 and dur >= 0 and type(tid) in _ID_TYPES
+                        and (type(tid) is str or tid - tid == 0)):
+                    return None
+            elif ph == "C":
+                args = ev.get("args")
+                if type(args) is dict and all(type(v) in _NUMBER_TYPES for v in args.values()):
+                    return None
+            elif ph in _FLOW_PHASES:
+                tid = ev.get("tid")
+                if ev.get("id") is not None and type(tid) in _ID_TYPES and (type(tid) is str or tid - tid == 0):
+                    return None
+    return _slow_event_problem(ev)
+
+
+def _slow_event_problem(ev: Any) -> str | None:
+    """:func:`event_problem` for every kind of event, naming the problem."""
     if not isinstance(ev, dict):
         return f"an event must be a JSON object, not {type(ev).__name__}"
     ph = ev.get("ph")
     if not isinstance(ph, str) or not ph:
         return "missing the 'ph' (phase) string"
-    if not _is_number(ev.get("pid")):
+    # Numbers in our traces; torch.profiler's also name some tracks with strings ("Spans").
+    if not _is_id(ev.get("pid")):
         return f"'{ph}' event without a numeric 'pid'"
     for field in _NEEDS.get(ph, ("ts",)):
         v = ev.get(field)
         if v is None:
             return f"'{ph}' event without '{field}'"
-        if field in ("ts", "dur", "tid") and not (_is_number(v) and math.isfinite(v)):
+        if field in ("ts", "dur") and not (_is_number(v) and math.isfinite(v)):
             return f"'{ph}' event: '{field}' must be a finite number, not {v!r}"
+        if field == "tid" and not _is_id(v):
+            return f"'{ph}' event: 'tid' must be a finite number or a string, not {v!r}"
         if field == "name" and not isinstance(v, str):
             return f"'{ph}' event: 'name' must be a string, not {v!r}"
     if ph == "X" and ev["dur"] < 0:
@@ -573,7 +713,8 @@ class Capture:
     def export(self, path: str | os.PathLike[str] | None = None, *,
                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         """The captured events as a Chrome trace (see :func:`export`), written to `path` if given."""
-        return export(self.events, self.card.name_of, path, metadata=metadata, card_index=self.card.index)
+        return export(self.events, self.card.name_of, path, metadata=metadata, card_index=self.card.index,
+                      device=self.card.profile)
 
 
 # Open captures per card (their `commands` flags): tracing stays on until the outermost ends.

@@ -389,3 +389,59 @@ def test_queue_depth_counts_jobs_from_their_launch_to_their_end():
                                           (46.0, 0)]
     launches = [e["name"] for e in x_events(tr) if e["cat"] == "launch"]
     assert launches == ["launch op", "launch op", "launch plan"]
+
+
+# ---- kernel info, device figures, gzip ---------------------------------------------------------
+
+
+@pytest.fixture
+def registered_kernels():
+    from spyre_rt import kernel_info
+
+    kernel_info.clear()
+    kernel_info.register("mm", {"kind": "matmul", "op": "aten.mm", "module": "model.layers.0.mlp.up_proj",
+                                "flops": 2 * 64**3, "dram_bytes_min": 3 * 64 * 64 * 2, "dram_bytes": 4000,
+                                "cores": 2, "scratchpad_peak": 1000, "unlisted": "kept out of the trace"})
+    yield
+    kernel_info.clear()
+
+
+def test_job_events_carry_their_kernel_info(registered_kernels):
+    tr = trace.export(events((EV_JOB, 0xFFFF, 0, 0, 1000, 0, 1, 3), (EV_JOB, 0xFFFF, 0, 2000, 3000, 1, 2, 1)),
+                      {1: "mm", 2: "h2d"}.get)
+    mm, h2d = x_events(tr)
+    assert mm["args"] == {"seq": 0, "commands": 3, "kind": "matmul", "op": "aten.mm",
+                          "module": "model.layers.0.mlp.up_proj", "flops": 2 * 64**3,
+                          "dram_bytes_min": 3 * 64 * 64 * 2, "dram_bytes": 4000, "cores": 2, "scratchpad_peak": 1000}
+    assert h2d["args"] == {"seq": 1, "commands": 1}  # nothing registered: the args it always had
+
+
+def test_without_commands_the_counters_come_from_kernel_info(registered_kernels):
+    tr = trace.export(events((EV_JOB, 0xFFFF, 0, 0, 1000, 0, 1, 3), (EV_JOB, 0xFFFF, 0, 2000, 3000, 1, 2, 1)),
+                      {1: "mm", 2: "h2d"}.get, dram_window_ns=500)
+    # mm's 4000 bytes over its 1000 ns: 4 GB/s in the two windows it covers
+    assert counter(tr, "DRAM bandwidth") == [(0.0, 4.0), (1.0, 0.0)]
+    assert counter(tr, "scratchpad") == [(0.0, 2 * 1000), (1.0, 0)]  # scratchpad_peak on each of 2 cores
+    notes = tr["metadata"]["spyre_rt"]
+    assert notes["commands"] is False
+    assert "kernel info" in notes["dram_counter"] and "kernel info" in notes["scratchpad_counter"]
+
+
+def test_a_capture_records_the_figures_of_its_card(exported, spyre_profile):
+    tr, _ = exported
+    device = tr["metadata"]["spyre_rt"]["device"]
+    assert device["name"] == spyre_profile.name and device["digest"] == spyre_profile.digest
+    assert device["figures"]["pt_macs_per_ns"] == spyre_profile["pt_macs_per_ns"]
+    assert device["figures"]["dram_bandwidth_gbps"] == spyre_profile["dram_bandwidth_gbps"]
+
+
+def test_a_gz_name_writes_gzip_that_reads_back_the_same(exported, tmp_path):
+    import gzip
+
+    tr, plain = exported
+    packed = tmp_path / "step.json.gz"
+    trace.write(tr, packed)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()).decode() == plain.read_text()
+    assert trace.load(packed) == trace.load(plain)
+    assert packed.stat().st_size < plain.stat().st_size / 3

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
-from . import compare, view
+from . import compare, optable, view
 
 PROG = "spyre-profile"
 
@@ -72,16 +74,34 @@ def positive_int(text: str) -> int:
     return n
 
 
+def _group_by_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group-by", choices=optable.GROUPINGS, default=optable.DEFAULT_GROUPING,
+                   help="rows of the per-op table: kernel, op (aten ops and module, layers folded "
+                        "together; the default), module, or layer")
+
+
 def _view_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a trace file (Chrome trace-event JSON written by spyre_rt.trace)")
-    p.add_argument("--window", type=parse_window, metavar="START:END",
-                   help="the time window to show, in µs from the trace's first event (default: all)")
+    p.add_argument("trace", help="a trace file (Chrome trace-event JSON, plain or .gz)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--window", type=parse_window, metavar="START:END",
+                       help="the time window to show, in µs from the trace's first event (default: all)")
+    where.add_argument("--span", metavar="NAME",
+                       help='the window of a host span, e.g. "decode [prebuilt]" (spans of `spyre-profile run`)')
     p.add_argument("--top", type=positive_int, default=20, metavar="N",
-                   help="ops in the summary table (default 20)")
+                   help="rows of the per-op table (default 20)")
+    _group_by_argument(p)
 
 
 def _load_trace(path: str) -> view.TraceData:
     return _load(path, results=False)[1]
+
+
+def _span_window(data: view.TraceData, name: str) -> view.Window:
+    found = data.span(name)
+    if found is None:
+        known = ", ".join(repr(n) for n in list(data.spans)[:8]) or "none"
+        raise InputError(f"no host span named {name!r} in the trace (spans: {known})")
+    return found
 
 
 def _load(path: str, results: bool | None) -> tuple[str, object]:
@@ -99,8 +119,8 @@ def _load(path: str, results: bool | None) -> tuple[str, object]:
 
 def cmd_view(args: argparse.Namespace, console: Console) -> int:
     data = _load_trace(args.trace)
-    win = view.window(data, *args.window) if args.window else None
-    view.render(console, data, win, args.top, title=os.path.basename(args.trace))
+    win = view.window(data, *args.window) if args.window else _span_window(data, args.span) if args.span else None
+    view.render(console, data, win, args.top, title=os.path.basename(args.trace), by=args.group_by)
     return 0
 
 
@@ -114,7 +134,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="read A and B as result files of `spyre-profile run --json` (default: by content)")
     p.add_argument("--top", type=positive_int, default=20, metavar="N",
-                   help="ops in the per-op table (default 20)")
+                   help="rows of the per-op table (default 20)")
+    _group_by_argument(p)
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
@@ -126,8 +147,45 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     la, lb = os.path.basename(args.a), os.path.basename(args.b)
     if la == lb:
         la, lb = args.a, args.b
-    cmp = compare.compare_traces(a, b, la, lb) if kind_a == "trace" else compare.compare_results(a, b, la, lb)
+    cmp = (compare.compare_traces(a, b, la, lb, args.group_by) if kind_a == "trace"
+           else compare.compare_results(a, b, la, lb))
     compare.render(console, cmp, args.top)
+    return 0
+
+
+# ---- merge ---------------------------------------------------------------------------------
+
+
+def _merge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("torch_trace", metavar="TORCH_TRACE",
+                   help="a trace torch.profiler exported (prof.export_chrome_trace), plain or .gz")
+    p.add_argument("card_traces", metavar="CARD_TRACE", nargs="+",
+                   help="card traces of the same run (trace.capture(card).export(...)), one per card")
+    p.add_argument("-o", "--output", metavar="FILE", required=True,
+                   help="the merged trace (gzip if FILE ends in .gz); open it in ui.perfetto.dev")
+
+
+def cmd_merge(args: argparse.Namespace, console: Console) -> int:
+    from . import merge
+
+    try:
+        traces = [merge.read(path) for path in (args.torch_trace, *args.card_traces)]
+    except FileNotFoundError as e:
+        raise InputError(f"{e.filename}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{getattr(e, 'filename', '')}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    merged, report = merge.merge(traces[0], traces[1:])
+    from .. import trace
+
+    trace.write(merged, args.output)
+    cards = ", ".join(f"spyre:{c}" for c in report.cards)
+    console.print(f"{args.output}: {report.jobs:,} jobs of {cards} on the torch.profiler timeline; "
+                  f"{report.matched:,} of {report.ranges:,} launch ranges matched to the card's launches")
+    if report.ranges == 0:
+        console.print("[yellow]the torch trace has no spyre launch ranges: was the card used inside "
+                      "torch.profiler.profile()? The card's tracks are placed by their own clock[/]")
     return 0
 
 
@@ -162,7 +220,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                      help="simulate time only (the default for full-size models)")
     p.add_argument("--layers", type=positive_int, default=None, metavar="N",
                    help="use N layers instead of the profile's (a quicker, smaller run)")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the measured runs")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the last measured run of each mode (gzip if FILE ends in .gz)")
+    p.add_argument("--trace-detail", choices=("jobs", "commands"), default="jobs",
+                   help="jobs: one event per kernel, plus counters (the default); commands: every command of "
+                        "every core too (large: use it with few layers)")
+    p.add_argument("--whatif-plot", metavar="FILE",
+                   help="draw the what-if curve (speedup against construction per kernel) as a PNG "
+                        "(needs matplotlib; without it, or without this option, it is drawn in the terminal)")
     p.add_argument("--json", metavar="FILE", help="write every figure of the report as JSON")
     p.add_argument("--py-spy", dest="py_spy", nargs="?", const="", default=None, metavar="FILE",
                    help="record the host dispatch path with py-spy (speedscope file; default: beside the trace)")
@@ -184,13 +249,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         py_spy = (os.path.splitext(args.trace)[0] if args.trace else "spyre-profile") + ".speedscope.json"
     opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
                           repeats=args.repeats, modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
-                          trace=args.trace, py_spy=py_spy)
+                          trace=args.trace, trace_detail=args.trace_detail, whatif_plot=args.whatif_plot, py_spy=py_spy)
     try:
         runmod.load_model(args.model)
     except SpyreProfileError as e:
         raise InputError(str(e)) from None
     out = runmod.measure(opts, console)
-    runmod.render(console, out)
+    runmod.render(console, out, args.whatif_plot)
     if args.trace:
         console.print(f"trace written to {args.trace} (open it in ui.perfetto.dev or with `spyre-profile view`)")
     if args.sweep:
@@ -238,8 +303,6 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_cache(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
     from .. import config, plan_cache
     from ..errors import SpyrePlanCacheError
 
@@ -283,9 +346,34 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
     t.add_column("field")
     t.add_column("value", overflow="fold")
     for k, v in sorted(entry.header.items()):
-        t.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+        if k != "kernel_info":  # drawn as a table of its own
+            t.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
     console.print(t)
+    info = entry.header.get("kernel_info")
+    if isinstance(info, dict) and info:
+        console.print(kernel_info_table(info))
     return 0
+
+
+def kernel_info_table(info: dict) -> Table:
+    """What each kernel of a plan computes (the ``kernel_info`` of a plan file's header)."""
+    from ..kernel_info import module_path, op_names
+
+    def number(v, scale: float = 1.0, digits: int = 0) -> str:
+        return f"{v / scale:,.{digits}f}" if isinstance(v, int | float) and not isinstance(v, bool) else ""
+
+    t = Table(title="kernels: what each computes", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False, collapse_padding=True)
+    for col in ("kernel", "kind", "op · module", "MFLOP", "min DRAM\nKiB", "DRAM\nKiB", "cores", "LX peak\nKiB"):
+        t.add_column(col, justify="left" if col in ("kernel", "kind", "op · module") else "right",
+                     overflow="fold" if col == "op · module" else "ellipsis")
+    for name, k in info.items():
+        k = k if isinstance(k, dict) else {}
+        what = " · ".join(x for x in (op_names(k), module_path(k)) if x)
+        t.add_row(str(name), str(k.get("kind", "")), what, number(k.get("flops"), 1e6, 1),
+                  number(k.get("dram_bytes_min"), 1024), number(k.get("dram_bytes"), 1024), number(k.get("cores")),
+                  number(k.get("scratchpad_peak"), 1024))
+    return t
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -300,6 +388,8 @@ COMMANDS: dict[str, Subcommand] = {
                        _view_arguments, cmd_view),
     "compare": Subcommand("set two traces (or two run result files) side by side with deltas",
                           _compare_arguments, cmd_compare),
+    "merge": Subcommand("merge card traces into a torch.profiler trace: aten ops, launches and card work "
+                        "on one timeline", _merge_arguments, cmd_merge),
 }
 
 

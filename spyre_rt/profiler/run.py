@@ -33,9 +33,12 @@ import torch
 from .. import card as cards
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
+from . import analytic, efficiency, host, published
+from .roofline import Roofline
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")
 PHASES = ("prefill", "decode")
+FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
 
 
 # ---- model profiles --------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Options:
     sim_mode: str | None = None   # None: the model profile's default
     layers: int | None = None     # override the number of layers (quick runs)
     trace: str | None = None
+    trace_detail: str = "jobs"    # jobs: one event per kernel, plus counters; commands: every command too
+    whatif_plot: str | None = None  # a PNG of the what-if curve (with matplotlib)
     py_spy: str | None = None
     seed: int = 0
 
@@ -245,25 +250,20 @@ class Session:
         with self.active():
             return self.forward(tok.to("spyre"), pos.to("spyre"))
 
-    def run(self, mode: str, trace: bool = False, decode_steps: int | None = None) -> dict:
-        """One prefill and `decode_steps` decode steps in `mode` (the cache reset first)."""
-        card = self.card
+    def run(self, mode: str, trace: str | None = None, decode_steps: int | None = None) -> dict:
+        """One prefill and `decode_steps` decode steps in `mode` (the cache reset first).
+
+        `trace` ("jobs" or "commands") records the card's trace of each phase, with a host
+        span around it; :attr:`marks` then holds each phase's range of trace events."""
         decode_steps = self.opts.decode_steps if decode_steps is None else decode_steps
+        self.marks: dict[str, tuple[int, int]] = {}
         with torch.no_grad(), dispatch_mode(mode), self.active():
             self.cache.reset()
-            if trace:
-                card.trace_enable(True, commands=False)
-            with Phase(card) as pre:
+            with self._phase("prefill", mode, trace) as pre:
                 logits = self.prefill()
-            if trace:
-                card.trace_host_span(f"prefill [{mode}]", pre.h0, card.host_clock_ns())
-                card.trace_enable(True, commands=True)
-            with Phase(card) as dec:
+            with self._phase("decode", mode, trace) as dec:
                 for step in range(decode_steps):
                     logits = self.decode_step(logits, step)
-            if trace:
-                card.trace_host_span(f"decode [{mode}]", dec.h0, card.host_clock_ns())
-                card.trace_enable(False)
         steps = max(1, decode_steps)
         d = dec.figures()
         return {
@@ -274,6 +274,25 @@ class Session:
             "device_wait_host_ms": pre.wait_host + dec.wait_host,
             "phases": {"prefill": pre.figures(), "decode": {**d, "steps": steps}},
         }
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, mode: str, trace: str | None):
+        card = self.card
+        if trace:
+            card.trace_enable(True, commands=trace == "commands")
+            first = card.trace_count()
+        with Phase(card) as phase:
+            yield phase
+        if trace:
+            card.trace_host_span(f"{name} [{mode}]", phase.h0, card.host_clock_ns())
+            self.marks[name] = (first, card.trace_count())
+            card.trace_enable(False)
+
+    def job_names(self, phase: str) -> list[str]:
+        """The names of the jobs the last traced run ran in `phase`, in order."""
+        first, end = self.marks[phase]
+        ev = self.card.trace_events(first)[: end - first]
+        return [self.card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
 
 
 def median_of(samples: list[dict]) -> dict:
@@ -371,30 +390,82 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         timings["compile_s"] = time.perf_counter() - t0
         progress.update(task, total=1, completed=1)
         runs = progress.add_task("measuring", total=(1 + opts.repeats) * len(opts.modes))
-        samples: dict[str, list[dict]] = {mode: [] for mode in opts.modes}
-        with py_spy_recorder(opts.py_spy, console):
-            for mode in opts.modes:
-                progress.update(runs, description=f"warm-up [{mode}]")
-                # builds plans and transfer graphs, which are not part of the steady state
-                session.run(mode, decode_steps=min(1, opts.decode_steps))
+
+        def step(text: str | None = None) -> None:
+            """A run begins (named `text`), or the run ends."""
+            if text:
+                progress.update(runs, description=text)
+            else:
                 progress.advance(runs)
-            # As long-running inference servers do: what compiling left on the heap is kept out
-            # of later collections, so that a full collection (hundreds of ms on this heap)
-            # does not land in one mode's measurement by chance.
-            gc.collect()
-            gc.freeze()
-            try:
-                # Rounds interleave the modes, so that the machine's drift is shared by all.
-                for round_ in range(opts.repeats):
-                    for mode in opts.modes:
-                        progress.update(runs, description=f"measuring [{mode}] {round_ + 1}/{opts.repeats}")
-                        last = round_ == opts.repeats - 1
-                        samples[mode].append(session.run(mode, trace=bool(opts.trace) and last))
-                        progress.advance(runs)
-            finally:
-                gc.unfreeze()
-        results = {mode: median_of(runs_) for mode, runs_ in samples.items()}
-    out = {
+
+        with py_spy_recorder(opts.py_spy, console):
+            census = _warm_up(session, opts, step)
+            first_traced = session.card.trace_count()
+            samples = _measure_rounds(session, opts, step)
+    out = analyse(session, opts, samples, census, timings)
+    if opts.trace:
+        from .. import trace
+
+        trace.export(session.card.trace_events(first_traced), session.card.name_of, opts.trace,
+                     metadata={k: out[k] for k in ("model", "batch", "seq", "sim_mode", "device_profile", "host")},
+                     card_index=session.card.index, device=session.card.profile)
+    return out
+
+
+def _census_mode(opts: Options) -> str:
+    """The mode whose jobs are counted: prebuilt runs the kernels alone (the construct modes
+    also upload each kernel's program)."""
+    return "prebuilt" if "prebuilt" in opts.modes else opts.modes[-1]
+
+
+def _warm_up(session: Session, opts: Options, step) -> dict[str, list[str]]:
+    """One untimed run per mode: it builds plans and transfer graphs, which are not part of
+    the steady state, and first touches what the runs use. The census mode's run is traced
+    (jobs only): the names of the kernels of a prefill and of a decode step."""
+    census: dict[str, list[str]] = {}
+    for mode in opts.modes:
+        step(f"warm-up [{mode}]")
+        counted = mode == _census_mode(opts)
+        session.run(mode, trace="jobs" if counted else None, decode_steps=min(1, opts.decode_steps))
+        step()
+        if counted:
+            census = {phase: session.job_names(phase) for phase in session.marks}
+    return census
+
+
+def _measure_rounds(session: Session, opts: Options, step) -> dict[str, list[dict]]:
+    """`opts.repeats` measured runs per mode; the last round is traced when asked."""
+    samples: dict[str, list[dict]] = {mode: [] for mode in opts.modes}
+    # As long-running inference servers do: what compiling left on the heap is kept out of
+    # later collections. Each run goes without the collector, and the garbage of the one
+    # before is collected outside the measurement, so that no collection (hundreds of ms
+    # on this heap) lands in one mode's figures by chance.
+    gc.collect()
+    gc.freeze()
+    try:
+        # Rounds interleave the modes, so that the machine's drift is shared by all.
+        for round_ in range(opts.repeats):
+            for mode in opts.modes:
+                step(f"measuring [{mode}] {round_ + 1}/{opts.repeats}")
+                traced = opts.trace_detail if opts.trace and round_ == opts.repeats - 1 else None
+                gc.collect()
+                with host.quiet():
+                    samples[mode].append(session.run(mode, trace=traced))
+                step()
+    finally:
+        gc.unfreeze()
+    return samples
+
+
+def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], census: dict[str, list[str]],
+            timings: dict[str, float]) -> dict:
+    """Every figure of the report from the measured samples and the census of kernels."""
+    results = {mode: median_of(runs_) for mode, runs_ in samples.items()}
+    reference = load_reference(session.profile.name, opts.batch, opts.seq)
+    kernels = {phase: len(efficiency.kernel_names(names)) for phase, names in census.items()}
+    implied = published.implied(results, reference, kernels)
+    return {
+        "format": FORMAT,
         "model": session.profile.name,
         "batch": opts.batch,
         "seq": opts.seq,
@@ -405,72 +476,152 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         "sim_mode": session.sim_mode,
         "device_profile": session.card.profile.name,
         "device_profile_digest": session.card.profile.digest,
+        "host": host.describe(),
         "results": results,
         "speedups": speedups_of(results),
+        "spread": spread_of(samples),
         "compute_share": compute_share_of(results),
-        "reference": load_reference(session.profile.name, opts.batch, opts.seq),
+        "efficiency": efficiency_of(session, opts, results, census),
+        "reference": reference,
+        "kernels": kernels,
+        "implied": implied,
+        "whatif": published.whatif(results, implied, kernels),
         "timings": timings,
     }
-    if opts.trace:
-        from .. import trace
 
-        trace.export(session.card.trace_events(), session.card.name_of, opts.trace,
-                     metadata={k: out[k] for k in ("model", "batch", "seq", "sim_mode", "device_profile")})
+
+def efficiency_of(session: Session, opts: Options, results: dict, census: dict[str, list[str]]) -> dict:
+    """Per phase step (a prefill; one decode token): device time against the roofline."""
+    roofline = Roofline.of_profile(session.card.profile)
+    mode = _census_mode(opts)
+    out = {}
+    for phase in PHASES:
+        figures = published.phase_figures(results, mode, phase)
+        if figures is None or phase not in census:
+            continue
+        kernels = efficiency.kernels_roofline(efficiency.kernel_names(census[phase]), roofline)
+        cost = analytic.granite_step(session.profile.config | {"num_hidden_layers": session.cfg.num_hidden_layers},
+                                     opts.batch, opts.seq, phase, str(session.profile.dtype).removeprefix("torch."))
+        out[phase] = efficiency.phase_efficiency(figures["device_ms"], kernels, cost, roofline)
     return out
+
+
+def spread_of(samples: dict[str, list[dict]]) -> dict:
+    """Min and max over the repeats: of each mode's latencies, and of each round's speedups
+    against the construct run of the same round."""
+    keys = {"prefill": "prefill_ms", "decode": "decode_ms_per_token"}
+    latency = {mode: {phase: _min_max([r[key] for r in runs_]) for phase, key in keys.items()}
+               for mode, runs_ in samples.items()}
+    base = samples.get("construct")
+    speedups = {}
+    if base:
+        for mode, runs_ in samples.items():
+            speedups[mode] = {phase: _min_max([b[key] / r[key] for b, r in zip(base, runs_, strict=True)])
+                              for phase, key in keys.items()}
+    return {"latency_ms": latency, "speedups": speedups}
+
+
+def _min_max(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "max": max(values), "n": len(values)}
 
 
 # ---- the report ----------------------------------------------------------------------------
 
 
-def render(console, out: dict) -> None:
+def render(console, out: dict, whatif_plot: str | None = None) -> None:
+    """The report: latency per mode and phase, the gains against the published figures with
+    their spread, device efficiency, and the published figures placed on our model."""
+    console.print(_latency_table(out))
+    if out["speedups"]:
+        console.print(_gains_table(out))
+        if out.get("reference"):
+            console.print(f"[dim]published: {out['reference']['source']}[/]")
+    if out.get("efficiency"):
+        console.print(_efficiency_table(out["efficiency"]))
+    if out.get("implied"):
+        console.print(published.implied_table(out["implied"]))
+        console.print("[dim]implied: (published speedup - 1) x our device time / our kernels; ours: construct "
+                      "latency - prebuilt latency, per kernel[/]")
+    published.render_whatif(console, out.get("whatif") or {}, whatif_plot)
+    tm = out.get("timings", {})
+    if tm:
+        console.print(f"[dim]model built in {tm.get('model_s', 0):.1f} s, compiled in {tm.get('compile_s', 0):.1f} s[/]")
+
+
+def _ms(v: float) -> str:  # four significant figures are plenty, and the tables fit 80 columns
+    if abs(v) < 10:
+        return f"{v:.3g}"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}"
+
+
+def _latency_table(out: dict):
     from rich import box
     from rich.table import Table
 
-    res = out["results"]
     title = (f"{out['model']} ({out['layers']} layers, {out['dtype']}), batch {out['batch']}, "
              f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
              f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} runs per mode")
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
+              caption=host.label(out["host"]) if out.get("host") else None, caption_justify="left",
+              caption_style="dim")
     for col in ("mode", "prefill ms", "decode ms/tok", "host ms", "device ms", "device waits for host ms",
                 "prefill speedup", "decode speedup"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
     sp = out["speedups"]
-
-    def ms(v: float) -> str:  # four significant figures are plenty, and the table fits 80 columns
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}"
-
-    for mode, r in res.items():
+    for mode, r in out["results"].items():
         s = sp.get(mode, {})
-        t.add_row(mode, ms(r["prefill_ms"]), ms(r["decode_ms_per_token"]), ms(r["host_ms"]),
-                  ms(r["device_ms"]), ms(r["device_wait_host_ms"]),
+        t.add_row(mode, _ms(r["prefill_ms"]), _ms(r["decode_ms_per_token"]), _ms(r["host_ms"]),
+                  _ms(r["device_ms"]), _ms(r["device_wait_host_ms"]),
                   f"{s.get('prefill', float('nan')):.2f}x", f"{s.get('decode', float('nan')):.2f}x")
-    console.print(t)
-    share = out["compute_share"]
-    ref = out.get("reference")
-    if sp:
-        r = Table(title="against the published figures" if ref else "gains", title_justify="left")
-        for col in ("figure", "measured", "published", "difference"):
-            r.add_column(col, justify="left" if col == "figure" else "right")
-        rows = []
-        for mode in ("prebuilt-transfer", "prebuilt"):
-            for phase in PHASES:
-                if mode in sp:
-                    pub = ref["speedups"].get(mode, {}).get(phase) if ref else None
-                    rows.append((f"{phase} speedup, {mode}", sp[mode][phase], pub, "x"))
+    return t
+
+
+def _gains_table(out: dict):
+    from rich.table import Table
+
+    sp, share, ref = out["speedups"], out["compute_share"], out.get("reference")
+    spread = out.get("spread", {}).get("speedups", {})
+    n = out.get("repeats", 1)
+    t = Table(title="against the published figures" if ref else "gains", title_justify="left")
+    for col in ("figure", "measured", f"spread, {n} runs", "published", "difference"):
+        t.add_column(col, justify="left" if col == "figure" else "right")
+    rows = []
+    for mode in ("prebuilt-transfer", "prebuilt"):
         for phase in PHASES:
-            if phase in share:
-                pub = ref["compute_share"].get(phase) if ref else None
-                rows.append((f"{phase}: share of the gain from the compute path", share[phase], pub, "%"))
-        for name, mine, pub, unit in rows:
-            fmt = (lambda v: f"{v * 100:.0f} %") if unit == "%" else (lambda v: f"{v:.2f}x")
-            diff = "" if pub is None or not math.isfinite(mine) else f"{(mine - pub) / pub * 100:+.0f} %"
-            r.add_row(name, fmt(mine) if math.isfinite(mine) else "n/a", fmt(pub) if pub is not None else "—", diff)
-        console.print(r)
-        if ref:
-            console.print(f"[dim]published: {ref['source']}[/]")
-    tm = out.get("timings", {})
-    if tm:
-        console.print(f"[dim]model built in {tm.get('model_s', 0):.1f} s, compiled in {tm.get('compile_s', 0):.1f} s[/]")
+            if mode in sp:
+                pub = ref["speedups"].get(mode, {}).get(phase) if ref else None
+                rows.append((f"{phase} speedup, {mode}", sp[mode][phase], spread.get(mode, {}).get(phase), pub, "x"))
+    for phase in PHASES:
+        if phase in share:
+            pub = ref["compute_share"].get(phase) if ref else None
+            rows.append((f"{phase}: share of the gain from the compute path", share[phase], None, pub, "%"))
+    for name, mine, mm, pub, unit in rows:
+        fmt = (lambda v: f"{v * 100:.0f} %") if unit == "%" else (lambda v: f"{v:.2f}x")
+        diff = "" if pub is None or not math.isfinite(mine) else f"{(mine - pub) / pub * 100:+.0f} %"
+        t.add_row(name, fmt(mine) if math.isfinite(mine) else "n/a",
+                  f"{mm['min']:.2f}–{mm['max']:.2f}x" if mm else "", fmt(pub) if pub is not None else "—", diff)
+    return t
+
+
+def _efficiency_table(eff: dict):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="device efficiency: device time against the card's roofline, per prefill and per decode token",
+              title_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
+              caption_justify="left", caption_style="dim")
+    for col in ("phase", "device ms", "roofline ms", "efficiency", "bound", "roofline of", "analytic ms"):
+        t.add_column(col, justify="left" if col in ("phase", "bound", "roofline of") else "right")
+    for phase, e in eff.items():
+        fraction = f"{e['fraction'] * 100:.0f} %" if e["fraction"] is not None else "—"
+        t.add_row(phase, _ms(e["device_ms"]), _ms(e["roofline_ms"]),
+                  fraction, e["bound"], f"{e['kernels']:,} kernels" if e["source"] == "kernels" else "the model",
+                  _ms(e["analytic"]["roofline_ms"]))
+    if any(e["source"] != "kernels" for e in eff.values()):
+        t.caption = ("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
+                     "attention against weights, KV cache and activations")
+    return t
 
 
 def write_json(out: dict, path: str) -> None:

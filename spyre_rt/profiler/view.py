@@ -1,21 +1,20 @@
-"""A trace in the terminal: timeline, per-op summary, idle-time breakdown, critical path.
+"""A trace in the terminal: timeline, per-op table, idle-time breakdown, critical path.
 
-:func:`parse` turns a trace dict (from :func:`spyre_rt.trace.load`) into arrays; the
-``timeline``/``op_summary``/``idle_breakdown``/``critical_path`` functions compute numbers
-from it; :func:`render` prints them with a rich ``Console``. Times are µs; a window is an
-absolute ``(start, end)`` pair, and :func:`window` makes one from times relative to the
-trace's first event (what ``--window`` takes and what Perfetto shows).
+:func:`load` streams a trace file into arrays (:func:`parse` does the same for a trace
+dict; both from :mod:`.tracedata`); the ``timeline``/``idle_breakdown``/``critical_path``
+functions compute numbers from them, :mod:`.optable` the per-op table; :func:`render` prints them with a rich
+``Console``. Times are µs; a window is an absolute ``(start, end)`` pair, and
+:func:`window` makes one from times relative to the trace's first event (what
+``--window`` takes and what Perfetto shows); ``TraceData.span`` gives a host span's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from rich.console import Console, ConsoleOptions, RenderableType, RenderHook, RenderResult
@@ -23,9 +22,12 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from ..trace import DEVICE_PID_BASE, link_launches
+from . import optable
+from .roofline import Roofline
+from .tracedata import Counter, TraceData, Track, Window, device, job_waits, load, parse, window
 
-Window = tuple[float, float]
+__all__ = ["TraceData", "Window", "load", "parse", "window", "timeline", "idle_breakdown", "critical_path",
+           "render", "ascii_safe"]
 
 _CORE_TRACK = re.compile(r"^core (\d+) · (.+?)(?: \(\d+\))?$")
 _SHADES = " ░▒▓█"
@@ -35,167 +37,6 @@ _ASCII = str.maketrans("·µ—–…│→Δ░▒▓█▁▂▃▄▅▆▇",
 _STYLE = {"host": "cyan", "launch": "bright_cyan", "jobs": "magenta", "pcie-h2d": "yellow",
           "pcie-d2h": "yellow", "ctrl": "white", "load": "green", "store": "bright_green", "pt": "red",
           "sfu": "blue", "ring": "bright_white", "counter": "bright_black"}
-
-
-# ---- the parsed trace ----------------------------------------------------------------------
-
-
-@dataclass
-class Track:
-    """The complete events of one (pid, tid), in µs."""
-
-    pid: int
-    tid: int
-    name: str
-    process: str
-    sort: tuple
-    start: np.ndarray
-    end: np.ndarray
-
-
-@dataclass
-class Counter:
-    pid: int
-    name: str
-    t: np.ndarray
-    v: np.ndarray
-
-
-@dataclass
-class Jobs:
-    """The jobs of one device (``cat: job`` events), in start order."""
-
-    name: list[str]
-    start: np.ndarray
-    end: np.ndarray
-    seq: np.ndarray
-    launch: np.ndarray  # index into TraceData.launches, or -1
-
-
-@dataclass
-class Launches:
-    """Host launch calls (``cat: launch`` events)."""
-
-    op: list[str]
-    start: np.ndarray
-    end: np.ndarray
-    first: np.ndarray
-    count: np.ndarray
-    card: np.ndarray  # -1 when the event does not say
-
-
-@dataclass
-class TraceData:
-    t0: float
-    t1: float
-    tracks: list[Track]
-    counters: list[Counter]
-    processes: dict[int, str]
-    jobs: dict[int, Jobs]  # by device pid
-    launches: Launches
-    events: int = 0
-
-    @property
-    def devices(self) -> list[int]:
-        return sorted(self.jobs)
-
-
-def _number(v: Any, default: float) -> float:
-    return v if isinstance(v, int | float) and not isinstance(v, bool) else default
-
-
-def _pair() -> tuple[list, list]:
-    return [], []
-
-
-@dataclass
-class _Raw:
-    """What one pass over the events collects, before it becomes arrays."""
-
-    pname: dict[int, str] = field(default_factory=dict)
-    tname: dict[tuple[int, int], str] = field(default_factory=dict)
-    psort: dict[int, float] = field(default_factory=dict)
-    tsort: dict[tuple[int, int], float] = field(default_factory=dict)
-    spans: dict[tuple[int, int], tuple[list, list]] = field(default_factory=lambda: defaultdict(_pair))
-    jobs: dict[int, list[tuple]] = field(default_factory=lambda: defaultdict(list))
-    launches: list[tuple] = field(default_factory=list)
-    counters: dict[tuple[int, str], tuple[list, list]] = field(default_factory=lambda: defaultdict(_pair))
-
-
-def _collect(events: list[dict[str, Any]]) -> _Raw:
-    raw = _Raw()
-    for ev in events:
-        ph = ev["ph"]
-        args = ev.get("args")
-        if not isinstance(args, dict):
-            args = {}
-        if ph == "X":
-            pid, tid, ts, end = ev["pid"], ev["tid"], ev["ts"], ev["ts"] + ev["dur"]
-            s, e = raw.spans[(pid, tid)]
-            s.append(ts)
-            e.append(end)
-            cat = ev.get("cat")
-            if cat == "job":
-                raw.jobs[pid].append((ev["name"], ts, end, _number(args.get("seq"), -1)))
-            elif cat == "launch":
-                op = args.get("op") if isinstance(args.get("op"), str) else ev["name"].removeprefix("launch ")
-                raw.launches.append((op, ts, end, _number(args.get("first_job"), -1),
-                                     _number(args.get("jobs"), 0), _number(args.get("card"), -1)))
-        elif ph == "C":
-            for key, v in args.items():
-                t, vals = raw.counters[(ev["pid"], ev["name"] if len(args) == 1 else f"{ev['name']} {key}")]
-                t.append(ev["ts"])
-                vals.append(v)
-        elif ph == "M":
-            key, name = (ev["pid"], ev.get("tid", 0)), ev["name"]
-            if name == "process_name":
-                raw.pname[ev["pid"]] = str(args.get("name", ev["pid"]))
-            elif name == "thread_name":
-                raw.tname[key] = str(args.get("name", key[1]))
-            elif name == "process_sort_index":
-                raw.psort[ev["pid"]] = _number(args.get("sort_index"), 0)
-            elif name == "thread_sort_index":
-                raw.tsort[key] = _number(args.get("sort_index"), 0)
-    return raw
-
-
-def parse(trace: dict[str, Any]) -> TraceData:
-    """Arrays per track, jobs, launches and counters of a (validated) trace dict."""
-    raw = _collect(trace["traceEvents"])
-    tracks = [Track(pid, tid, raw.tname.get((pid, tid), f"tid {tid}"), raw.pname.get(pid, f"pid {pid}"),
-                    (raw.psort.get(pid, pid), pid, raw.tsort.get((pid, tid), tid), tid),
-                    np.asarray(s, np.float64), np.asarray(e, np.float64))
-              for (pid, tid), (s, e) in raw.spans.items()]
-    tracks.sort(key=lambda t: t.sort)
-    col = [[x[i] for x in raw.launches] for i in range(6)]
-    ls = Launches(col[0], np.asarray(col[1], np.float64), np.asarray(col[2], np.float64),
-                  *(np.asarray(c, np.int64) for c in col[3:]))
-    jobs = {}
-    for pid, rows in raw.jobs.items():
-        rows.sort(key=lambda r: r[1])
-        start = np.asarray([r[1] for r in rows], np.float64)
-        seq = np.asarray([r[3] for r in rows], np.int64)
-        # launches name their card; with no card named they may be this device's
-        idx = np.flatnonzero((ls.card == pid - DEVICE_PID_BASE) | (ls.card < 0))
-        link = link_launches(ls.start[idx], ls.first[idx], ls.count[idx], seq, start)
-        jobs[pid] = Jobs([r[0] for r in rows], start, np.asarray([r[2] for r in rows], np.float64), seq,
-                         np.where(link >= 0, idx[np.maximum(link, 0)] if len(idx) else -1, -1))
-    counters = []
-    for (pid, name), (t, v) in raw.counters.items():
-        t_, v_ = np.asarray(t, np.float64), np.asarray(v, np.float64)
-        o = np.argsort(t_, kind="stable")
-        counters.append(Counter(pid, name, t_[o], v_[o]))
-    starts = [t.start.min() for t in tracks] + [c.t[0] for c in counters]
-    ends = [t.end.max() for t in tracks] + [c.t[-1] for c in counters]
-    return TraceData(min(starts, default=0.0), max(ends, default=0.0), tracks, counters, raw.pname, jobs, ls,
-                     len(trace["traceEvents"]))
-
-
-def window(data: TraceData, start: float | None = None, end: float | None = None) -> Window:
-    """An absolute window from µs relative to the trace's first event (None: its edge)."""
-    a = data.t0 + (start if start is not None else 0.0)
-    b = data.t0 + end if end is not None else data.t1
-    return a, max(a, b)
 
 
 # ---- timeline ------------------------------------------------------------------------------
@@ -315,59 +156,6 @@ def render_timeline(console: Console, rows: list[TimelineRow], win: Window, data
         console.print(line, no_wrap=True, overflow="crop")
 
 
-# ---- per-op summary ------------------------------------------------------------------------
-
-
-@dataclass
-class OpStat:
-    name: str
-    calls: int  # jobs (or launches, for a name that only launches, like a plan)
-    host_us: float  # launch calls on the host for this op
-    device_us: float  # job durations
-    self_pct: float  # share of all device time in the window
-    avg_us: float | None
-    min_us: float | None
-    max_us: float | None
-
-
-def op_summary(data: TraceData, win: Window | None = None, device: int | None = None) -> list[OpStat]:
-    """Per op (job name): calls, host and device µs, share, avg/min/max; biggest first.
-
-    With a window, a job or launch counts when it starts inside it."""
-    a, b = win or (-math.inf, math.inf)
-    dev = _device(data, device)
-    dur: dict[str, list[float]] = defaultdict(list)
-    if dev is not None:
-        jobs = data.jobs[dev]
-        for name, s, e in zip(jobs.name, jobs.start.tolist(), jobs.end.tolist(), strict=True):
-            if a <= s < b:
-                dur[name].append(e - s)
-    host: dict[str, float] = defaultdict(float)
-    launches: dict[str, int] = defaultdict(int)
-    ls = data.launches
-    mine = np.ones(len(ls.op), bool) if dev is None else (ls.card == dev - DEVICE_PID_BASE) | (ls.card < 0)
-    for op, s, e, ok in zip(ls.op, ls.start.tolist(), ls.end.tolist(), mine.tolist(), strict=True):
-        if ok and (a <= s < b):
-            host[op] += e - s
-            launches[op] += 1
-    total = sum(sum(d) for d in dur.values())
-    out = []
-    for name in dur.keys() | host.keys():
-        d = dur.get(name, [])
-        dev_us = float(sum(d))
-        out.append(OpStat(name, len(d) or launches.get(name, 0), host.get(name, 0.0), dev_us,
-                          100.0 * dev_us / total if total > 0 else 0.0,
-                          dev_us / len(d) if d else None, min(d) if d else None, max(d) if d else None))
-    out.sort(key=lambda o: (-o.device_us, -o.host_us, o.name))
-    return out
-
-
-def _device(data: TraceData, device: int | None) -> int | None:
-    if device is not None:
-        return device
-    return data.devices[0] if data.devices else None
-
-
 # ---- idle time and critical path -----------------------------------------------------------
 
 
@@ -409,50 +197,30 @@ class CriticalPath:
         return 100.0 * self.device_bound_us / self.span_us if self.span_us > 0 else 0.0
 
 
-def idle_breakdown(data: TraceData, win: Window | None = None, device: int | None = None,
-                   stalls: int = 3) -> IdleBreakdown:
-    """Where the device's time went over the window: busy, idle waiting on the host, idle
-    otherwise.
-
-    The jobs are walked in order. The gap before a job counts as waiting on the host when
-    the job is the first of its launch and the launch call returned (its host end) after
-    the previous job ended: the device had nothing to run. Later jobs of a multi-job launch
-    (a plan) are queued behind their predecessor, so their gaps, like those of jobs launched
-    before the device was free, are the device's own (job launch latency, data). After the
-    last job the device waits on the host. A job without its launch in the trace counts as
-    "other": nothing says when the host issued it."""
+def idle_breakdown(data: TraceData, win: Window | None = None, device_pid=None, stalls: int = 3) -> IdleBreakdown:
+    """Where the device's time went over the window: busy, idle waiting on the host (see
+    :func:`~.tracedata.job_waits`), idle otherwise. After the last job the device waits on
+    the host."""
     a, b = win or window(data)
-    dev = _device(data, device)
-    busy = host = other = 0.0
-    found: list[Stall] = []
-    n = 0
-    prev_end = -math.inf
-    if dev is not None:
-        jobs, ls = data.jobs[dev], data.launches
-        for i in range(len(jobs.start)):
-            s, e, li = float(jobs.start[i]), float(jobs.end[i]), int(jobs.launch[i])
-            gap = max(0.0, min(s, b) - max(prev_end, a))
-            first = li >= 0 and int(jobs.seq[i]) == int(ls.first[li])
-            if first and ls.end[li] > prev_end:
-                host += gap
-                if gap > 0:
-                    found.append(Stall(jobs.name[i], max(prev_end, a) - data.t0, gap))
-            else:
-                other += gap
-            inside = max(0.0, min(e, b) - max(s, a))
-            busy += inside
-            if inside > 0 or a <= s < b:
-                n += 1
-            prev_end = max(prev_end, e)
-    host += max(0.0, b - max(prev_end, a))
-    found.sort(key=lambda st: -st.gap_us)
-    return IdleBreakdown(b - a, busy, host, other, n, found[:stalls])
+    dev = device(data, device_pid)
+    if dev is None:
+        return IdleBreakdown(b - a, 0.0, b - a, 0.0, 0)
+    jobs = data.jobs[dev]
+    waits = job_waits(data, dev, (a, b))
+    inside = np.maximum(0.0, np.minimum(jobs.end, b) - np.maximum(jobs.start, a))
+    counted = (inside > 0) | ((a <= jobs.start) & (jobs.start < b))
+    host = float(waits.gap_us[waits.on_host].sum()) + max(0.0, b - max(waits.last_end_us, a))
+    stalled = np.flatnonzero(waits.on_host & (waits.gap_us > 0))
+    longest = stalled[np.argsort(-waits.gap_us[stalled], kind="stable")[:stalls]]
+    found = [Stall(jobs.name[i], float(waits.after_us[i]) - data.t0, float(waits.gap_us[i])) for i in longest.tolist()]
+    return IdleBreakdown(b - a, float(inside.sum()), host, float(waits.gap_us[~waits.on_host].sum()),
+                         int(counted.sum()), found)
 
 
-def critical_path(data: TraceData, win: Window | None = None, device: int | None = None) -> CriticalPath:
+def critical_path(data: TraceData, win: Window | None = None, device_pid=None) -> CriticalPath:
     """The span split into host-bound time (the device idle waiting for a launch) and
     device-bound time (jobs running, and the device's own gaps between queued jobs)."""
-    idle = idle_breakdown(data, win, device)
+    idle = idle_breakdown(data, win, device_pid)
     return CriticalPath(idle.span_us, idle.idle_host_us, idle.busy_us + idle.idle_other_us, idle.stalls)
 
 
@@ -514,24 +282,6 @@ def _us(x: float | None) -> str:
     return "—" if x is None else f"{x:,.1f}"
 
 
-def ops_table(ops: list[OpStat], top: int | None = None, title: str = "per-op summary") -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("op", "calls", "host µs", "device µs", "self %", "avg µs", "min µs", "max µs"):
-        table.add_column(col, justify="left" if col == "op" else "right", no_wrap=col != "op")
-    shown = ops if top is None else ops[:top]
-    for o in shown:
-        table.add_row(Text(o.name), str(o.calls), _us(o.host_us), _us(o.device_us), f"{o.self_pct:.1f}",
-                      _us(o.avg_us), _us(o.min_us), _us(o.max_us))
-    if len(shown) < len(ops):
-        table.add_row(f"… {len(ops) - len(shown)} more", "", "", "", "", "", "", "", style="dim")
-    if ops:
-        table.add_section()
-        table.add_row("total", str(sum(o.calls for o in ops)), _us(sum(o.host_us for o in ops)),
-                      _us(sum(o.device_us for o in ops)), "100.0" if any(o.device_us for o in ops) else "0.0",
-                      "", "", "", style="bold")
-    return table
-
-
 def idle_table(idle: IdleBreakdown, title: str = "device time") -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("")
@@ -558,14 +308,23 @@ def render_critical_path(console: Console, cp: CriticalPath) -> None:
                            style="dim"), no_wrap=True, overflow="crop")
 
 
-def render(console: Console, data: TraceData, win: Window | None = None, top: int = 20,
-           title: str = "") -> None:
-    """Print the timeline, the per-op table, the idle-time breakdown and the critical path."""
+def _missing_info_note(data: TraceData, dev) -> str:
+    if not any(data.jobs[dev].info.values()):
+        return "jobs carry no kernel info (op, module, FLOPs, bytes): rows are kernels, no roofline columns"
+    if Roofline.of_trace_metadata(data.metadata) is None:
+        return "the trace has no device figures (metadata.spyre_rt.device): no roofline columns"
+    return ""
+
+
+def render(console: Console, data: TraceData, win: Window | None = None, top: int = 20, title: str = "",
+           by: str = optable.DEFAULT_GROUPING) -> None:
+    """Print the timeline, the per-op table (grouped `by`), the idle-time breakdown and the
+    critical path."""
     with ascii_safe(console):
-        _render(console, data, win or window(data), top, title)
+        _render(console, data, win or window(data), top, title, by)
 
 
-def _render(console: Console, data: TraceData, w: Window, top: int, title: str) -> None:
+def _render(console: Console, data: TraceData, w: Window, top: int, title: str, by: str) -> None:
     head = Text(title + "  " if title else "", style="bold")
     head.append(f"{data.events:,} events · trace {data.t1 - data.t0:,.1f} µs · "
                 f"window {w[0] - data.t0:,.1f}–{w[1] - data.t0:,.1f} µs", style="dim")
@@ -582,7 +341,13 @@ def _render(console: Console, data: TraceData, w: Window, top: int, title: str) 
         pname = data.processes.get(dev, f"pid {dev}")
         suffix = f" · {pname}" if len(data.devices) > 1 else ""
         console.print()
-        console.print(ops_table(op_summary(data, w, dev), top, "per-op summary" + suffix))
+        ops = optable.op_table(data, w, dev, by)
+        roofline = Roofline.of_trace_metadata(data.metadata)
+        caption = optable.roofline_caption(roofline) if roofline and any(r.compute_pct is not None for r in ops) else None
+        console.print(optable.ops_table(ops, console.width, top, "per-op summary" + suffix, by, caption))
+        note = _missing_info_note(data, dev)
+        if note:
+            console.print(Text(note, style="dim"))
         console.print()
         console.print(idle_table(idle_breakdown(data, w, dev), "device time" + suffix))
         render_critical_path(console, critical_path(data, w, dev))

@@ -4,15 +4,17 @@ beside building them from the kernel descriptions (a miss), in one run."""
 import time
 
 import pytest
-from spyre_rt.compiler import step as steps
+
+from spyre_rt import executor as steps
+from spyre_rt.executor import plans as plan_files
 
 
 def _executables(card):
-    return [exe for s in list(steps._live_steps) for exe in s._executables.values() if exe.card is card]
+    return [exe for s in steps.live_steps() for exe in s.executables() if exe.card is card]
 
 
 def _load_all(exes) -> int:
-    return sum(len(exe._load_or_build_plans()) for exe in exes)
+    return sum(len(plan_files.load_or_build(exe)) for exe in exes)
 
 
 @pytest.mark.benchmark(group="plans and cache")
@@ -29,12 +31,12 @@ def test_plan_cache_hit_tiny_granite(benchmark, tiny_granite):
     # the same plans built from the kernel descriptions, for the ratio
     t0 = time.perf_counter()
     for exe in exes:
-        for i in exe._device_segments():
-            exe._build_plan_block(i)
+        for segment in exe.device_segments():
+            plan_files.build_block(exe, segment)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     _load_all(exes)
     hit_s = time.perf_counter() - t0
-    benchmark.extra_info.update({"plans": plans, "kernels": sum(len(exe.segments[i][1]) for exe in exes for i in exe._device_segments()),
+    benchmark.extra_info.update({"plans": plans, "kernels": sum(len(seg.kernels) for exe in exes for seg in exe.device_segments()),
                                  "hit_ms": round(hit_s * 1e3, 2), "build_ms": round(build_s * 1e3, 1),
                                  "build_over_hit": round(build_s / hit_s, 1)})

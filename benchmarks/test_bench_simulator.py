@@ -4,10 +4,10 @@ import time
 
 import pytest
 import torch
-from spyre_rt.compiler.build.context import BuildContext, Target
-from spyre_rt.compiler.build.matmul import MatmulSpec, View, build
 
 from spyre_rt import jobs
+from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.matmul import MatmulSpec, View, build
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 

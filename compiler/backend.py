@@ -30,6 +30,8 @@ def static_inputs() -> tuple[int, ...]:
 INDUCTOR_PATCHES = {
     "size_asserts": False,
     "nan_asserts": False,
+    "alignment_asserts": False,
+    "scalar_asserts": False,
     "cpp_wrapper": False,
     "max_autotune": False,
     "max_autotune_gemm": False,

@@ -1,4 +1,4 @@
-"""From Inductor's fused loop nodes to :class:`~spyre_rt.compiler.kernels.LoopKernel`.
+"""From Inductor's fused loop nodes to :class:`~spyre_rt.kernels.LoopKernel`.
 
 Each SchedulerNode's LoopBody is run under a recording ops handler, which yields an SSA
 list of its operations with sympy index expressions. Then, at compile time and once:
@@ -25,7 +25,7 @@ import torch
 from torch._inductor.ops_handler import DefaultHandler
 from torch._inductor.virtualized import V
 
-from .kernels import Access, Buffer, LoopKernel, Op
+from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
 
 MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements
 

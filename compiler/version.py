@@ -1,9 +1,6 @@
-"""The identity of the code that turns a graph into card commands (part of every cache key).
-
-A digest of the compiler's and the runtime's Python sources and of the native module:
-a plan depends on all of them (the runtime lays out memory and builds transfers, the native
-module encodes and validates), so a change to any of them must miss the caches.
-"""
+"""The identity of the compiler (part of every cache key): a digest of its sources and of
+the runtime it compiles for. A compiled step carries it in its options, so plans made by
+another compiler are never taken for its own."""
 
 from __future__ import annotations
 
@@ -11,20 +8,14 @@ import hashlib
 import threading
 from pathlib import Path
 
+from spyre_rt.version import runtime_version
+
 _version: str | None = None
 _lock = threading.Lock()
 
 
 def sources() -> list[Path]:
-    """The files the digest covers, in a fixed order."""
-    import spyre_rt._native as native
-
-    import spyre_rt
-
-    roots = [Path(spyre_rt.__file__).parent, Path(__file__).parent]
-    files = {p.resolve() for root in roots for p in root.rglob("*.py")}
-    files.add(Path(native.__file__).resolve())
-    return sorted(files)
+    return sorted(p.resolve() for p in Path(__file__).parent.rglob("*.py"))
 
 
 def compiler_version() -> str:
@@ -32,9 +23,7 @@ def compiler_version() -> str:
     if _version is None:
         with _lock:
             if _version is None:
-                import spyre_rt
-
-                h = hashlib.sha256(spyre_rt.__version__.encode())
+                h = hashlib.sha256(runtime_version().encode())
                 for path in sources():
                     h.update(path.read_bytes())
                 _version = h.hexdigest()[:16]

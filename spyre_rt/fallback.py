@@ -151,6 +151,15 @@ def _restride(o, src):
     return o
 
 
+def forget_warnings(op: str) -> None:
+    """Warn again about ops whose name contains `op` (each warns once per process)."""
+    with _lock:
+        _warned.difference_update({w for w in _warned if op in w})
+    from .executor import cpu_ops
+
+    cpu_ops.forget_warnings(op)
+
+
 def _note(name: str) -> None:
     with _lock:
         calls[name] += 1

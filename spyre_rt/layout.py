@@ -19,35 +19,6 @@ import threading
 from typing import NamedTuple
 
 import numpy as np
-import torch
-
-from .native import lib
-
-SPY_DTYPE = {
-    torch.float32: lib.SPY_DT_F32,
-    torch.float16: lib.SPY_DT_F16,
-    torch.bfloat16: lib.SPY_DT_BF16,
-    torch.int64: lib.SPY_DT_I64,
-    torch.int32: lib.SPY_DT_I32,
-    torch.int8: lib.SPY_DT_I8,
-    torch.uint8: lib.SPY_DT_U8,
-    torch.bool: lib.SPY_DT_BOOL,
-}
-# DLPack type codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
-DLPACK_CODE = {
-    torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.int64: (0, 64),
-    torch.int32: (0, 32), torch.int8: (0, 8), torch.uint8: (1, 8), torch.bool: (6, 8),
-}
-SUPPORTED_DTYPES = tuple(SPY_DTYPE)
-
-
-def spy_dtype(dtype: torch.dtype) -> int:
-    try:
-        return SPY_DTYPE[dtype]
-    except KeyError:
-        raise TypeError(
-            f"spyre tensors cannot hold {dtype}; supported: {[str(d) for d in SUPPORTED_DTYPES]}"
-        ) from None
 
 
 class StickLayout(NamedTuple):

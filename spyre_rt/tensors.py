@@ -16,9 +16,9 @@ import warnings
 import torch
 
 from . import card as cards
-from . import config, dispatch
+from . import config, dispatch, dtypes
 from .errors import SpyreError
-from .layout import DLPACK_CODE, StickLayout, layout_for, registry, spy_dtype
+from .layout import StickLayout, layout_for, registry
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
 
@@ -61,7 +61,7 @@ def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None,
     """A new device tensor with the given geometry (uninitialised), on `card` if given (a
     card of any card set) or else on `device` of the current card set."""
     dtype = dtype or torch.get_default_dtype()
-    spy_dtype(dtype)  # rejects unsupported dtypes with a clear error
+    dtypes.of(dtype)  # rejects unsupported dtypes with a clear error
     if card is None:
         card = cards.get(device_index(device))
     sizes, strides = [int(s) for s in sizes], [int(s) for s in strides]
@@ -77,7 +77,7 @@ def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtyp
     shape = ffi.new("int64_t[]", sizes or [0])
     stride = ffi.new("int64_t[]", strides or [0])
     out = ffi.new("void **")
-    code, bits = DLPACK_CODE[dtype]
+    code, bits = dtypes.of(dtype).dlpack
     status = lib.spy_dlpack_wrap(card.handle, addr, ndim, shape, stride, code, bits, KDL_EXT_DEV, out)
     if status != lib.SPY_OK:
         err = error_for(status, "wrapping a device allocation")  # before free() clears the error

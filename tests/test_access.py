@@ -5,8 +5,8 @@ import random
 
 import numpy as np
 import pytest
-from spyre_rt.compiler.access import NotAffine, descriptor_runs, element_offsets, pattern
 
+from spyre_rt.construct.access import NotAffine, descriptor_runs, element_offsets, pattern
 from spyre_rt.layout import StickLayout
 
 

@@ -17,15 +17,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from spyre_rt.compiler import step as step_mod
-from spyre_rt.compiler.access import NotAffine, pattern
-from spyre_rt.compiler.build import loops
-from spyre_rt.compiler.build import matmul as mm
-from spyre_rt.compiler.build.context import BuildContext, Target
 
 from spyre_rt import card as cards
+from spyre_rt import executor as step_mod
 from spyre_rt import fallback, profile
+from spyre_rt.construct import loops
+from spyre_rt.construct import matmul as mm
+from spyre_rt.construct.access import NotAffine, pattern
+from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.executor import plans
 from spyre_rt.layout import StickLayout
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")
@@ -205,7 +206,7 @@ def test_transfer_graphs_are_keyed_by_every_field_of_the_view(functional):
 # ---- plan files and the memory plan ---------------------------------------------------
 
 def _executables():
-    return [e for s in list(step_mod._live_steps) for e in s._executables.values()]
+    return [e for s in step_mod.live_steps() for e in s.executables()]
 
 
 def test_the_plan_key_changes_with_each_input(functional, monkeypatch):
@@ -214,8 +215,9 @@ def test_the_plan_key_changes_with_each_input(functional, monkeypatch):
     exe = next(e for e in _executables() if e.card is cards.get(0))
     first_input = exe.binding_names[1]
     variants = {
-        "step description": {"desc_digest": "0" * 64},
+        "step description": {"step": SimpleNamespace(digest="0" * 64)},
         "options": {"desc": dataclasses.replace(exe.desc, options={**exe.desc.options, "cpu_fallback": False})},
+        "compiler": {"desc": dataclasses.replace(exe.desc, options={**exe.desc.options, "compiler_version": "x"})},
         "input offset": {"offsets": {**exe.offsets, first_input: exe.offsets[first_input] + 64}},
         "input layout": {"layouts": {**exe.layouts, first_input: StickLayout(1, 512, 4)}},
         "arena size": {"arena_bytes": exe.arena_bytes + 128},
@@ -231,31 +233,37 @@ def test_the_plan_key_changes_with_each_input(functional, monkeypatch):
     f(torch.randn(16, 64).to("spyre")[8:])  # the same sizes and strides, in a larger storage
     keys["a larger input storage"] = next(e for e in _executables() if e is not exe and e.card is cards.get(0)
                                           and e.desc is exe.desc).cache_key()
-    monkeypatch.setattr(step_mod, "compiler_version", lambda: "another compiler")
-    keys["compiler and runtime"] = exe.cache_key()
+    monkeypatch.setattr(plans, "runtime_version", lambda: "another runtime")
+    keys["runtime and native module"] = exe.cache_key()
     monkeypatch.setattr(torch, "__version__", "0.0")
     keys["torch"] = exe.cache_key()
     assert len(set(keys.values())) == len(keys), keys
 
 
-def test_the_compiler_version_covers_the_runtime_and_the_native_module():
-    from spyre_rt.compiler.version import sources
+def test_the_versions_cover_the_compiler_the_runtime_and_the_native_module():
+    from spyre_rt.compiler.version import compiler_version
+    from spyre_rt.compiler.version import sources as compiler_sources
 
-    names = {p.name for p in sources()}
-    assert {"step.py", "loops.py", "layout.py", "transfer.py", "plan.py"} <= names
+    from spyre_rt.version import runtime_version
+    from spyre_rt.version import sources as runtime_sources
+
+    names = {p.name for p in runtime_sources()}
+    assert {"executable.py", "loops.py", "layout.py", "transfer.py", "plan.py"} <= names
     assert any(n.startswith("_native") for n in names)
+    assert {"describe.py", "lowering.py", "wrapper.py"} <= {p.name for p in compiler_sources()}
+    assert compiler_version() != runtime_version()
 
 
 ARENA_SCRIPT = textwrap.dedent("""
     import json, torch, spyre_rt
-    from spyre_rt.compiler import step
+    from spyre_rt import executor as step
     def f(x, w):
         h = x @ w
         a, b, c = torch.relu(h), torch.sigmoid(h), torch.tanh(h)
         return (a @ w.t()) + (b @ w.t()) + (c @ w.t()) + h.cumsum(-1)
     torch.compile(f, backend="spyre_rt", dynamic=False)(torch.randn(64, 128).to("spyre"),
                                                          torch.randn(128, 128).to("spyre"))
-    exe = [e for s in step._live_steps for e in s._executables.values()][0]
+    exe = [e for s in step.live_steps() for e in s.executables()][0]
     print(json.dumps([exe.arena_bytes, sorted(exe.relocs.items()), exe.cache_key()]))
 """)
 

@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 from small_profiles import small_profile_text
-from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import card as cards
+from spyre_rt import executor as step_mod
 from spyre_rt import plan_cache
 from spyre_rt.dispatch import dispatch_mode
 
@@ -250,7 +250,7 @@ def test_a_tensor_keeps_its_layout_when_another_card_set_reuses_its_address(tmp_
 CLIENT = textwrap.dedent(r"""
     import json, torch
     from spyre_rt import plan_cache
-    from spyre_rt.compiler import step
+    from spyre_rt import executor as step
     def f(x, w):
         return torch.softmax(torch.tanh(x @ w.t()) * 4, -1)
     g = torch.Generator().manual_seed(3)

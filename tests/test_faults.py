@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 from small_profiles import small_profile_text
-from spyre_rt.compiler import step as step_mod
 
 import spyre_rt
 from spyre_rt import (
@@ -32,6 +31,7 @@ from spyre_rt import (
     plan_cache,
 )
 from spyre_rt import card as cards
+from spyre_rt import executor as step_mod
 from spyre_rt.card import EV_CMD
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.plan import GraphPlan, PlanJob

@@ -12,10 +12,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import SpyreInvalidCommandError, SpyrePlanCacheError, plan_cache
 from spyre_rt import card as cards
+from spyre_rt import executor as step_mod
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.plan import GraphPlan, PlanJob
 from spyre_rt.plan import encode as encode_plan
@@ -56,13 +56,13 @@ class Compiled:
     """A compiled step, its inputs in graph order, and its pristine plan file."""
 
     def __init__(self, cache_dir):
-        before = set(step_mod._live_steps)
+        before = set(step_mod.live_steps())
         f = torch.compile(model, backend="spyre_rt", dynamic=False)
         args = [a.to("spyre") for a in ARGS]
         with dispatch_mode("prebuilt"):
             assert torch.allclose(f(*args).cpu(), REF, rtol=1e-4, atol=1e-6)
-        (self.step,) = set(step_mod._live_steps) - before
-        (exe,) = self.step._executables.values()
+        (self.step,) = set(step_mod.live_steps()) - before
+        (exe,) = self.step.executables()
         self.key = exe.cache_key()
         by_shape = {tuple(a.shape): a for a in args}
         self.inputs = [by_shape[tuple(b.sizes)] for b, _ in self.step.desc.inputs]
@@ -294,7 +294,7 @@ def test_an_oversized_plan_is_refused_before_any_command_runs(step, name):
     block = step.block.copy()
     OVERSIZED[name](block)
     plan = GraphPlan(card, block)  # accepted: extents are checked against each launch's memory
-    (exe,) = step.step._executables.values()
+    (exe,) = step.step.executables()
     sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
     bufs = [card.malloc(max(n, 1)) for n in sizes]  # what a call of the step binds
     before = card.counters()

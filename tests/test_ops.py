@@ -493,9 +493,7 @@ def test_op(case: Case, family: str, dtype: torch.dtype):
     tol = case.tol.get(dtype, TOL[dtype])
 
     if case.fallback_op:  # the step warns once per process and op: make this test see it
-        from spyre_rt.compiler import step
-
-        step._warned -= {w for w in step._warned if case.fallback_op in w[0]}
+        spyre_rt.fallback.forget_warnings(case.fallback_op)
     results = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", spyre_rt.SpyreFallbackWarning)

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from spyre_rt.compiler import step as step_mod
 
 from spyre_rt import card as cards
+from spyre_rt import executor as step_mod
 from spyre_rt import plan_cache
 from spyre_rt.card import EV_CMD, EV_JOB
 from spyre_rt.dispatch import dispatch_mode
@@ -105,7 +105,7 @@ def test_outputs_of_a_step_survive_the_next_step():
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch, spyre_rt
-    from spyre_rt.compiler import step
+    from spyre_rt import executor as step
     from spyre_rt import plan_cache
     w = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) / 1000
     f = torch.compile(lambda x, w: torch.relu(x @ w) * 0.5, backend="spyre_rt", dynamic=False)
@@ -177,8 +177,8 @@ def test_corrupt_file_is_logged(tmp_path, caplog):
 
 def _executables(before):
     """Executables of the steps compiled since `before` was taken."""
-    for obj in set(step_mod._live_steps) - before:
-        yield from obj._executables.values()
+    for obj in set(step_mod.live_steps()) - before:
+        yield from obj.executables()
 
 
 def test_two_processes_compiling_at_once_leave_one_valid_file(tmp_path):

@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch._inductor.codegen.simd import SIMDScheduling
 from torch._inductor.virtualized import V
 
-from ..build.loops import Unsupported, check_kernel
+from spyre_rt.construct.loops import Unsupported, check_kernel
+
 from ..describe import NotSupported, describe_kernel
 from ..errors import compile_error
 

@@ -1,7 +1,7 @@
 """Inductor wrapper codegen for the card: a step description instead of Python launches.
 
 Inductor's memory planning runs as usual; afterwards the planned wrapper lines are read as
-data and turned into a :class:`~spyre_rt.compiler.step.StepDesc` (inputs, outputs,
+data and turned into a :class:`~spyre_rt.kernels.StepDesc` (inputs, outputs,
 intermediate buffers, kernels and the ordered sequence of kernel runs and CPU ops). The
 generated module embeds that description as JSON and its ``call`` runs it with the
 spyre runtime, so Inductor's FX graph cache can reload it with none of our hooks running.
@@ -10,7 +10,6 @@ spyre runtime, so Inductor's FX graph cache can reload it with none of our hooks
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import sympy
 import torch
@@ -19,10 +18,10 @@ from torch._inductor.codegen import wrapper as W
 from torch._inductor.utils import LineContext, ValueWithLineMap
 from torch._inductor.virtualized import V
 
+from spyre_rt.kernels import Buffer, CpuOp, LoopKernel, MatmulKernel, StepDesc, to_json
+
 from ..describe import buffer_info, copy_kernel, dtype_name
 from ..errors import compile_error, source_of
-from ..kernels import Buffer, LoopKernel, MatmulKernel, to_json
-from ..step import CpuOp, StepDesc
 from .lowering import SpyreMatmul
 
 
@@ -155,8 +154,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         if not isinstance(node.layout, ir.MultiOutputLayout):
             outputs = [buffer_info(node.get_name())]
         return CpuOp(
-            name=node.get_name(), op=str(op), args=json.dumps(enc(list(args))),
-            kwargs=json.dumps({k: enc(v) for k, v in {**kwargs, **(node.kwargs or {})}.items()}),
+            name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
+            kwargs={k: enc(v) for k, v in {**kwargs, **(node.kwargs or {})}.items()},
             outputs=tuple(outputs), mutated=tuple(node.mutation_names), source=source_of([node]),
         )
 
@@ -201,6 +200,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 seq.append(("run", self._device_copy(line).name))
             elif isinstance(line, (W.IndexPutFallbackLine, W.ScatterFallbackLine)):
                 raise compile_error("an index_put/scatter fallback", [line.node])
+            elif isinstance(line, W.UnbackedSymbolDefsLine) and not line.unbacked_bindings:
+                continue  # written after every extern kernel; this one defines no symbol
             elif not isinstance(line, _NO_WORK):
                 # A line kind this step description does not know would be work left undone
                 # (a device copy once was, and its buffer held garbage): refuse it.
@@ -230,12 +231,13 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         for name, t in g.constants.items():
             constants[name] = Buffer(name, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0)
         from .. import backend, options
+        from ..version import compiler_version
 
         return StepDesc(
             inputs=tuple(inputs), outputs=tuple(outputs), buffers=buffers, aliases=aliases,
             constants=constants, kernels=dict(self.spyre_kernels), sequence=tuple(seq),
             options={"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
-                     "compute_dtype": options.compute_dtype},
+                     "compute_dtype": options.compute_dtype, "compiler_version": compiler_version()},
             static_inputs=backend.static_inputs(),
         )
 
@@ -244,7 +246,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         step = self.build_step()
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
-            "from spyre_rt.compiler.step import load_step\n"
+            "from spyre_rt.executor import load_step\n"
             f"_step = load_step({to_json(step)!r})\n"
             "def call(args):\n"
             "    # constants are attached to this module after it is loaded\n"

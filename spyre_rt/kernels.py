@@ -1,8 +1,10 @@
-"""Kernel descriptions: what the compiler hands to construction, as plain data.
+"""Kernel and step descriptions: what the compiler hands to the runtime, as plain data.
 
-Everything here round-trips through JSON (:func:`to_json` / :func:`from_json`): plan cache
-files carry the descriptions of a compiled step so that any dispatch mode can construct
-from them in a new process, and nothing is ever unpickled.
+The compiler decides *what* a step computes and describes it here; construction
+(:mod:`spyre_rt.construct`) decides how the card runs each kernel, and the executor
+(:mod:`spyre_rt.executor`) runs the step. Everything round-trips through JSON
+(:func:`to_json` / :func:`from_json`): a compiled module embeds its step as JSON, so that
+Inductor's FX graph cache can reload it, and nothing is ever unpickled.
 
 A :class:`LoopKernel` is one fused Inductor kernel (pointwise, reduction, gather, scatter)
 over a box of *canonical* loop variables: every node of the kernel and every index
@@ -61,6 +63,18 @@ class Op:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+View = tuple[str, int, tuple[int, ...], tuple[int, ...]]   # (buffer, offset, sizes, strides)
+
+_TYPES: dict[str, type] = {}  # every description type, by name (for from_json)
+
+
+def description(cls):
+    """Register a plain-data description type (a frozen dataclass) for JSON decoding."""
+    _TYPES[cls.__name__] = cls
+    return cls
+
+
+@description
 @dataclass(frozen=True)
 class LoopKernel:
     name: str
@@ -71,8 +85,24 @@ class LoopKernel:
     buffers: tuple[Buffer, ...]
     origins: tuple[str, ...] = ()
 
+    kind = "loop"  # the builder that constructs it (spyre_rt.construct.BUILDERS)
+
+    def views(self) -> list[View]:
+        """Every view through which the kernel touches a buffer: the box of each access
+        (an indirect row moves by whole rows)."""
+        out = []
+        for op in self.ops:
+            acc = op.access
+            if acc is None or not acc.buf:
+                continue
+            dims = [(n, c) for n, c in zip(self.sizes, acc.coeffs, strict=True) if c and n > 1]
+            dims += [(2, c) for _, c in acc.ind]
+            out.append((acc.buf, acc.const, tuple(n for n, _ in dims), tuple(c for _, c in dims)))
+        return out
+
     @property
-    def kind(self) -> str:
+    def shape(self) -> str:
+        """pointwise, reduction, gather or scatter."""
         ops = {o.op for o in self.ops}
         if any(o.op == "store" and o.access and o.access.ind for o in self.ops):
             return "scatter"
@@ -83,6 +113,7 @@ class LoopKernel:
         return "pointwise"
 
 
+@description
 @dataclass(frozen=True)
 class MatmulKernel:
     """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers."""
@@ -100,23 +131,45 @@ class MatmulKernel:
 
     kind = "matmul"
 
+    def views(self) -> list[View]:
+        return [v for v in (self.a, self.b, self.out, self.bias) if v is not None]
 
+
+@description
 @dataclass(frozen=True)
 class CpuOp:
     """An op that runs on the host inside a compiled step (CPU fallback).
 
-    ``args``/``kwargs`` are JSON: buffer references as ``{"buf": view}``, dtypes as
-    ``{"dtype": name}``; ``outputs`` are the buffers it produces."""
+    ``args``/``kwargs`` hold buffer references as ``{"buf": view}``, dtypes as
+    ``{"dtype": name}``, devices as ``{"device": type}``; ``outputs`` are the buffers it
+    produces."""
 
     name: str
     op: str
-    args: str
-    kwargs: str
+    args: tuple
+    kwargs: dict[str, Any]
     outputs: tuple[Buffer, ...]
     mutated: tuple[str, ...]
     source: str
 
+    def buffer_refs(self) -> list[View]:
+        return _buffer_refs(self.args) + _buffer_refs(self.kwargs)
 
+    def buffer_names(self) -> set[str]:
+        return {o.name for o in self.outputs} | {ref[0] for ref in self.buffer_refs()}
+
+
+def _buffer_refs(a) -> list:
+    if isinstance(a, dict) and "buf" in a:
+        return [tuple(a["buf"])]
+    if isinstance(a, (list, tuple)):
+        return [r for x in a for r in _buffer_refs(x)]
+    if isinstance(a, dict):
+        return [r for x in a.values() for r in _buffer_refs(x)]
+    return []
+
+
+@description
 @dataclass(frozen=True)
 class StepDesc:
     """A compiled graph: what runs, in which order, on which buffers.
@@ -136,7 +189,8 @@ class StepDesc:
     static_inputs: tuple[int, ...] = ()   # inputs whose memory does not change (parameters)
 
 
-_TYPES = {cls.__name__: cls for cls in (Buffer, Access, Op, LoopKernel, MatmulKernel, CpuOp, StepDesc)}
+for _cls in (Buffer, Access, Op):
+    description(_cls)
 
 
 def _encode(obj: Any) -> Any:

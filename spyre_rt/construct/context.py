@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spyre_rt.layout import StickLayout
-from spyre_rt.profile import DeviceProfile
-from spyre_rt.program import SLOT_DRAM, ProgramBuilder
+from ..layout import StickLayout
+from ..profile import DeviceProfile
+from ..program import SLOT_DRAM, ProgramBuilder
 
 LX_ALIGN = 128  # scratchpad regions start on a stick
 

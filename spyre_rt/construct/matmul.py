@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spyre_rt.native import lib
-from spyre_rt.program import (
+from .. import dtypes
+from ..native import lib
+from ..program import (
     CMD_MM,
     CMD_SFU,
     DESC,
@@ -38,8 +39,7 @@ from spyre_rt.program import (
     OPND_TILE,
     empty_cmds,
 )
-
-from ..access import NotAffine, Pattern, descriptor_runs, pattern
+from .access import NotAffine, Pattern, descriptor_runs, pattern
 from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, round_up
 
 
@@ -73,7 +73,7 @@ class Tiles:
     tk: int
 
 
-ITEMSIZE = {lib.SPY_DT_F32: 4, lib.SPY_DT_F16: 2, lib.SPY_DT_BF16: 2}
+ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
 
 
 def _candidates(dim: int, options, gran: int) -> list[int]:
@@ -402,9 +402,6 @@ def _epilogue(ctx: BuildContext, spec: MatmulSpec, slot: int, r: int, c: int, c_
     return ctx.program.add_instrs(ins)
 
 
-_DT = {"float32": lib.SPY_DT_F32, "float16": lib.SPY_DT_F16, "bfloat16": lib.SPY_DT_BF16}
-
-
 def build_kernel(ctx: BuildContext, k, tiles: Tiles | None = None) -> Tiles:
     """Build a :class:`~spyre_rt.compiler.kernels.MatmulKernel` (views relative to their
     buffers' starts) into the context's program; returns its tiles (pass them back to build
@@ -415,8 +412,8 @@ def build_kernel(ctx: BuildContext, k, tiles: Tiles | None = None) -> Tiles:
         return View(name, off + ctx.offset(name), tuple(sizes), tuple(strides))
 
     for dt in (k.in_dtype, k.out_dtype):
-        if dt not in _DT:
+        if dt not in dtypes.MATMUL:
             raise NotImplementedError(f"matmul in {dt}")
-    spec = MatmulSpec(view(k.a), view(k.b), view(k.out), _DT[k.in_dtype], _DT[k.out_dtype],
-                      bias=view(k.bias) if k.bias else None, bias_dtype=_DT.get(k.bias_dtype, 0))
+    spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
+                      bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0))
     return build(ctx, spec, tiles)

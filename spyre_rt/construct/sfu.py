@@ -14,19 +14,16 @@ import struct
 
 import numpy as np
 
-from spyre_rt.native import lib
-from spyre_rt.program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_ROW, OPND_SCALAR, OPND_TILE
+from .. import dtypes
+from ..native import lib
+from ..program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_ROW, OPND_SCALAR, OPND_TILE
 
 TILE, ROW, COL, SCALAR = "tile", "row", "col", "scalar"
 KIND_CODE = {TILE: OPND_TILE, ROW: OPND_ROW, COL: OPND_COL, SCALAR: OPND_SCALAR}
 
-DTYPE = {
-    "float32": lib.SPY_DT_F32, "float16": lib.SPY_DT_F16, "bfloat16": lib.SPY_DT_BF16,
-    "int64": lib.SPY_DT_I64, "int32": lib.SPY_DT_I32, "int8": lib.SPY_DT_I8, "uint8": lib.SPY_DT_U8,
-    "bool": lib.SPY_DT_BOOL,
-}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
-FLOATS = {"float32", "float16", "bfloat16"}
+DTYPE = dtypes.CODE
+ITEMSIZE = dtypes.ITEMSIZE
+FLOATS = dtypes.FLOATS
 
 UNARY = {
     "neg": lib.SPY_SFU_NEG, "abs": lib.SPY_SFU_ABS, "exp": lib.SPY_SFU_EXP, "log": lib.SPY_SFU_LOG,

@@ -12,8 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from spyre_rt.program import CMD_DMA, OP_LOAD, OP_STORE
-
+from ..program import CMD_DMA, OP_LOAD, OP_STORE
 from .context import BuildContext, round_up
 
 CHUNK_MAX = 256 << 10  # bytes per chunk: two slots stay well inside a 2 MiB scratchpad

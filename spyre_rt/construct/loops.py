@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spyre_rt.native import lib
-from spyre_rt.program import (
+from ..kernels import Access, LoopKernel, Op
+from ..native import lib
+from ..program import (
     CMD_DMA,
     CMD_GATHER,
     CMD_SFU,
@@ -35,9 +36,7 @@ from spyre_rt.program import (
     OP_SFU,
     OP_STORE,
 )
-
-from ..access import NotAffine, Pattern, descriptor_runs, pattern
-from ..kernels import Access, LoopKernel, Op
+from .access import NotAffine, Pattern, descriptor_runs, pattern
 from .context import BuildContext, ScratchpadOverflow, round_up
 from .sfu import (
     BINARY,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spyre_rt.layout import StickLayout
+from ..layout import StickLayout
 
 
 class NotAffine(Exception):

@@ -1,0 +1,32 @@
+"""Construction: kernel descriptions to validated job programs for the card.
+
+This is the work the dispatch modes move: ``construct`` runs it on every launch,
+``prebuilt`` once, when the graph plan is built. The compiler decides what a kernel
+computes (a plain-data description, :mod:`spyre_rt.kernels`); construction decides how the
+card runs it (tiles over the cores, scratchpad regions, DMA patterns, commands).
+
+A kernel kind is a description type with a ``kind`` and a builder registered here: a
+function ``(context, kernel, tiling or None) -> tiling`` that fills the context's program
+and returns its tile choices, which a later build of the same kernel on the same target
+takes back instead of choosing again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import loops, matmul
+from .context import BuildContext
+
+BUILDERS: dict[str, Callable] = {
+    "loop": loops.build,
+    "matmul": matmul.build_kernel,
+}
+
+
+def build(ctx: BuildContext, kernel, tiling=None):
+    """Construct `kernel` into the context's program; returns its tiling."""
+    builder = BUILDERS.get(getattr(kernel, "kind", None))
+    if builder is None:
+        raise TypeError(f"no builder for a {type(kernel).__name__} (kind {getattr(kernel, 'kind', None)!r})")
+    return builder(ctx, kernel, tiling)

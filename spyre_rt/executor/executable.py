@@ -1,0 +1,261 @@
+"""A compiled step on one card for one input geometry: its memory, segments and plans.
+
+Bindings: a call binds the arena of intermediates (binding 0), every input and constant,
+and a fresh buffer per output; each kernel's buffers are relocated against them
+(``relocs``: name -> (binding, byte offset)).
+
+Inputs a step mutates are all-or-nothing. The step's first job copies every byte range a
+mutated input covers into the arena (a snapshot, on the card: loads and stores through the
+scratchpads); if anything fails after that job completed (a card fault, a CPU op), a
+restore job copies the snapshots back before the error reaches the caller, so a failed
+call leaves every mutated input as it was. Snapshot-and-restore costs one device copy of
+the mutated inputs per call; the alternative, computing into step-owned shadows and
+committing them with a final copy, costs two, and a fault inside the commit copy would
+still leave an input half-written.
+
+Arenas and graph plans belong to the card's reset epoch they were made in: after a reset
+(:func:`spyre_rt.reset_device`) the next call drops them and makes new ones (plans from
+the plan cache when it has them), never touching the addresses the old ones had.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .. import card as cards
+from .. import construct, jobs, tensors
+from ..construct import copy
+from ..construct.context import BuildContext, Target
+from ..dtypes import torch_dtype
+from ..errors import SpyreError
+from ..kernels import Buffer
+from ..layout import StickLayout
+from ..native import ffi
+from . import memory, plans
+from .cpu_ops import CpuOps
+from .segments import Call, DeviceSegment, cut
+from .stats import stats
+
+ARENA = 0  # binding 0 is the arena of intermediates
+SNAPSHOT = "<snapshot>"  # the job that saves the mutated inputs (see the module docstring)
+RESTORE = "<restore>"
+
+
+class Executable:
+    def __init__(self, step, card: cards.Card, geometry: tuple):
+        desc = step.desc
+        self.step = step
+        self.desc = desc
+        self.card = card
+        self.target = Target.from_profile(card.profile)
+        mem = step.memory_plan(card.profile.stick_bytes)
+        names_in = [b.name for b, _ in desc.inputs] + list(desc.constants)
+        self.layouts: dict[str, StickLayout] = dict(mem.layouts)
+        self.offsets: dict[str, int] = dict.fromkeys(desc.buffers, 0)
+        for name, (layout, off) in zip(names_in, geometry, strict=True):
+            self.layouts[name], self.offsets[name] = layout, off
+        for name, (_, off, _, _) in desc.aliases.items():
+            root = self.base_of(name)
+            self.layouts[name] = self.layouts[root]
+            self.offsets[name] = self.offsets[root] + off
+        self.output_bases = mem.output_bases
+        self.binding_names = ["<arena>"] + names_in + list(mem.output_bases)
+        self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
+        self.relocs.update((name, (ARENA, off)) for name, off in mem.arena.items())
+        self.arena_bytes = mem.arena_bytes
+        self.snapshots = self._plan_snapshots()
+        for name in desc.aliases:
+            self.relocs[name] = self.relocs[self.base_of(name)]
+        self.segments = cut(desc.sequence, (SNAPSHOT,) if self.snapshots else ())
+        self._named = self._buffers_by_name()
+        self.cpu = CpuOps(self)
+        self._outputs = self._output_sources(names_in)
+        self._out_specs = [(desc.buffers[n].sizes, desc.buffers[n].strides, torch_dtype_of(desc.buffers[n]))
+                           for n in mem.output_bases]
+        # tile choices per kernel: decided at the first construction (compile time), not
+        # again at every launch; what construct mode repeats is building the job graph
+        self._tilings: dict[str, object] = {}
+        self._plans: tuple[int, list] | None = None  # (reset epoch, plans)
+        self._arenas: list[tuple[int, object, int]] = []
+        self._arena_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
+
+    # ---- names ----
+    def base_of(self, name: str) -> str:
+        return memory.base_of(self.desc, name)
+
+    def buffer(self, name: str) -> Buffer:
+        """The description of a buffer, input, constant or alias."""
+        return self._named[name]
+
+    def _buffers_by_name(self) -> dict[str, Buffer]:
+        named = {b.name: b for b, _ in self.desc.inputs}
+        named.update(self.desc.constants)
+        named.update(self.desc.buffers)
+        for name, (_, off, sizes, strides) in self.desc.aliases.items():
+            named[name] = Buffer(name, named[self.base_of(name)].dtype, tuple(sizes), tuple(strides), off)
+        return named
+
+    def job_name(self, kernel: str) -> str:
+        """The name a kernel's job runs under in the trace: unique across steps."""
+        return kernel if kernel in (SNAPSHOT, RESTORE) else f"{kernel}@{self.step.digest[:8]}"
+
+    def _output_sources(self, names_in: list[str]) -> list[tuple[bool, int, int, tuple, tuple]]:
+        """Where each output comes from: (a fresh output buffer?, which, offset, sizes, strides)."""
+        index_in = {n: i for i, n in enumerate(names_in)}
+        out = []
+        for name, off, sizes, strides in self.desc.outputs:
+            base = self.base_of(name)
+            delta = self.offsets.get(name, 0) - self.offsets.get(base, 0) + off
+            if base in self.output_bases:
+                out.append((True, self.output_bases.index(base), delta, sizes, strides))
+            else:
+                out.append((False, index_in[base], delta, sizes, strides))
+        return out
+
+    def _plan_snapshots(self) -> list[copy.Copy]:
+        """Arena space for the bytes each mutated input covers: the copies the snapshot
+        job makes (their reverse restores them)."""
+        out = []
+        stick = self.card.profile.stick_bytes
+        for b, mutated in self.desc.inputs:
+            if not mutated:
+                continue
+            lo, hi = memory.byte_range(self.layouts[b.name], self.offsets[b.name] + b.offset, b.sizes, b.strides)
+            if hi <= lo:
+                continue
+            name = f"{SNAPSHOT}{len(out)}"
+            size = memory.align(hi - lo)
+            self.layouts[name] = StickLayout(1, size, 1, stick)
+            self.relocs[name] = (ARENA, self.arena_bytes)
+            self.arena_bytes += size
+            out.append(copy.Copy(b.name, lo, name, 0, hi - lo))
+        return out
+
+    def device_segments(self) -> list[DeviceSegment]:
+        return [s for s in self.segments if isinstance(s, DeviceSegment)]
+
+    # ---- construction ----
+    def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
+        """Construct one kernel's program: the work the dispatch modes move."""
+        stats["kernels_built"] += 1
+        ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        if kernel_name in (SNAPSHOT, RESTORE):
+            copies = self.snapshots if kernel_name == SNAPSHOT else [
+                copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
+            copy.build(ctx, copies)
+        else:
+            kernel = self.desc.kernels[kernel_name]
+            self._tilings[kernel_name] = construct.build(ctx, kernel, self._tilings.get(kernel_name))
+        return ctx.encode(), ctx.buffers()
+
+    def construct_and_run(self, kernels, table, mode: str) -> None:
+        """The construct modes: build each kernel's program at its launch, upload, run."""
+        card = self.card
+        tracing = card.tracing
+        for position, name in enumerate(kernels):
+            t0 = card.host_clock_ns() if tracing else 0
+            blob, bufs = self.build(name)
+            if tracing:
+                card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
+            slots = [table[b] + off for b, off in (self.relocs[n] for n in bufs)]
+            try:
+                jobs.run_once(card, blob, slots, self.job_name(name), prebuilt_transfer=mode != "construct")
+            except SpyreError as e:
+                e.job = position  # as a plan launch names its failing job
+                raise
+
+    # ---- plans ----
+    def cache_key(self) -> str:
+        return plans.cache_key(self)
+
+    def plans(self, epoch: int | None = None) -> list:
+        """The plans of the device segments, made in the card's current reset epoch (`epoch`
+        when the caller has read it): plans of an older epoch are gone from the card."""
+        if epoch is None:
+            epoch = self.card.epoch
+        made = self._plans
+        if made is None or made[0] != epoch:
+            with self._plan_lock:
+                if self._plans is None or self._plans[0] != epoch:
+                    self._plans = (epoch, plans.load_or_build(self))
+                made = self._plans
+        return made[1]
+
+    # ---- running ----
+    def _take_arena(self, epoch: int) -> tuple[int, object, int]:
+        """An arena of the card's reset epoch `epoch` for one call, with the binding table
+        that goes with it. Pooled arenas of an older epoch were dropped by the reset: they
+        are forgotten, not freed (their addresses may belong to others now)."""
+        with self._arena_lock:
+            while self._arenas:
+                taken = self._arenas.pop()
+                if taken[2] == epoch:
+                    return taken
+        arena = self.card.malloc(max(self.arena_bytes, 1))
+        table = ffi.new("uint64_t[]", len(self.binding_names))
+        table[0] = arena
+        return arena, table, epoch
+
+    def _give_arena(self, taken: tuple[int, object, int]) -> None:
+        with self._arena_lock:
+            self._arenas.append(taken)
+
+    def __del__(self):
+        for arena, _, epoch in getattr(self, "_arenas", ()):
+            try:
+                self.card.free(arena, epoch)
+            except Exception:
+                pass
+
+    def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None) -> list[torch.Tensor]:
+        card = self.card
+        outputs = [tensors.empty_strided(sizes, strides, dtype, card=card) for sizes, strides, dtype in self._out_specs]
+        epoch = card.epoch
+        taken = self._take_arena(epoch)
+        table = taken[1]
+        try:
+            if bases is None:
+                bases = [t.untyped_storage().data_ptr() for t in inputs]
+            n = len(bases)
+            table[1: 1 + n] = bases
+            for k, t in enumerate(outputs):
+                table[1 + n + k] = t.untyped_storage().data_ptr()
+            self._run_segments(Call(self, table, mode, epoch))
+        finally:
+            self._give_arena(taken)
+        result = []
+        for fresh, k, delta, sizes, strides in self._outputs:
+            t = outputs[k] if fresh else inputs[k]
+            result.append(torch.as_strided(t, sizes, strides, delta if fresh else delta + t.storage_offset()))
+        return result
+
+    def _run_segments(self, call: Call) -> None:
+        saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
+        try:
+            for seg in self.segments:
+                try:
+                    seg.run(call)
+                except SpyreError as e:  # job 0 of the first device segment is the snapshot
+                    saved = saved or getattr(e, "segment", -1) != 0 or e.job > 0
+                    raise
+                saved = True
+        except BaseException:
+            if saved and self.snapshots:
+                self._restore(call.table, call.mode)
+            raise
+
+    def _restore(self, table, mode: str) -> None:
+        """Copy the snapshots back into the mutated inputs after a failed call. On a lost
+        card there is nothing to restore: the caller gets the original error."""
+        try:
+            self.construct_and_run((RESTORE,), table, mode)
+        except SpyreError:
+            pass
+
+
+def torch_dtype_of(b: Buffer) -> torch.dtype:
+    return torch_dtype(b.dtype)

@@ -1,0 +1,88 @@
+"""The pieces a step's sequence is cut into, each of which knows how to run itself.
+
+A :class:`DeviceSegment` is a run of card kernels: one graph plan in ``prebuilt`` mode, one
+job built and launched per kernel in the construct modes. A :class:`CpuSegment` is an op
+the card cannot run, run on the host inside the step; a :class:`PickSegment` uploads one
+element of a CPU op's tuple result into a buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SpyreError
+from ..kernels import CpuOp
+
+
+@dataclass
+class Call:
+    """One call of an executable: its binding table and what its segments leave behind."""
+
+    exe: Any
+    table: Any             # uint64_t[] bindings: arena, inputs, constants, outputs
+    mode: str
+    epoch: int
+    cpu_values: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceSegment:
+    kernels: tuple[str, ...]
+    index: int  # among the step's device segments: which plan of the plan file
+
+    def run(self, call: Call) -> None:
+        exe = call.exe
+        try:
+            if call.mode == "prebuilt":
+                exe.plans(call.epoch)[self.index].launch(call.table)
+            else:
+                exe.construct_and_run(self.kernels, call.table, call.mode)
+        except SpyreError as e:
+            e.segment = self.index
+            raise
+
+
+@dataclass(frozen=True)
+class CpuSegment:
+    op: CpuOp
+
+    def run(self, call: Call) -> None:
+        call.cpu_values[self.op.name] = call.exe.cpu.run(self.op, call.table, call.mode)
+
+
+@dataclass(frozen=True)
+class PickSegment:
+    src: str
+    path: tuple[int, ...]
+    out: str
+
+    def run(self, call: Call) -> None:
+        value = call.cpu_values[self.src]
+        for i in self.path:
+            value = value[i]
+        call.exe.cpu.upload(self.out, value, call.table, call.mode)
+
+
+def cut(sequence, first: tuple[str, ...] = ()) -> list:
+    """The segments of a step's sequence; `first` are jobs that run before everything else
+    (in the first device segment, which is made for them if the step starts on the host)."""
+    segs: list = []
+    run: list[str] = list(first)
+    ndevice = 0
+
+    def close() -> None:
+        nonlocal run, ndevice
+        if run:
+            segs.append(DeviceSegment(tuple(run), ndevice))
+            ndevice += 1
+            run = []
+
+    for kind, x in sequence:
+        if kind == "run":
+            run.append(x)
+            continue
+        close()
+        segs.append(CpuSegment(x) if kind == "cpu" else PickSegment(x[0], tuple(x[1]), x[2]))
+    close()
+    return segs

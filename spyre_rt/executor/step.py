@@ -1,0 +1,158 @@
+"""A compiled step: what a compiled module's ``call(args)`` runs.
+
+Per input geometry (the card, the stick layouts and storage offsets of the inputs) it keeps
+an :class:`~spyre_rt.executor.executable.Executable`. A call that repeats the last geometry
+takes a fast path: static inputs (parameters, static caches) are checked by identity, the
+others by layout, offset and card.
+
+Outputs are fresh device tensors on every call, so a later call never overwrites what an
+earlier one returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import threading
+import weakref
+
+import torch
+
+from .. import aten, config, tensors
+from .. import card as cards
+from ..dispatch import override
+from ..errors import SpyreError
+from ..kernels import StepDesc, from_json, to_json
+from ..layout import registry
+from . import memory
+from .executable import Executable
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_steps() -> list[CompiledStep]:
+    """The compiled steps alive in this process (for tools and tests that inspect them)."""
+    return list(_live)
+
+
+def load_step(text: str) -> CompiledStep:
+    """The step a compiled module embeds as JSON."""
+    return CompiledStep(from_json(text), hashlib.sha256(text.encode()).hexdigest())
+
+
+class CompiledStep:
+    def __init__(self, desc: StepDesc, digest: str | None = None):
+        _live.add(self)
+        self.desc = desc
+        # the description's identity in plan-cache keys: hashing its JSON once, not per load
+        self.digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
+        self.default_mode = desc.options.get("dispatch") or config.settings().dispatch
+        self._executables: dict[tuple, Executable] = {}
+        self._memory: dict[int, memory.MemoryPlan] = {}  # by stick size
+        self._lock = threading.Lock()
+        self._fast: _FastPath | None = None
+
+    def executables(self) -> list[Executable]:
+        return list(self._executables.values())
+
+    def memory_plan(self, stick_bytes: int) -> memory.MemoryPlan:
+        """The step's static memory plan (the same for every input geometry)."""
+        plan = self._memory.get(stick_bytes)
+        if plan is None:
+            plan = self._memory[stick_bytes] = memory.plan(self.desc, stick_bytes)
+        return plan
+
+    def executable(self, card: cards.Card, geometry: tuple) -> Executable:
+        key = (card.instance, geometry)
+        exe = self._executables.get(key)
+        if exe is None:
+            with self._lock:
+                exe = self._executables.get(key)
+                if exe is None:
+                    exe = self._executables[key] = Executable(self, card, geometry)
+        return exe
+
+    def __call__(self, args: list, module_globals: dict):
+        inputs = list(args)
+        args.clear()  # boxed calling convention: drop the caller's references early
+        if self.desc.constants:
+            inputs += [module_globals[name] for name in self.desc.constants]
+        fast = self._fast
+        if fast is not None:
+            outs = fast.run(inputs, override() or self.default_mode)
+            if outs is not None:
+                return outs
+        return self._call(inputs)
+
+    def _call(self, inputs: list):
+        spyre_in = [t for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "spyre"]
+        if spyre_in:  # the card that holds the first input, of whichever card set
+            device, card = spyre_in[0].device, tensors.card_of(spyre_in[0])
+        else:
+            device = torch.device("spyre", tensors.current_device())
+            card = cards.get(device.index)
+        host_inputs = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "spyre":
+                host_inputs[i] = t
+                inputs[i] = tensors.to_card(t, card)
+            elif t.device != device:
+                raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
+        geometry = []
+        for t in inputs:
+            base = t.untyped_storage().data_ptr()
+            layout = registry.get(base)
+            if layout is None:
+                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
+            if cards.owner(base) is not card:
+                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
+                                 "sets, spyre_rt.configure); use one card")
+            geometry.append((layout, t.storage_offset()))
+        exe = self.executable(card, tuple(geometry))
+        if not host_inputs:
+            self._fast = _FastPath(self, exe, inputs, geometry)
+        outs = exe.run(inputs, override() or self.default_mode)
+        for i, t in host_inputs.items():
+            if i < len(self.desc.inputs) and self.desc.inputs[i][1]:
+                t.copy_(inputs[i])  # a mutated host input: write the new values back
+        if host_inputs and len(host_inputs) == len(inputs):
+            outs = [o.cpu() for o in outs]
+        return outs
+
+
+class _FastPath:
+    """The last input geometry of a step, to skip the full checks when a call repeats it:
+    static inputs are checked by identity (and a global count of storage swaps), the others
+    by storage layout, offset and address window."""
+
+    def __init__(self, step: CompiledStep, exe: Executable, inputs: list, geometry: list):
+        static = set(step.desc.static_inputs)
+        self.exe = exe
+        self.card_set = id(cards.card_set())
+        self.window = exe.card.instance  # dynamic inputs must be in the card's address window
+        self.device = inputs[0].device if inputs else None
+        self.n = len(inputs)
+        self.static_idx = [i for i in range(len(inputs)) if i in static]
+        # Holding the static tensors keeps their storages alive (and their ids unique): the
+        # same objects with no storage swap since (aten.storage_swaps) have the same memory.
+        self.statics = [inputs[i] for i in self.static_idx]
+        self.swaps = aten.storage_swaps
+        self.dynamic = [(i, geometry[i]) for i in range(len(inputs)) if i not in static]
+        self.bases = [t.untyped_storage().data_ptr() for t in inputs]
+
+    def run(self, inputs: list, mode: str):
+        if id(cards.card_set()) != self.card_set or len(inputs) != self.n or aten.storage_swaps != self.swaps:
+            return None
+        if not all(map(operator.is_, [inputs[i] for i in self.static_idx], self.statics)):
+            return None
+        bases = list(self.bases)
+        window = self.window
+        for i, geo in self.dynamic:
+            t = inputs[i]
+            if t.device != self.device:
+                return None
+            base = t.untyped_storage().data_ptr()
+            if (registry.get(base), t.storage_offset()) != geo or cards.window_of(base) != window:
+                return None
+            bases[i] = base
+        return self.exe.run(inputs, mode, bases)

@@ -42,14 +42,19 @@ spy_status spy_alloc_init(spy_allocator *a, uint64_t base, uint64_t capacity, ui
     return SPY_OK;
 }
 
-static void free_backing(spy_block *b)
+void spy_block_uncommit(spy_block *b)
 {
-    free(b->backing);
-    b->backing = NULL;
     if (b->prog) {
         spy_program_free(b->prog);
         b->prog = NULL;
     }
+}
+
+static void free_backing(spy_block *b)
+{
+    free(b->backing);
+    b->backing = NULL;
+    spy_block_uncommit(b);
 }
 
 void spy_alloc_destroy(spy_allocator *a)
@@ -267,10 +272,7 @@ spy_status spy_alloc_put(spy_allocator *a, uint64_t addr)
     if (b.kind == SPY_MEM_CONTROL)
         a->control -= b.size;
     a->total_frees++;
-    if (b.prog) {
-        spy_program_free(b.prog);
-        b.prog = NULL;
-    }
+    spy_block_uncommit(&b);
     b.plan_owned = 0;
     if (a->ncache >= CACHE_MAX_BLOCKS ||
         !grow((void **)&a->cache, &a->capcache, a->ncache + 1, sizeof(spy_block))) {

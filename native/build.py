@@ -13,7 +13,8 @@ import re
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["status.c", "alloc.c", "program.c", "sim.c", "exec.c", "sfu.c", "gemm.c", "half.c", "device.c", "dlpack.c"]
+# Every .c file of native/ is part of the runtime (native/Makefile builds the same set).
+SOURCES = sorted(name for name in os.listdir(HERE) if name.endswith(".c"))
 
 
 def cdef_from_header(path: str) -> str:

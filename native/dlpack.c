@@ -47,12 +47,12 @@ static void deleter(dl_managed *m)
 {
     wrap_ctx *ctx = m->manager_ctx;
     spy_device *d = ctx->dev;
-    pthread_mutex_lock(&d->lock);
+    spy_lock(d);
     /* After a device reset the address may belong to a new allocation: leave it alone. */
     if (ctx->epoch == d->epoch)
         (void)spy_alloc_put(&d->mem, ctx->addr);
     d->dlpack_live--;
-    pthread_mutex_unlock(&d->lock);
+    spy_unlock(d);
     free(ctx);
     free(m);
 }
@@ -71,13 +71,13 @@ spy_status spy_dlpack_wrap(spy_device *d, uint64_t addr, int32_t ndim, const int
         free(ctx);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     }
-    pthread_mutex_lock(&d->lock);
+    spy_lock(d);
     spy_block *b = spy_alloc_find(&d->mem, addr, 1);
     bool ok = b && b->addr == addr;
     if (ok)
         d->dlpack_live++;
     ctx->epoch = d->epoch;
-    pthread_mutex_unlock(&d->lock);
+    spy_unlock(d);
     if (!ok) {
         free(m);
         free(ctx);
@@ -114,8 +114,8 @@ void spy_dlpack_release(void *managed)
 
 uint64_t spy_dlpack_live(spy_device *d)
 {
-    pthread_mutex_lock(&d->lock);
+    spy_lock(d);
     uint64_t n = d->dlpack_live;
-    pthread_mutex_unlock(&d->lock);
+    spy_unlock(d);
     return n;
 }

@@ -120,12 +120,12 @@ spy_status spy_exec_command(spy_exec_ctx *x, uint32_t index)
     case SPY_OP_MATMUL: {
         const spy_matmul *m = &c->u.mm;
         spy_gemm(m, lx + m->a_off, lx + m->b_off, lx + m->c_off, c->flags & SPY_MM_ACCUMULATE,
-                 c->flags & SPY_MM_TRANS_A, c->flags & SPY_MM_TRANS_B);
+                 c->flags & SPY_MM_TRANS_A, c->flags & SPY_MM_TRANS_B, &dev->gemm_panels);
         return SPY_OK;
     }
     case SPY_OP_SFU:
         for (uint32_t k = 0; k < c->u.sfu.ninstrs; k++) {
-            spy_status s = spy_sfu_run(&x->prog->instrs[c->u.sfu.instr_begin + k], lx);
+            spy_status s = spy_sfu_run(&x->prog->instrs[c->u.sfu.instr_begin + k], lx, &dev->sfu_rows);
             if (s != SPY_OK)
                 return spy_fail(s, index, "command %u: SFU instruction %u failed", index, k);
         }

@@ -2,7 +2,6 @@
 #include <string.h>
 
 #include "internal.h"
-#include "half.h"
 
 float spy_f16_to_f32(uint16_t h)
 {

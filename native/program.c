@@ -23,7 +23,7 @@ typedef struct vctx {
     uint64_t lx_high;
 } vctx;
 
-static uint32_t engine_of(const spy_profile *p, const spy_cmd *c)
+uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c)
 {
     switch (c->op) {
     case SPY_OP_H2D: return p->num_cores * SPY_ENG_PER_CORE + SPY_ENG_H2D;
@@ -38,9 +38,6 @@ static uint32_t engine_of(const spy_profile *p, const spy_cmd *c)
     default: return c->core * SPY_ENG_PER_CORE + SPY_ENG_RING;
     }
 }
-
-/* Engine index used by the simulator; exported through the program for sim.c. */
-uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c) { return engine_of(p, c); }
 
 static spy_status lx_range(vctx *v, uint32_t i, const char *what, uint64_t off, uint64_t len)
 {
@@ -421,7 +418,7 @@ static spy_status check_command(vctx *v, uint32_t i)
 static spy_status check_acyclic(const spy_profile *p, spy_program *g)
 {
     uint32_t n = g->hdr->ncmds;
-    uint32_t neng = p->num_cores * SPY_ENG_PER_CORE + 3;
+    uint32_t neng = spy_num_engines(p);
     uint32_t *indeg = calloc(n ? n : 1, sizeof *indeg);
     uint32_t *succ_start = calloc((size_t)n + 1, sizeof *succ_start);
     /* one entry per edge: nedges, not the header's ndeps (windows may overlap) */
@@ -438,7 +435,7 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     for (uint32_t i = 0; i < n; i++)
         eng_next[i] = UINT32_MAX;
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t e = engine_of(p, &g->cmds[i]);
+        uint32_t e = spy_engine_of(p, &g->cmds[i]);
         if (last_on[e] != UINT32_MAX) {
             eng_next[last_on[e]] = i;
             indeg[i]++;
@@ -606,8 +603,6 @@ void spy_program_free(spy_program *g)
     free(g);
 }
 
-uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
-
 /* What a launch needs about host transfers, computed once instead of per launch. */
 static spy_status summarise_host_dma(spy_program *g)
 {
@@ -629,4 +624,19 @@ static spy_status summarise_host_dma(spy_program *g)
         }
     }
     return SPY_OK;
+}
+
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c)
+{
+    const spy_dma *d = &c->u.dma;
+    uint64_t bytes = 0;
+    if (c->flags & SPY_DMA_DESCS) {
+        for (uint64_t k = d->src_off; k < d->src_off + d->desc_count; k++)
+            bytes += g->descs[k].bytes;
+        return bytes;
+    }
+    bytes = d->run_bytes;
+    for (uint32_t k = 0; k < d->ndims; k++)
+        bytes *= d->count[k];
+    return bytes;
 }

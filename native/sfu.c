@@ -9,35 +9,35 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
 #include "internal.h"
 
 static bool is_float(uint32_t dt) { return dt == SPY_DT_F32 || dt == SPY_DT_F16 || dt == SPY_DT_BF16; }
 
-typedef struct rowbuf {
-    float *f[4];
-    int64_t *i[4];
-    size_t cap;
-} rowbuf;
-
-static _Thread_local rowbuf rb;
-
-static bool ensure(size_t n)
+static bool ensure(spy_sfu_rows *rb, size_t n)
 {
-    if (n <= rb.cap)
+    if (n <= rb->cap)
         return true;
     for (int k = 0; k < 4; k++) {
-        float *f = realloc(rb.f[k], n * sizeof(float));
+        float *f = realloc(rb->f[k], n * sizeof(float));
         if (f)
-            rb.f[k] = f;
-        int64_t *i = realloc(rb.i[k], n * sizeof(int64_t));
+            rb->f[k] = f;
+        int64_t *i = realloc(rb->i[k], n * sizeof(int64_t));
         if (i)
-            rb.i[k] = i;
+            rb->i[k] = i;
         if (!f || !i)
             return false;
     }
-    rb.cap = n;
+    rb->cap = n;
     return true;
+}
+
+void spy_sfu_rows_free(spy_sfu_rows *rb)
+{
+    for (int k = 0; k < 4; k++) {
+        free(rb->f[k]);
+        free(rb->i[k]);
+    }
+    memset(rb, 0, sizeof *rb);
 }
 
 /* Address of element (r, c) of an operand. */
@@ -356,13 +356,13 @@ static bool cmp_i(uint32_t how, int64_t a, int64_t b)
     }
 }
 
-static void reduce_row(const spy_instr *ins, uint8_t *lx, uint32_t r, uint32_t n)
+static void reduce_row(const spy_instr *ins, uint8_t *lx, uint32_t r, uint32_t n, spy_sfu_rows *rb)
 {
     const spy_operand *s = &ins->src[0];
     bool fl = is_float(s->dtype) && ins->op != SPY_SFU_RANY && ins->op != SPY_SFU_RALL;
     uint8_t *dst = at(lx, &ins->dst, r, 0);
     if (fl) {
-        float *a = rb.f[0];
+        float *a = rb->f[0];
         stage_f(lx, s, r, n, a);
         switch (ins->op) {
         case SPY_SFU_RSUM: case SPY_SFU_RPROD: {
@@ -390,7 +390,7 @@ static void reduce_row(const spy_instr *ins, uint8_t *lx, uint32_t r, uint32_t n
         }
         }
     }
-    int64_t *a = rb.i[0];
+    int64_t *a = rb->i[0];
     stage_i(lx, s, r, n, a);
     int64_t acc;
     switch (ins->op) {
@@ -411,14 +411,14 @@ static void reduce_row(const spy_instr *ins, uint8_t *lx, uint32_t r, uint32_t n
     store_i(dst, ins->dst.dtype, acc);
 }
 
-spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
+spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx, spy_sfu_rows *rb)
 {
     uint32_t n = ins->cols;
-    if (!ensure(n))
+    if (!ensure(rb, n))
         return SPY_E_HOST_NOMEM;
     if (ins->op >= SPY_SFU_RSUM) {
         for (uint32_t r = 0; r < ins->rows; r++)
-            reduce_row(ins, lx, r, n);
+            reduce_row(ins, lx, r, n, rb);
         return SPY_OK;
     }
     uint32_t dt = ins->dst.dtype;
@@ -427,13 +427,13 @@ spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
             if (is_float(dt)) {
                 double b = ins->src[0].v.imm_f, rs = ins->src[1].v.imm_f, cs = ins->src[2].v.imm_f;
                 for (uint32_t c = 0; c < n; c++)
-                    rb.f[0][c] = (float)(b + r * rs + c * cs);
-                write_f(lx, ins, r, n, rb.f[0]);
+                    rb->f[0][c] = (float)(b + r * rs + c * cs);
+                write_f(lx, ins, r, n, rb->f[0]);
             } else {
                 int64_t b = ins->src[0].v.imm_i, rs = ins->src[1].v.imm_i, cs = ins->src[2].v.imm_i;
                 for (uint32_t c = 0; c < n; c++)
-                    rb.i[0][c] = wrap_add(b, wrap_add(wrap_mul(r, rs), wrap_mul(c, cs)));
-                write_i(lx, ins, r, n, rb.i[0]);
+                    rb->i[0][c] = wrap_add(b, wrap_add(wrap_mul(r, rs), wrap_mul(c, cs)));
+                write_i(lx, ins, r, n, rb->i[0]);
             }
         }
         return SPY_OK;
@@ -442,21 +442,21 @@ spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
         bool fl = is_float(ins->src[0].dtype) ||
                   (ins->op == SPY_SFU_CMP && is_float(ins->src[1].dtype));
         for (uint32_t r = 0; r < ins->rows; r++) {
-            int64_t *o = rb.i[3];
+            int64_t *o = rb->i[3];
             if (ins->op == SPY_SFU_ISNAN) {
-                stage_f(lx, &ins->src[0], r, n, rb.f[0]);
+                stage_f(lx, &ins->src[0], r, n, rb->f[0]);
                 for (uint32_t c = 0; c < n; c++)
-                    o[c] = isnan(rb.f[0][c]);
+                    o[c] = isnan(rb->f[0][c]);
             } else if (fl) {
-                stage_f(lx, &ins->src[0], r, n, rb.f[0]);
-                stage_f(lx, &ins->src[1], r, n, rb.f[1]);
+                stage_f(lx, &ins->src[0], r, n, rb->f[0]);
+                stage_f(lx, &ins->src[1], r, n, rb->f[1]);
                 for (uint32_t c = 0; c < n; c++)
-                    o[c] = cmp_f(ins->aux, rb.f[0][c], rb.f[1][c]);
+                    o[c] = cmp_f(ins->aux, rb->f[0][c], rb->f[1][c]);
             } else {
-                stage_i(lx, &ins->src[0], r, n, rb.i[0]);
-                stage_i(lx, &ins->src[1], r, n, rb.i[1]);
+                stage_i(lx, &ins->src[0], r, n, rb->i[0]);
+                stage_i(lx, &ins->src[1], r, n, rb->i[1]);
                 for (uint32_t c = 0; c < n; c++)
-                    o[c] = cmp_i(ins->aux, rb.i[0][c], rb.i[1][c]);
+                    o[c] = cmp_i(ins->aux, rb->i[0][c], rb->i[1][c]);
             }
             write_i(lx, ins, r, n, o);
         }
@@ -467,10 +467,10 @@ spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
     bool fl = is_float(dt);
     if (ins->op == SPY_SFU_MOV && !fl && is_float(ins->src[0].dtype)) {
         for (uint32_t r = 0; r < ins->rows; r++) {
-            stage_f(lx, &ins->src[0], r, n, rb.f[0]);
+            stage_f(lx, &ins->src[0], r, n, rb->f[0]);
             for (uint32_t c = 0; c < n; c++)
-                rb.i[3][c] = dt == SPY_DT_BOOL ? rb.f[0][c] != 0 : f2i(rb.f[0][c]);
-            write_i(lx, ins, r, n, rb.i[3]);
+                rb->i[3][c] = dt == SPY_DT_BOOL ? rb->f[0][c] != 0 : f2i(rb->f[0][c]);
+            write_i(lx, ins, r, n, rb->i[3]);
         }
         return SPY_OK;
     }
@@ -478,14 +478,14 @@ spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
     for (uint32_t r = 0; r < ins->rows; r++) {
         if (fl) {
             for (int k = 0; k < arity; k++)
-                stage_f(lx, &ins->src[k], r, n, rb.f[k]);
-            float_op(ins, n, rb.f[3], rb.f[0], rb.f[1], rb.f[2]);
-            write_f(lx, ins, r, n, rb.f[3]);
+                stage_f(lx, &ins->src[k], r, n, rb->f[k]);
+            float_op(ins, n, rb->f[3], rb->f[0], rb->f[1], rb->f[2]);
+            write_f(lx, ins, r, n, rb->f[3]);
         } else {
             for (int k = 0; k < arity; k++)
-                stage_i(lx, &ins->src[k], r, n, rb.i[k]);
-            int_op(ins, n, rb.i[3], rb.i[0], rb.i[1], rb.i[2]);
-            write_i(lx, ins, r, n, rb.i[3]);
+                stage_i(lx, &ins->src[k], r, n, rb->i[k]);
+            int_op(ins, n, rb->i[3], rb->i[0], rb->i[1], rb->i[2]);
+            write_i(lx, ins, r, n, rb->i[3]);
         }
     }
     return SPY_OK;

@@ -40,8 +40,20 @@
 #ifndef SPYRE_H
 #define SPYRE_H
 
+#ifndef SPY_CDEF /* build.py reads this header through the preprocessor with SPY_CDEF set */
 #include <stddef.h>
 #include <stdint.h>
+#endif
+
+/* The sizes this header states for the structures of the program block, plan block and
+ * trace formats are checked by the compiler: Python and plan files rely on them. */
+#if defined(SPY_CDEF)
+#define SPY_ABI_SIZE(type, bytes)
+#elif defined(__cplusplus)
+#define SPY_ABI_SIZE(type, bytes) static_assert(sizeof(type) == (bytes), #type " is " #bytes " bytes");
+#else
+#define SPY_ABI_SIZE(type, bytes) _Static_assert(sizeof(type) == (bytes), #type " is " #bytes " bytes");
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -200,6 +212,7 @@ typedef struct spy_job_header {
     uint64_t total_bytes;
     uint64_t reserved[3];
 } spy_job_header; /* 64 bytes */
+SPY_ABI_SIZE(spy_job_header, 64)
 
 #define SPY_SLOT_DRAM 0
 #define SPY_SLOT_HOST 1
@@ -209,6 +222,7 @@ typedef struct spy_slot {
     uint32_t reserved;
     uint64_t extent; /* bytes from the bound address the commands may touch */
 } spy_slot; /* 16 bytes */
+SPY_ABI_SIZE(spy_slot, 16)
 
 /* opcodes */
 #define SPY_OP_BARRIER 1 /* a join; runs on the card's control engine */
@@ -251,6 +265,7 @@ typedef struct spy_dma {
     uint64_t src_stride[3]; /* bytes */
     uint64_t dst_stride[3];
 } spy_dma; /* 96 bytes; with SPY_DMA_DESCS, src_off holds desc_begin */
+SPY_ABI_SIZE(spy_dma, 96)
 
 #define SPY_MM_ACCUMULATE 1
 #define SPY_MM_TRANS_A 2
@@ -266,12 +281,14 @@ typedef struct spy_matmul {
     uint32_t a_dtype, b_dtype;      /* F16, BF16 or F32; C is F32 */
     uint32_t reserved[13];
 } spy_matmul; /* 96 bytes: C[m,n] (+)= op(A)[m,k] op(B)[k,n] */
+SPY_ABI_SIZE(spy_matmul, 96)
 
 typedef struct spy_sfu {
     uint32_t instr_begin;
     uint32_t ninstrs;
     uint32_t reserved[22];
-} spy_sfu;
+} spy_sfu; /* 96 bytes */
+SPY_ABI_SIZE(spy_sfu, 96)
 
 typedef struct spy_ring {
     uint32_t dst_core;
@@ -279,7 +296,8 @@ typedef struct spy_ring {
     uint32_t dst_off;
     uint32_t bytes;
     uint32_t reserved[20];
-} spy_ring;
+} spy_ring; /* 96 bytes */
+SPY_ABI_SIZE(spy_ring, 96)
 
 /* GATHER: for i in [0, nidx): row = idx[i] (validated 0 <= row < limit);
  *   copy the pattern at slot[table_off + row*row_stride] -> scratchpad[lx_off + i*lx_pitch].
@@ -301,6 +319,7 @@ typedef struct spy_gather {
     uint64_t stride[2];    /* DRAM side, bytes */
     uint32_t reserved[4];
 } spy_gather; /* 96 bytes */
+SPY_ABI_SIZE(spy_gather, 96)
 
 typedef struct spy_cmd {
     uint8_t op;
@@ -318,6 +337,7 @@ typedef struct spy_cmd {
     } u;
     uint8_t pad[16];
 } spy_cmd; /* 128 bytes */
+SPY_ABI_SIZE(spy_cmd, 128)
 
 /* SFU instructions operate on rows x cols elements of scratchpad operands.
  * Arithmetic is float32 for float types and int64 for integer types; results are
@@ -340,6 +360,7 @@ typedef struct spy_operand {
         int64_t imm_i;
     } v;
 } spy_operand; /* 16 bytes */
+SPY_ABI_SIZE(spy_operand, 16)
 
 /* elementwise: dst = f(src0[, src1[, src2]]) */
 #define SPY_SFU_MOV 0      /* also a cast: dst dtype differs from src */
@@ -412,6 +433,7 @@ typedef struct spy_instr {
     spy_operand dst;
     spy_operand src[3];
 } spy_instr; /* 80 bytes */
+SPY_ABI_SIZE(spy_instr, 80)
 
 typedef struct spy_desc {
     uint64_t src_off;
@@ -419,6 +441,7 @@ typedef struct spy_desc {
     uint32_t bytes;
     uint32_t reserved;
 } spy_desc; /* 24 bytes */
+SPY_ABI_SIZE(spy_desc, 24)
 
 /* Summary of a validated program. */
 typedef struct spy_job_info {
@@ -485,6 +508,7 @@ typedef struct spy_plan_header {
     uint64_t total_bytes;
     uint64_t reserved[4];
 } spy_plan_header; /* 64 bytes */
+SPY_ABI_SIZE(spy_plan_header, 64)
 
 typedef struct spy_plan_job {
     uint64_t prog_off;    /* from the start of the plan block */
@@ -494,12 +518,14 @@ typedef struct spy_plan_job {
     uint32_t name;        /* trace label id */
     uint32_t reserved;
 } spy_plan_job; /* 32 bytes */
+SPY_ABI_SIZE(spy_plan_job, 32)
 
 typedef struct spy_reloc {
     uint32_t binding;
     uint32_t reserved;
     uint64_t offset;
 } spy_reloc; /* 16 bytes */
+SPY_ABI_SIZE(spy_reloc, 16)
 
 typedef struct spy_plan spy_plan;
 
@@ -561,6 +587,7 @@ typedef struct spy_trace_event {
     uint64_t a;
     uint64_t b;
 } spy_trace_event; /* 48 bytes */
+SPY_ABI_SIZE(spy_trace_event, 48)
 
 spy_status spy_trace_enable(spy_device *dev, uint32_t enabled, uint32_t commands);
 uint32_t spy_trace_intern(spy_device *dev, const char *name);

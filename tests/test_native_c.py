@@ -33,3 +33,46 @@ def test_native_tests_pass(tmp_path, flavour):
     run = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "native tests passed" in run.stdout
+
+
+def _calls_between_files(tmp_path) -> dict[str, set[str]]:
+    """For each native/*.c file, the files defining functions or data it uses (from the
+    symbols of each file compiled alone)."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    nm = shutil.which("nm")
+    if not cc or not nm:
+        pytest.skip("needs a C compiler and nm")
+    defined, used = {}, {}
+    for src in SOURCES:
+        obj = tmp_path / f"{src}.o"
+        build = subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-O0", "-c", "-I", NATIVE,
+                                os.path.join(NATIVE, src), "-o", str(obj)], capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        used[src] = set()
+        for line in subprocess.run([nm, "-P", str(obj)], capture_output=True, text=True, check=True).stdout.splitlines():
+            name, kind = line.split()[:2]
+            if kind == "U":
+                used[src].add(name)
+            elif kind.isupper():
+                defined[name] = src
+    return {src: {defined[n] for n in names if n in defined} - {src} for src, names in used.items()}
+
+
+def test_c_files_call_each_other_one_way(tmp_path):
+    graph = _calls_between_files(tmp_path)
+    done, path = set(), []
+
+    def visit(src):
+        if src in path:
+            cycle = path[path.index(src):] + [src]
+            pytest.fail("native files call each other in a cycle: " + " -> ".join(cycle))
+        if src in done:
+            return
+        path.append(src)
+        for dep in sorted(graph[src]):
+            visit(dep)
+        path.pop()
+        done.add(src)
+
+    for src in sorted(graph):
+        visit(src)

@@ -64,6 +64,8 @@ typedef struct spy_sfu_rows {
     size_t cap;
 } spy_sfu_rows;
 
+/* The op table's row of an opcode, or NULL when no op has it. */
+const spy_sfu_op *spy_sfu_op_find(uint32_t opcode);
 /* Run one validated instruction on a core's scratchpad. */
 spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx, spy_sfu_rows *rows);
 void spy_sfu_rows_free(spy_sfu_rows *rows);

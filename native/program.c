@@ -212,23 +212,6 @@ static spy_status check_matmul(vctx *v, uint32_t i, const spy_cmd *c)
     return SPY_OK;
 }
 
-static int sfu_arity(uint32_t op)
-{
-    switch (op) {
-    case SPY_SFU_IOTA: return 3;
-    case SPY_SFU_SELECT: return 3;
-    case SPY_SFU_ADD: case SPY_SFU_SUB: case SPY_SFU_MUL: case SPY_SFU_DIV: case SPY_SFU_MAX:
-    case SPY_SFU_MIN: case SPY_SFU_POW: case SPY_SFU_CMP: case SPY_SFU_FLOORDIV:
-    case SPY_SFU_MOD: case SPY_SFU_AND: case SPY_SFU_OR: case SPY_SFU_XOR:
-    case SPY_SFU_REMAINDER:
-        return 2;
-    default:
-        if (op < SPY_SFU_COUNT || (op >= SPY_SFU_RSUM && op < SPY_SFU_REDUCE_END))
-            return 1;
-        return -1;
-    }
-}
-
 bool spy_operand_extent(const spy_operand *o, uint32_t rows, uint32_t cols, uint64_t *lo,
                         uint64_t *hi)
 {
@@ -298,17 +281,17 @@ static spy_status check_sfu(vctx *v, uint32_t i, const spy_cmd *c)
                         f->instr_begin, f->ninstrs, g->hdr->ninstrs);
     for (uint32_t k = f->instr_begin; k < end; k++) {
         const spy_instr *ins = &g->instrs[k];
-        int arity = sfu_arity(ins->op);
-        if (arity < 0)
+        const spy_sfu_op *op = spy_sfu_op_find(ins->op);
+        if (!op)
             return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u opcode %u", i, k,
                             ins->op);
         if (ins->rows == 0 || ins->cols == 0 || ins->rows > MAX_COUNT || ins->cols > MAX_COUNT)
             return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u shape %ux%u", i,
                             k, ins->rows, ins->cols);
-        if (ins->op == SPY_SFU_CMP && ins->aux > SPY_CMP_GE)
-            return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u comparison %u",
-                            i, k, ins->aux);
-        bool reduce = ins->op >= SPY_SFU_RSUM;
+        if (ins->aux > op->aux_max)
+            return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u (%s) aux %u",
+                            i, k, op->name, ins->aux);
+        bool reduce = op->kind == SPY_SFU_KIND_REDUCE;
         uint32_t dk = ins->dst.kind;
         bool dst_ok = reduce ? (dk == SPY_OPND_ROW || (dk == SPY_OPND_SCALAR && ins->rows == 1))
                              : (dk == SPY_OPND_TILE || (dk == SPY_OPND_ROW && ins->cols == 1) ||
@@ -324,14 +307,14 @@ static spy_status check_sfu(vctx *v, uint32_t i, const spy_cmd *c)
             return s;
         for (int a = 0; a < 3; a++) {
             const spy_operand *o = &ins->src[a];
-            if (a >= arity) {
+            if ((uint32_t)a >= op->arity) {
                 if (o->kind != SPY_OPND_NONE)
                     return spy_fail(SPY_E_BAD_COMMAND, i,
                                     "command %u: SFU instruction %u has an extra operand %d", i, k,
                                     a);
                 continue;
             }
-            if (ins->op == SPY_SFU_IOTA && o->kind != SPY_OPND_IMM)
+            if (op->kind == SPY_SFU_KIND_IOTA && o->kind != SPY_OPND_IMM)
                 return spy_fail(SPY_E_BAD_COMMAND, i,
                                 "command %u: SFU instruction %u (iota) needs immediates", i, k);
             s = check_operand(v, i, k, ins, o, false);

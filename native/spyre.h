@@ -362,60 +362,16 @@ typedef struct spy_operand {
 } spy_operand; /* 16 bytes */
 SPY_ABI_SIZE(spy_operand, 16)
 
-/* elementwise: dst = f(src0[, src1[, src2]]) */
-#define SPY_SFU_MOV 0      /* also a cast: dst dtype differs from src */
-#define SPY_SFU_ADD 1
-#define SPY_SFU_SUB 2
-#define SPY_SFU_MUL 3
-#define SPY_SFU_DIV 4      /* integers truncate toward zero; see FLOORDIV */
-#define SPY_SFU_MAX 5
-#define SPY_SFU_MIN 6
-#define SPY_SFU_NEG 7
-#define SPY_SFU_ABS 8
-#define SPY_SFU_EXP 9
-#define SPY_SFU_LOG 10
-#define SPY_SFU_SQRT 11
-#define SPY_SFU_RSQRT 12
-#define SPY_SFU_TANH 13
-#define SPY_SFU_SIGMOID 14
-#define SPY_SFU_SILU 15
-#define SPY_SFU_GELU 16    /* aux 0: erf form, 1: tanh form */
-#define SPY_SFU_POW 17
-#define SPY_SFU_CMP 18     /* aux: SPY_CMP_*; dst is BOOL */
-#define SPY_SFU_SELECT 19  /* dst = src0 ? src1 : src2 */
-#define SPY_SFU_SIN 20
-#define SPY_SFU_COS 21
-#define SPY_SFU_RECIP 22
-#define SPY_SFU_FLOORDIV 23
-#define SPY_SFU_MOD 24     /* C fmod: the sign of the dividend */
-#define SPY_SFU_AND 25     /* logical for BOOL, bitwise for integers */
-#define SPY_SFU_OR 26
-#define SPY_SFU_NOT 27
-#define SPY_SFU_ERF 28
-#define SPY_SFU_FLOOR 29
-#define SPY_SFU_CEIL 30
-#define SPY_SFU_TRUNC 31
-#define SPY_SFU_ROUND 32   /* half to even */
-#define SPY_SFU_SIGN 33
-#define SPY_SFU_LOG1P 34
-#define SPY_SFU_EXPM1 35
-#define SPY_SFU_IOTA 36    /* dst[r,c] = imm(src0) + r*imm(src1) + c*imm(src2) */
-#define SPY_SFU_XOR 37
-#define SPY_SFU_ISNAN 38
-#define SPY_SFU_ATAN 39
-#define SPY_SFU_REMAINDER 40 /* Python %: the sign of the divisor */
-#define SPY_SFU_COUNT 41
-/* reductions over the columns of each row: dst is a ROW operand */
-#define SPY_SFU_RSUM 64
-#define SPY_SFU_RMAX 65
-#define SPY_SFU_RMIN 66
-#define SPY_SFU_RPROD 67
-#define SPY_SFU_RARGMAX 68 /* first index of the maximum; dst integer */
-#define SPY_SFU_RARGMIN 69
-#define SPY_SFU_RANY 70
-#define SPY_SFU_RALL 71
-#define SPY_SFU_REDUCE_END 72
+/* SFU opcodes: the op table of sfu_ops.h (one row per op: arity, cost, how it runs). */
+#include "sfu_ops.h"
 
+typedef enum spy_sfu_opcode {
+#define SPY_SFU_OPCODE_(NAME, opcode, ...) SPY_SFU_##NAME = opcode,
+    SPY_SFU_OPS(SPY_SFU_OPCODE_)
+#undef SPY_SFU_OPCODE_
+} spy_sfu_opcode;
+
+/* aux of SPY_SFU_CMP */
 #define SPY_CMP_EQ 0
 #define SPY_CMP_NE 1
 #define SPY_CMP_LT 2
@@ -434,6 +390,30 @@ typedef struct spy_instr {
     spy_operand src[3];
 } spy_instr; /* 80 bytes */
 SPY_ABI_SIZE(spy_instr, 80)
+
+/* An SFU op as the table describes it (sfu_ops.h), for the layers above: the Python
+ * emitter derives its opcodes and arities from these. */
+#define SPY_SFU_COST_SIMPLE 0
+#define SPY_SFU_COST_TRANSCENDENTAL 1
+#define SPY_SFU_KIND_MAP 0
+#define SPY_SFU_KIND_CAST 1
+#define SPY_SFU_KIND_TEST 2
+#define SPY_SFU_KIND_REDUCE 3
+#define SPY_SFU_KIND_IOTA 4
+
+typedef struct spy_sfu_op {
+    const char *name; /* "ADD" for SPY_SFU_ADD; static storage */
+    uint32_t opcode;
+    uint32_t arity;   /* source operands: 1 to 3 */
+    uint32_t aux_max; /* the largest aux the validator accepts */
+    uint32_t cost;    /* SPY_SFU_COST_* */
+    uint32_t kind;    /* SPY_SFU_KIND_* */
+    uint32_t reserved;
+} spy_sfu_op;
+
+/* The op table, in opcode order: *ops points to *n entries in static storage, valid for
+ * the life of the process (nothing to free). */
+spy_status spy_sfu_ops(const spy_sfu_op **ops, uint32_t *n);
 
 typedef struct spy_desc {
     uint64_t src_off;

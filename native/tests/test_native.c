@@ -747,6 +747,72 @@ static void test_sfu(void)
     spy_device_close(d);
 }
 
+/* The SFU op table drives validation and cost: every opcode in it (and only those) is
+ * accepted with its arity, and costs its class's cycles per element. */
+static void test_sfu_table(void)
+{
+    current = "sfu table";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    const spy_sfu_op *ops;
+    uint32_t nops;
+    CHECK_OK(spy_sfu_ops(&ops, &nops));
+    CHECK(nops > 0);
+    CHECK(spy_sfu_ops(NULL, &nops) == SPY_E_INVALID_ARG);
+    const spy_sfu_op *by_opcode[256] = {0};
+    for (uint32_t k = 0; k < nops; k++) {
+        CHECK(ops[k].name != NULL && ops[k].opcode < 256);
+        CHECK(k == 0 || ops[k].opcode > ops[k - 1].opcode); /* opcode order, no repeats */
+        CHECK(ops[k].arity >= 1 && ops[k].arity <= 3);
+        by_opcode[ops[k].opcode] = &ops[k];
+    }
+    CHECK(by_opcode[SPY_SFU_SELECT] && by_opcode[SPY_SFU_SELECT]->arity == 3);
+    CHECK(by_opcode[SPY_SFU_EXP] && by_opcode[SPY_SFU_EXP]->cost == SPY_SFU_COST_TRANSCENDENTAL);
+    CHECK(by_opcode[SPY_SFU_RSUM] && by_opcode[SPY_SFU_RSUM]->kind == SPY_SFU_KIND_REDUCE);
+    spy_operand tile = {SPY_OPND_TILE, SPY_DT_F32, 0, 16, {.off = 0}};
+    spy_operand row = {SPY_OPND_ROW, SPY_DT_F32, 0, 1, {.off = 4096}};
+    spy_operand imm = {SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 1.0}};
+    for (uint32_t code = 0; code < 256; code++) {
+        const spy_sfu_op *op = by_opcode[code];
+        prog p;
+        memset(&p, 0, sizeof p);
+        spy_instr *ins = &p.instrs[0];
+        p.ninstrs = 1;
+        ins->op = (uint8_t)code;
+        ins->rows = 4;
+        ins->cols = 16;
+        ins->dst = op && op->kind == SPY_SFU_KIND_REDUCE ? row : tile;
+        uint32_t arity = op ? op->arity : 1;
+        for (uint32_t a = 0; a < arity; a++)
+            ins->src[a] = op && op->kind == SPY_SFU_KIND_IOTA ? imm : tile;
+        cmd(&p, SPY_OP_SFU, 0)->u.sfu.ninstrs = 1;
+        if (!op) {
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            continue;
+        }
+        CHECK(validate(d, &p) == SPY_OK);
+        double per = op->cost == SPY_SFU_COST_TRANSCENDENTAL ? pr.sfu_transcendental_cycles : 1.0;
+        double t = one_job_busy(d, &p, NULL);
+        CHECK(NEAR(t, pr.sfu_latency_ns + 64 * per / pr.sfu_elems_per_cycle / pr.clock_ghz, 1e-9));
+        if (arity < 3) { /* one operand too many */
+            ins->src[arity] = tile;
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            ins->src[arity].kind = SPY_OPND_NONE;
+        }
+        if (arity > 1) { /* one too few */
+            ins->src[arity - 1].kind = SPY_OPND_NONE;
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            ins->src[arity - 1] = tile;
+        }
+        if (op->aux_max < 255) {
+            ins->aux = (uint8_t)(op->aux_max + 1);
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+        }
+    }
+    spy_device_close(d);
+}
+
 int main(void)
 {
     test_allocator();
@@ -757,6 +823,7 @@ int main(void)
     test_gather_and_faults();
     test_plan();
     test_sfu();
+    test_sfu_table();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

@@ -1,6 +1,7 @@
-/* device.c -- the device object: open, close and reset, the host clock and the device's
- * finish, counters and fault injection. The device's memory, jobs, transfer graphs, plans
- * and trace have rooms of their own (memory.c, job.c, transfer.c, plan.c, trace.c). */
+/* device.c -- the device object: open (with its profile checked, profile.c), close and
+ * reset, the host clock and the device's finish, counters and fault injection. The
+ * device's memory, jobs, transfer graphs, plans and trace have rooms of their own
+ * (memory.c, job.c, transfer.c, plan.c, trace.c). */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -13,38 +14,6 @@
  * piece of state the runtime shares between devices. */
 #define ADDRESS_WINDOW (1ull << SPY_ADDRESS_WINDOW_SHIFT) /* 1 TiB per device */
 static atomic_uint_fast64_t next_instance;
-
-/* ---- profile ---- */
-
-static spy_status check_profile(const spy_profile *p)
-{
-#define POS(f)                                                                                     \
-    if (!(p->f > 0) || !isfinite((double)p->f))                                                    \
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure " #f " must be positive");
-#define NONNEG(f)                                                                                  \
-    if (!(p->f >= 0) || !isfinite((double)p->f))                                                   \
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure " #f " must not be negative");
-    POS(num_cores) POS(corelets_per_core) POS(scratchpad_bytes) POS(dram_bytes) POS(stick_bytes)
-    POS(dram_burst_bytes) POS(clock_ghz) POS(pt_macs_per_ns) POS(pt_utilization) POS(pt_fp32_ratio)
-    POS(pt_gran_m) POS(pt_gran_n) POS(pt_gran_k) POS(sfu_elems_per_cycle)
-    POS(sfu_transcendental_cycles) POS(dram_bytes_per_ns) POS(core_dma_bytes_per_ns)
-    POS(pcie_bytes_per_ns) POS(ring_bytes_per_cycle)
-    NONNEG(pt_latency_ns) NONNEG(sfu_latency_ns) NONNEG(dma_latency_ns) NONNEG(pcie_latency_ns)
-    NONNEG(pcie_descriptor_ns) NONNEG(ring_hop_ns) NONNEG(barrier_ns) NONNEG(job_launch_ns)
-#undef POS
-#undef NONNEG
-    if (p->num_cores > 256)
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure num_cores (%u) is above 256", p->num_cores);
-    if (p->scratchpad_bytes > (1ull << 31))
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure scratchpad_bytes is above 2 GiB");
-    if (p->dram_bytes > ADDRESS_WINDOW)
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure dram_bytes is above 1 TiB");
-    if (p->pt_utilization > 1)
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure pt_utilization is above 1");
-    if (p->stick_bytes & (p->stick_bytes - 1))
-        return spy_fail(SPY_E_PROFILE, -1, "profile figure stick_bytes is not a power of two");
-    return SPY_OK;
-}
 
 /* ---- open / close / reset ---- */
 
@@ -89,7 +58,7 @@ spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t o
         return spy_fail(SPY_E_INVALID_ARG, -1, "unknown mode %u", mode);
     if (ordinal >= 64)
         return spy_fail(SPY_E_INVALID_ARG, -1, "device ordinal %u is above 63", ordinal);
-    spy_status s = check_profile(profile);
+    spy_status s = spy_profile_check(profile);
     if (s != SPY_OK)
         return s;
     uint64_t instance = atomic_fetch_add(&next_instance, 1);

@@ -86,39 +86,85 @@ int64_t spy_last_error_command(void);
 const char *spy_status_name(spy_status s);
 
 /* ---- the device profile -------------------------------------------------------------
- * Every figure the cost model uses. Filled from a profiles/devices TOML file by the Python
- * layer; spy_device_open validates ranges. Units are in the names.                     */
+ * Every figure the cost model uses, declared once, in SPY_PROFILE_FIGURES: it makes the
+ * fields of spy_profile, the ranges spy_device_open accepts (spy_profile_check) and the
+ * table the Python layer loads profiles/devices TOML files with (spy_profile_figures).
+ * Adding a figure: a row here, the figure with its source in the TOML files, its use in
+ * the cost model.
+ *
+ * X(type, field, key, unit, scale, sign, max)
+ *   type   U32, U64 or F64: the C type of the field
+ *   field  the spy_profile member, in the unit its name says (or a count or a ratio)
+ *   key    the figure's name in a TOML profile, whose value is in `unit`
+ *   scale  field = TOML value * scale
+ *   sign   POSITIVE (> 0) or NONNEGATIVE (>= 0); every figure is finite
+ *   max    the largest field value the simulator accepts; SPY_FIGURE_UNBOUNDED for none */
+#define SPY_FIGURE_UNBOUNDED __builtin_inf()
+/* clang-format off */
+#define SPY_PROFILE_FIGURES(X)                                                                                         \
+    X(U32, num_cores,                 "num_cores",                 "cores",               1,         POSITIVE,    256)   \
+    X(U32, corelets_per_core,         "corelets_per_core",         "corelets",            1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(U64, scratchpad_bytes,          "scratchpad_mib",            "MiB",                 1ull << 20, POSITIVE,   1ull << 31) /* per core (LX) */ \
+    X(U64, dram_bytes,                "dram_gib",                  "GiB",                 1ull << 30, POSITIVE,   1ull << SPY_ADDRESS_WINDOW_SHIFT) \
+    X(U32, stick_bytes,               "stick_bytes",               "B",                   1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* and a power of two */ \
+    X(U32, dram_burst_bytes,          "dram_burst_bytes",          "B",                   1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* shorter runs cost a burst */ \
+    X(F64, clock_ghz,                 "clock_ghz",                 "GHz",                 1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(F64, pt_macs_per_ns,            "pt_macs_per_ns",            "MAC/ns/core",         1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* systolic arrays: fp16 peak per core */ \
+    X(F64, pt_utilization,            "pt_utilization",            "ratio",               1,         POSITIVE,    1)     /* sustained / peak */ \
+    X(F64, pt_fp32_ratio,             "pt_fp32_ratio",             "ratio",               1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* fp32 rate relative to fp16 */ \
+    X(U32, pt_gran_m,                 "pt_gran_m",                 "rows",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* tile-shape granularity */ \
+    X(U32, pt_gran_n,                 "pt_gran_n",                 "columns",             1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(U32, pt_gran_k,                 "pt_gran_k",                 "elements",            1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(F64, pt_latency_ns,             "pt_latency_ns",             "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* issue + drain per matmul */ \
+    X(F64, sfu_elems_per_cycle,       "sfu_elems_per_cycle",       "elements/cycle/core", 1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* SFU, simple ops */ \
+    X(F64, sfu_transcendental_cycles, "sfu_transcendental_cycles", "cycles/element",      1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* multiplier for exp/log/... */ \
+    X(F64, sfu_latency_ns,            "sfu_latency_ns",            "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per instruction */ \
+    X(F64, dram_bytes_per_ns,         "dram_bandwidth_gbps",       "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* sustained, shared by the cores */ \
+    X(F64, core_dma_bytes_per_ns,     "core_dma_gbps",             "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* one core's DMA port */ \
+    X(F64, dma_latency_ns,            "dma_latency_ns",            "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per DRAM<->LX command */ \
+    X(F64, pcie_bytes_per_ns,         "pcie_bandwidth_gbps",       "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* host link, each direction */ \
+    X(F64, pcie_latency_ns,           "pcie_latency_ns",           "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per host DMA command */ \
+    X(F64, pcie_descriptor_ns,        "pcie_descriptor_ns",        "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per scatter-gather descriptor */ \
+    X(F64, ring_bytes_per_cycle,      "ring_bytes_per_cycle",      "B/cycle",             1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* per direction */ \
+    X(F64, ring_hop_ns,               "ring_hop_ns",               "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) \
+    X(F64, barrier_ns,                "barrier_ns",                "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) \
+    X(F64, job_launch_ns,             "job_launch_ns",             "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* job runnable to first command */
+/* clang-format on */
+
+#define SPY_FIGURE_CTYPE_U32 uint32_t
+#define SPY_FIGURE_CTYPE_U64 uint64_t
+#define SPY_FIGURE_CTYPE_F64 double
 
 typedef struct spy_profile {
-    uint32_t num_cores;
-    uint32_t corelets_per_core;
-    uint64_t scratchpad_bytes;        /* per core (LX) */
-    uint64_t dram_bytes;              /* device memory capacity */
-    uint32_t stick_bytes;             /* 128: the unit of the device tensor layout */
-    uint32_t dram_burst_bytes;        /* smallest DRAM access; shorter runs cost a burst */
-    double clock_ghz;
-    /* PT: the systolic arrays */
-    double pt_macs_per_ns;            /* fp16 peak per core */
-    double pt_utilization;            /* sustained / peak */
-    double pt_fp32_ratio;             /* fp32 rate relative to fp16 */
-    uint32_t pt_gran_m, pt_gran_n, pt_gran_k; /* tile-shape granularity of the arrays */
-    double pt_latency_ns;             /* issue + drain per matmul command */
-    /* SFU: the 1-D vector units */
-    double sfu_elems_per_cycle;       /* per core, simple ops */
-    double sfu_transcendental_cycles; /* cycles per element multiplier for exp/log/... */
-    double sfu_latency_ns;            /* per instruction */
-    /* memory system */
-    double dram_bytes_per_ns;         /* sustained, shared by all cores */
-    double core_dma_bytes_per_ns;     /* one core's DMA port */
-    double dma_latency_ns;            /* per DRAM<->LX DMA command */
-    double pcie_bytes_per_ns;         /* host link, each direction */
-    double pcie_latency_ns;           /* per host DMA command */
-    double pcie_descriptor_ns;        /* per scatter-gather descriptor */
-    double ring_bytes_per_cycle;      /* per direction */
-    double ring_hop_ns;
-    double barrier_ns;
-    double job_launch_ns;             /* a job becoming runnable to its first command */
+#define SPY_FIGURE_FIELD_(type, field, ...) SPY_FIGURE_CTYPE_##type field;
+    SPY_PROFILE_FIGURES(SPY_FIGURE_FIELD_)
+#undef SPY_FIGURE_FIELD_
 } spy_profile;
+
+/* A figure as the declaration describes it. */
+#define SPY_FIGURE_U32 0
+#define SPY_FIGURE_U64 1
+#define SPY_FIGURE_F64 2
+#define SPY_FIGURE_POSITIVE 0
+#define SPY_FIGURE_NONNEGATIVE 1
+
+typedef struct spy_figure {
+    const char *field; /* the spy_profile member; static storage, like key and unit */
+    const char *key;   /* its name in a TOML profile */
+    const char *unit;  /* the unit of the TOML value */
+    uint32_t type;     /* SPY_FIGURE_U32, _U64 or _F64 */
+    uint32_t sign;     /* SPY_FIGURE_POSITIVE or _NONNEGATIVE */
+    uint64_t offset;   /* of the field in spy_profile */
+    double scale;      /* field = TOML value * scale */
+    double max;        /* the largest field value accepted; infinity: no bound */
+} spy_figure;
+
+/* The declared figures, in the order of spy_profile's fields: *figures points to *n entries
+ * in static storage, valid for the life of the process (nothing to free). */
+spy_status spy_profile_figures(const spy_figure **figures, uint32_t *n);
+/* The check spy_device_open makes: every figure finite, of its sign and at most its max,
+ * stick_bytes a power of two. SPY_E_PROFILE names the first figure out of range. */
+spy_status spy_profile_check(const spy_profile *profile);
 
 /* ---- device ------------------------------------------------------------------------ */
 

@@ -2,6 +2,7 @@
 the emitter's op names and arities come from it."""
 
 from spyre_rt.compiler.build import sfu
+
 from spyre_rt.native import lib
 from spyre_rt.sfu_ops import SFU_OPS
 

@@ -813,6 +813,64 @@ static void test_sfu_table(void)
     spy_device_close(d);
 }
 
+static void set_figure(spy_profile *p, const spy_figure *f, double v)
+{
+    char *at = (char *)p + f->offset;
+    if (f->type == SPY_FIGURE_U32) {
+        uint32_t x = (uint32_t)v;
+        memcpy(at, &x, sizeof x);
+    } else if (f->type == SPY_FIGURE_U64) {
+        uint64_t x = (uint64_t)v;
+        memcpy(at, &x, sizeof x);
+    } else {
+        memcpy(at, &v, sizeof v);
+    }
+}
+
+/* Every declared figure (spy_profile's fields are made from the same declaration) is
+ * range-checked from its declaration. */
+static void test_profile_figures(void)
+{
+    current = "profile figures";
+    const spy_figure *fig;
+    uint32_t n;
+    CHECK_OK(spy_profile_figures(&fig, &n));
+    CHECK(n > 0 && fig[n - 1].offset + (fig[n - 1].type == SPY_FIGURE_U32 ? 4 : 8) == sizeof(spy_profile));
+    spy_profile good = test_profile();
+    CHECK_OK(spy_profile_check(&good));
+    CHECK(spy_profile_check(NULL) == SPY_E_INVALID_ARG);
+    for (uint32_t i = 0; i < n; i++) {
+        const spy_figure *f = &fig[i];
+        CHECK(f->field && f->key && f->unit && f->scale > 0);
+        CHECK(i == 0 || f->offset > fig[i - 1].offset); /* in the order of the fields */
+        spy_profile p = good;
+        set_figure(&p, f, 0);
+        CHECK((spy_profile_check(&p) == SPY_OK) == (f->sign == SPY_FIGURE_NONNEGATIVE));
+        if (f->sign == SPY_FIGURE_POSITIVE)
+            CHECK(strstr(spy_last_error(), f->field) != NULL);
+        if (f->type == SPY_FIGURE_F64) {
+            set_figure(&p, f, -1);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            set_figure(&p, f, NAN);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            set_figure(&p, f, INFINITY);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+        }
+        if (isfinite(f->max)) {
+            set_figure(&p, f, f->max);
+            CHECK_OK(spy_profile_check(&p));
+            set_figure(&p, f, f->type == SPY_FIGURE_F64 ? f->max * 1.5 : f->max * 2);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            CHECK(strstr(spy_last_error(), f->field) != NULL);
+        }
+    }
+    spy_profile p = good;
+    p.stick_bytes = 96;
+    CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+    spy_device *d;
+    CHECK(spy_device_open(&p, SPY_MODE_TIMING, 0, &d) == SPY_E_PROFILE); /* the open checks */
+}
+
 int main(void)
 {
     test_allocator();
@@ -824,6 +882,7 @@ int main(void)
     test_plan();
     test_sfu();
     test_sfu_table();
+    test_profile_figures();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

@@ -155,7 +155,7 @@ static spy_status insert_live(spy_allocator *a, const spy_block *b)
 }
 
 spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool backed,
-                         uint64_t *addr)
+                         const spy_layout *layout, uint64_t *addr)
 {
     if (nbytes == 0)
         nbytes = 1; /* an empty tensor still gets a distinct address */
@@ -215,6 +215,8 @@ spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool 
             }
         }
     }
+    if (layout)
+        b.layout = *layout;
     spy_status s = insert_live(a, &b);
     if (s != SPY_OK) {
         free_backing(&b);
@@ -274,6 +276,7 @@ spy_status spy_alloc_put(spy_allocator *a, uint64_t addr)
     a->total_frees++;
     spy_block_uncommit(&b);
     b.plan_owned = 0;
+    memset(&b.layout, 0, sizeof b.layout); /* the record goes with the allocation */
     if (a->ncache >= CACHE_MAX_BLOCKS ||
         !grow((void **)&a->cache, &a->capcache, a->ncache + 1, sizeof(spy_block))) {
         /* Evict the oldest cached block to keep the cache bounded. */

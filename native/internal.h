@@ -114,6 +114,7 @@ typedef struct spy_block {
     uint8_t *backing;     /* NULL for DATA in timing mode */
     spy_program *prog;    /* the committed program resident here, or NULL (owned) */
     uint32_t plan_owned;  /* a plan's program: only the plan may free it, nothing may write it */
+    spy_layout layout;    /* the stick layout recorded for a DATA block; itemsize 0: none */
 } spy_block;
 
 typedef struct spy_range {
@@ -135,8 +136,10 @@ typedef struct spy_allocator {
 
 spy_status spy_alloc_init(spy_allocator *a, uint64_t base, uint64_t capacity, uint64_t align);
 void spy_alloc_destroy(spy_allocator *a);
+/* A new block of nbytes (rounded to the alignment) recording layout (NULL: none; the
+ * caller validated it). */
 spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool backed,
-                         uint64_t *addr);
+                         const spy_layout *layout, uint64_t *addr);
 spy_status spy_alloc_put(spy_allocator *a, uint64_t addr);
 void spy_alloc_release_cache(spy_allocator *a);
 /* The live block containing [addr, addr+len), or NULL. The pointer is valid until the
@@ -229,6 +232,12 @@ static inline uint64_t spy_host_clock_locked(const spy_device *d)
 {
     return spy_now_ns() - d->clock_origin - d->excluded_ns + d->waited_ns;
 }
+
+/* ---- memory.c: the device's memory entry points ---------------------------------------- */
+
+/* spy_malloc_many on a locked device (dlpack.c allocates a step's outputs with it). */
+spy_status spy_mem_alloc_many_locked(spy_device *dev, uint32_t n, const uint64_t *nbytes,
+                                     const spy_layout *layouts, uint64_t *addrs);
 
 /* ---- exec.c: the functional effect of each command ---------------------------------------- */
 

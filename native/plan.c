@@ -116,7 +116,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     spy_status s = SPY_OK;
     for (uint32_t j = 0; j < h->njobs && s == SPY_OK; j++) {
         uint64_t addr;
-        s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, &addr);
+        s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);
         if (s != SPY_OK)
             break;
         p->jobs[j].prog_addr = addr;

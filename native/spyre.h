@@ -234,6 +234,44 @@ spy_status spy_free_epoch(spy_device *dev, uint64_t addr, uint64_t epoch);
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
 spy_status spy_mem_reset_peak(spy_device *dev);
+/* ---- stick layouts ---------------------------------------------------------------------
+ * A DATA allocation may record the stick layout of the tensor storage it holds, so the
+ * layers above find a storage's layout from its address. A layout: the storage holds
+ * rows x row_len elements of itemsize bytes; each row is cut into sticks of stick_bytes,
+ * padded to a whole stick, and sticks are stored stick-major: with S = stick_bytes /
+ * itemsize, element (r, c) is at byte
+ *   (c / S) * max(rows, 1) * stick_bytes + r * stick_bytes + (c % S) * itemsize
+ * (spyre_rt.layout.StickLayout). The record belongs to its allocation: it is copied in,
+ * and goes when the allocation is freed (spy_free, spy_free_epoch, a DLPack deleter, a
+ * device reset). */
+
+typedef struct spy_layout {
+    uint64_t rows;        /* may be 0: an empty storage */
+    uint64_t row_len;     /* elements per row, at least 1 */
+    uint32_t itemsize;    /* bytes per element: 1, 2, 4 or 8 */
+    uint32_t stick_bytes; /* the device profile's stick_bytes */
+} spy_layout; /* 24 bytes */
+SPY_ABI_SIZE(spy_layout, 24)
+
+/* The bytes a layout occupies: max(rows, 1) * ceil(row_len / S) * stick_bytes.
+ * SPY_E_INVALID_ARG for a malformed layout (itemsize, a stick_bytes that is not a power
+ * of two of at least itemsize, row_len 0, a size past 2^64). */
+spy_status spy_layout_bytes(const spy_layout *layout, uint64_t *nbytes);
+/* spy_malloc recording a layout (NULL: none, as spy_malloc). A layout needs kind
+ * SPY_MEM_DATA, the device's stick_bytes and at most nbytes bytes (spy_layout_bytes). */
+spy_status spy_malloc_layout(spy_device *dev, uint64_t nbytes, uint32_t kind, const spy_layout *layout,
+                             uint64_t *addr);
+/* n DATA allocations in one call, all or nothing. Allocation i is nbytes[i] bytes or, with
+ * nbytes NULL, the size of layouts[i]; layouts NULL records none. On success the caller
+ * owns addrs[0..n) as if each came from spy_malloc. On failure (SPY_E_OOM names the
+ * allocation that did not fit) none is left allocated -- their blocks may stay in the
+ * free-block cache -- and addrs holds nothing to use. */
+spy_status spy_malloc_many(spy_device *dev, uint32_t n, const uint64_t *nbytes, const spy_layout *layouts,
+                           uint64_t *addrs);
+/* The layout recorded for the allocation starting at addr; SPY_E_BAD_ADDRESS when addr does
+ * not start a live allocation or it records none. */
+spy_status spy_layout_of(spy_device *dev, uint64_t addr, spy_layout *out);
+
 /* Direct access to backed memory (tests, program upload checks): copies len bytes.
  * Like every call that touches the card, refused with SPY_E_DEVICE_LOST on a lost card. */
 spy_status spy_mem_read(spy_device *dev, uint64_t addr, void *dst, uint64_t len);
@@ -627,12 +665,41 @@ spy_status spy_trace_read(spy_device *dev, uint64_t first, spy_trace_event *out,
 spy_status spy_trace_clear(spy_device *dev);
 
 /* ---- DLPack ---------------------------------------------------------------------------------
- * Wrap the allocation starting at addr as a DLPack DLManagedTensor (returned as void*)
- * whose deleter frees the allocation: a framework importing it ties the allocation's
- * lifetime to its tensors. Shape and strides are in elements and are copied. */
+ * A device allocation as a DLPack DLManagedTensor (void *: the DLPack ABI, v0.8
+ * unversioned) whose deleter frees the allocation -- and its layout record -- so that a
+ * framework importing it ties the allocation's lifetime to its tensors. The device must
+ * outlive every wrapped tensor; after a spy_device_reset the deleter frees nothing.
+ * Ownership: a wrap call hands the caller the DLManagedTensor; the caller passes it to a
+ * framework (which calls its deleter) or gives it back with spy_dlpack_release. The
+ * allocation then belongs to the tensor: do not spy_free it. */
+
+/* How to present one allocation: shape and strides (in elements) are copied. */
+typedef struct spy_dlpack_tensor {
+    const int64_t *shape;   /* ndim sizes */
+    const int64_t *strides; /* ndim strides */
+    int32_t ndim;           /* 0 to 64 */
+    uint32_t code;          /* DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool */
+    uint32_t bits;          /* bits per element, 8 to 64 */
+    uint32_t reserved;
+} spy_dlpack_tensor; /* 32 bytes */
+SPY_ABI_SIZE(spy_dlpack_tensor, 32)
+
+/* Wrap the allocation starting at addr (shape and strides in elements, copied). */
 spy_status spy_dlpack_wrap(spy_device *dev, uint64_t addr, int32_t ndim, const int64_t *shape,
                            const int64_t *strides, uint32_t code, uint32_t bits, int32_t device_type,
                            void **out);
+/* Wrap n allocations in one call, all or nothing: out[i] wraps the allocation starting at
+ * addrs[i], presented as tensors[i]. On failure nothing is wrapped and the allocations
+ * stay the caller's. */
+spy_status spy_dlpack_wrap_many(spy_device *dev, uint32_t n, const uint64_t *addrs,
+                                const spy_dlpack_tensor *tensors, int32_t device_type, void **out);
+/* A compiled step's outputs in one call: n DATA allocations, allocation i the size of
+ * layouts[i] and recording it, each wrapped as tensors[i]. All or nothing: on failure
+ * nothing is allocated or wrapped. On success addrs[i] is the device address out[i] wraps
+ * and the caller owns out[0..n) (see Ownership above). */
+spy_status spy_dlpack_new_many(spy_device *dev, uint32_t n, const spy_layout *layouts,
+                               const spy_dlpack_tensor *tensors, int32_t device_type, uint64_t *addrs,
+                               void **out);
 /* Run the deleter of a wrapped tensor that no framework took ownership of. */
 void spy_dlpack_release(void *managed);
 /* Wrapped tensors whose deleter has not run yet. */

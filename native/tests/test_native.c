@@ -871,6 +871,142 @@ static void test_profile_figures(void)
     CHECK(spy_device_open(&p, SPY_MODE_TIMING, 0, &d) == SPY_E_PROFILE); /* the open checks */
 }
 
+/* The start of a DLPack DLManagedTensor (the ABI spyre.h names). */
+typedef struct dl_view {
+    void *data;
+    int32_t device_type, device_id, ndim;
+    uint8_t code, bits;
+    uint16_t lanes;
+    int64_t *shape, *strides;
+} dl_view;
+
+static uint64_t live_allocs(spy_device *d)
+{
+    spy_mem_stats st;
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    return st.num_allocs;
+}
+
+/* Stick layouts recorded with allocations, several allocations in one call, and DLPack
+ * wraps of several allocations. */
+static void test_layouts(void)
+{
+    current = "layouts";
+    spy_profile pr = test_profile();
+    pr.dram_bytes = 1 << 20;
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    uint64_t n;
+    spy_layout big = {1024, 256, 2, 128}; /* (1024, 256) fp16 is stored as (4, 1024, 64) */
+    CHECK_OK(spy_layout_bytes(&big, &n));
+    CHECK(n == 4 * 1024 * 128);
+    spy_layout empty = {0, 1, 4, 128}, odd = {3, 65, 2, 128};
+    CHECK_OK(spy_layout_bytes(&empty, &n));
+    CHECK(n == 128);
+    CHECK_OK(spy_layout_bytes(&odd, &n));
+    CHECK(n == 3 * 2 * 128);
+    spy_layout bad[] = {{4, 4, 3, 128}, {4, 4, 2, 96}, {4, 0, 2, 128}, {4, 4, 8, 4},
+                        {1ull << 62, 1ull << 40, 1, 128}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(spy_layout_bytes(&bad[i], &n) == SPY_E_INVALID_ARG);
+
+    /* one allocation with its layout; the record goes with it */
+    uint64_t a, b, plain;
+    spy_layout got;
+    CHECK_OK(spy_malloc_layout(d, 4 * 1024 * 128, SPY_MEM_DATA, &big, &a));
+    CHECK_OK(spy_layout_of(d, a, &got));
+    CHECK(memcmp(&got, &big, sizeof got) == 0);
+    CHECK(spy_layout_of(d, a + 128, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &plain));
+    CHECK(spy_layout_of(d, plain, &got) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_malloc_layout(d, 4 * 1024 * 128 - 1, SPY_MEM_DATA, &big, &b) == SPY_E_INVALID_ARG);
+    CHECK(spy_malloc_layout(d, 1 << 19, SPY_MEM_CONTROL, &big, &b) == SPY_E_INVALID_ARG);
+    spy_layout other_sticks = {4, 4, 2, 64};
+    CHECK(spy_malloc_layout(d, 4096, SPY_MEM_DATA, &other_sticks, &b) == SPY_E_INVALID_ARG);
+    CHECK_OK(spy_free(d, a));
+    CHECK(spy_layout_of(d, a, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_malloc(d, 4 * 1024 * 128, SPY_MEM_DATA, &b)); /* the cached block again */
+    CHECK(b == a && spy_layout_of(d, b, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_free(d, b));
+    CHECK_OK(spy_free(d, plain));
+    CHECK_OK(spy_empty_cache(d));
+
+    /* several at once, sized by their layouts */
+    spy_layout three[3] = {odd, empty, odd};
+    uint64_t addrs[3];
+    CHECK_OK(spy_malloc_many(d, 3, NULL, three, addrs));
+    CHECK(live_allocs(d) == 3);
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(spy_layout_of(d, addrs[i], &got));
+        CHECK(memcmp(&got, &three[i], sizeof got) == 0);
+        CHECK_OK(spy_free(d, addrs[i]));
+    }
+    uint64_t sizes[2] = {4096, 8192};
+    CHECK_OK(spy_malloc_many(d, 2, sizes, NULL, addrs));
+    CHECK(spy_layout_of(d, addrs[1], &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_free(d, addrs[0]));
+    CHECK_OK(spy_free(d, addrs[1]));
+    CHECK_OK(spy_malloc_many(d, 0, NULL, NULL, NULL));
+    CHECK(spy_malloc_many(d, 1, NULL, NULL, addrs) == SPY_E_INVALID_ARG);
+    /* all or nothing: the third does not fit, the first two are given back */
+    spy_mem_stats before, after;
+    CHECK_OK(spy_mem_stats_get(d, &before));
+    uint64_t too_much[3] = {256 << 10, 256 << 10, 2 << 20};
+    CHECK(spy_malloc_many(d, 3, too_much, NULL, addrs) == SPY_E_OOM);
+    CHECK(strstr(spy_last_error(), "allocation 2 of 3") != NULL);
+    CHECK_OK(spy_mem_stats_get(d, &after));
+    CHECK(after.num_allocs == before.num_allocs && after.allocated == before.allocated);
+    CHECK(after.total_allocs == before.total_allocs && after.peak_allocated == before.peak_allocated);
+    CHECK(after.num_ooms == before.num_ooms + 1);
+    /* a malformed layout is refused before anything is allocated */
+    spy_layout mixed[2] = {odd, bad[0]};
+    CHECK(spy_malloc_many(d, 2, NULL, mixed, addrs) == SPY_E_INVALID_ARG);
+    CHECK(strstr(spy_last_error(), "allocation 1 of 2") != NULL);
+    CHECK_OK(spy_mem_stats_get(d, &after));
+    CHECK(after.total_allocs == before.total_allocs);
+
+    /* a step's outputs: allocated, recorded and wrapped in one call */
+    int64_t shape[2] = {3, 65}, strides[2] = {65, 1};
+    spy_dlpack_tensor t[2] = {{shape, strides, 2, 2, 16, 0}, {NULL, NULL, 0, 2, 32, 0}};
+    spy_layout outs[2] = {odd, empty};
+    void *m[2];
+    CHECK_OK(spy_dlpack_new_many(d, 2, outs, t, 12, addrs, m));
+    CHECK(spy_dlpack_live(d) == 2 && live_allocs(d) == 2);
+    const dl_view *v = m[0];
+    CHECK(v->data == (void *)(uintptr_t)addrs[0] && v->device_type == 12 && v->ndim == 2);
+    CHECK(v->code == 2 && v->bits == 16 && v->lanes == 1 && v->shape[1] == 65 && v->strides[0] == 65);
+    CHECK_OK(spy_layout_of(d, addrs[1], &got));
+    spy_dlpack_release(m[0]);
+    CHECK(spy_layout_of(d, addrs[0], &got) == SPY_E_BAD_ADDRESS); /* the deleter freed both */
+    spy_dlpack_release(m[1]);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 0);
+    spy_layout huge[2] = {odd, {1 << 20, 64, 2, 128}};
+    CHECK(spy_dlpack_new_many(d, 2, huge, t, 12, addrs, m) == SPY_E_OOM);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 0);
+    spy_dlpack_tensor bad_tensor = {shape, strides, 65, 2, 16, 0};
+    CHECK(spy_dlpack_new_many(d, 1, outs, &bad_tensor, 12, addrs, m) == SPY_E_INVALID_ARG);
+
+    /* wrapping allocations made before: all or nothing */
+    CHECK_OK(spy_malloc_many(d, 2, sizes, NULL, addrs));
+    uint64_t wrong[2] = {addrs[0], addrs[1] + 128};
+    CHECK(spy_dlpack_wrap_many(d, 2, wrong, t, 12, m) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 2);
+    CHECK_OK(spy_dlpack_wrap_many(d, 2, addrs, t, 12, m));
+    spy_dlpack_release(m[0]);
+    spy_dlpack_release(m[1]);
+    CHECK(spy_free(d, addrs[0]) == SPY_E_BAD_ADDRESS && live_allocs(d) == 0);
+
+    /* a deleter that runs after a reset frees nothing */
+    CHECK_OK(spy_device_reset(d));
+    CHECK_OK(spy_dlpack_new_many(d, 1, outs, t, 12, addrs, m));
+    CHECK_OK(spy_device_reset(d));
+    CHECK_OK(spy_malloc(d, 768, SPY_MEM_DATA, &b));
+    CHECK(b == addrs[0]); /* the same address, a new allocation */
+    spy_dlpack_release(m[0]);
+    CHECK(live_allocs(d) == 1);
+    spy_device_close(d);
+}
+
 int main(void)
 {
     test_allocator();
@@ -883,6 +1019,7 @@ int main(void)
     test_sfu();
     test_sfu_table();
     test_profile_figures();
+    test_layouts();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

@@ -106,6 +106,8 @@ uint32_t spy_device_mode(const spy_device *d) { return d ? d->mode : 0; }
 
 uint64_t spy_device_instance(const spy_device *d) { return d ? d->instance : 0; }
 
+uint64_t spy_device_epoch(spy_device *d) { return d ? atomic_load(&d->epoch) : 0; }
+
 spy_status spy_device_reset(spy_device *d)
 {
     spy_clear_error();
@@ -122,16 +124,6 @@ spy_status spy_device_reset(spy_device *d)
     return s;
 }
 
-uint64_t spy_device_epoch(spy_device *d)
-{
-    if (!d)
-        return 0;
-    spy_lock(d);
-    uint64_t e = d->epoch;
-    spy_unlock(d);
-    return e;
-}
-
 /* ---- clocks ---- */
 
 uint64_t spy_host_clock_ns(spy_device *d)
@@ -146,12 +138,10 @@ uint64_t spy_host_clock_ns(spy_device *d)
 
 double spy_device_finish_ns(spy_device *d)
 {
-    if (!d)
-        return 0;
-    spy_lock(d);
-    double t = d->device_free;
-    spy_unlock(d);
-    return t;
+    double finish = 0;
+    if (d)
+        spy_read_locked(d, &finish, &d->device_free, sizeof finish);
+    return finish;
 }
 
 spy_status spy_synchronize(spy_device *d)
@@ -173,9 +163,7 @@ spy_status spy_counters_get(spy_device *d, spy_counters *out)
 {
     if (!d || !out)
         return spy_fail(SPY_E_INVALID_ARG, -1, "null argument");
-    spy_lock(d);
-    *out = d->counters;
-    spy_unlock(d);
+    spy_read_locked(d, out, &d->counters, sizeof *out);
     return SPY_OK;
 }
 

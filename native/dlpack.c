@@ -109,11 +109,14 @@ static void discard(dl_managed **m, uint32_t n)
     free(m);
 }
 
-/* The host structures of n wraps: *out, an array the caller frees (discard, or free once
- * its entries are handed out). */
-static spy_status make_all(spy_device *d, uint32_t n, const spy_dlpack_tensor *tensors,
-                           int32_t device_type, dl_managed ***out)
+/* The start of a wrap: check the arguments and make the host structures of n wraps (*out,
+ * an array settle() hands out or drops), then lock the device. */
+static spy_status prepare(spy_device *d, bool args_ok, uint32_t n, const spy_dlpack_tensor *tensors,
+                          int32_t device_type, dl_managed ***out)
 {
+    spy_clear_error();
+    if (!d || !args_ok)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "bad DLPack arguments: a null device or array");
     for (uint32_t i = 0; i < n; i++) {
         spy_status s = check_tensor(i, &tensors[i]);
         if (s != SPY_OK)
@@ -130,10 +133,11 @@ static spy_status make_all(spy_device *d, uint32_t n, const spy_dlpack_tensor *t
     if (!m)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     *out = m;
+    spy_lock(d);
     return SPY_OK;
 }
 
-/* Called with the device locked, releases it: when s is SPY_OK, tie m[i] to the allocation
+/* The end of a wrap, called with the device locked; releases it: when s is SPY_OK, tie m[i] to the allocation
  * at addrs[i] and hand it out (the device now owes n deleters); otherwise drop m. */
 static spy_status settle(spy_device *d, spy_status s, dl_managed **m, uint32_t n, const uint64_t *addrs,
                          void **out)
@@ -159,14 +163,10 @@ static spy_status settle(spy_device *d, spy_status s, dl_managed **m, uint32_t n
 spy_status spy_dlpack_wrap_many(spy_device *d, uint32_t n, const uint64_t *addrs,
                                 const spy_dlpack_tensor *tensors, int32_t device_type, void **out)
 {
-    spy_clear_error();
-    if (!d || (n && (!addrs || !tensors || !out)))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "bad DLPack wrap arguments");
     dl_managed **m;
-    spy_status s = make_all(d, n, tensors, device_type, &m);
+    spy_status s = prepare(d, !n || (addrs && tensors && out), n, tensors, device_type, &m);
     if (s != SPY_OK)
         return s;
-    spy_lock(d);
     for (uint32_t i = 0; i < n && s == SPY_OK; i++) {
         spy_block *b = spy_alloc_find(&d->mem, addrs[i], 1);
         if (!b || b->addr != addrs[i])
@@ -188,14 +188,10 @@ spy_status spy_dlpack_new_many(spy_device *d, uint32_t n, const spy_layout *layo
                                const spy_dlpack_tensor *tensors, int32_t device_type, uint64_t *addrs,
                                void **out)
 {
-    spy_clear_error();
-    if (!d || (n && (!layouts || !tensors || !addrs || !out)))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "bad DLPack arguments");
     dl_managed **m;
-    spy_status s = make_all(d, n, tensors, device_type, &m);
+    spy_status s = prepare(d, !n || (layouts && tensors && addrs && out), n, tensors, device_type, &m);
     if (s != SPY_OK)
         return s;
-    spy_lock(d);
     d->counters.native_calls++;
     s = d->lost ? spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal)
                 : spy_mem_alloc_many_locked(d, n, NULL, layouts, addrs);
@@ -210,10 +206,8 @@ void spy_dlpack_release(void *managed)
 
 uint64_t spy_dlpack_live(spy_device *d)
 {
-    if (!d)
-        return 0;
-    spy_lock(d);
-    uint64_t n = d->dlpack_live;
-    spy_unlock(d);
+    uint64_t n = 0;
+    if (d)
+        spy_read_locked(d, &n, &d->dlpack_live, sizeof n);
     return n;
 }

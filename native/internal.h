@@ -1,24 +1,25 @@
 /* internal.h -- the native runtime's internal contract; not part of the API (spyre.h is).
  *
  * Every function one file calls in another is declared here, once, in the section of the
- * file that defines it; a file-local function stays static in its file. Sections run from
- * the bottom of the dependency order to the top, and calls run one way only (an arrow
- * reads "calls into"; status.c is called from everywhere and calls nothing):
+ * file that defines it; a file-local function stays static in its file. The files form
+ * layers, and a file calls only into layers below its own (status.c into none):
  *
- *   plan.c ─┬─> job.c ─┬─> sim.c ─┬─> exec.c ──> gemm.c ──> half.c
- *   transfer.c┘        │          ├─> trace.c         sfu.c ──> half.c
- *                      │          └─> program.c ──> sfu.c
- *                      ├─> device.c (host clock)
- *                      └─> alloc.c ──> program.c
- *   memory.c, dlpack.c ──> alloc.c
- *   device.c ──> alloc.c, sim.c, trace.c, gemm.c, sfu.c
+ *   layer 1  device.c plan.c transfer.c dlpack.c   entry points of the objects
+ *   layer 2  job.c memory.c                        one job's run; the memory API
+ *   layer 3  sim.c alloc.c                         the timeline; the address space
+ *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures
+ *   layer 5  gemm.c sfu.c                          the arithmetic units
+ *   layer 6  half.c status.c                       conversions, errors
  *
- * tests/test_native_c.py checks the arrows on the compiled objects. */
+ * tests/test_native_c.py checks this picture against the compiled objects. The sections
+ * below come in the order their types need, lower layers first. */
 #ifndef SPYRE_INTERNAL_H
 #define SPYRE_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "spyre.h"
 
@@ -92,6 +93,10 @@ struct spy_program {
 };
 typedef struct spy_program spy_program;
 
+/* SPY_E_BAD_PROGRAM unless blob holds a block `what` ("program", "plan") can start with: at
+ * least header_bytes, 8-byte aligned, the magic and version its header opens with. */
+spy_status spy_block_check(const void *blob, uint64_t len, uint64_t header_bytes, uint32_t magic,
+                           uint32_t version, const char *what);
 /* Decode and validate a program block; on success *out owns a spy_program that points
  * into blob (blob must outlive it). */
 spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
@@ -190,7 +195,8 @@ struct spy_device {
     spy_counters counters;
     spy_trace trace;
     spy_sim *sim;
-    uint64_t epoch;            /* bumped by spy_device_reset: stale DLPack deleters skip */
+    _Atomic uint64_t epoch;    /* bumped by spy_device_reset (under the lock); read without it
+                                  by spy_device_epoch. Stale DLPack deleters skip. */
     uint64_t dlpack_live;
     /* scratch of the running job, owned by the device and used under its lock */
     uint8_t **slot_host;       /* per slot: host memory behind it, NULL when not backed */
@@ -204,6 +210,14 @@ struct spy_device {
 
 static inline void spy_lock(spy_device *d) { pthread_mutex_lock(&d->lock); }
 static inline void spy_unlock(spy_device *d) { pthread_mutex_unlock(&d->lock); }
+
+/* Copy a field of the device under its lock (the getters' one step). */
+static inline void spy_read_locked(spy_device *d, void *dst, const void *field, size_t n)
+{
+    spy_lock(d);
+    memcpy(dst, field, n);
+    spy_unlock(d);
+}
 
 /* The discipline of an entry point that takes a device: clear the thread's error, refuse
  * a null device, take the lock and count the call; SPY_LEAVE unlocks and returns. */

@@ -55,19 +55,17 @@ static spy_status malloc_locked(spy_device *d, uint64_t nbytes, uint32_t kind, c
     return spy_alloc_get(&d->mem, nbytes, kind, backed, layout, addr);
 }
 
-spy_status spy_malloc(spy_device *d, uint64_t nbytes, uint32_t kind, uint64_t *addr)
-{
-    SPY_ENTER(d);
-    SPY_REFUSE_IF_LOST(d);
-    SPY_LEAVE(d, malloc_locked(d, nbytes, kind, NULL, addr));
-}
-
 spy_status spy_malloc_layout(spy_device *d, uint64_t nbytes, uint32_t kind, const spy_layout *layout,
                              uint64_t *addr)
 {
     SPY_ENTER(d);
     SPY_REFUSE_IF_LOST(d);
     SPY_LEAVE(d, malloc_locked(d, nbytes, kind, layout, addr));
+}
+
+spy_status spy_malloc(spy_device *d, uint64_t nbytes, uint32_t kind, uint64_t *addr)
+{
+    return spy_malloc_layout(d, nbytes, kind, NULL, addr);
 }
 
 spy_status spy_mem_alloc_many_locked(spy_device *d, uint32_t n, const uint64_t *nbytes,
@@ -178,9 +176,13 @@ spy_status spy_mem_reset_peak(spy_device *d)
     SPY_LEAVE(d, SPY_OK);
 }
 
-/* The backed block holding [addr, addr+len). */
-static spy_status mem_access(spy_device *d, uint64_t addr, uint64_t len, spy_block **out)
+/* The backed block holding [addr, addr+len), which ptr (the host side) is to copy. */
+static spy_status mem_access(spy_device *d, uint64_t addr, const void *ptr, uint64_t len, spy_block **out)
 {
+    if (d->lost)
+        return spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal);
+    if (len && !ptr)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "a null host pointer for %llu bytes", (unsigned long long)len);
     spy_block *b = spy_alloc_find(&d->mem, addr, len);
     if (!b)
         return spy_fail(SPY_E_BAD_ADDRESS, -1,
@@ -197,11 +199,8 @@ static spy_status mem_access(spy_device *d, uint64_t addr, uint64_t len, spy_blo
 spy_status spy_mem_read(spy_device *d, uint64_t addr, void *dst, uint64_t len)
 {
     SPY_ENTER(d);
-    SPY_REFUSE_IF_LOST(d);
-    if (len && !dst)
-        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "null destination"));
     spy_block *b;
-    spy_status s = mem_access(d, addr, len, &b);
+    spy_status s = mem_access(d, addr, dst, len, &b);
     if (s == SPY_OK && len)
         memcpy(dst, b->backing + (addr - b->addr), len);
     SPY_LEAVE(d, s);
@@ -210,11 +209,8 @@ spy_status spy_mem_read(spy_device *d, uint64_t addr, void *dst, uint64_t len)
 spy_status spy_mem_write(spy_device *d, uint64_t addr, const void *src, uint64_t len)
 {
     SPY_ENTER(d);
-    SPY_REFUSE_IF_LOST(d);
-    if (len && !src)
-        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "null source"));
     spy_block *b;
-    spy_status s = mem_access(d, addr, len, &b);
+    spy_status s = mem_access(d, addr, src, len, &b);
     if (s == SPY_OK && b->plan_owned)
         s = spy_fail(SPY_E_BAD_ADDRESS, -1, "0x%llx belongs to a graph plan", (unsigned long long)addr);
     if (s == SPY_OK) {

@@ -52,15 +52,11 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     if (!d || !out)
         return spy_fail(SPY_E_INVALID_ARG, -1, "null device or output");
     *out = NULL;
-    if (!blob || len < sizeof(spy_plan_header) || (uintptr_t)blob % 8)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan block of %llu bytes is too short or misaligned",
-                        (unsigned long long)len);
+    spy_status s = spy_block_check(blob, len, sizeof(spy_plan_header), SPY_PLAN_MAGIC, SPY_PLAN_VERSION,
+                                   "plan");
+    if (s != SPY_OK)
+        return s;
     const spy_plan_header *h = blob;
-    if (h->magic != SPY_PLAN_MAGIC)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "not a plan block (magic 0x%08x)", h->magic);
-    if (h->version != SPY_PLAN_VERSION)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan block version %u, runtime reads %u",
-                        h->version, SPY_PLAN_VERSION);
     if (h->total_bytes != len || h->njobs == 0 || h->njobs > (1u << 20) ||
         h->nrelocs > (1u << 24) || h->nbindings > (1u << 20))
         return spy_fail(SPY_E_BAD_PROGRAM, -1,
@@ -113,7 +109,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         spy_unlock(d);
         return plan_fail(p, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal));
     }
-    spy_status s = SPY_OK;
+    s = SPY_OK;
     for (uint32_t j = 0; j < h->njobs && s == SPY_OK; j++) {
         uint64_t addr;
         s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);

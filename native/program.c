@@ -484,21 +484,32 @@ out:
 static uint64_t align8(uint64_t x) { return (x + 7) & ~(uint64_t)7; }
 static spy_status summarise_host_dma(spy_program *g);
 
+spy_status spy_block_check(const void *blob, uint64_t len, uint64_t header_bytes, uint32_t magic,
+                           uint32_t version, const char *what)
+{
+    if (!blob || len < header_bytes)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block of %llu bytes is shorter than its header",
+                        what, (unsigned long long)len);
+    if ((uintptr_t)blob % 8)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block is not 8-byte aligned", what);
+    const uint32_t *words = blob; /* every block starts with its magic and version */
+    if (words[0] != magic)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "not a %s block (magic 0x%08x)", what, words[0]);
+    if (words[1] != version)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block version %u, runtime reads %u", what,
+                        words[1], version);
+    return SPY_OK;
+}
+
 spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
                               spy_program **out)
 {
     *out = NULL;
-    if (!blob || len < sizeof(spy_job_header))
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block of %llu bytes is shorter than its header",
-                        (unsigned long long)len);
-    if ((uintptr_t)blob % 8)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block is not 8-byte aligned");
+    spy_status st = spy_block_check(blob, len, sizeof(spy_job_header), SPY_JOB_MAGIC, SPY_JOB_VERSION,
+                                    "program");
+    if (st != SPY_OK)
+        return st;
     const spy_job_header *h = blob;
-    if (h->magic != SPY_JOB_MAGIC)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "not a program block (magic 0x%08x)", h->magic);
-    if (h->version != SPY_JOB_VERSION)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block version %u, runtime reads %u",
-                        h->version, SPY_JOB_VERSION);
     if (h->ncmds == 0 || h->ncmds > MAX_COUNT || h->ndeps > MAX_COUNT || h->ninstrs > MAX_COUNT ||
         h->nslots > MAX_COUNT || h->ndescs > MAX_COUNT || h->flags != 0)
         return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block counts out of range (%u commands)",

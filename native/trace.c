@@ -116,11 +116,9 @@ spy_status spy_trace_host_span(spy_device *d, uint32_t name, uint64_t start_ns, 
 
 uint64_t spy_trace_count(spy_device *d)
 {
-    if (!d)
-        return 0;
-    spy_lock(d);
-    uint64_t n = d->trace.n;
-    spy_unlock(d);
+    uint64_t n = 0;
+    if (d)
+        spy_read_locked(d, &n, &d->trace.n, sizeof n);
     return n;
 }
 

@@ -2,6 +2,7 @@
 AddressSanitizer and UndefinedBehaviorSanitizer (gcc only: no make needed)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,21 +59,19 @@ def _calls_between_files(tmp_path) -> dict[str, set[str]]:
     return {src: {defined[n] for n in names if n in defined} - {src} for src, names in used.items()}
 
 
-def test_c_files_call_each_other_one_way(tmp_path):
-    graph = _calls_between_files(tmp_path)
-    done, path = set(), []
+def _layers() -> dict[str, int]:
+    """native/*.c file -> its layer in the picture at the top of internal.h (1 is the top)."""
+    with open(os.path.join(NATIVE, "internal.h"), encoding="utf-8") as f:
+        text = f.read()
+    return {name: int(layer) for layer, names in re.findall(r"^ \*   layer (\d+)  ((?:\S+\.c ?)+)", text, re.M)
+            for name in names.split()}
 
-    def visit(src):
-        if src in path:
-            cycle = path[path.index(src):] + [src]
-            pytest.fail("native files call each other in a cycle: " + " -> ".join(cycle))
-        if src in done:
-            return
-        path.append(src)
-        for dep in sorted(graph[src]):
-            visit(dep)
-        path.pop()
-        done.add(src)
 
-    for src in sorted(graph):
-        visit(src)
+def test_c_files_call_only_into_lower_layers(tmp_path):
+    """The picture of internal.h is the code's: every .c file has a layer, and each call
+    into another file goes down (so there is no cycle)."""
+    graph, layers = _calls_between_files(tmp_path), _layers()
+    assert set(layers) == set(SOURCES), "files missing from (or unknown to) internal.h's picture"
+    upward = [f"{src} (layer {layers[src]}) -> {dep} (layer {layers[dep]})"
+              for src, deps in sorted(graph.items()) for dep in sorted(deps) if layers[dep] <= layers[src]]
+    assert not upward, "calls that do not go down a layer: " + "; ".join(upward)

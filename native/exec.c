@@ -3,7 +3,8 @@
  * Called by the simulator when a command starts. Everything here was validated when the
  * program was committed and when its slots were bound, so the only checks left are the
  * ones that depend on data: gather/scatter indices. In timing mode only transfers whose
- * DRAM side is backed (control memory: programs, descriptor lists) move bytes. */
+ * device side is backed move bytes (in practice: uploads of program blocks into control
+ * memory). */
 #include <string.h>
 
 #include "internal.h"

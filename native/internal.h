@@ -41,7 +41,6 @@ float spy_f16_to_f32(uint16_t h);
 uint16_t spy_f32_to_f16(float f);
 float spy_bf16_to_f32(uint16_t h);
 uint16_t spy_f32_to_bf16(float f);
-bool spy_cpu_f16c(void);
 void spy_f16_to_f32_n(const uint16_t *s, float *d, size_t n);
 void spy_f32_to_f16_n(const float *s, uint16_t *d, size_t n);
 

@@ -200,20 +200,15 @@ static void write_i(uint8_t *lx, const spy_instr *ins, uint32_t r, uint32_t n, c
  *   REDUCE     f_x(ins, n, a, dst)           one value from row a, stored at dst
  *   IOTA       f_x(ins, r, n, out)           row r of the sequence */
 
-#define MAP_F(name, expr)                                                                          \
-    static void f_##name(const spy_instr *ins, uint32_t n, float *o, const float *a,               \
-                         const float *b, const float *c)                                           \
+/* An elementwise implementation: one loop of expr over the row's elements i. */
+#define MAP(T, fn, expr)                                                                           \
+    static void fn(const spy_instr *ins, uint32_t n, T *o, const T *a, const T *b, const T *c)     \
     {                                                                                              \
         for (uint32_t i = 0; i < n; i++)                                                           \
             o[i] = (expr);                                                                         \
     }
-#define MAP_I(name, expr)                                                                          \
-    static void i_##name(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t *a,           \
-                         const int64_t *b, const int64_t *c)                                       \
-    {                                                                                              \
-        for (uint32_t i = 0; i < n; i++)                                                           \
-            o[i] = (expr);                                                                         \
-    }
+#define MAP_F(name, expr) MAP(float, f_##name, expr)
+#define MAP_I(name, expr) MAP(int64_t, i_##name, expr)
 
 static float gelu(float x, int tanh_form)
 {

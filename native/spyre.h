@@ -1,15 +1,20 @@
 /*
  * spyre.h -- the contract of the spyre_rt native runtime and its simulated card.
  *
- * One prefix (spy_), one status type, no hidden globals, no Python or torch.
- * Every call returns a spy_status; a failing call leaves the device unchanged and
- * records a message (spy_last_error) naming what was wrong.
+ * One prefix (spy_), one status type, no Python or torch, no hidden globals: the state
+ * outside a device is the calling thread's last error and the process's count of address
+ * windows handed out (SPY_ADDRESS_BASE).
+ * Every call that can fail returns a spy_status and records a message (spy_last_error)
+ * naming what was wrong; a call refused for its arguments or the device's state leaves
+ * the device as it was, and a job that fails stops at the failing command
+ * (spy_last_error_command): the commands before it have had their effect. Getters return
+ * their value (0 or NULL for a null handle); destroy and release calls return nothing.
  *
  * Model of the card
  *   Device DRAM is an address space handed out by an allocator. Tensor data lives in
  *   allocations of kind SPY_MEM_DATA (backed by host memory only in functional mode);
- *   programs, transfer graphs and relocation tables live in SPY_MEM_CONTROL allocations
- *   (always backed: the device must read them to run).
+ *   program blocks -- uploaded programs and the programs of plans -- live in
+ *   SPY_MEM_CONTROL allocations (always backed: the device must read them to run).
  *
  *   The device runs *jobs*. A job is an encoded program block (spy_job_header followed by
  *   slots, commands, dependencies, SFU instructions and DMA descriptors; see
@@ -32,10 +37,14 @@
  *   max(job start, end of its dependencies, its engine becoming free).
  *
  * Ownership
- *   The device owns its allocations, programs and plans; spy_device_close frees them.
- *   Buffers passed in (profiles, blobs, bindings) are borrowed for the call only, except
- *   host pointers bound to HOST slots, which must stay valid until the job has run
- *   (functional jobs run to completion inside the launch call).
+ *   The device owns its allocations and the programs committed in them; spy_device_close
+ *   frees them. The caller owns what a create or wrap call returns (transfer graphs,
+ *   plans, DLPack tensors) and must destroy or release plans and DLPack tensors before
+ *   closing their device, which they borrow. Buffers passed in (profiles, blobs, bindings,
+ *   layouts, shapes) are borrowed for the call only, except host pointers bound to HOST
+ *   slots, which must stay valid until the job has run (functional jobs run to completion
+ *   inside the launch call). Tables the runtime hands out (spy_sfu_ops,
+ *   spy_profile_figures) are static: nothing to free.
  */
 #ifndef SPYRE_H
 #define SPYRE_H
@@ -45,8 +54,8 @@
 #include <stdint.h>
 #endif
 
-/* The sizes this header states for the structures of the program block, plan block and
- * trace formats are checked by the compiler: Python and plan files rely on them. */
+/* The sizes this header states for its structures are checked by the compiler: plan files
+ * and the Python layer's copies of the structures (tests/test_native_abi.py) rely on them. */
 #if defined(SPY_CDEF)
 #define SPY_ABI_SIZE(type, bytes)
 #elif defined(__cplusplus)
@@ -625,8 +634,9 @@ spy_status spy_counters_reset(spy_device *dev);
 /* ---- trace ----------------------------------------------------------------------------- */
 
 #define SPY_EV_JOB 1       /* a job on the device: a = name, b = ncmds */
-#define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved, MACs (matmul) or SFU
-                              instructions; engine/core set */
+#define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved (DRAM<->scratchpad: as
+                              charged, whole bursts), MACs (matmul) or SFU instructions;
+                              engine/core set */
 #define SPY_EV_HOST 3      /* a host span recorded by spy_trace_host_span: a = name */
 #define SPY_EV_LAUNCH 4    /* the host-side instant of a launch: a = name, b = job seq */
 

@@ -82,7 +82,6 @@ struct spy_program {
     const spy_instr *instrs;
     const spy_desc *descs;
     uint8_t *slot_written;   /* per slot: some command writes through it */
-    uint32_t *order;         /* a topological order of the commands */
     uint64_t nedges;         /* dependency edges: the sum of the commands' ndeps (windows
                                 may overlap, so this can exceed the header's ndeps) */
     uint32_t *h2d_pairs;     /* (source slot, destination slot) of each H2D command */

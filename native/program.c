@@ -408,8 +408,9 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     uint32_t *succ = malloc(((size_t)g->nedges + 1) * sizeof *succ);
     uint32_t *eng_next = malloc((size_t)(n ? n : 1) * sizeof *eng_next);
     uint32_t *last_on = malloc((size_t)neng * sizeof *last_on);
+    uint32_t *queue = malloc((size_t)(n ? n : 1) * sizeof *queue); /* commands in a topological order */
     spy_status st = SPY_OK;
-    if (!indeg || !succ_start || !succ || !eng_next || !last_on) {
+    if (!indeg || !succ_start || !succ || !eng_next || !last_on || !queue) {
         st = spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted validating a program");
         goto out;
     }
@@ -452,14 +453,14 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     uint32_t head = 0, tail = 0;
     for (uint32_t i = 0; i < n; i++)
         if (indeg[i] == 0)
-            g->order[tail++] = i;
+            queue[tail++] = i;
     while (head < tail) {
-        uint32_t i = g->order[head++];
+        uint32_t i = queue[head++];
         for (uint32_t k = succ_start[i]; k < succ_start[i + 1]; k++)
             if (--indeg[succ[k]] == 0)
-                g->order[tail++] = succ[k];
+                queue[tail++] = succ[k];
         if (eng_next[i] != UINT32_MAX && --indeg[eng_next[i]] == 0)
-            g->order[tail++] = eng_next[i];
+            queue[tail++] = eng_next[i];
     }
     if (tail != n) {
         uint32_t culprit = 0;
@@ -478,6 +479,7 @@ out:
     free(succ);
     free(eng_next);
     free(last_on);
+    free(queue);
     return st;
 }
 
@@ -538,8 +540,7 @@ spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t l
     off += (uint64_t)h->ninstrs * sizeof(spy_instr);
     g->descs = (const spy_desc *)(b + off);
     g->slot_written = calloc(h->nslots ? h->nslots : 1, 1);
-    g->order = malloc((size_t)h->ncmds * sizeof *g->order);
-    if (!g->slot_written || !g->order) {
+    if (!g->slot_written) {
         spy_program_free(g);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     }
@@ -592,7 +593,6 @@ void spy_program_free(spy_program *g)
     if (!g)
         return;
     free(g->slot_written);
-    free(g->order);
     free(g->h2d_pairs);
     free(g);
 }

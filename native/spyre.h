@@ -68,7 +68,7 @@
 extern "C" {
 #endif
 
-/* ---- status ------------------------------------------------------------------------ */
+/* ---- status (status.c) ------------------------------------------------------------- */
 
 typedef enum spy_status {
     SPY_OK = 0,
@@ -94,7 +94,7 @@ const char *spy_last_error(void);
 int64_t spy_last_error_command(void);
 const char *spy_status_name(spy_status s);
 
-/* ---- the device profile -------------------------------------------------------------
+/* ---- the device profile (profile.c) -------------------------------------------------
  * Every figure the cost model uses, declared once, in SPY_PROFILE_FIGURES: it makes the
  * fields of spy_profile, the ranges spy_device_open accepts (spy_profile_check) and the
  * table the Python layer loads profiles/devices TOML files with (spy_profile_figures).
@@ -175,7 +175,7 @@ spy_status spy_profile_figures(const spy_figure **figures, uint32_t *n);
  * stick_bytes a power of two. SPY_E_PROFILE names the first figure out of range. */
 spy_status spy_profile_check(const spy_profile *profile);
 
-/* ---- device ------------------------------------------------------------------------ */
+/* ---- device (device.c) ------------------------------------------------------------- */
 
 typedef struct spy_device spy_device;
 
@@ -203,7 +203,7 @@ spy_status spy_device_reset(spy_device *dev);
  * to newer allocations. */
 uint64_t spy_device_epoch(spy_device *dev);
 
-/* ---- clocks --------------------------------------------------------------------------- */
+/* ---- clocks (device.c) ---------------------------------------------------------------- */
 
 uint64_t spy_host_clock_ns(spy_device *dev);
 /* End of the last job on the device timeline. */
@@ -211,7 +211,7 @@ double spy_device_finish_ns(spy_device *dev);
 /* Move the host clock to the device's finish (host waits for the device). */
 spy_status spy_synchronize(spy_device *dev);
 
-/* ---- memory ------------------------------------------------------------------------ */
+/* ---- memory (memory.c) ------------------------------------------------------------- */
 
 #define SPY_MEM_DATA 0
 #define SPY_MEM_CONTROL 1
@@ -243,7 +243,7 @@ spy_status spy_free_epoch(spy_device *dev, uint64_t addr, uint64_t epoch);
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
 spy_status spy_mem_reset_peak(spy_device *dev);
-/* ---- stick layouts ---------------------------------------------------------------------
+/* ---- stick layouts (memory.c) ----------------------------------------------------------
  * A DATA allocation may record the stick layout of the tensor storage it holds, so the
  * layers above find a storage's layout from its address. A layout: the storage holds
  * rows x row_len elements of itemsize bytes; each row is cut into sticks of stick_bytes,
@@ -286,7 +286,7 @@ spy_status spy_layout_of(spy_device *dev, uint64_t addr, spy_layout *out);
 spy_status spy_mem_read(spy_device *dev, uint64_t addr, void *dst, uint64_t len);
 spy_status spy_mem_write(spy_device *dev, uint64_t addr, const void *src, uint64_t len);
 
-/* ---- program block layout ------------------------------------------------------------
+/* ---- program block layout (validated by program.c) -----------------------------------
  * [spy_job_header][spy_slot * nslots][spy_cmd * ncmds][uint32 dep * ndeps, padded to 8]
  * [spy_instr * ninstrs][spy_desc * ndescs], all little endian, total == header.total_bytes */
 
@@ -455,7 +455,8 @@ typedef struct spy_operand {
 } spy_operand; /* 16 bytes */
 SPY_ABI_SIZE(spy_operand, 16)
 
-/* SFU opcodes: the op table of sfu_ops.h (one row per op: arity, cost, how it runs). */
+/* SFU opcodes: the op table of sfu_ops.h (one row per op: arity, cost, how it runs;
+ * implemented in sfu.c). */
 #include "sfu_ops.h"
 
 typedef enum spy_sfu_opcode {
@@ -532,7 +533,7 @@ typedef struct spy_job_info {
 /* Validate a program block held in host memory (construction-time check). */
 spy_status spy_job_validate(spy_device *dev, const void *blob, uint64_t len, spy_job_info *info);
 
-/* ---- launching -------------------------------------------------------------------------
+/* ---- launching (job.c) -----------------------------------------------------------------
  * A program is uploaded into a CONTROL allocation (normally by an H2D job: the
  * transfer graph of the program block) and then committed: the device validates the
  * resident copy once and marks it runnable; any later write to it uncommits it.       */
@@ -546,7 +547,7 @@ spy_status spy_program_commit(spy_device *dev, uint64_t prog_addr, spy_job_info 
 spy_status spy_launch(spy_device *dev, uint64_t prog_addr, const uint64_t *bindings,
                       uint32_t nbindings, uint32_t name, double *job_end_ns);
 
-/* ---- transfer graphs ---------------------------------------------------------------------
+/* ---- transfer graphs (transfer.c) --------------------------------------------------------
  * A transfer graph is a program of DMA commands between host and device memory (H2D, D2H,
  * barriers only). Its descriptor lists stay in host memory, where the card's DMA engines
  * fetch them (the per-descriptor cost of the profile covers the fetch), so it needs no
@@ -558,7 +559,7 @@ void spy_transfer_destroy(spy_transfer *t);
 spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t nbindings,
                             uint32_t name, double *end_ns);
 
-/* ---- plans ------------------------------------------------------------------------------
+/* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
  *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][program blocks...]
  * Each job names its program block (offset/length inside the plan block) and its slot
@@ -611,7 +612,7 @@ uint32_t spy_plan_num_jobs(const spy_plan *plan);
 spy_status spy_plan_launch(spy_plan *plan, const uint64_t *bindings, uint32_t nbindings,
                            uint32_t name, double *step_end_ns);
 
-/* ---- counters ---------------------------------------------------------------------------- */
+/* ---- counters (device.c) ----------------------------------------------------------------- */
 
 typedef struct spy_counters {
     uint64_t native_calls;      /* calls into the runtime that did host work */
@@ -631,7 +632,7 @@ typedef struct spy_counters {
 spy_status spy_counters_get(spy_device *dev, spy_counters *out);
 spy_status spy_counters_reset(spy_device *dev);
 
-/* ---- trace ----------------------------------------------------------------------------- */
+/* ---- trace (trace.c) ------------------------------------------------------------------- */
 
 #define SPY_EV_JOB 1       /* a job on the device: a = name, b = ncmds */
 #define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved (DRAM<->scratchpad: as
@@ -674,7 +675,7 @@ spy_status spy_trace_read(spy_device *dev, uint64_t first, spy_trace_event *out,
                           uint64_t *n);
 spy_status spy_trace_clear(spy_device *dev);
 
-/* ---- DLPack ---------------------------------------------------------------------------------
+/* ---- DLPack (dlpack.c) ----------------------------------------------------------------------
  * A device allocation as a DLPack DLManagedTensor (void *: the DLPack ABI, v0.8
  * unversioned) whose deleter frees the allocation -- and its layout record -- so that a
  * framework importing it ties the allocation's lifetime to its tensors. The device must
@@ -715,7 +716,7 @@ void spy_dlpack_release(void *managed);
 /* Wrapped tensors whose deleter has not run yet. */
 uint64_t spy_dlpack_live(spy_device *dev);
 
-/* ---- fault injection (tests) ------------------------------------------------------------ */
+/* ---- fault injection, for tests (device.c) ---------------------------------------------- */
 
 #define SPY_FAULT_NONE 0
 #define SPY_FAULT_COMMAND 1 /* the Nth command executed from now fails */

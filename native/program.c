@@ -1,11 +1,14 @@
-/* program.c -- decoding and validating program blocks.
+/* program.c -- decoding and validating program blocks, and the facts about a command that
+ * the validator and the simulator share (its engine, the bytes of a host DMA).
  *
  * Everything a command could do wrong is caught here, before anything runs: the block's
- * own sizes and offsets, every command's opcode, core, dtype and shape, every scratchpad
- * range against the scratchpad (and the alignment of typed scratchpad operands), every DRAM or host range against its slot's declared
- * extent, and cycles in the graph formed by dependencies *and* engine order (commands on
- * one engine run in program order, so a dependency on a later command of the same engine
- * is a deadlock even when the dependency graph alone is acyclic). */
+ * own header (spy_block_check, which plan blocks use too), sizes and offsets, every
+ * command's opcode, core, dtype and shape (SFU instructions against the op table,
+ * sfu_ops.h), every scratchpad range against the scratchpad (and the alignment of typed
+ * scratchpad operands), every DRAM or host range against its slot's declared extent, and
+ * cycles in the graph formed by dependencies *and* engine order (commands on one engine
+ * run in program order, so a dependency on a later command of the same engine is a
+ * deadlock even when the dependency graph alone is acyclic). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

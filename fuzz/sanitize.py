@@ -60,7 +60,8 @@ def build() -> Path:
     """The sanitized native module, built unless a build of the same sources exists."""
     sources = _sources()
     h = hashlib.sha256(" ".join(FLAGS + [sys.version]).encode())
-    for name in sorted(sources) + ["spyre.h", "internal.h", "half.h", "build.py"]:
+    headers = sorted(f.name for f in NATIVE.glob("*.h"))
+    for name in sorted(sources) + headers + ["build.py"]:
         h.update(name.encode() + b"\0" + (NATIVE / name).read_bytes())
     target = cache_root() / h.hexdigest()[:16] / "native_sanitized.so"
     if target.exists():
@@ -68,9 +69,8 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(NATIVE))
     try:
-        from cffi import FFI
-
         from build import cdef_from_header
+        from cffi import FFI
     finally:
         sys.path.remove(str(NATIVE))
     ffi = FFI()

@@ -42,14 +42,19 @@ spy_status spy_alloc_init(spy_allocator *a, uint64_t base, uint64_t capacity, ui
     return SPY_OK;
 }
 
-static void free_backing(spy_block *b)
+void spy_block_uncommit(spy_block *b)
 {
-    free(b->backing);
-    b->backing = NULL;
     if (b->prog) {
         spy_program_free(b->prog);
         b->prog = NULL;
     }
+}
+
+static void free_backing(spy_block *b)
+{
+    free(b->backing);
+    b->backing = NULL;
+    spy_block_uncommit(b);
 }
 
 void spy_alloc_destroy(spy_allocator *a)
@@ -150,7 +155,7 @@ static spy_status insert_live(spy_allocator *a, const spy_block *b)
 }
 
 spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool backed,
-                         uint64_t *addr)
+                         const spy_layout *layout, uint64_t *addr)
 {
     if (nbytes == 0)
         nbytes = 1; /* an empty tensor still gets a distinct address */
@@ -210,6 +215,8 @@ spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool 
             }
         }
     }
+    if (layout)
+        b.layout = *layout;
     spy_status s = insert_live(a, &b);
     if (s != SPY_OK) {
         free_backing(&b);
@@ -267,11 +274,9 @@ spy_status spy_alloc_put(spy_allocator *a, uint64_t addr)
     if (b.kind == SPY_MEM_CONTROL)
         a->control -= b.size;
     a->total_frees++;
-    if (b.prog) {
-        spy_program_free(b.prog);
-        b.prog = NULL;
-    }
+    spy_block_uncommit(&b);
     b.plan_owned = 0;
+    memset(&b.layout, 0, sizeof b.layout); /* the record goes with the allocation */
     if (a->ncache >= CACHE_MAX_BLOCKS ||
         !grow((void **)&a->cache, &a->capcache, a->ncache + 1, sizeof(spy_block))) {
         /* Evict the oldest cached block to keep the cache bounded. */

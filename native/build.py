@@ -1,35 +1,49 @@
 """cffi build script: compiles native/ into the private module ``spyre_rt._native``.
 
-The C declarations handed to cffi come from ``spyre.h`` itself (comments and
-preprocessor lines stripped, integer ``#define``s kept), so the header stays the one
-contract between the runtime and the Python layer.
+The C declarations handed to cffi come from ``spyre.h`` itself, run through the C
+preprocessor with ``SPY_CDEF`` defined (the header then skips its system includes and
+its compile-time checks): what the compiler sees is what cffi sees, tables written as
+X-macros included, and integer ``#define``s are kept as constants. The header stays the
+one contract between the runtime and the Python layer.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
+import subprocess
 
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["status.c", "alloc.c", "program.c", "sim.c", "exec.c", "sfu.c", "gemm.c", "half.c", "device.c", "dlpack.c"]
+# Every .c file of native/ is part of the runtime (native/Makefile builds the same set).
+SOURCES = sorted(name for name in os.listdir(HERE) if name.endswith(".c"))
+_INT_DEFINE = re.compile(r"#define\s+(SPY_\w+)\s+(0x[0-9A-Fa-f]+u?|\d+u?)\s*$")
+
+
+def _preprocess(path: str) -> str:
+    """The header as the C compiler sees it, with its macro definitions (-dD)."""
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc") or "cc"]
+    cmd = [*cc, "-E", "-P", "-dD", "-DSPY_CDEF", "-x", "c", path]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"preprocessing {path} failed ({' '.join(cmd)}):\n{out.stderr}")
+    return out.stdout
 
 
 def cdef_from_header(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
     lines = []
-    for line in text.splitlines():
+    for line in _preprocess(path).splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            m = re.match(r"#define\s+(SPY_\w+)\s+(0x[0-9A-Fa-f]+u?|\d+u?)\s*$", stripped)
-            if m:
+            m = _INT_DEFINE.match(stripped)
+            if m and m.group(1) != "SPY_CDEF":
                 lines.append(f"#define {m.group(1)} {m.group(2).rstrip('u')}")
             continue
-        lines.append(line)
+        if stripped:
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
  * Called by the simulator when a command starts. Everything here was validated when the
  * program was committed and when its slots were bound, so the only checks left are the
  * ones that depend on data: gather/scatter indices. In timing mode only transfers whose
- * DRAM side is backed (control memory: programs, descriptor lists) move bytes. */
+ * device side is backed move bytes (in practice: uploads of program blocks into control
+ * memory). */
 #include <string.h>
 
 #include "internal.h"
@@ -120,12 +121,12 @@ spy_status spy_exec_command(spy_exec_ctx *x, uint32_t index)
     case SPY_OP_MATMUL: {
         const spy_matmul *m = &c->u.mm;
         spy_gemm(m, lx + m->a_off, lx + m->b_off, lx + m->c_off, c->flags & SPY_MM_ACCUMULATE,
-                 c->flags & SPY_MM_TRANS_A, c->flags & SPY_MM_TRANS_B);
+                 c->flags & SPY_MM_TRANS_A, c->flags & SPY_MM_TRANS_B, &dev->gemm_panels);
         return SPY_OK;
     }
     case SPY_OP_SFU:
         for (uint32_t k = 0; k < c->u.sfu.ninstrs; k++) {
-            spy_status s = spy_sfu_run(&x->prog->instrs[c->u.sfu.instr_begin + k], lx);
+            spy_status s = spy_sfu_run(&x->prog->instrs[c->u.sfu.instr_begin + k], lx, &dev->sfu_rows);
             if (s != SPY_OK)
                 return spy_fail(s, index, "command %u: SFU instruction %u failed", index, k);
         }

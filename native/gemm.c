@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
 #include "internal.h"
 
 #define MR 6
@@ -169,24 +168,28 @@ static bool have_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin
 static bool have_avx2(void) { return false; }
 #endif
 
-typedef struct gemm_buffers {
-    float *a, *b, *tmp;
-} gemm_buffers;
-
-static _Thread_local gemm_buffers bufs;
-
-static bool ensure_buffers(void)
+/* The panels are made on the first matmul and kept until the device closes. */
+static bool ensure_panels(spy_gemm_panels *p)
 {
-    if (bufs.a)
-        return true;
-    bufs.a = aligned_alloc(64, sizeof(float) * MC * KC);
-    bufs.b = aligned_alloc(64, sizeof(float) * (size_t)NC * KC);
-    bufs.tmp = malloc(sizeof(float) * (KC > NC ? KC : NC));
-    return bufs.a && bufs.b && bufs.tmp;
+    if (!p->a)
+        p->a = aligned_alloc(64, sizeof(float) * MC * KC);
+    if (!p->b)
+        p->b = aligned_alloc(64, sizeof(float) * (size_t)NC * KC);
+    if (!p->tmp)
+        p->tmp = malloc(sizeof(float) * (KC > NC ? KC : NC));
+    return p->a && p->b && p->tmp;
+}
+
+void spy_gemm_panels_free(spy_gemm_panels *p)
+{
+    free(p->a);
+    free(p->b);
+    free(p->tmp);
+    memset(p, 0, sizeof *p);
 }
 
 void spy_gemm(const spy_matmul *mm, const uint8_t *lx_a, const uint8_t *lx_b, uint8_t *lx_c,
-              bool accumulate, bool trans_a, bool trans_b)
+              bool accumulate, bool trans_a, bool trans_b, spy_gemm_panels *bufs)
 {
     float *c = (float *)lx_c;
     uint64_t ldc = mm->ldc;
@@ -195,7 +198,7 @@ void spy_gemm(const spy_matmul *mm, const uint8_t *lx_a, const uint8_t *lx_b, ui
             memset(c + i * ldc, 0, sizeof(float) * mm->n);
     operand a = {lx_a, mm->a_dtype, trans_a ? 1 : mm->lda, trans_a ? mm->lda : 1};
     operand b = {lx_b, mm->b_dtype, trans_b ? 1 : mm->ldb, trans_b ? mm->ldb : 1};
-    if (!ensure_buffers()) {
+    if (!ensure_panels(bufs)) {
         /* No host memory for panels: fall back to the direct loop (slow, still exact). */
         float x, y;
         for (uint32_t i = 0; i < mm->m; i++)
@@ -215,17 +218,17 @@ void spy_gemm(const spy_matmul *mm, const uint8_t *lx_a, const uint8_t *lx_b, ui
         uint32_t nc = mm->n - jc < NC ? mm->n - jc : NC;
         for (uint32_t pc = 0; pc < mm->k; pc += KC) {
             uint32_t kc = mm->k - pc < KC ? mm->k - pc : KC;
-            pack_b(&b, pc, kc, jc, nc, bufs.b, bufs.tmp);
+            pack_b(&b, pc, kc, jc, nc, bufs->b, bufs->tmp);
             for (uint32_t ic = 0; ic < mm->m; ic += MC) {
                 uint32_t mc = mm->m - ic < MC ? mm->m - ic : MC;
-                pack_a(&a, ic, mc, pc, kc, bufs.a, bufs.tmp);
+                pack_a(&a, ic, mc, pc, kc, bufs->a, bufs->tmp);
                 for (uint32_t jr = 0; jr < nc; jr += NR) {
                     uint32_t cols = nc - jr < NR ? nc - jr : NR;
                     for (uint32_t ir = 0; ir < mc; ir += MR) {
                         uint32_t rows = mc - ir < MR ? mc - ir : MR;
                         float *cc = c + (uint64_t)(ic + ir) * ldc + jc + jr;
-                        const float *ap = bufs.a + (size_t)ir * kc;
-                        const float *bp = bufs.b + (size_t)jr * kc;
+                        const float *ap = bufs->a + (size_t)ir * kc;
+                        const float *bp = bufs->b + (size_t)jr * kc;
 #if defined(__x86_64__)
                         if (fast) {
                             kernel_avx2(kc, ap, bp, cc, ldc, rows, cols);

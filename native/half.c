@@ -2,7 +2,6 @@
 #include <string.h>
 
 #include "internal.h"
-#include "half.h"
 
 float spy_f16_to_f32(uint16_t h)
 {
@@ -74,19 +73,10 @@ uint16_t spy_f32_to_bf16(float f)
 }
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 
-static int have_f16c = -1;
-
-bool spy_cpu_f16c(void)
-{
-    if (have_f16c < 0) {
-        unsigned a, b, c, d;
-        have_f16c = __get_cpuid(1, &a, &b, &c, &d) ? (int)((c >> 29) & 1) : 0;
-    }
-    return have_f16c;
-}
+/* libgcc reads the CPU's features once, before main: no state of our own to race on. */
+static bool cpu_f16c(void) { return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx"); }
 
 __attribute__((target("f16c,avx"))) static void f16_to_f32_x86(const uint16_t *s, float *d, size_t n)
 {
@@ -106,14 +96,12 @@ __attribute__((target("f16c,avx"))) static void f32_to_f16_x86(const float *s, u
     for (; i < n; i++)
         d[i] = spy_f32_to_f16(s[i]);
 }
-#else
-bool spy_cpu_f16c(void) { return false; }
 #endif
 
 void spy_f16_to_f32_n(const uint16_t *s, float *d, size_t n)
 {
 #if defined(__x86_64__)
-    if (spy_cpu_f16c()) {
+    if (cpu_f16c()) {
         f16_to_f32_x86(s, d, n);
         return;
     }
@@ -125,7 +113,7 @@ void spy_f16_to_f32_n(const uint16_t *s, float *d, size_t n)
 void spy_f32_to_f16_n(const float *s, uint16_t *d, size_t n)
 {
 #if defined(__x86_64__)
-    if (spy_cpu_f16c()) {
+    if (cpu_f16c()) {
         f32_to_f16_x86(s, d, n);
         return;
     }

@@ -1,37 +1,125 @@
-/* internal.h -- shared between the native runtime's subsystems; not part of the API. */
+/* internal.h -- the native runtime's internal contract; not part of the API (spyre.h is).
+ *
+ * Every function one file calls in another is declared here, once, in the section of the
+ * file that defines it; a file-local function stays static in its file. The files form
+ * layers, and a file calls only into layers below its own (status.c into none):
+ *
+ *   layer 1  device.c plan.c transfer.c dlpack.c   entry points of the objects
+ *   layer 2  job.c memory.c                        one job's run; the memory API
+ *   layer 3  sim.c alloc.c                         the timeline; the address space
+ *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures
+ *   layer 5  gemm.c sfu.c                          the arithmetic units
+ *   layer 6  half.c status.c                       conversions, errors
+ *
+ * tests/test_native_c.py checks this picture against the compiled objects. The sections
+ * below come in the order their types need, lower layers first. */
 #ifndef SPYRE_INTERNAL_H
 #define SPYRE_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "spyre.h"
 
 #define SPY_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
-/* ---- errors (status.c) ---- */
+/* ---- status.c: the calling thread's last error, small helpers ------------------------ */
+
 spy_status spy_fail(spy_status s, int64_t command, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void spy_clear_error(void);
 /* Names the plan job the last failure happened in (see spy_last_error_job). */
 void spy_note_error_job(int64_t job);
-
-/* ---- small helpers ---- */
 uint64_t spy_now_ns(void);
 uint32_t spy_dtype_size(uint32_t dtype);
 static inline bool spy_add_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }
 static inline bool spy_mul_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 
-/* ---- allocator (alloc.c) ---- */
+/* ---- half.c: fp16 / bf16 conversion ---------------------------------------------------- */
+
+float spy_f16_to_f32(uint16_t h);
+uint16_t spy_f32_to_f16(float f);
+float spy_bf16_to_f32(uint16_t h);
+uint16_t spy_f32_to_bf16(float f);
+void spy_f16_to_f32_n(const uint16_t *s, float *d, size_t n);
+void spy_f32_to_f16_n(const float *s, uint16_t *d, size_t n);
+
+/* ---- gemm.c: the systolic arrays' arithmetic ------------------------------------------- */
+
+/* Packing panels of one device (owned by it: spy_gemm_panels_free at close). */
+typedef struct spy_gemm_panels {
+    float *a, *b, *tmp;
+} spy_gemm_panels;
+
+void spy_gemm(const spy_matmul *mm, const uint8_t *lx_a, const uint8_t *lx_b, uint8_t *lx_c,
+              bool accumulate, bool trans_a, bool trans_b, spy_gemm_panels *panels);
+void spy_gemm_panels_free(spy_gemm_panels *panels);
+
+/* ---- sfu.c: the special-function units --------------------------------------------------- */
+
+/* Staging rows of one device (owned by it: spy_sfu_rows_free at close). */
+typedef struct spy_sfu_rows {
+    float *f[4];
+    int64_t *i[4];
+    size_t cap;
+} spy_sfu_rows;
+
+/* The op table's row of an opcode, or NULL when no op has it. */
+const spy_sfu_op *spy_sfu_op_find(uint32_t opcode);
+/* Run one validated instruction on a core's scratchpad. */
+spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx, spy_sfu_rows *rows);
+void spy_sfu_rows_free(spy_sfu_rows *rows);
+/* Cost of one SFU instruction in cycles on one core. */
+double spy_sfu_cycles(const spy_profile *p, const spy_instr *ins);
+
+/* ---- program.c: decoding and validating program blocks; facts about commands --------- */
+
+struct spy_program {
+    const spy_job_header *hdr;
+    const spy_slot *slots;
+    const spy_cmd *cmds;
+    const uint32_t *deps;
+    const spy_instr *instrs;
+    const spy_desc *descs;
+    uint8_t *slot_written;   /* per slot: some command writes through it */
+    uint64_t nedges;         /* dependency edges: the sum of the commands' ndeps (windows
+                                may overlap, so this can exceed the header's ndeps) */
+    uint32_t *h2d_pairs;     /* (source slot, destination slot) of each H2D command */
+    uint32_t nh2d;
+    uint64_t bytes_h2d, bytes_d2h;
+    spy_job_info info;
+};
 typedef struct spy_program spy_program;
+
+/* SPY_E_BAD_PROGRAM unless blob holds a block `what` ("program", "plan") can start with: at
+ * least header_bytes, 8-byte aligned, the magic and version its header opens with. */
+spy_status spy_block_check(const void *blob, uint64_t len, uint64_t header_bytes, uint32_t magic,
+                           uint32_t version, const char *what);
+/* Decode and validate a program block; on success *out owns a spy_program that points
+ * into blob (blob must outlive it). */
+spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
+                              spy_program **out);
+void spy_program_free(spy_program *prog);
+/* The engine a command runs on: per core SPY_ENG_PER_CORE engines, then the card's
+ * SPY_ENG_H2D, SPY_ENG_D2H and SPY_ENG_CTRL after the last core's. */
+uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c);
+/* Engines of a card: the simulator's and the validator's engine index space. */
+static inline uint32_t spy_num_engines(const spy_profile *p) { return p->num_cores * SPY_ENG_PER_CORE + 3; }
+/* Bytes an H2D/D2H command moves over PCIe. */
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
+
+/* ---- alloc.c: the device DRAM allocator -------------------------------------------------- */
 
 typedef struct spy_block {
     uint64_t addr;
     uint64_t size;        /* rounded to the stick */
     uint32_t kind;        /* SPY_MEM_DATA / SPY_MEM_CONTROL */
     uint8_t *backing;     /* NULL for DATA in timing mode */
-    spy_program *prog;    /* the committed program resident here, or NULL */
+    spy_program *prog;    /* the committed program resident here, or NULL (owned) */
     uint32_t plan_owned;  /* a plan's program: only the plan may free it, nothing may write it */
+    spy_layout layout;    /* the stick layout recorded for a DATA block; itemsize 0: none */
 } spy_block;
 
 typedef struct spy_range {
@@ -53,39 +141,21 @@ typedef struct spy_allocator {
 
 spy_status spy_alloc_init(spy_allocator *a, uint64_t base, uint64_t capacity, uint64_t align);
 void spy_alloc_destroy(spy_allocator *a);
+/* A new block of nbytes (rounded to the alignment) recording layout (NULL: none; the
+ * caller validated it). */
 spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool backed,
-                         uint64_t *addr);
+                         const spy_layout *layout, uint64_t *addr);
 spy_status spy_alloc_put(spy_allocator *a, uint64_t addr);
 void spy_alloc_release_cache(spy_allocator *a);
-/* The live block containing [addr, addr+len), or NULL. */
+/* The live block containing [addr, addr+len), or NULL. The pointer is valid until the
+ * next allocation or free. */
 spy_block *spy_alloc_find(spy_allocator *a, uint64_t addr, uint64_t len);
 void spy_alloc_stats(const spy_allocator *a, spy_mem_stats *out);
+/* Drop the committed program resident in b, if any: b was written. */
+void spy_block_uncommit(spy_block *b);
 
-/* ---- programs (program.c) ---- */
-struct spy_program {
-    const spy_job_header *hdr;
-    const spy_slot *slots;
-    const spy_cmd *cmds;
-    const uint32_t *deps;
-    const spy_instr *instrs;
-    const spy_desc *descs;
-    uint8_t *slot_written;   /* per slot: some command writes through it */
-    uint32_t *order;         /* a topological order of the commands */
-    uint64_t nedges;         /* dependency edges: the sum of the commands' ndeps (windows
-                                may overlap, so this can exceed the header's ndeps) */
-    uint32_t *h2d_pairs;     /* (source slot, destination slot) of each H2D command */
-    uint32_t nh2d;
-    uint64_t bytes_h2d, bytes_d2h;
-    spy_job_info info;
-};
+/* ---- trace.c: the trace buffer ------------------------------------------------------------ */
 
-/* Decode and validate a program block; on success *out owns a spy_program that points
- * into blob (blob must outlive it). */
-spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
-                              spy_program **out);
-void spy_program_free(spy_program *prog);
-
-/* ---- device ---- */
 typedef struct spy_trace {
     bool enabled, commands;
     spy_trace_event *ev;
@@ -94,10 +164,22 @@ typedef struct spy_trace {
     uint32_t nnames, capnames;
 } spy_trace;
 
+typedef struct spy_device spy_device;
+
+/* Append an event (best effort: an event that finds no host memory is dropped). */
+void spy_trace_push(spy_device *dev, const spy_trace_event *ev);
+/* The host-side span of a launch, from host_start to now, that ran njobs jobs from
+ * first_job on (nothing when the trace is off or no job ran). */
+void spy_trace_launch(spy_device *dev, uint32_t name, uint64_t host_start, uint64_t first_job,
+                      uint64_t njobs);
+void spy_trace_free(spy_trace *t);
+
+/* ---- the device object (its functions: device.c) ------------------------------------------ */
+
 typedef struct spy_sim spy_sim;
 
 struct spy_device {
-    pthread_mutex_t lock;
+    pthread_mutex_t lock;      /* every entry point holds it: one card, several threads */
     spy_profile prof;
     uint32_t mode;
     uint32_t ordinal;
@@ -113,48 +195,95 @@ struct spy_device {
     spy_counters counters;
     spy_trace trace;
     spy_sim *sim;
-    uint64_t epoch;            /* bumped by spy_device_reset: stale DLPack deleters skip */
+    _Atomic uint64_t epoch;    /* bumped by spy_device_reset (under the lock); read without it
+                                  by spy_device_epoch. Stale DLPack deleters skip. */
     uint64_t dlpack_live;
+    /* scratch of the running job, owned by the device and used under its lock */
+    uint8_t **slot_host;       /* per slot: host memory behind it, NULL when not backed */
+    size_t slot_host_cap;
+    spy_sfu_rows sfu_rows;
+    spy_gemm_panels gemm_panels;
     /* fault injection */
     uint32_t fault_kind;
     uint64_t fault_after;
 };
 
-uint64_t spy_host_clock_locked(spy_device *dev);
-void spy_trace_push(spy_device *dev, const spy_trace_event *ev);
+static inline void spy_lock(spy_device *d) { pthread_mutex_lock(&d->lock); }
+static inline void spy_unlock(spy_device *d) { pthread_mutex_unlock(&d->lock); }
 
-/* ---- functional execution (exec.c) ---- */
+/* Copy a field of the device under its lock (the getters' one step). */
+static inline void spy_read_locked(spy_device *d, void *dst, const void *field, size_t n)
+{
+    spy_lock(d);
+    memcpy(dst, field, n);
+    spy_unlock(d);
+}
+
+/* The discipline of an entry point that takes a device: clear the thread's error, refuse
+ * a null device, take the lock and count the call; SPY_LEAVE unlocks and returns. */
+#define SPY_ENTER(d)                                                                               \
+    do {                                                                                           \
+        spy_clear_error();                                                                         \
+        if (!(d))                                                                                  \
+            return spy_fail(SPY_E_INVALID_ARG, -1, "null device");                                 \
+        spy_lock(d);                                                                               \
+        (d)->counters.native_calls++;                                                              \
+    } while (0)
+
+#define SPY_LEAVE(d, s)                                                                            \
+    do {                                                                                           \
+        spy_status s_ = (s);                                                                       \
+        spy_unlock(d);                                                                             \
+        return s_;                                                                                 \
+    } while (0)
+
+#define SPY_REFUSE_IF_LOST(d)                                                                      \
+    if ((d)->lost)                                                                                 \
+    SPY_LEAVE(d, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", (d)->ordinal))
+
+/* Host clock of a locked device (spy_host_clock_ns without the lock). */
+static inline uint64_t spy_host_clock_locked(const spy_device *d)
+{
+    return spy_now_ns() - d->clock_origin - d->excluded_ns + d->waited_ns;
+}
+
+/* ---- memory.c: the device's memory entry points ---------------------------------------- */
+
+/* spy_malloc_many on a locked device (dlpack.c allocates a step's outputs with it). */
+spy_status spy_mem_alloc_many_locked(spy_device *dev, uint32_t n, const uint64_t *nbytes,
+                                     const spy_layout *layouts, uint64_t *addrs);
+
+/* ---- exec.c: the functional effect of each command ---------------------------------------- */
+
 typedef struct spy_exec_ctx {
     spy_device *dev;
     const spy_program *prog;
     uint8_t **slot_host;       /* per slot: host memory behind it, NULL when not backed */
 } spy_exec_ctx;
 
-/* ---- simulation (sim.c): runs one job on the timeline from `start`, applying each
- * command's effect through ctx as it starts; *duration is the job's length. */
-spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *ctx,
-                       double start, uint32_t name, double *duration);
-spy_sim *spy_sim_new(void);
-/* Bytes an H2D/D2H command moves over PCIe. */
-uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
-void spy_sim_free(spy_sim *sim);
-
 spy_status spy_exec_command(spy_exec_ctx *ctx, uint32_t index);
 
-/* ---- arithmetic kernels ---- */
-void spy_gemm(const spy_matmul *mm, const uint8_t *lx_a, const uint8_t *lx_b, uint8_t *lx_c,
-              bool accumulate, bool trans_a, bool trans_b);
-spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx);
-/* Cost of one SFU instruction in cycles on one core. */
-double spy_sfu_cycles(const spy_profile *p, const spy_instr *ins);
-/* Scratchpad extent [lo, hi) of an operand of an instruction; false if it has none. */
-bool spy_operand_extent(const spy_operand *o, uint32_t rows, uint32_t cols, uint64_t *lo,
-                        uint64_t *hi);
+/* ---- sim.c: the device timeline ------------------------------------------------------------ */
 
-/* fp16 / bf16 conversion */
-float spy_f16_to_f32(uint16_t h);
-uint16_t spy_f32_to_f16(float f);
-float spy_bf16_to_f32(uint16_t h);
-uint16_t spy_f32_to_bf16(float f);
+spy_sim *spy_sim_new(void);
+void spy_sim_free(spy_sim *sim);
+/* Run one job on the timeline from `start`, applying each command's effect through ctx as
+ * it starts; *duration is the job's length. */
+spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *ctx,
+                       double start, uint32_t name, double *duration);
+
+/* ---- job.c: committing programs and running one job ----------------------------------------- */
+
+/* Validate the program resident in b's first len bytes and make it b's committed program. */
+spy_status spy_job_commit_block(spy_device *dev, spy_block *b, uint64_t len, spy_job_info *info);
+/* Host memory behind each of n slots, for the job being bound: device-owned scratch, valid
+ * until the next call (NULL when host memory ran out). */
+uint8_t **spy_job_slot_hosts(spy_device *dev, size_t n);
+/* Bind the slots of the program committed in blk to addr and run it (launch, transfer). */
+spy_status spy_job_run_bound(spy_device *dev, spy_block *blk, const uint64_t *addr,
+                             double not_before, uint32_t name, double *end);
+/* Run a job whose slots are resolved in the device's slot scratch (plans). */
+spy_status spy_job_execute(spy_device *dev, const spy_program *g, double not_before,
+                           uint32_t name, double *end);
 
 #endif

@@ -1,11 +1,14 @@
-/* program.c -- decoding and validating program blocks.
+/* program.c -- decoding and validating program blocks, and the facts about a command that
+ * the validator and the simulator share (its engine, the bytes of a host DMA).
  *
  * Everything a command could do wrong is caught here, before anything runs: the block's
- * own sizes and offsets, every command's opcode, core, dtype and shape, every scratchpad
- * range against the scratchpad (and the alignment of typed scratchpad operands), every DRAM or host range against its slot's declared
- * extent, and cycles in the graph formed by dependencies *and* engine order (commands on
- * one engine run in program order, so a dependency on a later command of the same engine
- * is a deadlock even when the dependency graph alone is acyclic). */
+ * own header (spy_block_check, which plan blocks use too), sizes and offsets, every
+ * command's opcode, core, dtype and shape (SFU instructions against the op table,
+ * sfu_ops.h), every scratchpad range against the scratchpad (and the alignment of typed
+ * scratchpad operands), every DRAM or host range against its slot's declared extent, and
+ * cycles in the graph formed by dependencies *and* engine order (commands on one engine
+ * run in program order, so a dependency on a later command of the same engine is a
+ * deadlock even when the dependency graph alone is acyclic). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +26,7 @@ typedef struct vctx {
     uint64_t lx_high;
 } vctx;
 
-static uint32_t engine_of(const spy_profile *p, const spy_cmd *c)
+uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c)
 {
     switch (c->op) {
     case SPY_OP_H2D: return p->num_cores * SPY_ENG_PER_CORE + SPY_ENG_H2D;
@@ -38,9 +41,6 @@ static uint32_t engine_of(const spy_profile *p, const spy_cmd *c)
     default: return c->core * SPY_ENG_PER_CORE + SPY_ENG_RING;
     }
 }
-
-/* Engine index used by the simulator; exported through the program for sim.c. */
-uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c) { return engine_of(p, c); }
 
 static spy_status lx_range(vctx *v, uint32_t i, const char *what, uint64_t off, uint64_t len)
 {
@@ -215,23 +215,6 @@ static spy_status check_matmul(vctx *v, uint32_t i, const spy_cmd *c)
     return SPY_OK;
 }
 
-static int sfu_arity(uint32_t op)
-{
-    switch (op) {
-    case SPY_SFU_IOTA: return 3;
-    case SPY_SFU_SELECT: return 3;
-    case SPY_SFU_ADD: case SPY_SFU_SUB: case SPY_SFU_MUL: case SPY_SFU_DIV: case SPY_SFU_MAX:
-    case SPY_SFU_MIN: case SPY_SFU_POW: case SPY_SFU_CMP: case SPY_SFU_FLOORDIV:
-    case SPY_SFU_MOD: case SPY_SFU_AND: case SPY_SFU_OR: case SPY_SFU_XOR:
-    case SPY_SFU_REMAINDER:
-        return 2;
-    default:
-        if (op < SPY_SFU_COUNT || (op >= SPY_SFU_RSUM && op < SPY_SFU_REDUCE_END))
-            return 1;
-        return -1;
-    }
-}
-
 bool spy_operand_extent(const spy_operand *o, uint32_t rows, uint32_t cols, uint64_t *lo,
                         uint64_t *hi)
 {
@@ -301,17 +284,17 @@ static spy_status check_sfu(vctx *v, uint32_t i, const spy_cmd *c)
                         f->instr_begin, f->ninstrs, g->hdr->ninstrs);
     for (uint32_t k = f->instr_begin; k < end; k++) {
         const spy_instr *ins = &g->instrs[k];
-        int arity = sfu_arity(ins->op);
-        if (arity < 0)
+        const spy_sfu_op *op = spy_sfu_op_find(ins->op);
+        if (!op)
             return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u opcode %u", i, k,
                             ins->op);
         if (ins->rows == 0 || ins->cols == 0 || ins->rows > MAX_COUNT || ins->cols > MAX_COUNT)
             return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u shape %ux%u", i,
                             k, ins->rows, ins->cols);
-        if (ins->op == SPY_SFU_CMP && ins->aux > SPY_CMP_GE)
-            return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u comparison %u",
-                            i, k, ins->aux);
-        bool reduce = ins->op >= SPY_SFU_RSUM;
+        if (ins->aux > op->aux_max)
+            return spy_fail(SPY_E_BAD_COMMAND, i, "command %u: SFU instruction %u (%s) aux %u",
+                            i, k, op->name, ins->aux);
+        bool reduce = op->kind == SPY_SFU_KIND_REDUCE;
         uint32_t dk = ins->dst.kind;
         bool dst_ok = reduce ? (dk == SPY_OPND_ROW || (dk == SPY_OPND_SCALAR && ins->rows == 1))
                              : (dk == SPY_OPND_TILE || (dk == SPY_OPND_ROW && ins->cols == 1) ||
@@ -327,14 +310,14 @@ static spy_status check_sfu(vctx *v, uint32_t i, const spy_cmd *c)
             return s;
         for (int a = 0; a < 3; a++) {
             const spy_operand *o = &ins->src[a];
-            if (a >= arity) {
+            if ((uint32_t)a >= op->arity) {
                 if (o->kind != SPY_OPND_NONE)
                     return spy_fail(SPY_E_BAD_COMMAND, i,
                                     "command %u: SFU instruction %u has an extra operand %d", i, k,
                                     a);
                 continue;
             }
-            if (ins->op == SPY_SFU_IOTA && o->kind != SPY_OPND_IMM)
+            if (op->kind == SPY_SFU_KIND_IOTA && o->kind != SPY_OPND_IMM)
                 return spy_fail(SPY_E_BAD_COMMAND, i,
                                 "command %u: SFU instruction %u (iota) needs immediates", i, k);
             s = check_operand(v, i, k, ins, o, false);
@@ -421,15 +404,16 @@ static spy_status check_command(vctx *v, uint32_t i)
 static spy_status check_acyclic(const spy_profile *p, spy_program *g)
 {
     uint32_t n = g->hdr->ncmds;
-    uint32_t neng = p->num_cores * SPY_ENG_PER_CORE + 3;
+    uint32_t neng = spy_num_engines(p);
     uint32_t *indeg = calloc(n ? n : 1, sizeof *indeg);
     uint32_t *succ_start = calloc((size_t)n + 1, sizeof *succ_start);
     /* one entry per edge: nedges, not the header's ndeps (windows may overlap) */
     uint32_t *succ = malloc(((size_t)g->nedges + 1) * sizeof *succ);
     uint32_t *eng_next = malloc((size_t)(n ? n : 1) * sizeof *eng_next);
     uint32_t *last_on = malloc((size_t)neng * sizeof *last_on);
+    uint32_t *queue = malloc((size_t)(n ? n : 1) * sizeof *queue); /* commands in a topological order */
     spy_status st = SPY_OK;
-    if (!indeg || !succ_start || !succ || !eng_next || !last_on) {
+    if (!indeg || !succ_start || !succ || !eng_next || !last_on || !queue) {
         st = spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted validating a program");
         goto out;
     }
@@ -438,7 +422,7 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     for (uint32_t i = 0; i < n; i++)
         eng_next[i] = UINT32_MAX;
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t e = engine_of(p, &g->cmds[i]);
+        uint32_t e = spy_engine_of(p, &g->cmds[i]);
         if (last_on[e] != UINT32_MAX) {
             eng_next[last_on[e]] = i;
             indeg[i]++;
@@ -472,14 +456,14 @@ static spy_status check_acyclic(const spy_profile *p, spy_program *g)
     uint32_t head = 0, tail = 0;
     for (uint32_t i = 0; i < n; i++)
         if (indeg[i] == 0)
-            g->order[tail++] = i;
+            queue[tail++] = i;
     while (head < tail) {
-        uint32_t i = g->order[head++];
+        uint32_t i = queue[head++];
         for (uint32_t k = succ_start[i]; k < succ_start[i + 1]; k++)
             if (--indeg[succ[k]] == 0)
-                g->order[tail++] = succ[k];
+                queue[tail++] = succ[k];
         if (eng_next[i] != UINT32_MAX && --indeg[eng_next[i]] == 0)
-            g->order[tail++] = eng_next[i];
+            queue[tail++] = eng_next[i];
     }
     if (tail != n) {
         uint32_t culprit = 0;
@@ -498,27 +482,39 @@ out:
     free(succ);
     free(eng_next);
     free(last_on);
+    free(queue);
     return st;
 }
 
 static uint64_t align8(uint64_t x) { return (x + 7) & ~(uint64_t)7; }
 static spy_status summarise_host_dma(spy_program *g);
 
+spy_status spy_block_check(const void *blob, uint64_t len, uint64_t header_bytes, uint32_t magic,
+                           uint32_t version, const char *what)
+{
+    if (!blob || len < header_bytes)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block of %llu bytes is shorter than its header",
+                        what, (unsigned long long)len);
+    if ((uintptr_t)blob % 8)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block is not 8-byte aligned", what);
+    const uint32_t *words = blob; /* every block starts with its magic and version */
+    if (words[0] != magic)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "not a %s block (magic 0x%08x)", what, words[0]);
+    if (words[1] != version)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "%s block version %u, runtime reads %u", what,
+                        words[1], version);
+    return SPY_OK;
+}
+
 spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t len,
                               spy_program **out)
 {
     *out = NULL;
-    if (!blob || len < sizeof(spy_job_header))
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block of %llu bytes is shorter than its header",
-                        (unsigned long long)len);
-    if ((uintptr_t)blob % 8)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block is not 8-byte aligned");
+    spy_status st = spy_block_check(blob, len, sizeof(spy_job_header), SPY_JOB_MAGIC, SPY_JOB_VERSION,
+                                    "program");
+    if (st != SPY_OK)
+        return st;
     const spy_job_header *h = blob;
-    if (h->magic != SPY_JOB_MAGIC)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "not a program block (magic 0x%08x)", h->magic);
-    if (h->version != SPY_JOB_VERSION)
-        return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block version %u, runtime reads %u",
-                        h->version, SPY_JOB_VERSION);
     if (h->ncmds == 0 || h->ncmds > MAX_COUNT || h->ndeps > MAX_COUNT || h->ninstrs > MAX_COUNT ||
         h->nslots > MAX_COUNT || h->ndescs > MAX_COUNT || h->flags != 0)
         return spy_fail(SPY_E_BAD_PROGRAM, -1, "program block counts out of range (%u commands)",
@@ -547,8 +543,7 @@ spy_status spy_program_decode(const spy_profile *p, const void *blob, uint64_t l
     off += (uint64_t)h->ninstrs * sizeof(spy_instr);
     g->descs = (const spy_desc *)(b + off);
     g->slot_written = calloc(h->nslots ? h->nslots : 1, 1);
-    g->order = malloc((size_t)h->ncmds * sizeof *g->order);
-    if (!g->slot_written || !g->order) {
+    if (!g->slot_written) {
         spy_program_free(g);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     }
@@ -601,12 +596,9 @@ void spy_program_free(spy_program *g)
     if (!g)
         return;
     free(g->slot_written);
-    free(g->order);
     free(g->h2d_pairs);
     free(g);
 }
-
-uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
 
 /* What a launch needs about host transfers, computed once instead of per launch. */
 static spy_status summarise_host_dma(spy_program *g)
@@ -629,4 +621,19 @@ static spy_status summarise_host_dma(spy_program *g)
         }
     }
     return SPY_OK;
+}
+
+uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c)
+{
+    const spy_dma *d = &c->u.dma;
+    uint64_t bytes = 0;
+    if (c->flags & SPY_DMA_DESCS) {
+        for (uint64_t k = d->src_off; k < d->src_off + d->desc_count; k++)
+            bytes += g->descs[k].bytes;
+        return bytes;
+    }
+    bytes = d->run_bytes;
+    for (uint32_t k = 0; k < d->ndims; k++)
+        bytes *= d->count[k];
+    return bytes;
 }

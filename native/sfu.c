@@ -1,43 +1,45 @@
-/* sfu.c -- the special-function units: elementwise and row-reduction instructions.
+/* sfu.c -- the special-function units: the op table of sfu_ops.h, its implementations,
+ * and running and costing one instruction.
  *
- * An instruction covers rows x cols elements. Each row is staged into fp32 (float
- * destinations and float reductions) or int64 (integer and boolean work) scratch rows,
- * computed with one tight loop per opcode, and written back rounded to the destination
- * dtype. Integer arithmetic wraps (two's complement) instead of overflowing, and integer
+ * An instruction covers rows x cols elements. Each row is staged into fp32 (the float
+ * domain) or int64 (the integer domain, booleans included) scratch rows, computed by the
+ * op's implementation for that domain -- one tight loop -- and written back rounded to
+ * the destination dtype; the op's kind (sfu_ops.h) says which domain and what shape of
+ * result. Integer arithmetic wraps (two's complement) instead of overflowing, and integer
  * division by zero yields 0, so no input can make the simulator misbehave. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
 #include "internal.h"
 
 static bool is_float(uint32_t dt) { return dt == SPY_DT_F32 || dt == SPY_DT_F16 || dt == SPY_DT_BF16; }
 
-typedef struct rowbuf {
-    float *f[4];
-    int64_t *i[4];
-    size_t cap;
-} rowbuf;
-
-static _Thread_local rowbuf rb;
-
-static bool ensure(size_t n)
+static bool ensure(spy_sfu_rows *rb, size_t n)
 {
-    if (n <= rb.cap)
+    if (n <= rb->cap)
         return true;
     for (int k = 0; k < 4; k++) {
-        float *f = realloc(rb.f[k], n * sizeof(float));
+        float *f = realloc(rb->f[k], n * sizeof(float));
         if (f)
-            rb.f[k] = f;
-        int64_t *i = realloc(rb.i[k], n * sizeof(int64_t));
+            rb->f[k] = f;
+        int64_t *i = realloc(rb->i[k], n * sizeof(int64_t));
         if (i)
-            rb.i[k] = i;
+            rb->i[k] = i;
         if (!f || !i)
             return false;
     }
-    rb.cap = n;
+    rb->cap = n;
     return true;
+}
+
+void spy_sfu_rows_free(spy_sfu_rows *rb)
+{
+    for (int k = 0; k < 4; k++) {
+        free(rb->f[k]);
+        free(rb->i[k]);
+    }
+    memset(rb, 0, sizeof *rb);
 }
 
 /* Address of element (r, c) of an operand. */
@@ -191,6 +193,23 @@ static void write_i(uint8_t *lx, const spy_instr *ins, uint32_t r, uint32_t n, c
     }
 }
 
+/* ---- the implementations named by the op table --------------------------------------
+ * Per kind, one signature (n: the columns of a row):
+ *   MAP, CAST  f_x(ins, n, out, a, b, c)     float out[n] from float rows a, b, c (int: i_x)
+ *   TEST       f_x(ins, n, out, a, b)        int64 0/1 out[n] from float rows (int: i_x)
+ *   REDUCE     f_x(ins, n, a, dst)           one value from row a, stored at dst
+ *   IOTA       f_x(ins, r, n, out)           row r of the sequence */
+
+/* An elementwise implementation: one loop of expr over the row's elements i. */
+#define MAP(T, fn, expr)                                                                           \
+    static void fn(const spy_instr *ins, uint32_t n, T *o, const T *a, const T *b, const T *c)     \
+    {                                                                                              \
+        for (uint32_t i = 0; i < n; i++)                                                           \
+            o[i] = (expr);                                                                         \
+    }
+#define MAP_F(name, expr) MAP(float, f_##name, expr)
+#define MAP_I(name, expr) MAP(int64_t, i_##name, expr)
+
 static float gelu(float x, int tanh_form)
 {
     if (tanh_form)
@@ -198,58 +217,47 @@ static float gelu(float x, int tanh_form)
     return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
 }
 
-static void float_op(const spy_instr *ins, uint32_t n, float *o, const float *a, const float *b,
-                     const float *c)
+static float fremainder(float a, float b)
 {
-    switch (ins->op) {
-    case SPY_SFU_MOV: for (uint32_t i = 0; i < n; i++) o[i] = a[i]; break;
-    case SPY_SFU_ADD: for (uint32_t i = 0; i < n; i++) o[i] = a[i] + b[i]; break;
-    case SPY_SFU_SUB: for (uint32_t i = 0; i < n; i++) o[i] = a[i] - b[i]; break;
-    case SPY_SFU_MUL: for (uint32_t i = 0; i < n; i++) o[i] = a[i] * b[i]; break;
-    case SPY_SFU_DIV: for (uint32_t i = 0; i < n; i++) o[i] = a[i] / b[i]; break;
-    case SPY_SFU_MAX:
-        for (uint32_t i = 0; i < n; i++) o[i] = isnan(a[i]) || a[i] > b[i] ? a[i] : b[i];
-        break;
-    case SPY_SFU_MIN:
-        for (uint32_t i = 0; i < n; i++) o[i] = isnan(a[i]) || a[i] < b[i] ? a[i] : b[i];
-        break;
-    case SPY_SFU_NEG: for (uint32_t i = 0; i < n; i++) o[i] = -a[i]; break;
-    case SPY_SFU_ABS: for (uint32_t i = 0; i < n; i++) o[i] = fabsf(a[i]); break;
-    case SPY_SFU_EXP: for (uint32_t i = 0; i < n; i++) o[i] = expf(a[i]); break;
-    case SPY_SFU_LOG: for (uint32_t i = 0; i < n; i++) o[i] = logf(a[i]); break;
-    case SPY_SFU_SQRT: for (uint32_t i = 0; i < n; i++) o[i] = sqrtf(a[i]); break;
-    case SPY_SFU_RSQRT: for (uint32_t i = 0; i < n; i++) o[i] = 1.0f / sqrtf(a[i]); break;
-    case SPY_SFU_TANH: for (uint32_t i = 0; i < n; i++) o[i] = tanhf(a[i]); break;
-    case SPY_SFU_SIGMOID: for (uint32_t i = 0; i < n; i++) o[i] = 1.0f / (1.0f + expf(-a[i])); break;
-    case SPY_SFU_SILU: for (uint32_t i = 0; i < n; i++) o[i] = a[i] / (1.0f + expf(-a[i])); break;
-    case SPY_SFU_GELU: for (uint32_t i = 0; i < n; i++) o[i] = gelu(a[i], ins->aux); break;
-    case SPY_SFU_POW: for (uint32_t i = 0; i < n; i++) o[i] = powf(a[i], b[i]); break;
-    case SPY_SFU_SIN: for (uint32_t i = 0; i < n; i++) o[i] = sinf(a[i]); break;
-    case SPY_SFU_COS: for (uint32_t i = 0; i < n; i++) o[i] = cosf(a[i]); break;
-    case SPY_SFU_RECIP: for (uint32_t i = 0; i < n; i++) o[i] = 1.0f / a[i]; break;
-    case SPY_SFU_FLOORDIV: for (uint32_t i = 0; i < n; i++) o[i] = floorf(a[i] / b[i]); break;
-    case SPY_SFU_MOD: for (uint32_t i = 0; i < n; i++) o[i] = fmodf(a[i], b[i]); break;
-    case SPY_SFU_REMAINDER:
-        for (uint32_t i = 0; i < n; i++) {
-            float m = fmodf(a[i], b[i]);
-            o[i] = (m != 0 && ((m < 0) != (b[i] < 0))) ? m + b[i] : m;
-        }
-        break;
-    case SPY_SFU_ERF: for (uint32_t i = 0; i < n; i++) o[i] = erff(a[i]); break;
-    case SPY_SFU_FLOOR: for (uint32_t i = 0; i < n; i++) o[i] = floorf(a[i]); break;
-    case SPY_SFU_CEIL: for (uint32_t i = 0; i < n; i++) o[i] = ceilf(a[i]); break;
-    case SPY_SFU_TRUNC: for (uint32_t i = 0; i < n; i++) o[i] = truncf(a[i]); break;
-    case SPY_SFU_ROUND: for (uint32_t i = 0; i < n; i++) o[i] = nearbyintf(a[i]); break;
-    case SPY_SFU_SIGN:
-        for (uint32_t i = 0; i < n; i++) o[i] = (float)((a[i] > 0) - (a[i] < 0));
-        break;
-    case SPY_SFU_LOG1P: for (uint32_t i = 0; i < n; i++) o[i] = log1pf(a[i]); break;
-    case SPY_SFU_EXPM1: for (uint32_t i = 0; i < n; i++) o[i] = expm1f(a[i]); break;
-    case SPY_SFU_ATAN: for (uint32_t i = 0; i < n; i++) o[i] = atanf(a[i]); break;
-    case SPY_SFU_SELECT: for (uint32_t i = 0; i < n; i++) o[i] = a[i] != 0 ? b[i] : c[i]; break;
-    default: for (uint32_t i = 0; i < n; i++) o[i] = 0; break;
-    }
+    float m = fmodf(a, b);
+    return (m != 0 && ((m < 0) != (b < 0))) ? m + b : m;
 }
+
+MAP_F(zero, 0)
+MAP_F(mov, a[i])
+MAP_F(add, a[i] + b[i])
+MAP_F(sub, a[i] - b[i])
+MAP_F(mul, a[i] * b[i])
+MAP_F(div, a[i] / b[i])
+MAP_F(max, isnan(a[i]) || a[i] > b[i] ? a[i] : b[i])
+MAP_F(min, isnan(a[i]) || a[i] < b[i] ? a[i] : b[i])
+MAP_F(neg, -a[i])
+MAP_F(abs, fabsf(a[i]))
+MAP_F(exp, expf(a[i]))
+MAP_F(log, logf(a[i]))
+MAP_F(sqrt, sqrtf(a[i]))
+MAP_F(rsqrt, 1.0f / sqrtf(a[i]))
+MAP_F(tanh, tanhf(a[i]))
+MAP_F(sigmoid, 1.0f / (1.0f + expf(-a[i])))
+MAP_F(silu, a[i] / (1.0f + expf(-a[i])))
+MAP_F(gelu, gelu(a[i], ins->aux))
+MAP_F(pow, powf(a[i], b[i]))
+MAP_F(select, a[i] != 0 ? b[i] : c[i])
+MAP_F(sin, sinf(a[i]))
+MAP_F(cos, cosf(a[i]))
+MAP_F(recip, 1.0f / a[i])
+MAP_F(floordiv, floorf(a[i] / b[i]))
+MAP_F(mod, fmodf(a[i], b[i]))
+MAP_F(remainder, fremainder(a[i], b[i]))
+MAP_F(erf, erff(a[i]))
+MAP_F(floor, floorf(a[i]))
+MAP_F(ceil, ceilf(a[i]))
+MAP_F(trunc, truncf(a[i]))
+MAP_F(round, nearbyintf(a[i]))
+MAP_F(sign, (float)((a[i] > 0) - (a[i] < 0)))
+MAP_F(log1p, log1pf(a[i]))
+MAP_F(expm1, expm1f(a[i]))
+MAP_F(atan, atanf(a[i]))
 
 static int64_t wrap_add(int64_t a, int64_t b) { return (int64_t)((uint64_t)a + (uint64_t)b); }
 static int64_t wrap_sub(int64_t a, int64_t b) { return (int64_t)((uint64_t)a - (uint64_t)b); }
@@ -297,40 +305,26 @@ static int64_t ipow(int64_t a, int64_t e)
     return r;
 }
 
-static void int_op(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t *a, const int64_t *b,
-                   const int64_t *c)
-{
-    switch (ins->op) {
-    case SPY_SFU_MOV: for (uint32_t i = 0; i < n; i++) o[i] = a[i]; break;
-    case SPY_SFU_ADD: for (uint32_t i = 0; i < n; i++) o[i] = wrap_add(a[i], b[i]); break;
-    case SPY_SFU_SUB: for (uint32_t i = 0; i < n; i++) o[i] = wrap_sub(a[i], b[i]); break;
-    case SPY_SFU_MUL: for (uint32_t i = 0; i < n; i++) o[i] = wrap_mul(a[i], b[i]); break;
-    case SPY_SFU_DIV: for (uint32_t i = 0; i < n; i++) o[i] = idiv_trunc(a[i], b[i]); break;
-    case SPY_SFU_FLOORDIV: for (uint32_t i = 0; i < n; i++) o[i] = idiv_floor(a[i], b[i]); break;
-    case SPY_SFU_MOD: for (uint32_t i = 0; i < n; i++) o[i] = imod_trunc(a[i], b[i]); break;
-    case SPY_SFU_REMAINDER: for (uint32_t i = 0; i < n; i++) o[i] = imod_floor(a[i], b[i]); break;
-    case SPY_SFU_MAX: for (uint32_t i = 0; i < n; i++) o[i] = a[i] > b[i] ? a[i] : b[i]; break;
-    case SPY_SFU_MIN: for (uint32_t i = 0; i < n; i++) o[i] = a[i] < b[i] ? a[i] : b[i]; break;
-    case SPY_SFU_NEG: for (uint32_t i = 0; i < n; i++) o[i] = wrap_sub(0, a[i]); break;
-    case SPY_SFU_ABS: for (uint32_t i = 0; i < n; i++) o[i] = a[i] < 0 ? wrap_sub(0, a[i]) : a[i]; break;
-    case SPY_SFU_POW: for (uint32_t i = 0; i < n; i++) o[i] = ipow(a[i], b[i]); break;
-    case SPY_SFU_AND: for (uint32_t i = 0; i < n; i++) o[i] = a[i] & b[i]; break;
-    case SPY_SFU_OR: for (uint32_t i = 0; i < n; i++) o[i] = a[i] | b[i]; break;
-    case SPY_SFU_XOR: for (uint32_t i = 0; i < n; i++) o[i] = a[i] ^ b[i]; break;
-    case SPY_SFU_NOT:
-        if (ins->dst.dtype == SPY_DT_BOOL)
-            for (uint32_t i = 0; i < n; i++) o[i] = a[i] == 0;
-        else
-            for (uint32_t i = 0; i < n; i++) o[i] = ~a[i];
-        break;
-    case SPY_SFU_SIGN: for (uint32_t i = 0; i < n; i++) o[i] = (a[i] > 0) - (a[i] < 0); break;
-    case SPY_SFU_SELECT: for (uint32_t i = 0; i < n; i++) o[i] = a[i] != 0 ? b[i] : c[i]; break;
-    case SPY_SFU_FLOOR: case SPY_SFU_CEIL: case SPY_SFU_TRUNC: case SPY_SFU_ROUND:
-        for (uint32_t i = 0; i < n; i++) o[i] = a[i];
-        break;
-    default: for (uint32_t i = 0; i < n; i++) o[i] = 0; break;
-    }
-}
+MAP_I(zero, 0)
+MAP_I(mov, a[i])
+MAP_I(add, wrap_add(a[i], b[i]))
+MAP_I(sub, wrap_sub(a[i], b[i]))
+MAP_I(mul, wrap_mul(a[i], b[i]))
+MAP_I(div, idiv_trunc(a[i], b[i]))
+MAP_I(floordiv, idiv_floor(a[i], b[i]))
+MAP_I(mod, imod_trunc(a[i], b[i]))
+MAP_I(remainder, imod_floor(a[i], b[i]))
+MAP_I(max, a[i] > b[i] ? a[i] : b[i])
+MAP_I(min, a[i] < b[i] ? a[i] : b[i])
+MAP_I(neg, wrap_sub(0, a[i]))
+MAP_I(abs, a[i] < 0 ? wrap_sub(0, a[i]) : a[i])
+MAP_I(pow, ipow(a[i], b[i]))
+MAP_I(and, a[i] & b[i])
+MAP_I(or, a[i] | b[i])
+MAP_I(xor, a[i] ^ b[i])
+MAP_I(not, ins->dst.dtype == SPY_DT_BOOL ? a[i] == 0 : ~a[i])
+MAP_I(sign, (a[i] > 0) - (a[i] < 0))
+MAP_I(select, a[i] != 0 ? b[i] : c[i])
 
 static bool cmp_f(uint32_t how, float a, float b)
 {
@@ -356,158 +350,271 @@ static bool cmp_i(uint32_t how, int64_t a, int64_t b)
     }
 }
 
-static void reduce_row(const spy_instr *ins, uint8_t *lx, uint32_t r, uint32_t n)
+static void f_cmp(const spy_instr *ins, uint32_t n, int64_t *o, const float *a, const float *b)
 {
-    const spy_operand *s = &ins->src[0];
-    bool fl = is_float(s->dtype) && ins->op != SPY_SFU_RANY && ins->op != SPY_SFU_RALL;
-    uint8_t *dst = at(lx, &ins->dst, r, 0);
-    if (fl) {
-        float *a = rb.f[0];
-        stage_f(lx, s, r, n, a);
-        switch (ins->op) {
-        case SPY_SFU_RSUM: case SPY_SFU_RPROD: {
-            double acc = ins->op == SPY_SFU_RSUM ? 0.0 : 1.0;
-            for (uint32_t i = 0; i < n; i++)
-                acc = ins->op == SPY_SFU_RSUM ? acc + a[i] : acc * a[i];
-            store_f(dst, ins->dst.dtype, (float)acc);
-            return;
-        }
-        case SPY_SFU_RMAX: case SPY_SFU_RMIN: {
-            float m = a[0];
-            for (uint32_t i = 1; i < n && !isnan(m); i++)
-                if (isnan(a[i]) || (ins->op == SPY_SFU_RMAX ? a[i] > m : a[i] < m))
-                    m = a[i];
-            store_f(dst, ins->dst.dtype, m);
-            return;
-        }
-        default: { /* argmax / argmin: first extreme, NaN counts as the extreme */
-            uint32_t best = 0;
-            for (uint32_t i = 1; i < n && !isnan(a[best]); i++)
-                if (isnan(a[i]) || (ins->op == SPY_SFU_RARGMAX ? a[i] > a[best] : a[i] < a[best]))
-                    best = i;
-            store_i(dst, ins->dst.dtype, best);
-            return;
-        }
-        }
-    }
-    int64_t *a = rb.i[0];
-    stage_i(lx, s, r, n, a);
-    int64_t acc;
-    switch (ins->op) {
-    case SPY_SFU_RSUM: acc = 0; for (uint32_t i = 0; i < n; i++) acc = wrap_add(acc, a[i]); break;
-    case SPY_SFU_RPROD: acc = 1; for (uint32_t i = 0; i < n; i++) acc = wrap_mul(acc, a[i]); break;
-    case SPY_SFU_RMAX: acc = a[0]; for (uint32_t i = 1; i < n; i++) if (a[i] > acc) acc = a[i]; break;
-    case SPY_SFU_RMIN: acc = a[0]; for (uint32_t i = 1; i < n; i++) if (a[i] < acc) acc = a[i]; break;
-    case SPY_SFU_RANY: acc = 0; for (uint32_t i = 0; i < n; i++) acc |= a[i] != 0; break;
-    case SPY_SFU_RALL: acc = 1; for (uint32_t i = 0; i < n; i++) acc &= a[i] != 0; break;
-    default: {
-        uint32_t best = 0;
-        for (uint32_t i = 1; i < n; i++)
-            if (ins->op == SPY_SFU_RARGMAX ? a[i] > a[best] : a[i] < a[best])
-                best = i;
-        acc = best;
-    }
-    }
+    for (uint32_t i = 0; i < n; i++)
+        o[i] = cmp_f(ins->aux, a[i], b[i]);
+}
+
+static void i_cmp(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t *a, const int64_t *b)
+{
+    for (uint32_t i = 0; i < n; i++)
+        o[i] = cmp_i(ins->aux, a[i], b[i]);
+}
+
+static void f_isnan(const spy_instr *ins, uint32_t n, int64_t *o, const float *a, const float *b)
+{
+    for (uint32_t i = 0; i < n; i++)
+        o[i] = isnan(a[i]);
+}
+
+static void i_isnan(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t *a, const int64_t *b)
+{
+    memset(o, 0, (size_t)n * sizeof *o);
+}
+
+/* Float reductions accumulate sums and products in double; NaN wins max, min, argmax and
+ * argmin (the first NaN's index). any/all test the integer conversion of each element. */
+static void f_rsum(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    double acc = 0.0;
+    for (uint32_t i = 0; i < n; i++)
+        acc = acc + a[i];
+    store_f(dst, ins->dst.dtype, (float)acc);
+}
+
+static void f_rprod(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    double acc = 1.0;
+    for (uint32_t i = 0; i < n; i++)
+        acc = acc * a[i];
+    store_f(dst, ins->dst.dtype, (float)acc);
+}
+
+static void f_rmax(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    float m = a[0];
+    for (uint32_t i = 1; i < n && !isnan(m); i++)
+        if (isnan(a[i]) || a[i] > m)
+            m = a[i];
+    store_f(dst, ins->dst.dtype, m);
+}
+
+static void f_rmin(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    float m = a[0];
+    for (uint32_t i = 1; i < n && !isnan(m); i++)
+        if (isnan(a[i]) || a[i] < m)
+            m = a[i];
+    store_f(dst, ins->dst.dtype, m);
+}
+
+static void f_rargmax(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n && !isnan(a[best]); i++)
+        if (isnan(a[i]) || a[i] > a[best])
+            best = i;
+    store_i(dst, ins->dst.dtype, best);
+}
+
+static void f_rargmin(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n && !isnan(a[best]); i++)
+        if (isnan(a[i]) || a[i] < a[best])
+            best = i;
+    store_i(dst, ins->dst.dtype, best);
+}
+
+static void f_rany(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
+{
+    int64_t acc = 0;
+    for (uint32_t i = 0; i < n; i++)
+        acc |= f2i(a[i]) != 0;
     store_i(dst, ins->dst.dtype, acc);
 }
 
-spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx)
+static void f_rall(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)
 {
+    int64_t acc = 1;
+    for (uint32_t i = 0; i < n; i++)
+        acc &= f2i(a[i]) != 0;
+    store_i(dst, ins->dst.dtype, acc);
+}
+
+/* Integer reductions wrap like the integer arithmetic. */
+#define REDUCE_I(name, init, first, update)                                                        \
+    static void i_##name(const spy_instr *ins, uint32_t n, const int64_t *a, uint8_t *dst)         \
+    {                                                                                              \
+        int64_t acc = (init);                                                                      \
+        for (uint32_t i = (first); i < n; i++)                                                     \
+            update;                                                                                \
+        store_i(dst, ins->dst.dtype, acc);                                                         \
+    }
+
+REDUCE_I(rsum, 0, 0, acc = wrap_add(acc, a[i]))
+REDUCE_I(rprod, 1, 0, acc = wrap_mul(acc, a[i]))
+REDUCE_I(rmax, a[0], 1, if (a[i] > acc) acc = a[i])
+REDUCE_I(rmin, a[0], 1, if (a[i] < acc) acc = a[i])
+REDUCE_I(rargmax, 0, 1, if (a[i] > a[acc]) acc = i)
+REDUCE_I(rargmin, 0, 1, if (a[i] < a[acc]) acc = i)
+REDUCE_I(rany, 0, 0, acc |= a[i] != 0)
+REDUCE_I(rall, 1, 0, acc &= a[i] != 0)
+
+static void f_iota(const spy_instr *ins, uint32_t r, uint32_t n, float *o)
+{
+    double base = ins->src[0].v.imm_f, rs = ins->src[1].v.imm_f, cs = ins->src[2].v.imm_f;
+    for (uint32_t c = 0; c < n; c++)
+        o[c] = (float)(base + r * rs + c * cs);
+}
+
+static void i_iota(const spy_instr *ins, uint32_t r, uint32_t n, int64_t *o)
+{
+    int64_t base = ins->src[0].v.imm_i, rs = ins->src[1].v.imm_i, cs = ins->src[2].v.imm_i;
+    for (uint32_t c = 0; c < n; c++)
+        o[c] = wrap_add(base, wrap_add(wrap_mul(r, rs), wrap_mul(c, cs)));
+}
+
+/* ---- the table ------------------------------------------------------------------------ */
+
+#define AUX_MAX_NONE 255u       /* aux is ignored */
+#define AUX_MAX_FORM 255u       /* GELU: 0 is the erf form, anything else the tanh form */
+#define AUX_MAX_CMP SPY_CMP_GE
+
+enum { /* the ops' positions in the table */
+#define POSITION(NAME, ...) AT_##NAME,
+    SPY_SFU_OPS(POSITION)
+#undef POSITION
+    NUM_OPS
+};
+
+static const spy_sfu_op table[NUM_OPS] = {
+#define DESCRIBE(NAME, opcode, arity, aux, cost, kind, f, i)                                       \
+    [AT_##NAME] = {#NAME, opcode, arity, AUX_MAX_##aux, SPY_SFU_COST_##cost, SPY_SFU_KIND_##kind, 0},
+    SPY_SFU_OPS(DESCRIBE)
+#undef DESCRIBE
+};
+
+const spy_sfu_op *spy_sfu_op_find(uint32_t opcode)
+{
+    switch (opcode) {
+#define FIND(NAME, opcode, ...)                                                                    \
+    case opcode: return &table[AT_##NAME];
+        SPY_SFU_OPS(FIND)
+#undef FIND
+    }
+    return NULL;
+}
+
+spy_status spy_sfu_ops(const spy_sfu_op **ops, uint32_t *n)
+{
+    if (!ops || !n)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "null output");
+    *ops = table;
+    *n = NUM_OPS;
+    return SPY_OK;
+}
+
+/* ---- running an instruction ------------------------------------------------------------- */
+
+/* Compute row r of ins in the float (fl) or integer domain: the op's implementation for
+ * its kind, on the staged rows (sources in [0..2], results in [3]); a reduction stores
+ * its value at dst itself. */
+static void compute_row(const spy_instr *ins, bool fl, spy_sfu_rows *rb, uint32_t r, uint32_t n,
+                        uint8_t *dst)
+{
+#define RUN_MAP(F, I)                                                                              \
+    if (fl)                                                                                        \
+        F(ins, n, rb->f[3], rb->f[0], rb->f[1], rb->f[2]);                                         \
+    else                                                                                           \
+        I(ins, n, rb->i[3], rb->i[0], rb->i[1], rb->i[2])
+#define RUN_CAST RUN_MAP
+#define RUN_TEST(F, I)                                                                             \
+    if (fl)                                                                                        \
+        F(ins, n, rb->i[3], rb->f[0], rb->f[1]);                                                   \
+    else                                                                                           \
+        I(ins, n, rb->i[3], rb->i[0], rb->i[1])
+#define RUN_REDUCE(F, I)                                                                           \
+    if (fl)                                                                                        \
+        F(ins, n, rb->f[0], dst);                                                                  \
+    else                                                                                           \
+        I(ins, n, rb->i[0], dst)
+#define RUN_IOTA(F, I)                                                                             \
+    if (fl)                                                                                        \
+        F(ins, r, n, rb->f[3]);                                                                    \
+    else                                                                                           \
+        I(ins, r, n, rb->i[3])
+#define CASE(NAME, opcode, arity, aux, cost, kind, F, I)                                           \
+    case opcode: RUN_##kind(F, I); return;
+    switch (ins->op) {
+        SPY_SFU_OPS(CASE)
+    }
+#undef CASE
+#undef RUN_MAP
+#undef RUN_CAST
+#undef RUN_TEST
+#undef RUN_REDUCE
+#undef RUN_IOTA
+}
+
+/* Whether an instruction computes in the float domain (the kinds of sfu_ops.h). */
+static bool float_domain(const spy_sfu_op *op, const spy_instr *ins)
+{
+    switch (op->kind) {
+    case SPY_SFU_KIND_TEST:
+        for (uint32_t k = 0; k < op->arity; k++)
+            if (is_float(ins->src[k].dtype))
+                return true;
+        return false;
+    case SPY_SFU_KIND_REDUCE:
+        return is_float(ins->src[0].dtype);
+    default:
+        return is_float(ins->dst.dtype);
+    }
+}
+
+spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx, spy_sfu_rows *rb)
+{
+    const spy_sfu_op *op = spy_sfu_op_find(ins->op); /* validated: in the table */
     uint32_t n = ins->cols;
-    if (!ensure(n))
+    if (!op)
+        return SPY_E_BAD_COMMAND;
+    if (!ensure(rb, n))
         return SPY_E_HOST_NOMEM;
-    if (ins->op >= SPY_SFU_RSUM) {
-        for (uint32_t r = 0; r < ins->rows; r++)
-            reduce_row(ins, lx, r, n);
-        return SPY_OK;
-    }
-    uint32_t dt = ins->dst.dtype;
-    if (ins->op == SPY_SFU_IOTA) {
-        for (uint32_t r = 0; r < ins->rows; r++) {
-            if (is_float(dt)) {
-                double b = ins->src[0].v.imm_f, rs = ins->src[1].v.imm_f, cs = ins->src[2].v.imm_f;
-                for (uint32_t c = 0; c < n; c++)
-                    rb.f[0][c] = (float)(b + r * rs + c * cs);
-                write_f(lx, ins, r, n, rb.f[0]);
-            } else {
-                int64_t b = ins->src[0].v.imm_i, rs = ins->src[1].v.imm_i, cs = ins->src[2].v.imm_i;
-                for (uint32_t c = 0; c < n; c++)
-                    rb.i[0][c] = wrap_add(b, wrap_add(wrap_mul(r, rs), wrap_mul(c, cs)));
-                write_i(lx, ins, r, n, rb.i[0]);
-            }
-        }
-        return SPY_OK;
-    }
-    if (ins->op == SPY_SFU_CMP || ins->op == SPY_SFU_ISNAN) {
-        bool fl = is_float(ins->src[0].dtype) ||
-                  (ins->op == SPY_SFU_CMP && is_float(ins->src[1].dtype));
-        for (uint32_t r = 0; r < ins->rows; r++) {
-            int64_t *o = rb.i[3];
-            if (ins->op == SPY_SFU_ISNAN) {
-                stage_f(lx, &ins->src[0], r, n, rb.f[0]);
-                for (uint32_t c = 0; c < n; c++)
-                    o[c] = isnan(rb.f[0][c]);
-            } else if (fl) {
-                stage_f(lx, &ins->src[0], r, n, rb.f[0]);
-                stage_f(lx, &ins->src[1], r, n, rb.f[1]);
-                for (uint32_t c = 0; c < n; c++)
-                    o[c] = cmp_f(ins->aux, rb.f[0][c], rb.f[1][c]);
-            } else {
-                stage_i(lx, &ins->src[0], r, n, rb.i[0]);
-                stage_i(lx, &ins->src[1], r, n, rb.i[1]);
-                for (uint32_t c = 0; c < n; c++)
-                    o[c] = cmp_i(ins->aux, rb.i[0][c], rb.i[1][c]);
-            }
-            write_i(lx, ins, r, n, o);
-        }
-        return SPY_OK;
-    }
-    /* A float source converted to an integer destination truncates (a cast); otherwise
-     * the destination's type decides where the arithmetic happens. */
-    bool fl = is_float(dt);
-    if (ins->op == SPY_SFU_MOV && !fl && is_float(ins->src[0].dtype)) {
-        for (uint32_t r = 0; r < ins->rows; r++) {
-            stage_f(lx, &ins->src[0], r, n, rb.f[0]);
-            for (uint32_t c = 0; c < n; c++)
-                rb.i[3][c] = dt == SPY_DT_BOOL ? rb.f[0][c] != 0 : f2i(rb.f[0][c]);
-            write_i(lx, ins, r, n, rb.i[3]);
-        }
-        return SPY_OK;
-    }
-    int arity = ins->op == SPY_SFU_SELECT ? 3 : (ins->src[1].kind != SPY_OPND_NONE ? 2 : 1);
+    bool fl = float_domain(op, ins);
+    /* CAST of a float source into an integer destination: stage as float, convert. */
+    bool convert = op->kind == SPY_SFU_KIND_CAST && !fl && is_float(ins->src[0].dtype);
+    uint32_t staged = op->kind == SPY_SFU_KIND_IOTA ? 0 : op->arity;
     for (uint32_t r = 0; r < ins->rows; r++) {
-        if (fl) {
-            for (int k = 0; k < arity; k++)
-                stage_f(lx, &ins->src[k], r, n, rb.f[k]);
-            float_op(ins, n, rb.f[3], rb.f[0], rb.f[1], rb.f[2]);
-            write_f(lx, ins, r, n, rb.f[3]);
-        } else {
-            for (int k = 0; k < arity; k++)
-                stage_i(lx, &ins->src[k], r, n, rb.i[k]);
-            int_op(ins, n, rb.i[3], rb.i[0], rb.i[1], rb.i[2]);
-            write_i(lx, ins, r, n, rb.i[3]);
+        for (uint32_t k = 0; k < staged; k++) {
+            if (fl || convert)
+                stage_f(lx, &ins->src[k], r, n, rb->f[k]);
+            else
+                stage_i(lx, &ins->src[k], r, n, rb->i[k]);
         }
+        if (convert) {
+            bool to_bool = ins->dst.dtype == SPY_DT_BOOL;
+            for (uint32_t c = 0; c < n; c++)
+                rb->i[3][c] = to_bool ? rb->f[0][c] != 0 : f2i(rb->f[0][c]);
+            write_i(lx, ins, r, n, rb->i[3]);
+            continue;
+        }
+        compute_row(ins, fl, rb, r, n, at(lx, &ins->dst, r, 0));
+        if (op->kind == SPY_SFU_KIND_REDUCE)
+            continue;
+        if (fl && op->kind != SPY_SFU_KIND_TEST)
+            write_f(lx, ins, r, n, rb->f[3]);
+        else
+            write_i(lx, ins, r, n, rb->i[3]);
     }
     return SPY_OK;
 }
 
-static bool transcendental(uint32_t op)
-{
-    switch (op) {
-    case SPY_SFU_EXP: case SPY_SFU_LOG: case SPY_SFU_SQRT: case SPY_SFU_RSQRT: case SPY_SFU_TANH:
-    case SPY_SFU_SIGMOID: case SPY_SFU_SILU: case SPY_SFU_GELU: case SPY_SFU_POW: case SPY_SFU_SIN:
-    case SPY_SFU_COS: case SPY_SFU_DIV: case SPY_SFU_RECIP: case SPY_SFU_ERF: case SPY_SFU_LOG1P:
-    case SPY_SFU_EXPM1: case SPY_SFU_ATAN: case SPY_SFU_FLOORDIV: case SPY_SFU_MOD:
-    case SPY_SFU_REMAINDER:
-        return true;
-    default:
-        return false;
-    }
-}
-
 double spy_sfu_cycles(const spy_profile *p, const spy_instr *ins)
 {
+    const spy_sfu_op *op = spy_sfu_op_find(ins->op);
     double elems = (double)ins->rows * ins->cols;
-    double per = transcendental(ins->op) ? p->sfu_transcendental_cycles : 1.0;
+    double per = op && op->cost == SPY_SFU_COST_TRANSCENDENTAL ? p->sfu_transcendental_cycles : 1.0;
     return elems * per / p->sfu_elems_per_cycle;
 }

@@ -17,8 +17,6 @@
 
 #include "internal.h"
 
-uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c);
-
 enum { EV_DONE = 0, EV_LATENCY = 1 };
 
 typedef struct event {
@@ -200,21 +198,6 @@ static double matmul_ns(const spy_profile *p, const spy_cmd *c)
     return p->pt_latency_ns + macs / rate;
 }
 
-uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c)
-{
-    const spy_dma *d = &c->u.dma;
-    uint64_t bytes = 0;
-    if (c->flags & SPY_DMA_DESCS) {
-        for (uint64_t k = d->src_off; k < d->src_off + d->desc_count; k++)
-            bytes += g->descs[k].bytes;
-        return bytes;
-    }
-    bytes = d->run_bytes;
-    for (uint32_t k = 0; k < d->ndims; k++)
-        bytes *= d->count[k];
-    return bytes;
-}
-
 static double pcie_ns(const spy_profile *p, const spy_program *g, const spy_cmd *c)
 {
     double ndesc = (c->flags & SPY_DMA_DESCS) ? c->u.dma.desc_count : 1;
@@ -387,7 +370,7 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx,
     const spy_profile *p = &dev->prof;
     spy_sim *s = dev->sim;
     uint32_t n = g->hdr->ncmds;
-    uint32_t neng = p->num_cores * SPY_ENG_PER_CORE + 3;
+    uint32_t neng = spy_num_engines(p);
     /* the successor array holds one entry per edge, which can exceed the dependency
      * entries when commands share them (validation bounded the edge count) */
     if (!reserve(s, n, (size_t)g->nedges, neng))

@@ -1,15 +1,20 @@
 /*
  * spyre.h -- the contract of the spyre_rt native runtime and its simulated card.
  *
- * One prefix (spy_), one status type, no hidden globals, no Python or torch.
- * Every call returns a spy_status; a failing call leaves the device unchanged and
- * records a message (spy_last_error) naming what was wrong.
+ * One prefix (spy_), one status type, no Python or torch, no hidden globals: the state
+ * outside a device is the calling thread's last error and the process's count of address
+ * windows handed out (SPY_ADDRESS_BASE).
+ * Every call that can fail returns a spy_status and records a message (spy_last_error)
+ * naming what was wrong; a call refused for its arguments or the device's state leaves
+ * the device as it was, and a job that fails stops at the failing command
+ * (spy_last_error_command): the commands before it have had their effect. Getters return
+ * their value (0 or NULL for a null handle); destroy and release calls return nothing.
  *
  * Model of the card
  *   Device DRAM is an address space handed out by an allocator. Tensor data lives in
  *   allocations of kind SPY_MEM_DATA (backed by host memory only in functional mode);
- *   programs, transfer graphs and relocation tables live in SPY_MEM_CONTROL allocations
- *   (always backed: the device must read them to run).
+ *   program blocks -- uploaded programs and the programs of plans -- live in
+ *   SPY_MEM_CONTROL allocations (always backed: the device must read them to run).
  *
  *   The device runs *jobs*. A job is an encoded program block (spy_job_header followed by
  *   slots, commands, dependencies, SFU instructions and DMA descriptors; see
@@ -32,22 +37,38 @@
  *   max(job start, end of its dependencies, its engine becoming free).
  *
  * Ownership
- *   The device owns its allocations, programs and plans; spy_device_close frees them.
- *   Buffers passed in (profiles, blobs, bindings) are borrowed for the call only, except
- *   host pointers bound to HOST slots, which must stay valid until the job has run
- *   (functional jobs run to completion inside the launch call).
+ *   The device owns its allocations and the programs committed in them; spy_device_close
+ *   frees them. The caller owns what a create or wrap call returns (transfer graphs,
+ *   plans, DLPack tensors) and must destroy or release plans and DLPack tensors before
+ *   closing their device, which they borrow. Buffers passed in (profiles, blobs, bindings,
+ *   layouts, shapes) are borrowed for the call only, except host pointers bound to HOST
+ *   slots, which must stay valid until the job has run (functional jobs run to completion
+ *   inside the launch call). Tables the runtime hands out (spy_sfu_ops,
+ *   spy_profile_figures) are static: nothing to free.
  */
 #ifndef SPYRE_H
 #define SPYRE_H
 
+#ifndef SPY_CDEF /* build.py reads this header through the preprocessor with SPY_CDEF set */
 #include <stddef.h>
 #include <stdint.h>
+#endif
+
+/* The sizes this header states for its structures are checked by the compiler: plan files
+ * and the Python layer's copies of the structures (tests/test_native_abi.py) rely on them. */
+#if defined(SPY_CDEF)
+#define SPY_ABI_SIZE(type, bytes)
+#elif defined(__cplusplus)
+#define SPY_ABI_SIZE(type, bytes) static_assert(sizeof(type) == (bytes), #type " is " #bytes " bytes");
+#else
+#define SPY_ABI_SIZE(type, bytes) _Static_assert(sizeof(type) == (bytes), #type " is " #bytes " bytes");
+#endif
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* ---- status ------------------------------------------------------------------------ */
+/* ---- status (status.c) ------------------------------------------------------------- */
 
 typedef enum spy_status {
     SPY_OK = 0,
@@ -77,42 +98,88 @@ int64_t spy_last_error_command(void);
 int64_t spy_last_error_job(void);
 const char *spy_status_name(spy_status s);
 
-/* ---- the device profile -------------------------------------------------------------
- * Every figure the cost model uses. Filled from a profiles/devices TOML file by the Python
- * layer; spy_device_open validates ranges. Units are in the names.                     */
+/* ---- the device profile (profile.c) -------------------------------------------------
+ * Every figure the cost model uses, declared once, in SPY_PROFILE_FIGURES: it makes the
+ * fields of spy_profile, the ranges spy_device_open accepts (spy_profile_check) and the
+ * table the Python layer loads profiles/devices TOML files with (spy_profile_figures).
+ * Adding a figure: a row here, the figure with its source in the TOML files, its use in
+ * the cost model.
+ *
+ * X(type, field, key, unit, scale, sign, max)
+ *   type   U32, U64 or F64: the C type of the field
+ *   field  the spy_profile member, in the unit its name says (or a count or a ratio)
+ *   key    the figure's name in a TOML profile, whose value is in `unit`
+ *   scale  field = TOML value * scale
+ *   sign   POSITIVE (> 0) or NONNEGATIVE (>= 0); every figure is finite
+ *   max    the largest field value the simulator accepts; SPY_FIGURE_UNBOUNDED for none */
+#define SPY_FIGURE_UNBOUNDED __builtin_inf()
+/* clang-format off */
+#define SPY_PROFILE_FIGURES(X)                                                                                         \
+    X(U32, num_cores,                 "num_cores",                 "cores",               1,         POSITIVE,    256)   \
+    X(U32, corelets_per_core,         "corelets_per_core",         "corelets",            1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(U64, scratchpad_bytes,          "scratchpad_mib",            "MiB",                 1ull << 20, POSITIVE,   1ull << 31) /* per core (LX) */ \
+    X(U64, dram_bytes,                "dram_gib",                  "GiB",                 1ull << 30, POSITIVE,   1ull << SPY_ADDRESS_WINDOW_SHIFT) \
+    X(U32, stick_bytes,               "stick_bytes",               "B",                   1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* and a power of two */ \
+    X(U32, dram_burst_bytes,          "dram_burst_bytes",          "B",                   1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* shorter runs cost a burst */ \
+    X(F64, clock_ghz,                 "clock_ghz",                 "GHz",                 1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(F64, pt_macs_per_ns,            "pt_macs_per_ns",            "MAC/ns/core",         1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* systolic arrays: fp16 peak per core */ \
+    X(F64, pt_utilization,            "pt_utilization",            "ratio",               1,         POSITIVE,    1)     /* sustained / peak */ \
+    X(F64, pt_fp32_ratio,             "pt_fp32_ratio",             "ratio",               1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* fp32 rate relative to fp16 */ \
+    X(U32, pt_gran_m,                 "pt_gran_m",                 "rows",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* tile-shape granularity */ \
+    X(U32, pt_gran_n,                 "pt_gran_n",                 "columns",             1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(U32, pt_gran_k,                 "pt_gran_k",                 "elements",            1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) \
+    X(F64, pt_latency_ns,             "pt_latency_ns",             "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* issue + drain per matmul */ \
+    X(F64, sfu_elems_per_cycle,       "sfu_elems_per_cycle",       "elements/cycle/core", 1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* SFU, simple ops */ \
+    X(F64, sfu_transcendental_cycles, "sfu_transcendental_cycles", "cycles/element",      1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* multiplier for exp/log/... */ \
+    X(F64, sfu_latency_ns,            "sfu_latency_ns",            "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per instruction */ \
+    X(F64, dram_bytes_per_ns,         "dram_bandwidth_gbps",       "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* sustained, shared by the cores */ \
+    X(F64, core_dma_bytes_per_ns,     "core_dma_gbps",             "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* one core's DMA port */ \
+    X(F64, dma_latency_ns,            "dma_latency_ns",            "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per DRAM<->LX command */ \
+    X(F64, pcie_bytes_per_ns,         "pcie_bandwidth_gbps",       "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* host link, each direction */ \
+    X(F64, pcie_latency_ns,           "pcie_latency_ns",           "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per host DMA command */ \
+    X(F64, pcie_descriptor_ns,        "pcie_descriptor_ns",        "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per scatter-gather descriptor */ \
+    X(F64, ring_bytes_per_cycle,      "ring_bytes_per_cycle",      "B/cycle",             1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* per direction */ \
+    X(F64, ring_hop_ns,               "ring_hop_ns",               "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) \
+    X(F64, barrier_ns,                "barrier_ns",                "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) \
+    X(F64, job_launch_ns,             "job_launch_ns",             "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* job runnable to first command */
+/* clang-format on */
+
+#define SPY_FIGURE_CTYPE_U32 uint32_t
+#define SPY_FIGURE_CTYPE_U64 uint64_t
+#define SPY_FIGURE_CTYPE_F64 double
 
 typedef struct spy_profile {
-    uint32_t num_cores;
-    uint32_t corelets_per_core;
-    uint64_t scratchpad_bytes;        /* per core (LX) */
-    uint64_t dram_bytes;              /* device memory capacity */
-    uint32_t stick_bytes;             /* 128: the unit of the device tensor layout */
-    uint32_t dram_burst_bytes;        /* smallest DRAM access; shorter runs cost a burst */
-    double clock_ghz;
-    /* PT: the systolic arrays */
-    double pt_macs_per_ns;            /* fp16 peak per core */
-    double pt_utilization;            /* sustained / peak */
-    double pt_fp32_ratio;             /* fp32 rate relative to fp16 */
-    uint32_t pt_gran_m, pt_gran_n, pt_gran_k; /* tile-shape granularity of the arrays */
-    double pt_latency_ns;             /* issue + drain per matmul command */
-    /* SFU: the 1-D vector units */
-    double sfu_elems_per_cycle;       /* per core, simple ops */
-    double sfu_transcendental_cycles; /* cycles per element multiplier for exp/log/... */
-    double sfu_latency_ns;            /* per instruction */
-    /* memory system */
-    double dram_bytes_per_ns;         /* sustained, shared by all cores */
-    double core_dma_bytes_per_ns;     /* one core's DMA port */
-    double dma_latency_ns;            /* per DRAM<->LX DMA command */
-    double pcie_bytes_per_ns;         /* host link, each direction */
-    double pcie_latency_ns;           /* per host DMA command */
-    double pcie_descriptor_ns;        /* per scatter-gather descriptor */
-    double ring_bytes_per_cycle;      /* per direction */
-    double ring_hop_ns;
-    double barrier_ns;
-    double job_launch_ns;             /* a job becoming runnable to its first command */
+#define SPY_FIGURE_FIELD_(type, field, ...) SPY_FIGURE_CTYPE_##type field;
+    SPY_PROFILE_FIGURES(SPY_FIGURE_FIELD_)
+#undef SPY_FIGURE_FIELD_
 } spy_profile;
 
-/* ---- device ------------------------------------------------------------------------ */
+/* A figure as the declaration describes it. */
+#define SPY_FIGURE_U32 0
+#define SPY_FIGURE_U64 1
+#define SPY_FIGURE_F64 2
+#define SPY_FIGURE_POSITIVE 0
+#define SPY_FIGURE_NONNEGATIVE 1
+
+typedef struct spy_figure {
+    const char *field; /* the spy_profile member; static storage, like key and unit */
+    const char *key;   /* its name in a TOML profile */
+    const char *unit;  /* the unit of the TOML value */
+    uint32_t type;     /* SPY_FIGURE_U32, _U64 or _F64 */
+    uint32_t sign;     /* SPY_FIGURE_POSITIVE or _NONNEGATIVE */
+    uint64_t offset;   /* of the field in spy_profile */
+    double scale;      /* field = TOML value * scale */
+    double max;        /* the largest field value accepted; infinity: no bound */
+} spy_figure;
+
+/* The declared figures, in the order of spy_profile's fields: *figures points to *n entries
+ * in static storage, valid for the life of the process (nothing to free). */
+spy_status spy_profile_figures(const spy_figure **figures, uint32_t *n);
+/* The check spy_device_open makes: every figure finite, of its sign and at most its max,
+ * stick_bytes a power of two. SPY_E_PROFILE names the first figure out of range. */
+spy_status spy_profile_check(const spy_profile *profile);
+
+/* ---- device (device.c) ------------------------------------------------------------- */
 
 typedef struct spy_device spy_device;
 
@@ -140,7 +207,7 @@ spy_status spy_device_reset(spy_device *dev);
  * to newer allocations. */
 uint64_t spy_device_epoch(spy_device *dev);
 
-/* ---- clocks --------------------------------------------------------------------------- */
+/* ---- clocks (device.c) ---------------------------------------------------------------- */
 
 uint64_t spy_host_clock_ns(spy_device *dev);
 /* End of the last job on the device timeline. */
@@ -148,7 +215,7 @@ double spy_device_finish_ns(spy_device *dev);
 /* Move the host clock to the device's finish (host waits for the device). */
 spy_status spy_synchronize(spy_device *dev);
 
-/* ---- memory ------------------------------------------------------------------------ */
+/* ---- memory (memory.c) ------------------------------------------------------------- */
 
 #define SPY_MEM_DATA 0
 #define SPY_MEM_CONTROL 1
@@ -180,12 +247,50 @@ spy_status spy_free_epoch(spy_device *dev, uint64_t addr, uint64_t epoch);
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
 spy_status spy_mem_reset_peak(spy_device *dev);
+/* ---- stick layouts (memory.c) ----------------------------------------------------------
+ * A DATA allocation may record the stick layout of the tensor storage it holds, so the
+ * layers above find a storage's layout from its address. A layout: the storage holds
+ * rows x row_len elements of itemsize bytes; each row is cut into sticks of stick_bytes,
+ * padded to a whole stick, and sticks are stored stick-major: with S = stick_bytes /
+ * itemsize, element (r, c) is at byte
+ *   (c / S) * max(rows, 1) * stick_bytes + r * stick_bytes + (c % S) * itemsize
+ * (spyre_rt.layout.StickLayout). The record belongs to its allocation: it is copied in,
+ * and goes when the allocation is freed (spy_free, spy_free_epoch, a DLPack deleter, a
+ * device reset). */
+
+typedef struct spy_layout {
+    uint64_t rows;        /* may be 0: an empty storage */
+    uint64_t row_len;     /* elements per row, at least 1 */
+    uint32_t itemsize;    /* bytes per element: 1, 2, 4 or 8 */
+    uint32_t stick_bytes; /* the device profile's stick_bytes */
+} spy_layout; /* 24 bytes */
+SPY_ABI_SIZE(spy_layout, 24)
+
+/* The bytes a layout occupies: max(rows, 1) * ceil(row_len / S) * stick_bytes.
+ * SPY_E_INVALID_ARG for a malformed layout (itemsize, a stick_bytes that is not a power
+ * of two of at least itemsize, row_len 0, a size past 2^64). */
+spy_status spy_layout_bytes(const spy_layout *layout, uint64_t *nbytes);
+/* spy_malloc recording a layout (NULL: none, as spy_malloc). A layout needs kind
+ * SPY_MEM_DATA, the device's stick_bytes and at most nbytes bytes (spy_layout_bytes). */
+spy_status spy_malloc_layout(spy_device *dev, uint64_t nbytes, uint32_t kind, const spy_layout *layout,
+                             uint64_t *addr);
+/* n DATA allocations in one call, all or nothing. Allocation i is nbytes[i] bytes or, with
+ * nbytes NULL, the size of layouts[i]; layouts NULL records none. On success the caller
+ * owns addrs[0..n) as if each came from spy_malloc. On failure (SPY_E_OOM names the
+ * allocation that did not fit) none is left allocated -- their blocks may stay in the
+ * free-block cache -- and addrs holds nothing to use. */
+spy_status spy_malloc_many(spy_device *dev, uint32_t n, const uint64_t *nbytes, const spy_layout *layouts,
+                           uint64_t *addrs);
+/* The layout recorded for the allocation starting at addr; SPY_E_BAD_ADDRESS when addr does
+ * not start a live allocation or it records none. */
+spy_status spy_layout_of(spy_device *dev, uint64_t addr, spy_layout *out);
+
 /* Direct access to backed memory (tests, program upload checks): copies len bytes.
  * Like every call that touches the card, refused with SPY_E_DEVICE_LOST on a lost card. */
 spy_status spy_mem_read(spy_device *dev, uint64_t addr, void *dst, uint64_t len);
 spy_status spy_mem_write(spy_device *dev, uint64_t addr, const void *src, uint64_t len);
 
-/* ---- program block layout ------------------------------------------------------------
+/* ---- program block layout (validated by program.c) -----------------------------------
  * [spy_job_header][spy_slot * nslots][spy_cmd * ncmds][uint32 dep * ndeps, padded to 8]
  * [spy_instr * ninstrs][spy_desc * ndescs], all little endian, total == header.total_bytes */
 
@@ -204,6 +309,7 @@ typedef struct spy_job_header {
     uint64_t total_bytes;
     uint64_t reserved[3];
 } spy_job_header; /* 64 bytes */
+SPY_ABI_SIZE(spy_job_header, 64)
 
 #define SPY_SLOT_DRAM 0
 #define SPY_SLOT_HOST 1
@@ -213,6 +319,7 @@ typedef struct spy_slot {
     uint32_t reserved;
     uint64_t extent; /* bytes from the bound address the commands may touch */
 } spy_slot; /* 16 bytes */
+SPY_ABI_SIZE(spy_slot, 16)
 
 /* opcodes */
 #define SPY_OP_BARRIER 1 /* a join; runs on the card's control engine */
@@ -255,6 +362,7 @@ typedef struct spy_dma {
     uint64_t src_stride[3]; /* bytes */
     uint64_t dst_stride[3];
 } spy_dma; /* 96 bytes; with SPY_DMA_DESCS, src_off holds desc_begin */
+SPY_ABI_SIZE(spy_dma, 96)
 
 #define SPY_MM_ACCUMULATE 1
 #define SPY_MM_TRANS_A 2
@@ -270,12 +378,14 @@ typedef struct spy_matmul {
     uint32_t a_dtype, b_dtype;      /* F16, BF16 or F32; C is F32 */
     uint32_t reserved[13];
 } spy_matmul; /* 96 bytes: C[m,n] (+)= op(A)[m,k] op(B)[k,n] */
+SPY_ABI_SIZE(spy_matmul, 96)
 
 typedef struct spy_sfu {
     uint32_t instr_begin;
     uint32_t ninstrs;
     uint32_t reserved[22];
-} spy_sfu;
+} spy_sfu; /* 96 bytes */
+SPY_ABI_SIZE(spy_sfu, 96)
 
 typedef struct spy_ring {
     uint32_t dst_core;
@@ -283,7 +393,8 @@ typedef struct spy_ring {
     uint32_t dst_off;
     uint32_t bytes;
     uint32_t reserved[20];
-} spy_ring;
+} spy_ring; /* 96 bytes */
+SPY_ABI_SIZE(spy_ring, 96)
 
 /* GATHER: for i in [0, nidx): row = idx[i] (validated 0 <= row < limit);
  *   copy the pattern at slot[table_off + row*row_stride] -> scratchpad[lx_off + i*lx_pitch].
@@ -305,6 +416,7 @@ typedef struct spy_gather {
     uint64_t stride[2];    /* DRAM side, bytes */
     uint32_t reserved[4];
 } spy_gather; /* 96 bytes */
+SPY_ABI_SIZE(spy_gather, 96)
 
 typedef struct spy_cmd {
     uint8_t op;
@@ -322,6 +434,7 @@ typedef struct spy_cmd {
     } u;
     uint8_t pad[16];
 } spy_cmd; /* 128 bytes */
+SPY_ABI_SIZE(spy_cmd, 128)
 
 /* SFU instructions operate on rows x cols elements of scratchpad operands.
  * Arithmetic is float32 for float types and int64 for integer types; results are
@@ -344,61 +457,19 @@ typedef struct spy_operand {
         int64_t imm_i;
     } v;
 } spy_operand; /* 16 bytes */
+SPY_ABI_SIZE(spy_operand, 16)
 
-/* elementwise: dst = f(src0[, src1[, src2]]) */
-#define SPY_SFU_MOV 0      /* also a cast: dst dtype differs from src */
-#define SPY_SFU_ADD 1
-#define SPY_SFU_SUB 2
-#define SPY_SFU_MUL 3
-#define SPY_SFU_DIV 4      /* integers truncate toward zero; see FLOORDIV */
-#define SPY_SFU_MAX 5
-#define SPY_SFU_MIN 6
-#define SPY_SFU_NEG 7
-#define SPY_SFU_ABS 8
-#define SPY_SFU_EXP 9
-#define SPY_SFU_LOG 10
-#define SPY_SFU_SQRT 11
-#define SPY_SFU_RSQRT 12
-#define SPY_SFU_TANH 13
-#define SPY_SFU_SIGMOID 14
-#define SPY_SFU_SILU 15
-#define SPY_SFU_GELU 16    /* aux 0: erf form, 1: tanh form */
-#define SPY_SFU_POW 17
-#define SPY_SFU_CMP 18     /* aux: SPY_CMP_*; dst is BOOL */
-#define SPY_SFU_SELECT 19  /* dst = src0 ? src1 : src2 */
-#define SPY_SFU_SIN 20
-#define SPY_SFU_COS 21
-#define SPY_SFU_RECIP 22
-#define SPY_SFU_FLOORDIV 23
-#define SPY_SFU_MOD 24     /* C fmod: the sign of the dividend */
-#define SPY_SFU_AND 25     /* logical for BOOL, bitwise for integers */
-#define SPY_SFU_OR 26
-#define SPY_SFU_NOT 27
-#define SPY_SFU_ERF 28
-#define SPY_SFU_FLOOR 29
-#define SPY_SFU_CEIL 30
-#define SPY_SFU_TRUNC 31
-#define SPY_SFU_ROUND 32   /* half to even */
-#define SPY_SFU_SIGN 33
-#define SPY_SFU_LOG1P 34
-#define SPY_SFU_EXPM1 35
-#define SPY_SFU_IOTA 36    /* dst[r,c] = imm(src0) + r*imm(src1) + c*imm(src2) */
-#define SPY_SFU_XOR 37
-#define SPY_SFU_ISNAN 38
-#define SPY_SFU_ATAN 39
-#define SPY_SFU_REMAINDER 40 /* Python %: the sign of the divisor */
-#define SPY_SFU_COUNT 41
-/* reductions over the columns of each row: dst is a ROW operand */
-#define SPY_SFU_RSUM 64
-#define SPY_SFU_RMAX 65
-#define SPY_SFU_RMIN 66
-#define SPY_SFU_RPROD 67
-#define SPY_SFU_RARGMAX 68 /* first index of the maximum; dst integer */
-#define SPY_SFU_RARGMIN 69
-#define SPY_SFU_RANY 70
-#define SPY_SFU_RALL 71
-#define SPY_SFU_REDUCE_END 72
+/* SFU opcodes: the op table of sfu_ops.h (one row per op: arity, cost, how it runs;
+ * implemented in sfu.c). */
+#include "sfu_ops.h"
 
+typedef enum spy_sfu_opcode {
+#define SPY_SFU_OPCODE_(NAME, opcode, ...) SPY_SFU_##NAME = opcode,
+    SPY_SFU_OPS(SPY_SFU_OPCODE_)
+#undef SPY_SFU_OPCODE_
+} spy_sfu_opcode;
+
+/* aux of SPY_SFU_CMP */
 #define SPY_CMP_EQ 0
 #define SPY_CMP_NE 1
 #define SPY_CMP_LT 2
@@ -416,6 +487,31 @@ typedef struct spy_instr {
     spy_operand dst;
     spy_operand src[3];
 } spy_instr; /* 80 bytes */
+SPY_ABI_SIZE(spy_instr, 80)
+
+/* An SFU op as the table describes it (sfu_ops.h), for the layers above: the Python
+ * emitter derives its opcodes and arities from these. */
+#define SPY_SFU_COST_SIMPLE 0
+#define SPY_SFU_COST_TRANSCENDENTAL 1
+#define SPY_SFU_KIND_MAP 0
+#define SPY_SFU_KIND_CAST 1
+#define SPY_SFU_KIND_TEST 2
+#define SPY_SFU_KIND_REDUCE 3
+#define SPY_SFU_KIND_IOTA 4
+
+typedef struct spy_sfu_op {
+    const char *name; /* "ADD" for SPY_SFU_ADD; static storage */
+    uint32_t opcode;
+    uint32_t arity;   /* source operands: 1 to 3 */
+    uint32_t aux_max; /* the largest aux the validator accepts */
+    uint32_t cost;    /* SPY_SFU_COST_* */
+    uint32_t kind;    /* SPY_SFU_KIND_* */
+    uint32_t reserved;
+} spy_sfu_op;
+
+/* The op table, in opcode order: *ops points to *n entries in static storage, valid for
+ * the life of the process (nothing to free). */
+spy_status spy_sfu_ops(const spy_sfu_op **ops, uint32_t *n);
 
 typedef struct spy_desc {
     uint64_t src_off;
@@ -423,6 +519,7 @@ typedef struct spy_desc {
     uint32_t bytes;
     uint32_t reserved;
 } spy_desc; /* 24 bytes */
+SPY_ABI_SIZE(spy_desc, 24)
 
 /* Summary of a validated program. */
 typedef struct spy_job_info {
@@ -440,7 +537,7 @@ typedef struct spy_job_info {
 /* Validate a program block held in host memory (construction-time check). */
 spy_status spy_job_validate(spy_device *dev, const void *blob, uint64_t len, spy_job_info *info);
 
-/* ---- launching -------------------------------------------------------------------------
+/* ---- launching (job.c) -----------------------------------------------------------------
  * A program is uploaded into a CONTROL allocation (normally by an H2D job: the
  * transfer graph of the program block) and then committed: the device validates the
  * resident copy once and marks it runnable; any later write to it uncommits it.       */
@@ -454,7 +551,7 @@ spy_status spy_program_commit(spy_device *dev, uint64_t prog_addr, spy_job_info 
 spy_status spy_launch(spy_device *dev, uint64_t prog_addr, const uint64_t *bindings,
                       uint32_t nbindings, uint32_t name, double *job_end_ns);
 
-/* ---- transfer graphs ---------------------------------------------------------------------
+/* ---- transfer graphs (transfer.c) --------------------------------------------------------
  * A transfer graph is a program of DMA commands between host and device memory (H2D, D2H,
  * barriers only). Its descriptor lists stay in host memory, where the card's DMA engines
  * fetch them (the per-descriptor cost of the profile covers the fetch), so it needs no
@@ -466,7 +563,7 @@ void spy_transfer_destroy(spy_transfer *t);
 spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t nbindings,
                             uint32_t name, double *end_ns);
 
-/* ---- plans ------------------------------------------------------------------------------
+/* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
  *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][program blocks...]
  * Each job names its program block (offset/length inside the plan block) and its slot
@@ -489,6 +586,7 @@ typedef struct spy_plan_header {
     uint64_t total_bytes;
     uint64_t reserved[4];
 } spy_plan_header; /* 64 bytes */
+SPY_ABI_SIZE(spy_plan_header, 64)
 
 typedef struct spy_plan_job {
     uint64_t prog_off;    /* from the start of the plan block */
@@ -498,12 +596,14 @@ typedef struct spy_plan_job {
     uint32_t name;        /* trace label id */
     uint32_t reserved;
 } spy_plan_job; /* 32 bytes */
+SPY_ABI_SIZE(spy_plan_job, 32)
 
 typedef struct spy_reloc {
     uint32_t binding;
     uint32_t reserved;
     uint64_t offset;
 } spy_reloc; /* 16 bytes */
+SPY_ABI_SIZE(spy_reloc, 16)
 
 typedef struct spy_plan spy_plan;
 
@@ -516,7 +616,7 @@ uint32_t spy_plan_num_jobs(const spy_plan *plan);
 spy_status spy_plan_launch(spy_plan *plan, const uint64_t *bindings, uint32_t nbindings,
                            uint32_t name, double *step_end_ns);
 
-/* ---- counters ---------------------------------------------------------------------------- */
+/* ---- counters (device.c) ----------------------------------------------------------------- */
 
 typedef struct spy_counters {
     uint64_t native_calls;      /* calls into the runtime that did host work */
@@ -536,11 +636,12 @@ typedef struct spy_counters {
 spy_status spy_counters_get(spy_device *dev, spy_counters *out);
 spy_status spy_counters_reset(spy_device *dev);
 
-/* ---- trace ----------------------------------------------------------------------------- */
+/* ---- trace (trace.c) ------------------------------------------------------------------- */
 
 #define SPY_EV_JOB 1       /* a job on the device: a = name, b = ncmds */
-#define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved, MACs (matmul) or SFU
-                              instructions; engine/core set */
+#define SPY_EV_CMD 2       /* a command: a = op, b = bytes moved (DRAM<->scratchpad: as
+                              charged, whole bursts), MACs (matmul) or SFU instructions;
+                              engine/core set */
 #define SPY_EV_HOST 3      /* a host span recorded by spy_trace_host_span: a = name */
 #define SPY_EV_LAUNCH 4    /* the host-side instant of a launch: a = name, b = job seq */
 
@@ -565,6 +666,7 @@ typedef struct spy_trace_event {
     uint64_t a;
     uint64_t b;
 } spy_trace_event; /* 48 bytes */
+SPY_ABI_SIZE(spy_trace_event, 48)
 
 spy_status spy_trace_enable(spy_device *dev, uint32_t enabled, uint32_t commands);
 uint32_t spy_trace_intern(spy_device *dev, const char *name);
@@ -577,19 +679,48 @@ spy_status spy_trace_read(spy_device *dev, uint64_t first, spy_trace_event *out,
                           uint64_t *n);
 spy_status spy_trace_clear(spy_device *dev);
 
-/* ---- DLPack ---------------------------------------------------------------------------------
- * Wrap the allocation starting at addr as a DLPack DLManagedTensor (returned as void*)
- * whose deleter frees the allocation: a framework importing it ties the allocation's
- * lifetime to its tensors. Shape and strides are in elements and are copied. */
+/* ---- DLPack (dlpack.c) ----------------------------------------------------------------------
+ * A device allocation as a DLPack DLManagedTensor (void *: the DLPack ABI, v0.8
+ * unversioned) whose deleter frees the allocation -- and its layout record -- so that a
+ * framework importing it ties the allocation's lifetime to its tensors. The device must
+ * outlive every wrapped tensor; after a spy_device_reset the deleter frees nothing.
+ * Ownership: a wrap call hands the caller the DLManagedTensor; the caller passes it to a
+ * framework (which calls its deleter) or gives it back with spy_dlpack_release. The
+ * allocation then belongs to the tensor: do not spy_free it. */
+
+/* How to present one allocation: shape and strides (in elements) are copied. */
+typedef struct spy_dlpack_tensor {
+    const int64_t *shape;   /* ndim sizes */
+    const int64_t *strides; /* ndim strides */
+    int32_t ndim;           /* 0 to 64 */
+    uint32_t code;          /* DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool */
+    uint32_t bits;          /* bits per element, 8 to 64 */
+    uint32_t reserved;
+} spy_dlpack_tensor; /* 32 bytes */
+SPY_ABI_SIZE(spy_dlpack_tensor, 32)
+
+/* Wrap the allocation starting at addr (shape and strides in elements, copied). */
 spy_status spy_dlpack_wrap(spy_device *dev, uint64_t addr, int32_t ndim, const int64_t *shape,
                            const int64_t *strides, uint32_t code, uint32_t bits, int32_t device_type,
                            void **out);
+/* Wrap n allocations in one call, all or nothing: out[i] wraps the allocation starting at
+ * addrs[i], presented as tensors[i]. On failure nothing is wrapped and the allocations
+ * stay the caller's. */
+spy_status spy_dlpack_wrap_many(spy_device *dev, uint32_t n, const uint64_t *addrs,
+                                const spy_dlpack_tensor *tensors, int32_t device_type, void **out);
+/* A compiled step's outputs in one call: n DATA allocations, allocation i the size of
+ * layouts[i] and recording it, each wrapped as tensors[i]. All or nothing: on failure
+ * nothing is allocated or wrapped. On success addrs[i] is the device address out[i] wraps
+ * and the caller owns out[0..n) (see Ownership above). */
+spy_status spy_dlpack_new_many(spy_device *dev, uint32_t n, const spy_layout *layouts,
+                               const spy_dlpack_tensor *tensors, int32_t device_type, uint64_t *addrs,
+                               void **out);
 /* Run the deleter of a wrapped tensor that no framework took ownership of. */
 void spy_dlpack_release(void *managed);
 /* Wrapped tensors whose deleter has not run yet. */
 uint64_t spy_dlpack_live(spy_device *dev);
 
-/* ---- fault injection (tests) ------------------------------------------------------------ */
+/* ---- fault injection, for tests (device.c) ---------------------------------------------- */
 
 #define SPY_FAULT_NONE 0
 #define SPY_FAULT_COMMAND 1 /* the Nth command executed from now fails */

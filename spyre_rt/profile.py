@@ -1,8 +1,9 @@
 """Device profiles: the card's figures, read from ``profiles/devices/*.toml``.
 
 A profile names every figure the cost model uses, each with its unit and source; a
-missing or unknown figure is an error naming it. Profiles may declare several identical
-cards (``[device] count``).
+missing or unknown figure is an error naming it. Which figures there are, with their
+native fields, units and scales, is the card's declaration (``SPY_PROFILE_FIGURES`` in
+native/spyre.h). Profiles may declare several identical cards (``[device] count``).
 """
 
 from __future__ import annotations
@@ -16,39 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpyreProfileError
+from .native import check, ffi, lib
 
+
+def _declared_figures() -> list:
+    """The figures the card declares (SPY_PROFILE_FIGURES in native/spyre.h)."""
+    table, n = ffi.new("const spy_figure **"), ffi.new("uint32_t *")
+    check(lib.spy_profile_figures(table, n), "reading the declared profile figures")
+    return [table[0][i] for i in range(n[0])]
+
+
+_DECLARED = _declared_figures()
 # TOML figure -> (native field, scale to the native unit, must be a whole number?)
 FIGURES: dict[str, tuple[str, float, bool]] = {
-    "num_cores": ("num_cores", 1, True),
-    "corelets_per_core": ("corelets_per_core", 1, True),
-    "scratchpad_mib": ("scratchpad_bytes", 1 << 20, False),
-    "dram_gib": ("dram_bytes", 1 << 30, False),
-    "stick_bytes": ("stick_bytes", 1, True),
-    "dram_burst_bytes": ("dram_burst_bytes", 1, True),
-    "clock_ghz": ("clock_ghz", 1, False),
-    "pt_macs_per_ns": ("pt_macs_per_ns", 1, False),
-    "pt_utilization": ("pt_utilization", 1, False),
-    "pt_fp32_ratio": ("pt_fp32_ratio", 1, False),
-    "pt_gran_m": ("pt_gran_m", 1, True),
-    "pt_gran_n": ("pt_gran_n", 1, True),
-    "pt_gran_k": ("pt_gran_k", 1, True),
-    "pt_latency_ns": ("pt_latency_ns", 1, False),
-    "sfu_elems_per_cycle": ("sfu_elems_per_cycle", 1, False),
-    "sfu_transcendental_cycles": ("sfu_transcendental_cycles", 1, False),
-    "sfu_latency_ns": ("sfu_latency_ns", 1, False),
-    "dram_bandwidth_gbps": ("dram_bytes_per_ns", 1, False),  # GB/s == bytes/ns
-    "core_dma_gbps": ("core_dma_bytes_per_ns", 1, False),
-    "dma_latency_ns": ("dma_latency_ns", 1, False),
-    "pcie_bandwidth_gbps": ("pcie_bytes_per_ns", 1, False),
-    "pcie_latency_ns": ("pcie_latency_ns", 1, False),
-    "pcie_descriptor_ns": ("pcie_descriptor_ns", 1, False),
-    "ring_bytes_per_cycle": ("ring_bytes_per_cycle", 1, False),
-    "ring_hop_ns": ("ring_hop_ns", 1, False),
-    "barrier_ns": ("barrier_ns", 1, False),
-    "job_launch_ns": ("job_launch_ns", 1, False),
+    ffi.string(f.key).decode(): (ffi.string(f.field).decode(), float(f.scale),
+                                 f.type != lib.SPY_FIGURE_F64 and f.scale == 1)
+    for f in _DECLARED
 }
-_NATIVE_INTS = {"num_cores", "corelets_per_core", "scratchpad_bytes", "dram_bytes", "stick_bytes",
-                "dram_burst_bytes", "pt_gran_m", "pt_gran_n", "pt_gran_k"}
+# TOML figure -> the unit its value is in (what the scale above converts from)
+UNITS: dict[str, str] = {ffi.string(f.key).decode(): ffi.string(f.unit).decode() for f in _DECLARED}
+_NATIVE_INTS = {ffi.string(f.field).decode() for f in _DECLARED if f.type != lib.SPY_FIGURE_F64}
 FIGURE_KEYS = {"value", "unit", "kind", "source"}
 KINDS = {"public", "derived", "assumption"}
 

@@ -1,9 +1,12 @@
 """Device profiles: every figure present, sourced and validated."""
 
+import tomllib
+
 import pytest
 
 from spyre_rt import profile
 from spyre_rt.errors import SpyreProfileError
+from spyre_rt.native import ffi, lib
 
 
 def test_builtin_profile_has_every_figure_with_a_source():
@@ -60,3 +63,23 @@ def test_several_cards(tmp_path):
     path = tmp_path / "three.toml"
     path.write_text(text)
     assert profile.load(str(path)).count == 3
+
+
+def test_declared_figures_and_the_shipped_profile_agree():
+    """Every figure the card declares (SPY_PROFILE_FIGURES) is in the TOML with its
+    declared unit and a source, and the TOML has no figure the card does not declare."""
+    figures = tomllib.loads(profile._source_text("spyre")[1])["figures"]
+    assert set(figures) == set(profile.FIGURES)
+    for key, entry in figures.items():
+        assert entry["unit"] == profile.UNITS[key], key
+        assert entry["source"].strip(), key
+
+
+def test_loaded_profile_passes_the_native_range_check():
+    native = ffi.new("spy_profile *")
+    for field, value in profile.load("spyre").native_fields().items():
+        setattr(native, field, value)
+    assert lib.spy_profile_check(native) == lib.SPY_OK
+    native.pt_utilization = 1.5
+    assert lib.spy_profile_check(native) == lib.SPY_E_PROFILE
+    assert "pt_utilization" in ffi.string(lib.spy_last_error()).decode()

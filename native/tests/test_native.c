@@ -747,6 +747,266 @@ static void test_sfu(void)
     spy_device_close(d);
 }
 
+/* The SFU op table drives validation and cost: every opcode in it (and only those) is
+ * accepted with its arity, and costs its class's cycles per element. */
+static void test_sfu_table(void)
+{
+    current = "sfu table";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    const spy_sfu_op *ops;
+    uint32_t nops;
+    CHECK_OK(spy_sfu_ops(&ops, &nops));
+    CHECK(nops > 0);
+    CHECK(spy_sfu_ops(NULL, &nops) == SPY_E_INVALID_ARG);
+    const spy_sfu_op *by_opcode[256] = {0};
+    for (uint32_t k = 0; k < nops; k++) {
+        CHECK(ops[k].name != NULL && ops[k].opcode < 256);
+        CHECK(k == 0 || ops[k].opcode > ops[k - 1].opcode); /* opcode order, no repeats */
+        CHECK(ops[k].arity >= 1 && ops[k].arity <= 3);
+        by_opcode[ops[k].opcode] = &ops[k];
+    }
+    CHECK(by_opcode[SPY_SFU_SELECT] && by_opcode[SPY_SFU_SELECT]->arity == 3);
+    CHECK(by_opcode[SPY_SFU_EXP] && by_opcode[SPY_SFU_EXP]->cost == SPY_SFU_COST_TRANSCENDENTAL);
+    CHECK(by_opcode[SPY_SFU_RSUM] && by_opcode[SPY_SFU_RSUM]->kind == SPY_SFU_KIND_REDUCE);
+    spy_operand tile = {SPY_OPND_TILE, SPY_DT_F32, 0, 16, {.off = 0}};
+    spy_operand row = {SPY_OPND_ROW, SPY_DT_F32, 0, 1, {.off = 4096}};
+    spy_operand imm = {SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 1.0}};
+    for (uint32_t code = 0; code < 256; code++) {
+        const spy_sfu_op *op = by_opcode[code];
+        prog p;
+        memset(&p, 0, sizeof p);
+        spy_instr *ins = &p.instrs[0];
+        p.ninstrs = 1;
+        ins->op = (uint8_t)code;
+        ins->rows = 4;
+        ins->cols = 16;
+        ins->dst = op && op->kind == SPY_SFU_KIND_REDUCE ? row : tile;
+        uint32_t arity = op ? op->arity : 1;
+        for (uint32_t a = 0; a < arity; a++)
+            ins->src[a] = op && op->kind == SPY_SFU_KIND_IOTA ? imm : tile;
+        cmd(&p, SPY_OP_SFU, 0)->u.sfu.ninstrs = 1;
+        if (!op) {
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            continue;
+        }
+        CHECK(validate(d, &p) == SPY_OK);
+        double per = op->cost == SPY_SFU_COST_TRANSCENDENTAL ? pr.sfu_transcendental_cycles : 1.0;
+        double t = one_job_busy(d, &p, NULL);
+        CHECK(NEAR(t, pr.sfu_latency_ns + 64 * per / pr.sfu_elems_per_cycle / pr.clock_ghz, 1e-9));
+        if (arity < 3) { /* one operand too many */
+            ins->src[arity] = tile;
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            ins->src[arity].kind = SPY_OPND_NONE;
+        }
+        if (arity > 1) { /* one too few */
+            ins->src[arity - 1].kind = SPY_OPND_NONE;
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+            ins->src[arity - 1] = tile;
+        }
+        if (op->aux_max < 255) {
+            ins->aux = (uint8_t)(op->aux_max + 1);
+            CHECK(validate(d, &p) == SPY_E_BAD_COMMAND);
+        }
+    }
+    spy_device_close(d);
+}
+
+static void set_figure(spy_profile *p, const spy_figure *f, double v)
+{
+    char *at = (char *)p + f->offset;
+    if (f->type == SPY_FIGURE_U32) {
+        uint32_t x = (uint32_t)v;
+        memcpy(at, &x, sizeof x);
+    } else if (f->type == SPY_FIGURE_U64) {
+        uint64_t x = (uint64_t)v;
+        memcpy(at, &x, sizeof x);
+    } else {
+        memcpy(at, &v, sizeof v);
+    }
+}
+
+/* Every declared figure (spy_profile's fields are made from the same declaration) is
+ * range-checked from its declaration. */
+static void test_profile_figures(void)
+{
+    current = "profile figures";
+    const spy_figure *fig;
+    uint32_t n;
+    CHECK_OK(spy_profile_figures(&fig, &n));
+    CHECK(n > 0 && fig[n - 1].offset + (fig[n - 1].type == SPY_FIGURE_U32 ? 4 : 8) == sizeof(spy_profile));
+    spy_profile good = test_profile();
+    CHECK_OK(spy_profile_check(&good));
+    CHECK(spy_profile_check(NULL) == SPY_E_INVALID_ARG);
+    for (uint32_t i = 0; i < n; i++) {
+        const spy_figure *f = &fig[i];
+        CHECK(f->field && f->key && f->unit && f->scale > 0);
+        CHECK(i == 0 || f->offset > fig[i - 1].offset); /* in the order of the fields */
+        spy_profile p = good;
+        set_figure(&p, f, 0);
+        CHECK((spy_profile_check(&p) == SPY_OK) == (f->sign == SPY_FIGURE_NONNEGATIVE));
+        if (f->sign == SPY_FIGURE_POSITIVE)
+            CHECK(strstr(spy_last_error(), f->field) != NULL);
+        if (f->type == SPY_FIGURE_F64) {
+            set_figure(&p, f, -1);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            set_figure(&p, f, NAN);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            set_figure(&p, f, INFINITY);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+        }
+        if (isfinite(f->max)) {
+            set_figure(&p, f, f->max);
+            CHECK_OK(spy_profile_check(&p));
+            set_figure(&p, f, f->type == SPY_FIGURE_F64 ? f->max * 1.5 : f->max * 2);
+            CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+            CHECK(strstr(spy_last_error(), f->field) != NULL);
+        }
+    }
+    spy_profile p = good;
+    p.stick_bytes = 96;
+    CHECK(spy_profile_check(&p) == SPY_E_PROFILE);
+    spy_device *d;
+    CHECK(spy_device_open(&p, SPY_MODE_TIMING, 0, &d) == SPY_E_PROFILE); /* the open checks */
+}
+
+/* The start of a DLPack DLManagedTensor (the ABI spyre.h names). */
+typedef struct dl_view {
+    void *data;
+    int32_t device_type, device_id, ndim;
+    uint8_t code, bits;
+    uint16_t lanes;
+    int64_t *shape, *strides;
+} dl_view;
+
+static uint64_t live_allocs(spy_device *d)
+{
+    spy_mem_stats st;
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    return st.num_allocs;
+}
+
+/* Stick layouts recorded with allocations, several allocations in one call, and DLPack
+ * wraps of several allocations. */
+static void test_layouts(void)
+{
+    current = "layouts";
+    spy_profile pr = test_profile();
+    pr.dram_bytes = 1 << 20;
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    uint64_t n;
+    spy_layout big = {1024, 256, 2, 128}; /* (1024, 256) fp16 is stored as (4, 1024, 64) */
+    CHECK_OK(spy_layout_bytes(&big, &n));
+    CHECK(n == 4 * 1024 * 128);
+    spy_layout empty = {0, 1, 4, 128}, odd = {3, 65, 2, 128};
+    CHECK_OK(spy_layout_bytes(&empty, &n));
+    CHECK(n == 128);
+    CHECK_OK(spy_layout_bytes(&odd, &n));
+    CHECK(n == 3 * 2 * 128);
+    spy_layout bad[] = {{4, 4, 3, 128}, {4, 4, 2, 96}, {4, 0, 2, 128}, {4, 4, 8, 4},
+                        {1ull << 62, 1ull << 40, 1, 128}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(spy_layout_bytes(&bad[i], &n) == SPY_E_INVALID_ARG);
+
+    /* one allocation with its layout; the record goes with it */
+    uint64_t a, b, plain;
+    spy_layout got;
+    CHECK_OK(spy_malloc_layout(d, 4 * 1024 * 128, SPY_MEM_DATA, &big, &a));
+    CHECK_OK(spy_layout_of(d, a, &got));
+    CHECK(memcmp(&got, &big, sizeof got) == 0);
+    CHECK(spy_layout_of(d, a + 128, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &plain));
+    CHECK(spy_layout_of(d, plain, &got) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_malloc_layout(d, 4 * 1024 * 128 - 1, SPY_MEM_DATA, &big, &b) == SPY_E_INVALID_ARG);
+    CHECK(spy_malloc_layout(d, 1 << 19, SPY_MEM_CONTROL, &big, &b) == SPY_E_INVALID_ARG);
+    spy_layout other_sticks = {4, 4, 2, 64};
+    CHECK(spy_malloc_layout(d, 4096, SPY_MEM_DATA, &other_sticks, &b) == SPY_E_INVALID_ARG);
+    CHECK_OK(spy_free(d, a));
+    CHECK(spy_layout_of(d, a, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_malloc(d, 4 * 1024 * 128, SPY_MEM_DATA, &b)); /* the cached block again */
+    CHECK(b == a && spy_layout_of(d, b, &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_free(d, b));
+    CHECK_OK(spy_free(d, plain));
+    CHECK_OK(spy_empty_cache(d));
+
+    /* several at once, sized by their layouts */
+    spy_layout three[3] = {odd, empty, odd};
+    uint64_t addrs[3];
+    CHECK_OK(spy_malloc_many(d, 3, NULL, three, addrs));
+    CHECK(live_allocs(d) == 3);
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(spy_layout_of(d, addrs[i], &got));
+        CHECK(memcmp(&got, &three[i], sizeof got) == 0);
+        CHECK_OK(spy_free(d, addrs[i]));
+    }
+    uint64_t sizes[2] = {4096, 8192};
+    CHECK_OK(spy_malloc_many(d, 2, sizes, NULL, addrs));
+    CHECK(spy_layout_of(d, addrs[1], &got) == SPY_E_BAD_ADDRESS);
+    CHECK_OK(spy_free(d, addrs[0]));
+    CHECK_OK(spy_free(d, addrs[1]));
+    CHECK_OK(spy_malloc_many(d, 0, NULL, NULL, NULL));
+    CHECK(spy_malloc_many(d, 1, NULL, NULL, addrs) == SPY_E_INVALID_ARG);
+    /* all or nothing: the third does not fit, the first two are given back */
+    spy_mem_stats before, after;
+    CHECK_OK(spy_mem_stats_get(d, &before));
+    uint64_t too_much[3] = {256 << 10, 256 << 10, 2 << 20};
+    CHECK(spy_malloc_many(d, 3, too_much, NULL, addrs) == SPY_E_OOM);
+    CHECK(strstr(spy_last_error(), "allocation 2 of 3") != NULL);
+    CHECK_OK(spy_mem_stats_get(d, &after));
+    CHECK(after.num_allocs == before.num_allocs && after.allocated == before.allocated);
+    CHECK(after.total_allocs == before.total_allocs && after.peak_allocated == before.peak_allocated);
+    CHECK(after.num_ooms == before.num_ooms + 1);
+    /* a malformed layout is refused before anything is allocated */
+    spy_layout mixed[2] = {odd, bad[0]};
+    CHECK(spy_malloc_many(d, 2, NULL, mixed, addrs) == SPY_E_INVALID_ARG);
+    CHECK(strstr(spy_last_error(), "allocation 1 of 2") != NULL);
+    CHECK_OK(spy_mem_stats_get(d, &after));
+    CHECK(after.total_allocs == before.total_allocs);
+
+    /* a step's outputs: allocated, recorded and wrapped in one call */
+    int64_t shape[2] = {3, 65}, strides[2] = {65, 1};
+    spy_dlpack_tensor t[2] = {{shape, strides, 2, 2, 16, 0}, {NULL, NULL, 0, 2, 32, 0}};
+    spy_layout outs[2] = {odd, empty};
+    void *m[2];
+    CHECK_OK(spy_dlpack_new_many(d, 2, outs, t, 12, addrs, m));
+    CHECK(spy_dlpack_live(d) == 2 && live_allocs(d) == 2);
+    const dl_view *v = m[0];
+    CHECK(v->data == (void *)(uintptr_t)addrs[0] && v->device_type == 12 && v->ndim == 2);
+    CHECK(v->code == 2 && v->bits == 16 && v->lanes == 1 && v->shape[1] == 65 && v->strides[0] == 65);
+    CHECK_OK(spy_layout_of(d, addrs[1], &got));
+    spy_dlpack_release(m[0]);
+    CHECK(spy_layout_of(d, addrs[0], &got) == SPY_E_BAD_ADDRESS); /* the deleter freed both */
+    spy_dlpack_release(m[1]);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 0);
+    spy_layout huge[2] = {odd, {1 << 20, 64, 2, 128}};
+    CHECK(spy_dlpack_new_many(d, 2, huge, t, 12, addrs, m) == SPY_E_OOM);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 0);
+    spy_dlpack_tensor bad_tensor = {shape, strides, 65, 2, 16, 0};
+    CHECK(spy_dlpack_new_many(d, 1, outs, &bad_tensor, 12, addrs, m) == SPY_E_INVALID_ARG);
+
+    /* wrapping allocations made before: all or nothing */
+    CHECK_OK(spy_malloc_many(d, 2, sizes, NULL, addrs));
+    uint64_t wrong[2] = {addrs[0], addrs[1] + 128};
+    CHECK(spy_dlpack_wrap_many(d, 2, wrong, t, 12, m) == SPY_E_BAD_ADDRESS);
+    CHECK(spy_dlpack_live(d) == 0 && live_allocs(d) == 2);
+    CHECK_OK(spy_dlpack_wrap_many(d, 2, addrs, t, 12, m));
+    spy_dlpack_release(m[0]);
+    spy_dlpack_release(m[1]);
+    CHECK(spy_free(d, addrs[0]) == SPY_E_BAD_ADDRESS && live_allocs(d) == 0);
+
+    /* a deleter that runs after a reset frees nothing */
+    CHECK_OK(spy_device_reset(d));
+    CHECK_OK(spy_dlpack_new_many(d, 1, outs, t, 12, addrs, m));
+    CHECK_OK(spy_device_reset(d));
+    CHECK_OK(spy_malloc(d, 768, SPY_MEM_DATA, &b));
+    CHECK(b == addrs[0]); /* the same address, a new allocation */
+    spy_dlpack_release(m[0]);
+    CHECK(live_allocs(d) == 1);
+    spy_device_close(d);
+}
+
 int main(void)
 {
     test_allocator();
@@ -757,6 +1017,9 @@ int main(void)
     test_gather_and_faults();
     test_plan();
     test_sfu();
+    test_sfu_table();
+    test_profile_figures();
+    test_layouts();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

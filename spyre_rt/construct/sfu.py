@@ -17,6 +17,7 @@ import numpy as np
 from .. import dtypes
 from ..native import lib
 from ..program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_ROW, OPND_SCALAR, OPND_TILE
+from ..sfu_ops import SFU_OPS
 
 TILE, ROW, COL, SCALAR = "tile", "row", "col", "scalar"
 KIND_CODE = {TILE: OPND_TILE, ROW: OPND_ROW, COL: OPND_COL, SCALAR: OPND_SCALAR}
@@ -25,31 +26,24 @@ DTYPE = dtypes.CODE
 ITEMSIZE = dtypes.ITEMSIZE
 FLOATS = dtypes.FLOATS
 
-UNARY = {
-    "neg": lib.SPY_SFU_NEG, "abs": lib.SPY_SFU_ABS, "exp": lib.SPY_SFU_EXP, "log": lib.SPY_SFU_LOG,
-    "sqrt": lib.SPY_SFU_SQRT, "rsqrt": lib.SPY_SFU_RSQRT, "tanh": lib.SPY_SFU_TANH,
-    "sigmoid": lib.SPY_SFU_SIGMOID, "sin": lib.SPY_SFU_SIN, "cos": lib.SPY_SFU_COS,
-    "reciprocal": lib.SPY_SFU_RECIP, "erf": lib.SPY_SFU_ERF, "floor": lib.SPY_SFU_FLOOR,
-    "ceil": lib.SPY_SFU_CEIL, "trunc": lib.SPY_SFU_TRUNC, "round": lib.SPY_SFU_ROUND,
-    "sign": lib.SPY_SFU_SIGN, "log1p": lib.SPY_SFU_LOG1P, "expm1": lib.SPY_SFU_EXPM1,
-    "atan": lib.SPY_SFU_ATAN, "logical_not": lib.SPY_SFU_NOT, "bitwise_not": lib.SPY_SFU_NOT,
-    "isnan": lib.SPY_SFU_ISNAN, "identity": lib.SPY_SFU_MOV, "to_dtype": lib.SPY_SFU_MOV,
-    "silu": lib.SPY_SFU_SILU,
+# Inductor's names for the card's SFU ops; opcodes and arities come from the card's op
+# table (native/sfu_ops.h, read through spyre_rt.sfu_ops).
+_CARD_OP = {name: name.upper() for name in (
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf", "floor", "ceil",
+    "trunc", "round", "sign", "log1p", "expm1", "atan", "isnan", "silu",
+    "add", "sub", "mul", "div", "floordiv", "mod", "remainder", "pow", "xor",
+)} | {
+    "reciprocal": "RECIP", "logical_not": "NOT", "bitwise_not": "NOT", "identity": "MOV", "to_dtype": "MOV",
+    "truediv": "DIV", "int_truediv": "DIV", "fmod": "MOD", "maximum": "MAX", "minimum": "MIN",
+    "logical_and": "AND", "logical_or": "OR", "logical_xor": "XOR", "bitwise_and": "AND", "bitwise_or": "OR",
+    "bitwise_xor": "XOR", "and_": "AND", "or_": "OR",
 }
-BINARY = {
-    "add": lib.SPY_SFU_ADD, "sub": lib.SPY_SFU_SUB, "mul": lib.SPY_SFU_MUL, "truediv": lib.SPY_SFU_DIV,
-    "div": lib.SPY_SFU_DIV, "int_truediv": lib.SPY_SFU_DIV, "floordiv": lib.SPY_SFU_FLOORDIV,
-    "mod": lib.SPY_SFU_MOD, "fmod": lib.SPY_SFU_MOD, "remainder": lib.SPY_SFU_REMAINDER,
-    "maximum": lib.SPY_SFU_MAX, "minimum": lib.SPY_SFU_MIN, "pow": lib.SPY_SFU_POW,
-    "logical_and": lib.SPY_SFU_AND, "logical_or": lib.SPY_SFU_OR, "logical_xor": lib.SPY_SFU_XOR,
-    "bitwise_and": lib.SPY_SFU_AND, "bitwise_or": lib.SPY_SFU_OR, "bitwise_xor": lib.SPY_SFU_XOR,
-    "and_": lib.SPY_SFU_AND, "or_": lib.SPY_SFU_OR, "xor": lib.SPY_SFU_XOR,
-}
+UNARY = {name: SFU_OPS[op].opcode for name, op in _CARD_OP.items() if SFU_OPS[op].arity == 1}
+BINARY = {name: SFU_OPS[op].opcode for name, op in _CARD_OP.items() if SFU_OPS[op].arity == 2}
 COMPARE = {"eq": lib.SPY_CMP_EQ, "ne": lib.SPY_CMP_NE, "lt": lib.SPY_CMP_LT, "le": lib.SPY_CMP_LE,
            "gt": lib.SPY_CMP_GT, "ge": lib.SPY_CMP_GE}
-REDUCE = {"sum": lib.SPY_SFU_RSUM, "max": lib.SPY_SFU_RMAX, "min": lib.SPY_SFU_RMIN,
-          "prod": lib.SPY_SFU_RPROD, "any": lib.SPY_SFU_RANY, "argmax": lib.SPY_SFU_RARGMAX,
-          "argmin": lib.SPY_SFU_RARGMIN}
+REDUCE = {kind: SFU_OPS["R" + kind.upper()].opcode
+          for kind in ("sum", "max", "min", "prod", "any", "argmax", "argmin")}
 
 
 def compute_type(dtype: str) -> str:

@@ -1,0 +1,268 @@
+/* plan.c -- graph plans: a compiled step's programs, resident on the card, with the
+ * relocation table that derives every job's slot addresses from a few plan bindings
+ * (spyre.h). Create validates the whole block and uploads and commits every program; a
+ * launch checks each binding once, patches the table and runs every job (job.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+struct spy_plan {
+    spy_device *dev;
+    uint32_t njobs, nbindings;
+    struct plan_job {
+        uint64_t prog_addr;
+        spy_program *prog;   /* committed when the plan was created; owned by its block */
+        uint32_t reloc_begin, nslots, name;
+    } *jobs;
+    spy_reloc *relocs;
+    uint64_t *extent;      /* per binding: bytes the launch must provide */
+    uint8_t *binding_used; /* per binding: some slot is relocated against it (all DRAM) */
+    uint32_t max_slots;
+    uint64_t upload_bytes;
+    uint64_t epoch;           /* the device's reset epoch when the plan was created */
+    uint8_t *binding_written; /* per binding: some job writes through it */
+    uint8_t **binding_host;   /* scratch: host memory behind each binding of a launch */
+};
+
+static void release_plan_blocks(spy_device *d, spy_plan *p)
+{
+    if (p->epoch != d->epoch)
+        return; /* a reset dropped them already */
+    for (uint32_t j = 0; j < p->njobs; j++) {
+        if (!p->jobs[j].prog_addr)
+            continue;
+        spy_block *b = spy_alloc_find(&d->mem, p->jobs[j].prog_addr, 1);
+        if (b && b->addr == p->jobs[j].prog_addr)
+            b->plan_owned = 0;
+        (void)spy_alloc_put(&d->mem, p->jobs[j].prog_addr);
+        p->jobs[j].prog_addr = 0;
+    }
+}
+
+static spy_status plan_fail(spy_plan *p, spy_status s)
+{
+    spy_plan_destroy(p);
+    return s;
+}
+
+spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_plan **out)
+{
+    spy_clear_error();
+    if (!d || !out)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "null device or output");
+    *out = NULL;
+    spy_status s = spy_block_check(blob, len, sizeof(spy_plan_header), SPY_PLAN_MAGIC, SPY_PLAN_VERSION,
+                                   "plan");
+    if (s != SPY_OK)
+        return s;
+    const spy_plan_header *h = blob;
+    if (h->total_bytes != len || h->njobs == 0 || h->njobs > (1u << 20) ||
+        h->nrelocs > (1u << 24) || h->nbindings > (1u << 20))
+        return spy_fail(SPY_E_BAD_PROGRAM, -1,
+                        "plan block header: %u jobs, %u relocations, %u bindings, %llu bytes of %llu",
+                        h->njobs, h->nrelocs, h->nbindings, (unsigned long long)h->total_bytes,
+                        (unsigned long long)len);
+    uint64_t tables = sizeof *h + (uint64_t)h->njobs * sizeof(spy_plan_job) +
+                      (uint64_t)h->nrelocs * sizeof(spy_reloc);
+    if (tables > len)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan tables (%llu bytes) exceed the block (%llu)",
+                        (unsigned long long)tables, (unsigned long long)len);
+    const spy_plan_job *pj = (const spy_plan_job *)(const void *)((const uint8_t *)blob + sizeof *h);
+    const spy_reloc *rl = (const spy_reloc *)(const void *)(pj + h->njobs);
+    for (uint32_t j = 0; j < h->njobs; j++) {
+        uint64_t end;
+        if (pj[j].prog_off < tables || pj[j].prog_off % 8 || pj[j].prog_len < sizeof(spy_job_header) ||
+            !spy_add_ok(pj[j].prog_off, pj[j].prog_len, &end) || end > len)
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: program at [%llu, +%llu) is outside "
+                            "the block", j, (unsigned long long)pj[j].prog_off,
+                            (unsigned long long)pj[j].prog_len);
+        if (!spy_add_ok(pj[j].reloc_begin, pj[j].nslots, &end) || end > h->nrelocs)
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: relocations [%u, +%u) outside the %u",
+                            j, pj[j].reloc_begin, pj[j].nslots, h->nrelocs);
+    }
+    for (uint32_t r = 0; r < h->nrelocs; r++)
+        if (rl[r].binding >= h->nbindings)
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "relocation %u names binding %u of %u", r,
+                            rl[r].binding, h->nbindings);
+
+    spy_plan *p = calloc(1, sizeof *p);
+    if (!p)
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
+    p->dev = d;
+    p->njobs = h->njobs;
+    p->nbindings = h->nbindings;
+    p->jobs = calloc(h->njobs, sizeof *p->jobs);
+    p->relocs = malloc(((size_t)h->nrelocs + 1) * sizeof *p->relocs);
+    p->extent = calloc((size_t)h->nbindings + 1, sizeof *p->extent);
+    p->binding_used = calloc((size_t)h->nbindings + 1, 1);
+    p->binding_written = calloc((size_t)h->nbindings + 1, 1);
+    p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
+    if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host)
+        return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
+    memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
+
+    spy_lock(d);
+    d->counters.native_calls++;
+    p->epoch = d->epoch;
+    if (d->lost) {
+        spy_unlock(d);
+        return plan_fail(p, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal));
+    }
+    s = SPY_OK;
+    for (uint32_t j = 0; j < h->njobs && s == SPY_OK; j++) {
+        uint64_t addr;
+        s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);
+        if (s != SPY_OK)
+            break;
+        p->jobs[j].prog_addr = addr;
+        p->jobs[j].reloc_begin = pj[j].reloc_begin;
+        p->jobs[j].nslots = pj[j].nslots;
+        p->jobs[j].name = pj[j].name;
+        spy_block *b = spy_alloc_find(&d->mem, addr, pj[j].prog_len);
+        b->plan_owned = 1;
+        memcpy(b->backing, (const uint8_t *)blob + pj[j].prog_off, pj[j].prog_len);
+        s = spy_job_commit_block(d, b, pj[j].prog_len, NULL);
+        if (s != SPY_OK) { /* name the job; spy_fail copes with its own message as argument */
+            s = spy_fail(s, spy_last_error_command(), "plan job %u: %s", j, spy_last_error());
+            break;
+        }
+        const spy_program *g = b->prog;
+        p->jobs[j].prog = b->prog;
+        if (g->hdr->nslots != pj[j].nslots) {
+            s = spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: %u relocations for %u slots", j,
+                         pj[j].nslots, g->hdr->nslots);
+            break;
+        }
+        if (g->hdr->nslots > p->max_slots)
+            p->max_slots = g->hdr->nslots;
+        for (uint32_t k = 0; k < g->hdr->nslots && s == SPY_OK; k++) {
+            const spy_reloc *r = &p->relocs[pj[j].reloc_begin + k];
+            uint64_t need;
+            /* A plan binds device memory only: a launch checks every binding against the
+             * card's allocations, which a host pointer would bypass. */
+            if (g->slots[k].kind != SPY_SLOT_DRAM) {
+                s = spy_fail(SPY_E_BAD_PROGRAM, -1,
+                             "plan job %u slot %u is a host slot; plans bind device memory only",
+                             j, k);
+                break;
+            }
+            if (!spy_add_ok(r->offset, g->slots[k].extent, &need)) {
+                s = spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u slot %u: offset overflows", j, k);
+                break;
+            }
+            if (need > p->extent[r->binding])
+                p->extent[r->binding] = need;
+            if (g->slot_written[k])
+                p->binding_written[r->binding] = 1;
+            p->binding_used[r->binding] = 1;
+        }
+        p->upload_bytes += pj[j].prog_len;
+    }
+    if (s != SPY_OK) {
+        release_plan_blocks(d, p);
+        spy_unlock(d);
+        free(p->jobs);
+        p->jobs = NULL;
+        return plan_fail(p, s);
+    }
+    /* The upload is a control transfer on the PCIe link. */
+    double now = (double)spy_host_clock_locked(d);
+    double start = d->device_free > now ? d->device_free : now;
+    d->device_free = start + d->prof.pcie_latency_ns + (double)p->upload_bytes / d->prof.pcie_bytes_per_ns;
+    d->counters.bytes_h2d += p->upload_bytes;
+    spy_unlock(d);
+    *out = p;
+    return SPY_OK;
+}
+
+void spy_plan_destroy(spy_plan *p)
+{
+    if (!p)
+        return;
+    if (p->jobs) {
+        spy_lock(p->dev);
+        release_plan_blocks(p->dev, p);
+        spy_unlock(p->dev);
+    }
+    free(p->jobs);
+    free(p->relocs);
+    free(p->extent);
+    free(p->binding_used);
+    free(p->binding_written);
+    free(p->binding_host);
+    free(p);
+}
+
+spy_status spy_plan_binding_extent(const spy_plan *p, uint32_t binding, uint64_t *extent)
+{
+    if (!p || !extent || binding >= p->nbindings)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "no binding %u", binding);
+    *extent = p->extent[binding];
+    return SPY_OK;
+}
+
+uint32_t spy_plan_num_jobs(const spy_plan *p) { return p ? p->njobs : 0; }
+
+spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbindings,
+                           uint32_t name, double *step_end_ns)
+{
+    spy_clear_error();
+    if (!p)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "null plan");
+    spy_device *d = p->dev;
+    SPY_ENTER(d);
+    SPY_REFUSE_IF_LOST(d);
+    uint64_t host_t = spy_host_clock_locked(d);
+    if (p->epoch != d->epoch)
+        SPY_LEAVE(d, spy_fail(SPY_E_NOT_COMMITTED, -1, "the plan was made before the device was reset; rebuild it"));
+    if (nbindings != p->nbindings || (nbindings && !bindings))
+        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "plan takes %u bindings, %u given", p->nbindings,
+                              nbindings));
+    /* Bounds of every binding, once: the commands were checked against slot extents, and
+     * each slot is a binding plus an offset inside the binding's extent. */
+    for (uint32_t b = 0; b < nbindings; b++) {
+        p->binding_host[b] = NULL;
+        if (!p->binding_used[b] || p->extent[b] == 0)
+            continue;
+        spy_block *blk = spy_alloc_find(&d->mem, bindings[b], p->extent[b]);
+        if (!blk)
+            SPY_LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1,
+                                  "plan binding %u: [0x%llx, +%llu) is not inside a live allocation", b,
+                                  (unsigned long long)bindings[b], (unsigned long long)p->extent[b]));
+        if ((blk->prog || blk->plan_owned) && p->binding_written[b])
+            SPY_LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u would overwrite a program", b));
+        p->binding_host[b] = blk->backing ? blk->backing + (bindings[b] - blk->addr) : NULL;
+    }
+    /* Patching the resident relocation table is a small control transfer. */
+    double now = (double)spy_host_clock_locked(d);
+    double not_before = now + d->prof.pcie_latency_ns +
+                        (double)nbindings * 8.0 / d->prof.pcie_bytes_per_ns;
+    uint64_t first = d->job_seq;
+    double end = 0;
+    spy_status s = SPY_OK;
+    uint8_t **slot_host = spy_job_slot_hosts(d, p->max_slots + 1);
+    if (!slot_host)
+        SPY_LEAVE(d, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
+    /* Walking the resident jobs is the card's command processor's work, not the host's: the
+     * whole walk leaves the host clock, as the simulation inside each job does. */
+    uint64_t walk_t0 = spy_now_ns(), excluded0 = d->excluded_ns, sim0 = d->counters.sim_ns;
+    for (uint32_t j = 0; j < p->njobs && s == SPY_OK; j++) {
+        const struct plan_job *job = &p->jobs[j];
+        for (uint32_t k = 0; k < job->nslots; k++) {
+            const spy_reloc *r = &p->relocs[job->reloc_begin + k];
+            slot_host[k] = p->binding_host[r->binding] ? p->binding_host[r->binding] + r->offset : NULL;
+        }
+        s = spy_job_execute(d, job->prog, j == 0 ? not_before : 0, job->name, &end);
+        if (s != SPY_OK)
+            spy_note_error_job(j);
+    }
+    uint64_t walked = spy_now_ns() - walk_t0;
+    d->excluded_ns = excluded0 + walked;
+    d->counters.sim_ns = sim0 + walked;
+    d->counters.plan_launches++;
+    spy_trace_launch(d, name, host_t, first, d->job_seq - first);
+    if (step_end_ns)
+        *step_end_ns = end;
+    SPY_LEAVE(d, s);
+}

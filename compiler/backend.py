@@ -14,16 +14,11 @@ import torch
 import spyre_rt
 from spyre_rt import config
 
+from .inductor import STATIC_INPUTS
 from .version import compiler_version
 
 _registered = False
 _lock = threading.Lock()
-_compiling = threading.local()
-
-
-def static_inputs() -> tuple[int, ...]:
-    """Static input indices of the graph being compiled on this thread."""
-    return getattr(_compiling, "static_inputs", ())
 
 # Inductor settings for the card: no Python/C++ templates, no autotuning, one kernel per
 # reduction (split reductions would need a second kernel and buy nothing on 32 cores).
@@ -81,13 +76,10 @@ def _inner_compile(gm, example_inputs, **kwargs):
     # key; a module-level function pickles by name where the table itself cannot.
     if "get_decomp_fn" in kwargs:
         kwargs["get_decomp_fn"] = decomposition_table
-    # The wrapper records which inputs keep their memory (parameters, static caches):
-    # a call only re-checks their addresses, in C++.
-    _compiling.static_inputs = tuple(kwargs.get("static_input_idxs", ()) or ())
-    try:
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-    finally:
-        _compiling.static_inputs = ()
+    # The wrapper records which inputs keep their memory (parameters, static caches): a call
+    # checks them by identity, not by address. They travel with the graph, not beside it.
+    gm.meta[STATIC_INPUTS] = tuple(kwargs.get("static_input_idxs", ()) or ())
+    return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **_):

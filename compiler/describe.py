@@ -1,31 +1,38 @@
-"""From Inductor's fused loop nodes to :class:`~spyre_rt.kernels.LoopKernel`.
+"""From recorded loop bodies to :class:`~spyre_rt.kernels.LoopKernel`.
 
-Each SchedulerNode's LoopBody is run under a recording ops handler, which yields an SSA
-list of its operations with sympy index expressions. Then, at compile time and once:
+The Inductor adapter (:mod:`spyre_rt.compiler.inductor.record`) runs each fused group of
+nodes under a recording ops handler: a :class:`RecordedKernel` is their SSA operations with
+sympy index expressions, their loop sizes and the buffers they touch, all of which may
+depend on size symbols (``s0``) when the graph has dynamic shapes. :func:`describe` then,
+for concrete sizes (at compile time for a static graph; at the first call with new sizes
+for a dynamic one):
 
-* the loop variables of all nodes of the kernel are replaced by one set of *canonical*
+* replaces the loop variables of all nodes of the kernel by one set of *canonical*
   variables: the common refinement of every node's loop nest, further split wherever an
   index uses ``//`` or ``%`` of a variable, so that every index becomes affine;
-* each index expression is turned into integer coefficients over the canonical variables
+* turns each index expression into integer coefficients over the canonical variables
   (found by evaluating it, and checked at sampled points);
-* loads of masked bodies get the box of the iteration space where their mask can be true
-  when the full box would read outside the buffer;
-* values stored to kernel-local buffers are forwarded to the loads that read them, so
-  those buffers never exist in device memory.
+* gives loads of masked bodies the box of the iteration space where their mask can be
+  true when the full box would read outside the buffer;
+* forwards values stored to kernel-local buffers to the loads that read them, so those
+  buffers never exist in device memory.
+
+Nothing here imports torch: a recorded kernel is plain data (its expressions are sympy
+text when it is stored), and so is what comes out.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import sympy
-import torch
-from torch._inductor.ops_handler import DefaultHandler
-from torch._inductor.virtualized import V
 
-from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
+from spyre_rt.kernels import Access, Buffer, LoopKernel, Op, description
 
 MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements
 
@@ -34,105 +41,211 @@ class NotSupported(Exception):
     """The kernel uses something the card's construction cannot express."""
 
 
-def dtype_name(d) -> str:
-    return str(d).removeprefix("torch.") if isinstance(d, torch.dtype) else str(d)
+# ---- sizes that may be symbolic ------------------------------------------------------------
 
 
-# ---- recording ---------------------------------------------------------------------------
+@description
+@dataclass(frozen=True)
+class Sym:
+    """A size, stride or offset that depends on size symbols: sympy text (``"64*s0"``)."""
+
+    text: str
 
 
-class _Recorder(DefaultHandler):
-    """An ops handler that records a LoopBody as SSA operations."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self.ops: list[dict] = []
-        self.nind = 0
-        self.mask_stack: list[str] = []
-
-    def _add(self, rec: dict) -> str:
-        rec["id"] = f"{self.prefix}{len(self.ops)}"
-        if self.mask_stack:
-            rec["masks"] = list(self.mask_stack)
-        self.ops.append(rec)
-        return rec["id"]
-
-    def _default(self, name, args, kwargs):
-        if kwargs:
-            raise NotSupported(f"op {name} with keyword arguments {sorted(kwargs)}")
-        for a in args:
-            if not isinstance(a, str):
-                raise NotSupported(f"op {name} with a non-value argument {a!r}")
-        return self._add({"op": name, "args": list(args)})
-
-    def load(self, name, index):
-        return self._add({"op": "load", "buf": name, "index": index})
-
-    def store(self, name, index, value, mode=None):
-        if mode not in (None,):
-            raise NotSupported(f"store with mode {mode!r} (accumulating scatter)")
-        self._add({"op": "store", "buf": name, "index": index, "args": [value]})
-
-    def store_reduction(self, name, index, value):
-        self._add({"op": "store", "buf": name, "index": index, "args": [value]})
-
-    def reduction(self, dtype, src_dtype, reduction_type, value):
-        if reduction_type == "welford_reduce":
-            # mean and m2 over the row, computed exactly from the row in the scratchpad
-            mean = self._add({"op": "reduction", "args": [value], "kind": "mean", "dtype": dtype_name(dtype)})
-            m2 = self._add({"op": "reduction", "args": [value, mean], "kind": "m2", "dtype": dtype_name(dtype)})
-            count = self._add({"op": "reduction", "args": [value], "kind": "count", "dtype": dtype_name(dtype)})
-            return mean, m2, count
-        if reduction_type not in ("sum", "max", "min", "prod", "any", "argmax", "argmin", "xor_sum"):
-            raise NotSupported(f"reduction {reduction_type}")
-        if reduction_type == "xor_sum":
-            raise NotSupported("reduction xor_sum")
-        return self._add({"op": "reduction", "args": [value], "kind": reduction_type, "dtype": dtype_name(dtype)})
-
-    def constant(self, value, dtype):
-        return self._add({"op": "constant", "value": value, "dtype": dtype_name(dtype)})
-
-    def index_expr(self, expr, dtype):
-        return self._add({"op": "index", "index": expr, "dtype": dtype_name(dtype)})
-
-    def indirect_indexing(self, x, size, check=True, wrap_neg=True):
-        sym = sympy.Symbol(f"{self.prefix}ind{self.nind}", integer=True)
-        self.nind += 1
-        self._add({"op": "indirect", "args": [x], "size": int(size), "wrap_neg": bool(wrap_neg),
-                   "symbol": sym.name})
-        return sym
-
-    def masked(self, mask, body, other):
-        self.mask_stack.append(mask)
-        try:
-            result = body()
-        finally:
-            self.mask_stack.pop()
-        other_id = self._add({"op": "constant", "value": other, "dtype": ""})
-        return self._add({"op": "where", "args": [mask, result, other_id]})
-
-    def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
-        return self._add({"op": "to_dtype", "args": [x], "dtype": dtype_name(dtype)})
-
-    def to_dtype_bitcast(self, x, dtype, src_dtype):
-        raise NotSupported("bitcast")
-
-    def check_bounds(self, expr, size, lower, upper):
-        return None
-
-    def device_assert_async(self, cond, msg):
-        return None
+def value(x, env: Mapping[str, int]) -> int:
+    """The integer a size takes for concrete size symbols."""
+    if isinstance(x, Sym):
+        x = parse(x.text)
+    if isinstance(x, sympy.Basic):
+        x = x.xreplace({s: sympy.Integer(env[s.name]) for s in x.free_symbols if s.name in env})
+        if x.free_symbols:
+            raise NotSupported(f"size {x} depends on {sorted(s.name for s in x.free_symbols)}, which no input gives")
+        return int(x)
+    return int(x)
 
 
-def record(snode, prefix: str) -> tuple[list[int], list[int], list[sympy.Symbol], list[dict]]:
-    """Run one SchedulerNode's body under the recorder."""
-    sizes, rsizes = snode._sizes
-    sizes, rsizes = [int(s) for s in sizes], [int(s) for s in rsizes]
-    syms = [sympy.Symbol(f"{prefix}v{k}", integer=True, nonnegative=True) for k in range(len(sizes) + len(rsizes))]
-    rec = _Recorder(prefix)
-    with V.set_ops_handler(rec):
-        snode._body(syms[: len(sizes)], syms[len(sizes):])
-    return sizes, rsizes, syms, rec.ops
+def concrete(b: Buffer, env: Mapping[str, int]) -> Buffer:
+    return Buffer(b.name, b.dtype, tuple(value(s, env) for s in b.sizes), tuple(value(s, env) for s in b.strides),
+                  value(b.offset, env))
+
+
+# Inductor's index functions, as sympy functions that evaluate on integers: stored text
+# parses back into these, and evaluation of an index maps them to Python arithmetic.
+class FloorDiv(sympy.Function):
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+
+
+class CleanDiv(FloorDiv):
+    pass
+
+
+class ModularIndexing(sympy.Function):
+    @classmethod
+    def eval(cls, x, d, m):
+        if x.is_Integer and d.is_Integer and m.is_Integer:
+            return sympy.Integer((int(x) // int(d)) % int(m))
+
+
+class PythonMod(sympy.Function):
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) % int(b))
+
+
+class Identity(sympy.Function):
+    @classmethod
+    def eval(cls, x):
+        return x
+
+
+_FUNCTIONS = {"FloorDiv": FloorDiv, "CleanDiv": CleanDiv, "ModularIndexing": ModularIndexing,
+              "PythonMod": PythonMod, "Identity": Identity, "Min": sympy.Min, "Max": sympy.Max,
+              "Mod": sympy.Mod}
+
+
+@functools.lru_cache(maxsize=65536)
+def parse(text: str) -> sympy.Expr:
+    """Stored sympy text back to an expression. Loop variables (``n0_v3``) are the
+    recorder's symbols; every other name is an integer symbol."""
+    names = {}
+    for token in _names(text):
+        if token not in _FUNCTIONS:
+            nonneg = "_v" in token
+            names[token] = sympy.Symbol(token, integer=True, nonnegative=nonneg) if nonneg else \
+                sympy.Symbol(token, integer=True)
+    return sympy.sympify(text, locals={**_FUNCTIONS, **names})
+
+
+def _names(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
+
+
+def text(x) -> Any:
+    """A size or index for storage: an int stays an int, an expression becomes Sym text."""
+    if isinstance(x, int) or (isinstance(x, sympy.Basic) and x.is_Integer):
+        return int(x)
+    return Sym(expr_text(x))
+
+
+def expr_text(x: sympy.Basic) -> str:
+    """Sympy text that :func:`parse` reads back into the same expression: index functions
+    are written by name (Inductor's print FloorDiv as ``floor(a/b)``, which would parse
+    back into something no longer recognised as a division)."""
+    def portable(e):
+        return _FUNCTIONS[type(e).__name__](*e.args)
+
+    x = x.replace(lambda e: isinstance(e, sympy.Function) and type(e).__name__ in _FUNCTIONS
+                  and type(e) is not _FUNCTIONS[type(e).__name__], portable)
+    return sympy.printing.str.sstr(x)
+
+
+# ---- recorded kernels ----------------------------------------------------------------------
+
+
+@description
+@dataclass(frozen=True)
+class RecordedNode:
+    """One node of a fused group: its loop sizes and its body's SSA operations. Each
+    operation is a dict (``op``, ``id``, ``args`` and per kind ``buf``, ``index``,
+    ``dtype``, ``value``, ``kind``, ``size``, ``masks``...); ``index`` is sympy."""
+
+    sizes: tuple
+    rsizes: tuple
+    ops: tuple[dict, ...]
+
+
+@description
+@dataclass(frozen=True)
+class RecordedKernel:
+    """A fused group as the recorder saw it; :func:`describe` makes it a LoopKernel."""
+
+    name: str
+    nodes: tuple[RecordedNode, ...]
+    numel: Any
+    rnumel: Any
+    local: tuple[str, ...]                 # buffers produced and consumed inside the kernel
+    buffers: dict[str, Buffer] = field(default_factory=dict)  # every buffer its nodes touch
+    origins: tuple[str, ...] = ()
+
+    def stored(self) -> RecordedKernel:
+        """The same kernel with every expression as text (for JSON)."""
+        nodes = tuple(RecordedNode(tuple(text(s) for s in n.sizes), tuple(text(s) for s in n.rsizes),
+                                   tuple(_stored_op(op) for op in n.ops)) for n in self.nodes)
+        buffers = {k: Buffer(b.name, b.dtype, tuple(text(s) for s in b.sizes), tuple(text(s) for s in b.strides),
+                             text(b.offset)) for k, b in self.buffers.items()}
+        return RecordedKernel(self.name, nodes, text(self.numel), text(self.rnumel), self.local, buffers, self.origins)
+
+
+def _stored_op(op: dict) -> dict:
+    out = dict(op)
+    if isinstance(out.get("index"), sympy.Basic):
+        out["index"] = expr_text(out["index"])
+    if "size" in out:
+        out["size"] = text(out["size"])
+    return out
+
+
+def loop_symbols(prefix: str, n: int) -> list[sympy.Symbol]:
+    """The loop variables a node's body is recorded with (the recorder makes the same)."""
+    return [sympy.Symbol(f"{prefix}v{k}", integer=True, nonnegative=True) for k in range(n)]
+
+
+def _concrete_op(op: dict, env: Mapping[str, int]) -> dict:
+    out = dict(op)
+    index = out.get("index")
+    if isinstance(index, str):
+        index = parse(index)
+    if isinstance(index, sympy.Basic):
+        subs = {s: sympy.Integer(env[s.name]) for s in index.free_symbols if s.name in env}
+        out["index"] = index.xreplace(subs) if subs else index
+    if "size" in out:
+        out["size"] = value(out["size"], env)
+    return out
+
+
+def describe(rec: RecordedKernel, env: Mapping[str, int] | None = None) -> LoopKernel:
+    """The LoopKernel of a recorded kernel for concrete size symbols `env`."""
+    env = env or {}
+    numel, rnumel = value(rec.numel, env), value(rec.rnumel, env)
+    known = {name: concrete(b, env) for name, b in rec.buffers.items()}
+    recorded = []
+    for k, node in enumerate(rec.nodes):
+        sizes, rsizes = [value(s, env) for s in node.sizes], [value(s, env) for s in node.rsizes]
+        syms = loop_symbols(f"n{k}_", len(sizes) + len(rsizes))
+        recorded.append((sizes, rsizes, syms, [_concrete_op(op, env) for op in node.ops]))
+    return _describe(rec.name, recorded, numel, rnumel, set(rec.local), known, rec.origins)
+
+
+def copy_kernel(name: str, src: Buffer, dst: Buffer) -> LoopKernel:
+    """A kernel copying `src` into `dst` (same sizes), element by element over dst's sizes."""
+    if src.sizes != dst.sizes:
+        raise NotSupported(f"a copy from {src.sizes} into {dst.sizes}")
+    sizes, src_strides, dst_strides = list(dst.sizes or (1,)), list(src.strides or (0,)), list(dst.strides or (0,))
+    n = sizes[-1]
+    if n > MAX_POINTWISE_COLUMNS:  # a tile's row stays a reasonable scratchpad area
+        cols = max(c for c in range(1, MAX_POINTWISE_COLUMNS + 1) if n % c == 0)
+        sizes[-1:] = [n // cols, cols]
+        src_strides[-1:] = [src_strides[-1] * cols, src_strides[-1]]
+        dst_strides[-1:] = [dst_strides[-1] * cols, dst_strides[-1]]
+    ops = (Op("c0", "load", (), src.dtype, Access(src.name, 0, tuple(src_strides))),
+           Op("c1", "store", ("c0",), dst.dtype, Access(dst.name, 0, tuple(dst_strides))))
+    if src.dtype != dst.dtype:
+        ops = (ops[0], Op("c2", "to_dtype", ("c0",), dst.dtype), Op("c1", "store", ("c2",), dst.dtype, ops[1].access))
+    return LoopKernel(name, tuple(sizes), 1, False, ops, (src, dst),
+                      ("aten.copy_.default",))
+
+
+def buffer_of(known: dict[str, Buffer], name: str) -> Buffer:
+    b = known.get(name)
+    if b is None:
+        raise NotSupported(f"unknown buffer {name}")
+    return b
 
 
 # ---- canonical variables -----------------------------------------------------------------
@@ -174,12 +287,11 @@ def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[
     return points
 
 
-def _row_points(expr, syms, sizes, var_stride, buf, real_name) -> set[int]:
+def _row_points(expr, syms, sizes, var_stride, buf, known: dict[str, Buffer]) -> set[int]:
     """Where a loop that walks a buffer contiguously crosses the rows of its stick layout
     (the size of the buffer's stride-1 dimension): tiles then follow the storage rows."""
-    try:
-        info = buffer_info(real_name(buf))
-    except NotSupported:
+    info = known.get(buf)
+    if info is None:
         return set()
     row = next((n for n, s in zip(info.sizes, info.strides, strict=True) if s == 1 and n > 1), 0)
     if row <= 1:
@@ -240,46 +352,8 @@ def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extr
     return base, coeffs[:ncan], coeffs[ncan:]
 
 
-# ---- a kernel -----------------------------------------------------------------------------
-
-
-def buffer_info(name: str) -> Buffer:
-    buf = V.graph.get_buffer(name)
-    if buf is None and name in V.graph.graph_inputs:
-        buf = V.graph.graph_inputs[name]
-    if buf is None:
-        raise NotSupported(f"unknown buffer {name}")
-    layout = buf.get_layout()
-    return Buffer(name, dtype_name(buf.get_dtype()), tuple(int(s) for s in layout.size),
-                  tuple(int(s) for s in layout.stride), int(layout.offset))
-
-
-def copy_kernel(name: str, src: Buffer, dst: Buffer) -> LoopKernel:
-    """A kernel copying `src` into `dst` (same sizes), element by element over dst's sizes."""
-    if src.sizes != dst.sizes:
-        raise NotSupported(f"a copy from {src.sizes} into {dst.sizes}")
-    sizes, src_strides, dst_strides = list(dst.sizes or (1,)), list(src.strides or (0,)), list(dst.strides or (0,))
-    n = sizes[-1]
-    if n > MAX_POINTWISE_COLUMNS:  # a tile's row stays a reasonable scratchpad area
-        cols = max(c for c in range(1, MAX_POINTWISE_COLUMNS + 1) if n % c == 0)
-        sizes[-1:] = [n // cols, cols]
-        src_strides[-1:] = [src_strides[-1] * cols, src_strides[-1]]
-        dst_strides[-1:] = [dst_strides[-1] * cols, dst_strides[-1]]
-    ops = (Op("c0", "load", (), src.dtype, Access(src.name, 0, tuple(src_strides))),
-           Op("c1", "store", ("c0",), dst.dtype, Access(dst.name, 0, tuple(dst_strides))))
-    if src.dtype != dst.dtype:
-        ops = (ops[0], Op("c2", "to_dtype", ("c0",), dst.dtype), Op("c1", "store", ("c2",), dst.dtype, ops[1].access))
-    return LoopKernel(name, tuple(sizes), 1, False, ops, (src, dst),
-                      ("aten.copy_.default",))
-
-
-def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
-                    real_name: Callable[[str], str]) -> LoopKernel:
-    """A LoopKernel for one fused group of SchedulerNodes."""
-    recorded = []
-    for k, sn in enumerate(snodes):
-        sizes, rsizes, syms, ops = record(sn, f"n{k}_")
-        recorded.append((sizes, rsizes, syms, ops))
+def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str], known: dict[str, Buffer],
+              origins: tuple[str, ...]) -> LoopKernel:
     total = numel * rnumel
     boundaries = {rnumel} if rnumel > 1 else set()
     flat = []
@@ -302,7 +376,7 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
             if isinstance(rec.get("index"), sympy.Expr):
                 boundaries |= _split_points(rec["index"], var_stride)
                 if rec["op"] in ("load", "store"):
-                    boundaries |= _row_points(rec["index"], syms, all_sizes, var_stride, rec["buf"], real_name)
+                    boundaries |= _row_points(rec["index"], syms, all_sizes, var_stride, rec["buf"], known)
     canon = canonical_sizes(total, boundaries)
     cstrides, acc = [], 1
     for n in reversed(canon):
@@ -357,9 +431,9 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
                         raise NotSupported("an index expression of an indirect index")
                     out_ops.append(Op(rid, "index", (), rec["dtype"], Access("", const, tuple(coeffs))))
                     continue
-                bufname = real_name(rec["buf"])
+                bufname = rec["buf"]
                 if bufname not in buffers and bufname not in local:
-                    buffers[bufname] = buffer_info(bufname)
+                    buffers[bufname] = buffer_of(known, bufname)
                 access = Access(bufname, const, tuple(coeffs), ind)
                 key = (bufname, const, tuple(coeffs), ind)
                 if op == "store":
@@ -390,7 +464,7 @@ def describe_kernel(name: str, snodes, numel: int, rnumel: int, local: set[str],
                                                   for i in range(len(a.access.ind))}
     kept = [o for o in out_ops if o.op in ("store",) or o.id in used]
     return LoopKernel(name, tuple(canon), ncols, rnumel > 1, tuple(_prune(kept)),
-                      tuple(buffers.values()), tuple(sorted(_origins(snodes))))
+                      tuple(buffers.values()), tuple(origins))
 
 
 def _prune(ops: list[Op]) -> list[Op]:
@@ -402,15 +476,6 @@ def _prune(ops: list[Op]) -> list[Op]:
             if o.access:
                 needed.update(i for i, _ in o.access.ind)
     return [o for o in ops if o.op == "store" or o.id in needed]
-
-
-def _origins(snodes) -> set[str]:
-    out = set()
-    for sn in snodes:
-        for o in getattr(sn.node, "origins", ()):
-            if getattr(o, "op", "") == "call_function":
-                out.add(str(o.target))
-    return out
 
 
 def _storage_numel(b: Buffer) -> int:

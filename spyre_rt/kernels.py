@@ -187,6 +187,8 @@ class StepDesc:
     sequence: tuple[tuple[str, Any], ...]
     options: dict[str, Any] = field(default_factory=dict)
     static_inputs: tuple[int, ...] = ()   # inputs whose memory does not change (parameters)
+    # size symbols of a dynamic-shape step: (name, "int" | "size" | "stride", argument, dim)
+    symbols: tuple[tuple[str, str, int, int], ...] = ()
 
 
 for _cls in (Buffer, Access, Op):

@@ -13,6 +13,11 @@ from torch._decomp import get_decompositions
 from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.virtualized import V
+
+from spyre_rt.kernels import MatmulKernel
+
+from .record import buffer_info, dtype_name, node_origins, stored_buffer, stored_view, view_of
 
 aten = torch.ops.aten
 
@@ -20,7 +25,35 @@ aten = torch.ops.aten
 class SpyreMatmul(ir.ExternKernelOut):
     """``out = a @ b (+ bias)``: a matmul kernel of the card (not a CPU extern)."""
 
-    spyre_kind = "matmul"
+    def spyre_kernel(self, name: str) -> MatmulKernel:
+        """Its description: views in logical elements of their buffers, batched."""
+        a, b = view_of(self.inputs[0]), view_of(self.inputs[1])
+        out = buffer_info(self.get_name())
+        nd = len(out.sizes)
+        bias = _batched(view_of(self.inputs[2]), 2) if len(self.inputs) > 2 else None
+        if bias is not None:
+            bname, off, sizes, strides = bias
+            # (1, n) bias over (batch, m, n): broadcast over batch and rows
+            bias = (bname, off, (1, 1, sizes[-1]), (0, 0, strides[-1]))
+        bufs = {v[0]: buffer_info(v[0]) for v in (a, b, bias) if v is not None}
+        bufs[out.name] = out
+        out_view = (out.name, out.offset, out.sizes, out.strides)
+        if nd == 2:
+            a, b, out_view = _batched(a, 2), _batched(b, 2), _batched(out_view, 2)
+        return MatmulKernel(
+            name=name, a=stored_view(a), b=stored_view(b), out=stored_view(out_view),
+            in_dtype=dtype_name(self.inputs[0].get_dtype()), out_dtype=out.dtype,
+            bias=stored_view(bias) if bias else None,
+            bias_dtype=dtype_name(self.inputs[2].get_dtype()) if bias else "",
+            buffers=tuple(stored_buffer(b) for b in bufs.values()), origins=node_origins(self),
+        )
+
+
+def _batched(view, nd: int):
+    name, off, sizes, strides = view
+    if len(sizes) == nd:
+        return (name, off, (1, *sizes), (0, *strides))
+    return view
 
 
 _original: dict = {}
@@ -38,21 +71,26 @@ def _on_spyre(*xs) -> bool:
     return False
 
 
+def _known(expr, n: int) -> bool:
+    """The size is `n` whatever the size symbols are."""
+    return V.graph.sizevars.statically_known_equals(expr, n)
+
+
 def _matmul_operand(x):
     """Realised, with one of its two inner dimensions contiguous (else copied so)."""
     x = ir.ExternKernel.realize_input(x)
     size, stride = x.get_size(), x.get_stride()
-    ok = any(int(size[d]) == 1 or int(stride[d]) == 1 for d in (-1, -2))
+    ok = any(_known(size[d], 1) or _known(stride[d], 1) for d in (-1, -2))
     return x if ok else ir.ExternKernel.require_contiguous(x)
 
 
 def _matmul(a, b, bias=None):
-    *batch, m, k = (int(s) for s in a.get_size())
-    size = [*batch, m, int(b.get_size()[-1])]
-    if k == 0 or 0 in size:  # an empty result, or an empty contraction (all zeros, plus the bias)
+    *batch, m, k = a.get_size()
+    size = [*batch, m, b.get_size()[-1]]
+    if _known(k, 0) or any(_known(s, 0) for s in size):  # empty (all zeros, plus the bias)
         zeros = L.full(size, 0, dtype=a.get_dtype(), device=a.get_device())
         return zeros if bias is None else L.lowerings[aten.add.Tensor](zeros, bias)
-    if k == 1:  # an outer product: one multiply per element, a broadcast on the SFU
+    if _known(k, 1):  # an outer product: one multiply per element, a broadcast on the SFU
         prod = L.lowerings[aten.mul.Tensor](a, b)
         return prod if bias is None else L.lowerings[aten.add.Tensor](prod, bias)
     a, b = _matmul_operand(a), _matmul_operand(b)
@@ -62,9 +100,9 @@ def _matmul(a, b, bias=None):
     return ir.TensorBox.create(node)
 
 
-def _bias_broadcasts_over_rows(bias, n: int) -> bool:
-    size = [int(s) for s in bias.get_size()]
-    return size[-1] == n and all(s == 1 for s in size[:-1])
+def _bias_broadcasts_over_rows(bias, n) -> bool:
+    size = bias.get_size()
+    return V.graph.sizevars.statically_known_equals(size[-1], n) and all(_known(s, 1) for s in size[:-1])
 
 
 def install() -> None:
@@ -92,7 +130,7 @@ def install() -> None:
     def addmm(inp, a, b, *, beta=1, alpha=1, layout=None):
         if not _on_spyre(a, b):
             return _original[aten.addmm.default](inp, a, b, beta=beta, alpha=alpha, layout=layout)
-        n = int(b.get_size()[-1])
+        n = b.get_size()[-1]
         if alpha == 1 and beta == 1 and _bias_broadcasts_over_rows(inp, n):
             return _matmul(a, b, L.lowerings[aten.view.default](inp, [1, n]))
         out = _matmul(a, b)

@@ -1,9 +1,14 @@
-"""Inductor Scheduling for the card: each fused group of loop nodes becomes a LoopKernel.
+"""Inductor Scheduling for the card: each fused group of loop nodes becomes a kernel.
 
-Inductor's fusion policy (from SIMDScheduling) decides what goes together; this class only
-describes the result (see :mod:`spyre_rt.compiler.describe`) and registers it with the
-wrapper, which records the launch in the step. Buffers produced and consumed inside one
-kernel are removed: they never exist in device memory.
+Inductor's fusion policy (from SIMDScheduling) decides what goes together; this class
+records the result (:mod:`.record`) and describes it (:mod:`spyre_rt.compiler.describe`),
+checks that construction can express it, and registers it with the wrapper, which records
+the launch in the step. Buffers produced and consumed inside one kernel are removed: they
+never exist in device memory.
+
+With dynamic shapes the group stays recorded (it is described again for each concrete
+size); it is described and checked now at Inductor's example sizes, so what the card cannot
+express fails the compile, not the first call.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from torch._inductor.virtualized import V
 
 from spyre_rt.construct.loops import Unsupported, check_kernel
 
-from ..describe import NotSupported, describe_kernel
+from ..describe import NotSupported, describe
 from ..errors import compile_error
+from .record import hints, record_kernel
 
 
 class SpyreScheduling(SIMDScheduling):
@@ -33,21 +39,23 @@ class SpyreScheduling(SIMDScheduling):
         }
         _, (numel, rnumel) = max(nodes, key=lambda x: int(x.is_reduction())).group
         wrapper = V.graph.wrapper_code
-        name = f"k{len(wrapper.spyre_kernels)}"
+        name = wrapper.new_kernel_name()
 
         def real_name(n: str) -> str:
             return sched.mutation_real_name.get(n, n)
 
         try:
-            kernel = describe_kernel(name, nodes, int(numel), int(rnumel), local, real_name)
+            recorded = record_kernel(name, nodes, numel, rnumel, local, real_name)
+            example = hints(recorded)
+            kernel = describe(recorded, example)
             check_kernel(kernel)  # what construction cannot express fails now, not at the first call
         except (NotSupported, Unsupported) as e:
             raise compile_error(str(e), nodes) from None
-        wrapper.define_spyre_kernel(kernel)
+        wrapper.define_spyre_kernel(recorded.stored() if example else kernel)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
         for n in nodes:
             n.mark_run()
-        args = [b.name for b in kernel.buffers]
+        args = [b for b in recorded.buffers if b not in local]
         wrapper.generate_kernel_call(name, args, triton=False)
         self.free_buffers_in_scheduler()
 

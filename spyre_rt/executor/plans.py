@@ -53,6 +53,7 @@ def load_or_build(exe) -> list[GraphPlan]:
     if cache:
         names = [list(seg.kernels) for seg in segments]
         header = {"kernels": sum(len(n) for n in names), "names": names,
+                  "step": exe.step.family[0][:16], "sizes": exe.step.family[1],
                   "profile": exe.card.profile.name, "options": exe.desc.options,
                   "arena_bytes": exe.arena_bytes, "created": time.time(),
                   "kernel_info": {exe.job_name(k): info for n in names for k in n

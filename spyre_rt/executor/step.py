@@ -41,11 +41,14 @@ def load_step(text: str) -> CompiledStep:
 
 
 class CompiledStep:
-    def __init__(self, desc: StepDesc, digest: str | None = None):
+    def __init__(self, desc: StepDesc, digest: str | None = None, family: tuple[str, dict] | None = None):
         _live.add(self)
         self.desc = desc
         # the description's identity in plan-cache keys: hashing its JSON once, not per load
         self.digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
+        # (the compiled graph it belongs to, its sizes): a dynamic-shape graph makes a step
+        # per distinct size; the plan cache counts plans per graph
+        self.family = family or (self.digest, {})
         self.default_mode = desc.options.get("dispatch") or config.settings().dispatch
         self._executables: dict[tuple, Executable] = {}
         self._memory: dict[int, memory.MemoryPlan] = {}  # by stick size

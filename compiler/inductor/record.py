@@ -1,0 +1,209 @@
+"""Recording Inductor's fused loop nodes as plain data (the adapter's half of describe).
+
+Each SchedulerNode's LoopBody runs under a recording ops handler, which yields an SSA list
+of its operations with sympy index expressions; with the sizes of its loops and the
+buffers it touches, that is a :class:`~spyre_rt.compiler.describe.RecordedKernel`. Sizes
+and indices may hold size symbols (``s0``) when the graph has dynamic shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sympy
+import torch
+from torch._inductor.ops_handler import DefaultHandler
+from torch._inductor.virtualized import V
+
+from spyre_rt.kernels import Buffer
+
+from ..describe import NotSupported, RecordedKernel, RecordedNode, loop_symbols, text
+
+
+def dtype_name(d) -> str:
+    return str(d).removeprefix("torch.") if isinstance(d, torch.dtype) else str(d)
+
+
+def size(x):
+    """An int, or the sympy expression of a symbolic size."""
+    if isinstance(x, int):
+        return x
+    x = sympy.sympify(x)
+    return int(x) if x.is_Integer else x
+
+
+class _Recorder(DefaultHandler):
+    """An ops handler that records a LoopBody as SSA operations."""
+
+    def __init__(self, prefix: str, real_name: Callable[[str], str]):
+        self.prefix = prefix
+        self.real_name = real_name
+        self.ops: list[dict] = []
+        self.nind = 0
+        self.mask_stack: list[str] = []
+
+    def _add(self, rec: dict) -> str:
+        rec["id"] = f"{self.prefix}{len(self.ops)}"
+        if self.mask_stack:
+            rec["masks"] = list(self.mask_stack)
+        self.ops.append(rec)
+        return rec["id"]
+
+    def _default(self, name, args, kwargs):
+        if kwargs:
+            raise NotSupported(f"op {name} with keyword arguments {sorted(kwargs)}")
+        for a in args:
+            if not isinstance(a, str):
+                raise NotSupported(f"op {name} with a non-value argument {a!r}")
+        return self._add({"op": name, "args": list(args)})
+
+    def load(self, name, index):
+        return self._add({"op": "load", "buf": self.real_name(name), "index": index})
+
+    def store(self, name, index, value, mode=None):
+        if mode not in (None,):
+            raise NotSupported(f"store with mode {mode!r} (accumulating scatter)")
+        self._add({"op": "store", "buf": self.real_name(name), "index": index, "args": [value]})
+
+    def store_reduction(self, name, index, value):
+        self._add({"op": "store", "buf": self.real_name(name), "index": index, "args": [value]})
+
+    def reduction(self, dtype, src_dtype, reduction_type, value):
+        if reduction_type == "welford_reduce":
+            # mean and m2 over the row, computed exactly from the row in the scratchpad
+            mean = self._add({"op": "reduction", "args": [value], "kind": "mean", "dtype": dtype_name(dtype)})
+            m2 = self._add({"op": "reduction", "args": [value, mean], "kind": "m2", "dtype": dtype_name(dtype)})
+            count = self._add({"op": "reduction", "args": [value], "kind": "count", "dtype": dtype_name(dtype)})
+            return mean, m2, count
+        if reduction_type not in ("sum", "max", "min", "prod", "any", "argmax", "argmin"):
+            raise NotSupported(f"reduction {reduction_type}")
+        return self._add({"op": "reduction", "args": [value], "kind": reduction_type, "dtype": dtype_name(dtype)})
+
+    def constant(self, value, dtype):
+        return self._add({"op": "constant", "value": value, "dtype": dtype_name(dtype)})
+
+    def index_expr(self, expr, dtype):
+        return self._add({"op": "index", "index": expr, "dtype": dtype_name(dtype)})
+
+    def indirect_indexing(self, x, size_, check=True, wrap_neg=True):
+        sym = sympy.Symbol(f"{self.prefix}ind{self.nind}", integer=True)
+        self.nind += 1
+        self._add({"op": "indirect", "args": [x], "size": size(size_), "wrap_neg": bool(wrap_neg),
+                   "symbol": sym.name})
+        return sym
+
+    def masked(self, mask, body, other):
+        self.mask_stack.append(mask)
+        try:
+            result = body()
+        finally:
+            self.mask_stack.pop()
+        other_id = self._add({"op": "constant", "value": other, "dtype": ""})
+        return self._add({"op": "where", "args": [mask, result, other_id]})
+
+    def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
+        return self._add({"op": "to_dtype", "args": [x], "dtype": dtype_name(dtype)})
+
+    def to_dtype_bitcast(self, x, dtype, src_dtype):
+        raise NotSupported("bitcast")
+
+    def check_bounds(self, expr, size_, lower, upper):
+        return None
+
+    def device_assert_async(self, cond, msg):
+        return None
+
+
+def _record_node(snode, prefix: str, real_name) -> RecordedNode:
+    sizes, rsizes = snode._sizes
+    sizes, rsizes = [size(s) for s in sizes], [size(s) for s in rsizes]
+    syms = loop_symbols(prefix, len(sizes) + len(rsizes))
+    rec = _Recorder(prefix, real_name)
+    with V.set_ops_handler(rec):
+        snode._body(syms[: len(sizes)], syms[len(sizes):])
+    return RecordedNode(tuple(sizes), tuple(rsizes), tuple(rec.ops))
+
+
+def record_kernel(name: str, snodes, numel, rnumel, local: set[str], real_name: Callable[[str], str]) -> RecordedKernel:
+    """A fused group of SchedulerNodes as a RecordedKernel (expressions as sympy)."""
+    nodes = tuple(_record_node(sn, f"n{k}_", real_name) for k, sn in enumerate(snodes))
+    buffers = {}
+    for node in nodes:
+        for op in node.ops:
+            if "buf" in op and op["buf"] not in buffers:
+                try:
+                    buffers[op["buf"]] = buffer_info(op["buf"])
+                except NotSupported:
+                    if op["buf"] not in local:
+                        raise
+    return RecordedKernel(name, nodes, size(numel), size(rnumel), tuple(sorted(local)), buffers,
+                          tuple(sorted(origins(snodes))))
+
+
+def buffer_info(name: str) -> Buffer:
+    """The dtype and geometry Inductor gave a buffer or graph input (sizes may be sympy)."""
+    buf = V.graph.get_buffer(name)
+    if buf is None and name in V.graph.graph_inputs:
+        buf = V.graph.graph_inputs[name]
+    if buf is None or not hasattr(buf, "get_layout"):
+        raise NotSupported(f"unknown buffer {name}")
+    layout = buf.get_layout()
+    return Buffer(name, dtype_name(buf.get_dtype()), tuple(size(s) for s in layout.size),
+                  tuple(size(s) for s in layout.stride), size(layout.offset))
+
+
+def origins(snodes) -> set[str]:
+    out = set()
+    for sn in snodes:
+        for o in getattr(sn.node, "origins", ()):
+            if getattr(o, "op", "") == "call_function":
+                out.add(str(o.target))
+    return out
+
+
+def hints(*exprs) -> dict[str, int]:
+    """Inductor's example values of the size symbols in `exprs` (any nesting of sizes,
+    buffers and recorded kernels): to check at compile time what a dynamic graph will be
+    like at its first call."""
+    out = {}
+    for s in _free_symbols(exprs):
+        out[s.name] = int(V.graph.sizevars.optimization_hint(s, fallback=8192))
+    return out
+
+
+def _free_symbols(x) -> set:
+    if isinstance(x, sympy.Basic):
+        return set(x.free_symbols)
+    if isinstance(x, (list, tuple, set)):
+        return set().union(*[_free_symbols(v) for v in x]) if x else set()
+    if isinstance(x, dict):
+        return _free_symbols(list(x.values()))
+    if hasattr(x, "__dataclass_fields__"):
+        return _free_symbols([getattr(x, f) for f in x.__dataclass_fields__])
+    return set()
+
+
+def view_of(x) -> tuple:
+    """(underlying buffer, offset, sizes, strides) of an extern kernel's input or output."""
+    from torch._inductor import ir
+
+    if isinstance(x, ir.ReinterpretView):
+        layout = x.layout
+        return (x.data.get_name(), size(layout.offset), tuple(size(s) for s in layout.size),
+                tuple(size(s) for s in layout.stride))
+    b = buffer_info(x.get_name())
+    return (b.name, b.offset, b.sizes, b.strides)
+
+
+def node_origins(node) -> tuple[str, ...]:
+    return tuple(sorted(str(o.target) for o in getattr(node, "origins", ()) if o.op == "call_function"))
+
+
+def stored_view(view) -> tuple:
+    """A view for a description: sizes that are expressions become Sym text."""
+    name, off, sizes, strides = view
+    return (name, text(off), tuple(text(s) for s in sizes), tuple(text(s) for s in strides))
+
+
+def stored_buffer(b: Buffer) -> Buffer:
+    return Buffer(b.name, b.dtype, tuple(text(s) for s in b.sizes), tuple(text(s) for s in b.strides), text(b.offset))

@@ -1,0 +1,97 @@
+"""Steps with dynamic shapes: one compile, a concrete step per distinct size.
+
+A graph Dynamo traced with symbolic sizes is lowered by Inductor once; its step
+description keeps sizes as expressions of the size symbols and its fused groups as
+recorded bodies. At a call, the symbols' values are read off the arguments (an int
+argument, or a size or stride of a tensor); the first call with new values describes every
+kernel for them (:func:`specialize`) and makes a concrete
+:class:`~spyre_rt.executor.CompiledStep`, whose plans are then built, or loaded from the
+plan cache, as any step's are. So a new size costs a plan build, not a compile, as CUDA
+graph trees record a graph per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Mapping
+
+from spyre_rt.executor import CompiledStep
+from spyre_rt.kernels import StepDesc, from_json
+
+from .describe import RecordedKernel, Sym, describe, value
+
+
+def specialize(x, env: Mapping[str, int]):
+    """A description with every size symbol replaced by its value and every recorded
+    kernel described for them."""
+    if isinstance(x, Sym):
+        return value(x, env)
+    if isinstance(x, RecordedKernel):
+        return describe(x, env)
+    if isinstance(x, tuple):
+        return tuple(specialize(v, env) for v in x)
+    if isinstance(x, list):
+        return [specialize(v, env) for v in x]
+    if isinstance(x, dict):
+        return {k: specialize(v, env) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: specialize(getattr(x, f.name), env)
+                                         for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+class SymbolicStep:
+    """A compiled step with dynamic shapes: concrete steps made per distinct size."""
+
+    def __init__(self, desc: StepDesc, digest: str):
+        self.desc = desc
+        self.digest = digest
+        self.symbols = desc.symbols
+        self.int_args = {position for _, kind, position, _ in desc.symbols if kind == "int"}
+        self._steps: dict[tuple, CompiledStep] = {}
+        self._lock = threading.Lock()
+
+    def sizes(self, args: list) -> dict[str, int]:
+        """The value of every size symbol in this call."""
+        env = {}
+        for name, kind, position, dim in self.symbols:
+            a = args[position]
+            env[name] = int(a) if kind == "int" else int(a.size(dim) if kind == "size" else a.stride(dim))
+        return env
+
+    def steps(self) -> list[CompiledStep]:
+        """The concrete steps made so far (one per distinct size)."""
+        return list(self._steps.values())
+
+    def step_for(self, env: Mapping[str, int]) -> CompiledStep:
+        key = tuple(sorted(env.items()))
+        step = self._steps.get(key)
+        if step is None:
+            with self._lock:
+                step = self._steps.get(key)
+                if step is None:
+                    concrete = specialize(dataclasses.replace(self.desc, symbols=()), env)
+                    digest = hashlib.sha256(f"{self.digest}{key}".encode()).hexdigest()
+                    step = self._steps[key] = CompiledStep(concrete, digest, family=(self.digest, dict(env)))
+        return step
+
+    def __call__(self, args: list, module_globals: dict):
+        env = self.sizes(args)
+        tensors = [a for i, a in enumerate(args) if i not in self.int_args]
+        args.clear()  # boxed calling convention: drop the caller's references early
+        return self.step_for(env)(tensors, module_globals)
+
+
+def load_step(text: str):
+    """The step a compiled module embeds as JSON: symbolic, or concrete as any static one."""
+    desc = from_json(text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if not desc.symbols and not _has_recorded(desc):
+        return CompiledStep(desc, digest)
+    return SymbolicStep(desc, digest)
+
+
+def _has_recorded(desc: StepDesc) -> bool:
+    return any(isinstance(k, RecordedKernel) for k in desc.kernels.values())

@@ -8,6 +8,7 @@ and indices may hold size symbols (``s0``) when the graph has dynamic shapes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import sympy
@@ -167,8 +168,12 @@ def hints(*exprs) -> dict[str, int]:
     like at its first call."""
     out = {}
     for s in _free_symbols(exprs):
-        out[s.name] = int(V.graph.sizevars.optimization_hint(s, fallback=8192))
+        if not _RECORDER_SYMBOL.match(s.name):  # a size symbol, not a loop variable
+            out[s.name] = int(V.graph.sizevars.optimization_hint(s, fallback=8192))
     return out
+
+
+_RECORDER_SYMBOL = re.compile(r"n\d+_(v|ind)\d+$")
 
 
 def _free_symbols(x) -> set:

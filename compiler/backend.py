@@ -101,15 +101,38 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),
     }
-    from torch._inductor.exc import InductorError
 
-    with opts.patch(patch):
+    # A fused kernel that construction cannot express (a non-affine index, say) names the FX
+    # nodes it holds; with CPU fallback on, they run on the CPU in a compile again, and the
+    # fusion forms around them.
+    cpu_nodes: list[str] = []
+    for _ in range(MAX_RECOMPILES + 1):
         try:
-            return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
-                              config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
-        except InductorError as e:
-            # Inductor wraps exceptions on some paths (e.g. with its caches off): hand our
-            # compile errors to the caller as themselves.
-            if isinstance(e.inner_exception, spyre_rt.SpyreCompileError):
-                raise e.inner_exception from None
-            raise
+            with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
+                return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
+                                  config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
+        except Exception as e:
+            # Inductor wraps exceptions (in a LoweringException, in an InductorError): hand
+            # our compile errors to the caller as themselves.
+            ours = _our_error(e)
+            if ours is None:
+                raise
+            more = sorted(set(getattr(ours, "fallback_nodes", ())) - set(cpu_nodes))
+            if not settings.cpu_fallback or not more:
+                raise ours from None
+            cpu_nodes = cpu_nodes + more
+    raise ours from None
+
+
+MAX_RECOMPILES = 8
+
+
+def _our_error(e: BaseException) -> BaseException | None:
+    """The SpyreCompileError an exception of Inductor's wraps, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, spyre_rt.SpyreCompileError):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return None

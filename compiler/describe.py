@@ -191,6 +191,78 @@ def _stored_op(op: dict) -> dict:
     return out
 
 
+# ---- adapters: operations the card lacks, in terms of operations it has ----------------------
+#
+# Each takes the op's argument ids and a `make(name, *args, **attrs)` that appends an op and
+# returns its id; it returns the id of the result. The forms are the textbook identities
+# (the CPU's own libm differs from them by a few ulps).
+
+_LN2_INV, _LN10_INV, _HALF_PI = 1.4426950408889634, 0.4342944819032518, 1.5707963267948966
+
+
+def _asin(x, make):
+    one_minus = make("sub", make("constant", value=1.0), make("mul", x, x))
+    return make("atan", make("mul", x, make("rsqrt", one_minus)))
+
+
+ADAPTERS: dict[str, Callable] = {
+    "log2": lambda x, make: make("mul", make("log", x), make("constant", value=_LN2_INV)),
+    "log10": lambda x, make: make("mul", make("log", x), make("constant", value=_LN10_INV)),
+    "erfc": lambda x, make: make("sub", make("constant", value=1.0), make("erf", x)),
+    "tan": lambda x, make: make("truediv", make("sin", x), make("cos", x)),
+    "sinh": lambda x, make: make("mul", make("sub", make("exp", x), make("exp", make("neg", x))),
+                                 make("constant", value=0.5)),
+    "cosh": lambda x, make: make("mul", make("add", make("exp", x), make("exp", make("neg", x))),
+                                 make("constant", value=0.5)),
+    "asinh": lambda x, make: make("log", make("add", x, make("sqrt", make("add", make("mul", x, x),
+                                                                          make("constant", value=1.0))))),
+    "acosh": lambda x, make: make("log", make("add", x, make("sqrt", make("sub", make("mul", x, x),
+                                                                          make("constant", value=1.0))))),
+    "atanh": lambda x, make: make("mul", make("log", make("truediv", make("add", make("constant", value=1.0), x),
+                                                          make("sub", make("constant", value=1.0), x))),
+                                  make("constant", value=0.5)),
+    "asin": _asin,
+    "acos": lambda x, make: make("sub", make("constant", value=_HALF_PI), _asin(x, make)),
+    "hypot": lambda x, y, make: make("sqrt", make("add", make("mul", x, x), make("mul", y, y))),
+    "copysign": lambda x, y, make: make("where", make("lt", y, make("constant", value=0.0)),
+                                        make("neg", make("abs", x)), make("abs", x)),
+    "isinf": lambda x, make: make("eq", make("abs", x), make("constant", value=float("inf"))),
+    "fma": lambda x, y, z, make: make("add", make("mul", x, y), z),
+    # atan(y/x), moved by pi into the left half-plane (x = 0 gives atan(+-inf) = +-pi/2)
+    "atan2": lambda y, x, make: make("add", make("atan", make("truediv", y, x)), make(
+        "where", make("lt", x, make("constant", value=0.0)),
+        make("where", make("ge", y, make("constant", value=0.0)), make("constant", value=math.pi),
+             make("constant", value=-math.pi)),
+        make("constant", value=0.0))),
+}
+
+
+def adapt(ops: list[dict]) -> list[dict]:
+    """The ops with every adapted operation replaced by its form in the card's operations
+    (its result keeps the op's id, so whatever reads it reads the form's result)."""
+    out: list[dict] = []
+    for op in ops:
+        adapter = ADAPTERS.get(op["op"])
+        out.extend(_expand(op, adapter) if adapter else [op])
+    return out
+
+
+def _expand(op: dict, adapter: Callable) -> list[dict]:
+    made: list[dict] = []
+
+    def make(name: str, *args: str, **attrs) -> str:
+        rec = {"op": name, "id": f"{op['id']}_{len(made)}", "args": list(args), **attrs}
+        if name == "constant":
+            rec["dtype"] = "float32"
+        if "masks" in op:
+            rec["masks"] = op["masks"]
+        made.append(rec)
+        return rec["id"]
+
+    result = adapter(*op["args"], make)
+    return [dict(m, id=op["id"]) if m["id"] == result else m for m in made]
+
+
 def loop_symbols(prefix: str, n: int) -> list[sympy.Symbol]:
     """The loop variables a node's body is recorded with (the recorder makes the same)."""
     return [sympy.Symbol(f"{prefix}v{k}", integer=True, nonnegative=True) for k in range(n)]
@@ -218,7 +290,7 @@ def describe(rec: RecordedKernel, env: Mapping[str, int] | None = None) -> LoopK
     for k, node in enumerate(rec.nodes):
         sizes, rsizes = [value(s, env) for s in node.sizes], [value(s, env) for s in node.rsizes]
         syms = loop_symbols(f"n{k}_", len(sizes) + len(rsizes))
-        recorded.append((sizes, rsizes, syms, [_concrete_op(op, env) for op in node.ops]))
+        recorded.append((sizes, rsizes, syms, adapt([_concrete_op(op, env) for op in node.ops])))
     return _describe(rec.name, recorded, numel, rnumel, set(rec.local), known, rec.origins)
 
 

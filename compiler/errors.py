@@ -16,10 +16,12 @@ class CompileFailed(SpyreCompileError, ShortenTraceback):
 
 
 def source_of(nodes) -> str:
-    """'op (file:line of the model code)' for the first node with a known origin."""
+    """'op (file:line of the model code)' for the first node with a known origin (Inductor
+    IR nodes carry the FX nodes they came from; an FX node is its own origin)."""
     for n in nodes:
         node = getattr(n, "node", n)
-        for origin in getattr(node, "origins", ()) or ():
+        origins = [node] if hasattr(node, "meta") and hasattr(node, "target") else getattr(node, "origins", ())
+        for origin in origins or ():
             meta = getattr(origin, "meta", {}) or {}
             trace = meta.get("stack_trace")
             target = getattr(origin, "target", origin)

@@ -15,5 +15,8 @@ cpu_fallback: bool = True     # run ops the card cannot on the CPU (else SpyreCo
 compute_dtype: str = "auto"   # auto | float16 | float32
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
+# FX nodes that run on the CPU because a kernel holding them could not be built for the card
+# (set by the backend when it compiles again after such a failure)
+cpu_nodes: list = []
 
 install_config_module(sys.modules[__name__])

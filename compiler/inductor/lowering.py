@@ -15,8 +15,11 @@ from torch._inductor import lowering as L
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.virtualized import V
 
+from spyre_rt.construct.loops import CARD_OPS
 from spyre_rt.kernels import MatmulKernel
 
+from ..describe import ADAPTERS
+from ..errors import compile_error
 from .record import buffer_info, dtype_name, node_origins, stored_buffer, stored_view, view_of
 
 aten = torch.ops.aten
@@ -71,6 +74,10 @@ def _on_spyre(*xs) -> bool:
     return False
 
 
+def _static(expr) -> bool:
+    return not getattr(expr, "free_symbols", None)
+
+
 def _known(expr, n: int) -> bool:
     """The size is `n` whatever the size symbols are."""
     return V.graph.sizevars.statically_known_equals(expr, n)
@@ -103,6 +110,63 @@ def _matmul(a, b, bias=None):
 def _bias_broadcasts_over_rows(bias, n) -> bool:
     size = bias.get_size()
     return V.graph.sizevars.statically_known_equals(size[-1], n) and all(_known(s, 1) for s in size[:-1])
+
+
+# Operations of Inductor's ops handler a lowering may leave in a loop body besides the ones
+# construction emits (the recorder turns these into those).
+_BOOKKEEPING = frozenset({"index_expr", "indirect_indexing", "masked", "store_reduction", "check_bounds",
+                          "device_assert_async"})
+
+
+def card_computes() -> frozenset[str]:
+    """The ops-handler operations a loop kernel on the card may use: construction's own and
+    those an adapter rewrites into them."""
+    return CARD_OPS | frozenset(ADAPTERS) | _BOOKKEEPING
+
+
+def missing_operations(result) -> set[str]:
+    """The operations of a lowering's result (its loop bodies) the card cannot compute."""
+    allowed = card_computes()
+    out: set[str] = set()
+    for box in result if isinstance(result, (list, tuple)) else [result]:
+        data = getattr(box, "data", None)
+        while isinstance(data, (ir.StorageBox, ir.ComputedBuffer)):
+            data = data.data
+        if isinstance(data, ir.Loops):
+            out |= set(data.inner_fn_opcount().used_ops) - allowed
+    return out
+
+
+def _checked(op, lowering):
+    """A lowering whose result on the card is checked against what the card computes: an
+    operation it lacks makes the op a CPU fallback kernel instead (the fusion forms around
+    it), or, with CPU fallback off, a compile error naming the op and the model line."""
+    handler = L.fallback_handler(op, add_to_fallback_set=False)
+
+    def checked(*args, **kwargs):
+        node = V.graph.current_node
+        from .. import options
+
+        if node is not None and node.name in options.cpu_nodes and _on_spyre(*args, *kwargs.values()):
+            return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
+        result = lowering(*args, **kwargs)
+        if not _on_spyre(*args, *kwargs.values()):
+            return result
+        missing = missing_operations(result)
+        if not missing:
+            return result
+        if not options.cpu_fallback:
+            raise compile_error(f"operation {', '.join(sorted(missing))} has no card kernel or adapter and "
+                                "CPU fallback is off", [V.graph.current_node])
+        return handler(*args, **kwargs)
+
+    return checked
+
+
+def _install_card_check() -> None:
+    for op, lowering in list(L.lowerings.items()):
+        if isinstance(op, torch._ops.OpOverload) and op.namespace in ("aten", "prims"):
+            L.lowerings[op] = _checked(op, lowering)
 
 
 def install() -> None:
@@ -138,6 +202,25 @@ def install() -> None:
             out = L.lowerings[aten.mul.Tensor](out, alpha)
         scaled = inp if beta == 1 else L.lowerings[aten.mul.Tensor](inp, beta)
         return L.lowerings[aten.add.Tensor](out, scaled)
+
+    roll_elsewhere = L.fallback_handler(aten.roll.default, add_to_fallback_set=False)
+
+    @L.register_lowering(aten.roll.default, type_promotion_kind=None)
+    def roll(x, shifts, dims=()):
+        """Two slices put back together (affine loads). Inductor's decomposition indexes
+        modulo the size, which the card's DMA cannot follow (see decompositions())."""
+        sizes = x.get_size()
+        if not _on_spyre(x) or not dims or not all(_static(sizes[d]) for d in dims):
+            return roll_elsewhere(x, shifts, dims)
+        for shift, dim in zip(shifts, dims, strict=True):
+            n = int(sizes[dim])
+            s = shift % n if n else 0
+            if s:
+                parts = [L.lowerings[aten.slice.Tensor](x, dim, n - s, n), L.lowerings[aten.slice.Tensor](x, dim, 0, n - s)]
+                x = L.lowerings[aten.cat.default](parts, dim)
+        return x
+
+    _install_card_check()  # last: it wraps the lowerings above too
 
 
 # Ops whose kernels the card cannot express: an element-wise gather or an accumulating
@@ -178,6 +261,7 @@ def _install_cpu_ops() -> None:
 def decompositions() -> dict:
     """Inductor's decomposition table, plus ours (compile_fx takes the whole table)."""
     table = dict(select_decomp_table())
+    table.pop(aten.roll.default, None)  # lowered as two slices (see install)
     # baddbmm = beta * input + alpha * bmm: the bmm becomes a matmul kernel, the rest fuses
     table.update(get_decompositions([aten.baddbmm.default]))
     return table

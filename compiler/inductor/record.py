@@ -212,3 +212,19 @@ def stored_view(view) -> tuple:
 
 def stored_buffer(b: Buffer) -> Buffer:
     return Buffer(b.name, b.dtype, tuple(text(s) for s in b.sizes), tuple(text(s) for s in b.strides), text(b.offset))
+
+
+# Ops that only rearrange how a tensor is seen: running them on the CPU would change nothing
+# about what the card can compute.
+_VIEWS = {"view", "_unsafe_view", "reshape", "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
+          "t", "transpose", "alias", "as_strided", "clone", "_to_copy", "convert_element_type"}
+
+
+def computing_origins(snodes) -> set[str]:
+    """The FX nodes a fused group computes (its view ops left out), by name."""
+    out = set()
+    for sn in snodes:
+        for o in getattr(sn.node, "origins", ()):
+            if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", str(o.target)) not in _VIEWS:
+                out.add(o.name)
+    return out

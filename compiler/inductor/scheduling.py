@@ -20,7 +20,7 @@ from spyre_rt.construct.loops import Unsupported, check_kernel
 
 from ..describe import NotSupported, describe
 from ..errors import compile_error
-from .record import hints, record_kernel
+from .record import computing_origins, hints, record_kernel
 
 
 class SpyreScheduling(SIMDScheduling):
@@ -50,7 +50,9 @@ class SpyreScheduling(SIMDScheduling):
             kernel = describe(recorded, example)
             check_kernel(kernel)  # what construction cannot express fails now, not at the first call
         except (NotSupported, Unsupported) as e:
-            raise compile_error(str(e), nodes) from None
+            err = compile_error(str(e), nodes)
+            err.fallback_nodes = computing_origins(nodes)  # what the backend may run on the CPU instead
+            raise err from None
         wrapper.define_spyre_kernel(recorded.stored() if example else kernel)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
         for n in nodes:

@@ -112,8 +112,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         args, kwargs = node.unflatten_args([Ref(x) for x in node.inputs], node.constant_args)
 
         def enc(a):
-            if isinstance(a, Ref):
-                return {"buf": stored_view(view_of(a.x))}
+            if isinstance(a, Ref):  # its dtype too: a view may reinterpret its buffer's bits
+                return {"buf": stored_view(view_of(a.x)), "as": dtype_name(a.x.get_dtype())}
             if isinstance(a, (list, tuple)):
                 return [enc(x) for x in a]
             if isinstance(a, torch.dtype):

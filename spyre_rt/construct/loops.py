@@ -61,6 +61,10 @@ class Unsupported(NotImplementedError):
 
 
 LOGICAL = {"logical_and", "logical_or", "logical_not", "logical_xor", "and_", "or_", "xor", "isnan"}
+# Every operation a loop kernel's body may use: what construction emits SFU code for.
+CARD_OPS = frozenset({"load", "store", "reduction", "constant", "index", "indirect", "to_dtype", "where",
+                      "relu", "square", "sigmoid", "exp2"}
+                     | set(UNARY) | set(BINARY) | set(COMPARE) | LOGICAL)
 
 
 @dataclass

@@ -61,17 +61,21 @@ class CpuOps:
         _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
         prebuilt = mode != "construct"
 
-        def fetch(ref):
+        def fetch(ref, as_dtype: str | None):
             name, _, sizes, strides = ref
             geo, (b, o) = self._geometry(name, ref)
             dtype = torch_dtype(exe.buffer(name).dtype)
             if not exe.card.functional:
-                return torch.zeros(sizes, dtype=dtype).as_strided(sizes, strides) if sizes else torch.zeros((), dtype=dtype)
-            return from_device(exe.card, geo, table[b] + o, dtype, prebuilt)
+                value = torch.zeros(sizes, dtype=dtype).as_strided(sizes, strides) if sizes else torch.zeros((), dtype=dtype)
+            else:
+                value = from_device(exe.card, geo, table[b] + o, dtype, prebuilt)
+            if as_dtype and torch_dtype(as_dtype) != dtype:  # a view of the buffer's bits as another dtype
+                value = value.view(torch_dtype(as_dtype))
+            return value
 
         def decode(a):
             if isinstance(a, dict) and "buf" in a:
-                return fetch(a["buf"])
+                return fetch(a["buf"], a.get("as"))
             if isinstance(a, dict) and "dtype" in a:
                 return torch_dtype(a["dtype"])
             if isinstance(a, dict) and "device" in a:

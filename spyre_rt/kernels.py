@@ -179,7 +179,7 @@ class StepDesc:
     ``(buffer, offset, sizes, strides)`` in logical elements."""
 
     inputs: tuple[tuple[Buffer, bool], ...]                 # graph inputs, mutated?
-    outputs: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...]], ...]
+    outputs: tuple                      # views (see View), or {"int": n} for a size it returns
     buffers: dict[str, Buffer]                               # intermediates the step owns
     aliases: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]]
     constants: dict[str, Buffer]

@@ -112,5 +112,16 @@ def test_item_and_printing():
 
 
 def test_unsupported_dtype_is_a_clear_error():
-    with pytest.raises(TypeError, match="spyre tensors cannot hold torch.float64"):
-        torch.zeros(2, dtype=torch.float64, device="spyre")
+    with pytest.raises(TypeError, match="spyre tensors cannot hold torch.complex64"):
+        torch.zeros(2, dtype=torch.complex64, device="spyre")
+
+
+def test_float64_tensors_are_stored_exactly_and_computed_on_the_cpu():
+    """The card stores float64 (the bytes round-trip) but has no fp64 arithmetic: eager ops
+    on it run on the CPU, as any op without a card kernel does."""
+    x = torch.randn(3, 70, dtype=torch.float64)
+    d = x.to("spyre")
+    assert d.dtype == torch.float64 and torch.equal(d.cpu(), x)
+    spyre_rt.fallback.forget_warnings("aten::mul")  # each op warns once per process
+    with pytest.warns(spyre_rt.SpyreFallbackWarning):
+        torch.testing.assert_close((d * 2).cpu(), x * 2, rtol=0, atol=0)

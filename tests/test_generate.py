@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from transformers import GraniteConfig, GraniteForCausalLM
+from transformers import GraniteConfig, GraniteForCausalLM, StaticCache
 
 from spyre_rt import card as cards
 from spyre_rt.dispatch import dispatch_mode
@@ -35,6 +35,8 @@ def functional():
 
 @pytest.fixture(scope="module")
 def compiled_granite(functional):
+    """The CPU model and its copy on the card with a compiled forward (compiled once for
+    the module: each cache kind and batch shape adds its graphs)."""
     model = granite()
     on_card = copy.deepcopy(model).to("spyre")
     torch._dynamo.reset()
@@ -42,17 +44,58 @@ def compiled_granite(functional):
     return model, on_card
 
 
+def prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask; with two rows, the second is left-padded by four."""
+    ids = torch.randint(3, 1000, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    mask = torch.ones(batch, 9, dtype=torch.long)
+    if batch > 1:
+        ids[1, :4], mask[1, :4] = 0, 0
+    return ids, mask
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_generate_with_a_static_cache_gives_cpu_eagers_tokens(compiled_granite, mode):
-    """The static cache keeps per-layer CPU scalars that the graph copies to the card (a
-    device copy the step once skipped, so a gather read a garbage row index)."""
+@pytest.mark.parametrize("batch", [1, 2], ids=["batch1", "batch2-left-padded"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_gives_cpu_eagers_greedy_tokens(compiled_granite, cache, batch, mode):
+    """generate() with a compiled forward: the static cache (its per-layer CPU scalars are
+    copied to the card inside the step: a copy the step once skipped, so a gather read a
+    garbage row index) and Hugging Face's default dynamic cache (its length grows every
+    step: one compile with symbolic sizes, a concrete step per length)."""
     model, on_card = compiled_granite
-    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids, mask = prompts(batch)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
+        want = model.generate(ids, attention_mask=mask, **kwargs)
         with dispatch_mode(mode):
-            got = on_card.generate(ids.to("spyre"), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   cache_implementation="static")
+            got = on_card.generate(ids.to("spyre"), attention_mask=mask.to("spyre"), **kwargs)
     assert got.device.type == "spyre"
     assert got.cpu().tolist() == want.tolist()
-    assert len(set(want[0, 8:].tolist())) > 4, "a decode that repeats one token would prove little"
+    assert len(set(want[0, 9:].tolist())) > 4, "a decode that repeats one token would prove little"
+
+
+def test_a_hand_written_decode_loop_with_cache_positions_gives_cpu_eagers_tokens(functional):
+    """A serving loop: a static cache, the model called with explicit cache_position for
+    the prompt and then for each new token, compiled once for both."""
+    model = granite()
+    on_card = copy.deepcopy(model).to("spyre")
+    cfg = model.config
+
+    def decode(m, device):
+        cache = StaticCache(config=cfg, max_cache_len=40)
+        ids = prompts(1)[0].to(device)
+        forward = m if device == "cpu" else torch.compile(m, backend="spyre_rt")
+        with torch.no_grad():
+            logits = forward(ids, past_key_values=cache, cache_position=torch.arange(9, device=device),
+                             use_cache=True).logits
+            tokens = [int(logits[0, -1].argmax())]
+            for pos in range(9, 9 + NEW_TOKENS):
+                nxt = torch.tensor([[tokens[-1]]], device=device)
+                logits = forward(nxt, past_key_values=cache, cache_position=torch.tensor([pos], device=device),
+                                 use_cache=True).logits
+                tokens.append(int(logits[0, -1].argmax()))
+        return tokens
+
+    torch._dynamo.reset()
+    assert decode(on_card, "spyre") == decode(model, "cpu")

@@ -15,6 +15,7 @@ from torch._inductor import lowering as L
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.virtualized import V
 
+from spyre_rt import dtypes
 from spyre_rt.construct.loops import CARD_OPS
 from spyre_rt.kernels import MatmulKernel
 
@@ -107,6 +108,11 @@ def _matmul(a, b, bias=None):
     return ir.TensorBox.create(node)
 
 
+def _arrays_take(*operands) -> bool:
+    """The systolic arrays multiply these dtypes (others, int8 say, run on the CPU)."""
+    return all(dtype_name(x.get_dtype()) in dtypes.MATMUL for x in operands)
+
+
 def _bias_broadcasts_over_rows(bias, n) -> bool:
     size = bias.get_size()
     return V.graph.sizevars.statically_known_equals(size[-1], n) and all(_known(s, 1) for s in size[:-1])
@@ -124,11 +130,18 @@ def card_computes() -> frozenset[str]:
     return CARD_OPS | frozenset(ADAPTERS) | _BOOKKEEPING
 
 
-def missing_operations(result) -> set[str]:
-    """The operations of a lowering's result (its loop bodies) the card cannot compute."""
+def missing_operations(result, args=()) -> set[str]:
+    """The operations of a lowering's result (its loop bodies) the card cannot compute, and
+    the dtypes among its tensors that the card does not compute in."""
     allowed = card_computes()
     out: set[str] = set()
-    for box in result if isinstance(result, (list, tuple)) else [result]:
+    boxes = result if isinstance(result, (list, tuple)) else [result]
+    for t in [*boxes, *args]:
+        dtype = getattr(t, "get_dtype", None)
+        name = dtype_name(dtype()) if callable(dtype) and isinstance(t, ir.IRNode) else None
+        if name is not None and name not in dtypes.CODE:
+            out.add(name)
+    for box in boxes:
         data = getattr(box, "data", None)
         while isinstance(data, (ir.StorageBox, ir.ComputedBuffer)):
             data = data.data
@@ -152,7 +165,7 @@ def _checked(op, lowering):
         result = lowering(*args, **kwargs)
         if not _on_spyre(*args, *kwargs.values()):
             return result
-        missing = missing_operations(result)
+        missing = missing_operations(result, args)
         if not missing:
             return result
         if not options.cpu_fallback:
@@ -175,25 +188,33 @@ def install() -> None:
         return
     _installed = True
     _install_cpu_ops()
+    cpu_matmul = {}
     for op in (aten.mm.default, aten.bmm.default, aten.addmm.default):
         _original[op] = L.lowerings[op]
+        cpu_matmul[op] = L.fallback_handler(op, add_to_fallback_set=False)
 
     @L.register_lowering(aten.mm.default, type_promotion_kind=None)
     def mm(a, b, out_dtype=None, *, layout=None):
         if not _on_spyre(a, b) or out_dtype is not None:
             return _original[aten.mm.default](a, b, out_dtype, layout=layout)
+        if not _arrays_take(a, b):
+            return cpu_matmul[aten.mm.default](a, b)
         return _matmul(a, b)
 
     @L.register_lowering(aten.bmm.default, type_promotion_kind=None)
     def bmm(a, b, out_dtype=None, *, layout=None):
         if not _on_spyre(a, b) or out_dtype is not None:
             return _original[aten.bmm.default](a, b, out_dtype, layout=layout)
+        if not _arrays_take(a, b):
+            return cpu_matmul[aten.bmm.default](a, b)
         return _matmul(a, b)
 
     @L.register_lowering(aten.addmm.default, type_promotion_kind=None)
     def addmm(inp, a, b, *, beta=1, alpha=1, layout=None):
         if not _on_spyre(a, b):
             return _original[aten.addmm.default](inp, a, b, beta=beta, alpha=alpha, layout=layout)
+        if not _arrays_take(a, b):
+            return cpu_matmul[aten.addmm.default](inp, a, b, beta=beta, alpha=alpha)
         n = b.get_size()[-1]
         if alpha == 1 and beta == 1 and _bias_broadcasts_over_rows(inp, n):
             return _matmul(a, b, L.lowerings[aten.view.default](inp, [1, n]))

@@ -24,6 +24,7 @@ from torch._inductor.codegen import wrapper as W
 from torch._inductor.utils import LineContext, ValueWithLineMap
 from torch._inductor.virtualized import V
 
+from spyre_rt import dtypes
 from spyre_rt.kernels import Buffer, CpuOp, StepDesc, to_json
 
 from ..describe import RecordedKernel, Sym, copy_kernel, text
@@ -179,6 +180,10 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 # (a device copy once was, and its buffer held garbage): refuse it.
                 raise compile_error(f"a wrapper line of kind {type(line).__name__} ({str(line)[:120]})", [])
         inputs, symbols = self._inputs()
+        for b in [*buffers.values(), *(b for b, _ in inputs)]:
+            if b.dtype not in dtypes.BY_NAME:
+                raise compile_error(f"{b.name} holds {b.dtype}, which spyre tensors cannot hold "
+                                    f"(they hold {', '.join(dtypes.BY_NAME)})", _origin_of(b.name))
         return StepDesc(
             inputs=tuple(inputs), outputs=tuple(self._outputs()), buffers=buffers, aliases=aliases,
             constants={name: Buffer(name, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0)
@@ -219,8 +224,11 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                     out = out.data
                 else:
                     break
-            if isinstance(out, ir.ShapeAsConstantBuffer) or not hasattr(out, "get_name"):
-                raise compile_error("graph outputs that are sizes or Python values", [])
+            if isinstance(out, ir.ShapeAsConstantBuffer):  # a size the graph returns
+                outputs.append({"int": text(out.expr)})
+                continue
+            if not hasattr(out, "get_name"):
+                raise compile_error(f"a graph output of kind {type(out).__name__}", [])
             outputs.append(stored_view(view_of(out)))
         return outputs
 
@@ -244,6 +252,12 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             "    return _step(args, globals())\n"
         )
         return ValueWithLineMap(src, []), ValueWithLineMap("", [])
+
+
+def _origin_of(name: str) -> list:
+    """The IR node of a buffer (for an error that names the op it came from)."""
+    node = V.graph.get_buffer(name)
+    return [node] if node is not None else []
 
 
 def _is_symbolic(x) -> bool:

@@ -42,6 +42,7 @@ from .sfu import (
     BINARY,
     COL,
     COMPARE,
+    DTYPE,
     FLOATS,
     ITEMSIZE,
     REDUCE,
@@ -123,8 +124,14 @@ class Builder:
         self.colvars = set(range(self.nrow, self.nvars))
         self.C = math.prod(k.sizes[self.nrow:]) if k.ncols else 1
         self.bufs = {b.name: b for b in k.buffers}
+        for b in k.buffers:
+            if b.dtype not in DTYPE:
+                raise Unsupported(f"{b.name} holds {b.dtype}, which the card does not compute in")
         for op in k.ops:
-            self.values[op.id] = self._value(op)
+            try:
+                self.values[op.id] = self._value(op)
+            except ValueError as e:  # a dtype the card does not compute in
+                raise Unsupported(f"operation {op.op}: {e}") from None
         self.levels = max((v.level for v in self.values.values()), default=0) + 1
 
     def _kind(self, deps) -> str:

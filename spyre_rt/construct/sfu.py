@@ -52,7 +52,9 @@ def compute_type(dtype: str) -> str:
         return "float32"
     if dtype == "bool":
         return "bool"
-    return "int64"
+    if dtype in DTYPE:  # the integer types
+        return "int64"
+    raise ValueError(f"the card does not compute in {dtype}")
 
 
 def parse_constant(value, dtype: str):

@@ -103,11 +103,16 @@ class Executable:
         """The name a kernel's job runs under in the trace: unique across steps."""
         return kernel if kernel in (SNAPSHOT, RESTORE) else f"{kernel}@{self.step.digest[:8]}"
 
-    def _output_sources(self, names_in: list[str]) -> list[tuple[bool, int, int, tuple, tuple]]:
-        """Where each output comes from: (a fresh output buffer?, which, offset, sizes, strides)."""
+    def _output_sources(self, names_in: list[str]) -> list:
+        """Where each output comes from: (a fresh output buffer?, which, offset, sizes,
+        strides), or the int a size output is."""
         index_in = {n: i for i, n in enumerate(names_in)}
         out = []
-        for name, off, sizes, strides in self.desc.outputs:
+        for output in self.desc.outputs:
+            if isinstance(output, dict):
+                out.append(int(output["int"]))
+                continue
+            name, off, sizes, strides = output
             base = self.base_of(name)
             delta = self.offsets.get(name, 0) - self.offsets.get(base, 0) + off
             if base in self.output_bases:
@@ -228,7 +233,11 @@ class Executable:
         finally:
             self._give_arena(taken)
         result = []
-        for fresh, k, delta, sizes, strides in self._outputs:
+        for source in self._outputs:
+            if isinstance(source, int):
+                result.append(source)
+                continue
+            fresh, k, delta, sizes, strides = source
             t = outputs[k] if fresh else inputs[k]
             result.append(torch.as_strided(t, sizes, strides, delta if fresh else delta + t.storage_offset()))
         return result

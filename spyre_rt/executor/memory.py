@@ -49,8 +49,10 @@ def base_of(desc: StepDesc, name: str) -> str:
 
 def plan(desc: StepDesc, stick_bytes: int) -> MemoryPlan:
     output_bases: list[str] = []
-    for name, *_ in desc.outputs:
-        base = base_of(desc, name)
+    for out in desc.outputs:
+        if isinstance(out, dict):  # a size, not a tensor
+            continue
+        base = base_of(desc, out[0])
         if base in desc.buffers and base not in output_bases:
             output_bases.append(base)
     views = views_of(desc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SpyreError
+from ..errors import SpyreError, SpyreIndexError
 from ..kernels import CpuOp
 
 
@@ -38,9 +38,19 @@ class DeviceSegment:
                 exe.plans(call.epoch)[self.index].launch(call.table)
             else:
                 exe.construct_and_run(self.kernels, call.table, call.mode)
+        except SpyreIndexError as e:  # a bad index of the user's data: say which op read it
+            named = SpyreIndexError(f"{self._ops_of(exe, e.job)}: {e}", e.command)
+            named.job, named.segment = e.job, self.index
+            raise named from None
         except SpyreError as e:
             e.segment = self.index
             raise
+
+    def _ops_of(self, exe, job: int) -> str:
+        if not 0 <= job < len(self.kernels) or self.kernels[job] not in exe.desc.kernels:
+            return "a kernel of the step"
+        origins = exe.desc.kernels[self.kernels[job]].origins
+        return ", ".join(origins) or self.kernels[job]
 
 
 @dataclass(frozen=True)

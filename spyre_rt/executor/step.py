@@ -119,7 +119,7 @@ class CompiledStep:
             if i < len(self.desc.inputs) and self.desc.inputs[i][1]:
                 t.copy_(inputs[i])  # a mutated host input: write the new values back
         if host_inputs and len(host_inputs) == len(inputs):
-            outs = [o.cpu() for o in outs]
+            outs = [o.cpu() if isinstance(o, torch.Tensor) else o for o in outs]
         return outs
 
 

@@ -201,6 +201,24 @@ class PlanCache:
                         out.append((p, p.stat()))
         return out
 
+    def headers(self) -> list[tuple[Path, dict]]:
+        """The header of every plan file, read without its payload (for listings: nothing
+        here is trusted to run; a file that does not parse is left out)."""
+        out = []
+        for p, _ in self.entries():
+            try:
+                with open(p, "rb") as f:
+                    prefix = f.read(_PREFIX.size)
+                    magic, fmt, nhead, _, _ = _PREFIX.unpack(prefix)
+                    if magic != MAGIC or fmt != FORMAT:
+                        continue
+                    header = json.loads(f.read(nhead).decode())
+            except (OSError, ValueError, struct.error, RecursionError):
+                continue
+            if isinstance(header, dict):
+                out.append((p, header))
+        return out
+
     def entries(self) -> list[tuple[Path, os.stat_result]]:
         """The finished plan files."""
         return self._listing(temps=False)

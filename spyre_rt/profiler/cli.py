@@ -302,6 +302,24 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", metavar="DIR", help="the cache directory (default: SPYRE_RT_CACHE_DIR or ~/.cache)")
 
 
+def _plans_per_step(cache) -> Table:
+    """How many plan files each compiled graph holds: one per distinct size it ran at (a
+    graph with dynamic shapes), one for a static graph."""
+    steps: dict[str, list[dict]] = {}
+    for _, header in cache.headers():
+        steps.setdefault(str(header.get("step", "?")), []).append(header)
+    t = Table(title="plans per compiled graph", title_justify="left")
+    t.add_column("graph")
+    t.add_column("plans", justify="right")
+    t.add_column("kernels", justify="right")
+    t.add_column("sizes")
+    for step, headers in sorted(steps.items(), key=lambda kv: -len(kv[1])):
+        sizes = sorted({", ".join(f"{k}={v}" for k, v in sorted(h.get("sizes", {}).items())) for h in headers})
+        shown = "; ".join(sizes[:6]) + (f"; ... ({len(sizes)} in all)" if len(sizes) > 6 else "")
+        t.add_row(step, str(len(headers)), str(max(int(h.get("kernels", 0)) for h in headers)), shown or "static")
+    return t
+
+
 def cmd_cache(args: argparse.Namespace, console: Console) -> int:
     from .. import config, plan_cache
     from ..errors import SpyrePlanCacheError
@@ -324,6 +342,7 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
             if k != "updated":
                 t.add_row(k, f"{v:,}")
         console.print(t)
+        console.print(_plans_per_step(cache))
         return 0
     if args.action == "list":
         t = Table(title=f"plan cache {cache.dir}", title_justify="left")

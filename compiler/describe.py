@@ -23,6 +23,7 @@ text when it is stored), and so is what comes out.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -172,6 +173,7 @@ class RecordedKernel:
     local: tuple[str, ...]                 # buffers produced and consumed inside the kernel
     buffers: dict[str, Buffer] = field(default_factory=dict)  # every buffer its nodes touch
     origins: tuple[str, ...] = ()
+    module: str = ""
 
     def stored(self) -> RecordedKernel:
         """The same kernel with every expression as text (for JSON)."""
@@ -179,7 +181,8 @@ class RecordedKernel:
                                    tuple(_stored_op(op) for op in n.ops)) for n in self.nodes)
         buffers = {k: Buffer(b.name, b.dtype, tuple(text(s) for s in b.sizes), tuple(text(s) for s in b.strides),
                              text(b.offset)) for k, b in self.buffers.items()}
-        return RecordedKernel(self.name, nodes, text(self.numel), text(self.rnumel), self.local, buffers, self.origins)
+        return RecordedKernel(self.name, nodes, text(self.numel), text(self.rnumel), self.local, buffers, self.origins,
+                              self.module)
 
 
 def _stored_op(op: dict) -> dict:
@@ -291,7 +294,8 @@ def describe(rec: RecordedKernel, env: Mapping[str, int] | None = None) -> LoopK
         sizes, rsizes = [value(s, env) for s in node.sizes], [value(s, env) for s in node.rsizes]
         syms = loop_symbols(f"n{k}_", len(sizes) + len(rsizes))
         recorded.append((sizes, rsizes, syms, adapt([_concrete_op(op, env) for op in node.ops])))
-    return _describe(rec.name, recorded, numel, rnumel, set(rec.local), known, rec.origins)
+    kernel = _describe(rec.name, recorded, numel, rnumel, set(rec.local), known, rec.origins)
+    return dataclasses.replace(kernel, module=rec.module)
 
 
 def copy_kernel(name: str, src: Buffer, dst: Buffer) -> LoopKernel:

@@ -84,6 +84,7 @@ class LoopKernel:
     ops: tuple[Op, ...]
     buffers: tuple[Buffer, ...]
     origins: tuple[str, ...] = ()
+    module: str = ""         # the nn.Module it came from (``model.layers.3.mlp``), if known
 
     kind = "loop"  # the builder that constructs it (spyre_rt.construct.BUILDERS)
 
@@ -128,6 +129,7 @@ class MatmulKernel:
     bias_dtype: str = ""
     buffers: tuple[Buffer, ...] = ()
     origins: tuple[str, ...] = ()
+    module: str = ""
 
     kind = "matmul"
 

@@ -141,6 +141,13 @@ class ProgramBuilder:
         self.ncmds += len(cmds)
         return first
 
+    def commands(self) -> np.ndarray:
+        """Every command appended so far, in program order."""
+        return np.concatenate(self._cmds) if self._cmds else np.zeros(0, dtype=CMD_DMA)
+
+    def descriptors(self) -> np.ndarray:
+        return np.concatenate(self._descs) if self._descs else np.zeros(0, dtype=DESC)
+
     def encode(self) -> np.ndarray:
         """The program block, as an 8-byte aligned uint8 array."""
         slots = np.zeros(len(self.slots), dtype=SLOT)

@@ -21,7 +21,16 @@ from spyre_rt.kernels import MatmulKernel
 
 from ..describe import ADAPTERS
 from ..errors import compile_error
-from .record import buffer_info, dtype_name, node_origins, stored_buffer, stored_view, view_of
+from .record import (
+    buffer_info,
+    dtype_name,
+    fx_origins,
+    module_of,
+    node_origins,
+    stored_buffer,
+    stored_view,
+    view_of,
+)
 
 aten = torch.ops.aten
 
@@ -50,6 +59,7 @@ class SpyreMatmul(ir.ExternKernelOut):
             bias=stored_view(bias) if bias else None,
             bias_dtype=dtype_name(self.inputs[2].get_dtype()) if bias else "",
             buffers=tuple(stored_buffer(b) for b in bufs.values()), origins=node_origins(self),
+            module=module_of([o for o in fx_origins([self]) if "mm" in str(o.target)] or fx_origins([self])),
         )
 
 

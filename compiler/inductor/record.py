@@ -138,7 +138,7 @@ def record_kernel(name: str, snodes, numel, rnumel, local: set[str], real_name: 
                     if op["buf"] not in local:
                         raise
     return RecordedKernel(name, nodes, size(numel), size(rnumel), tuple(sorted(local)), buffers,
-                          tuple(sorted(origins(snodes))))
+                          tuple(sorted(origins(snodes))), module_of(fx_origins(snodes)))
 
 
 def buffer_info(name: str) -> Buffer:
@@ -227,4 +227,33 @@ def computing_origins(snodes) -> set[str]:
         for o in getattr(sn.node, "origins", ()):
             if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", str(o.target)) not in _VIEWS:
                 out.add(o.name)
+    return out
+
+
+def module_of(fx_nodes) -> str:
+    """The module path (``model.layers.3.mlp.up_proj``) of the innermost module the FX
+    nodes ran in: the one most of them share, read from Dynamo's nn_module_stack."""
+    counts: dict[str, int] = {}
+    for n in fx_nodes:
+        stack = (getattr(n, "meta", None) or {}).get("nn_module_stack") or {}
+        if stack:
+            path = _module_path(list(stack.values())[-1][0])
+            counts[path] = counts.get(path, 0) + 1
+    return max(counts, key=lambda p: (counts[p], p.count("."), p)) if counts else ""
+
+
+def _module_path(qualified: str) -> str:
+    """``L['self'].model.layers[3].mlp`` -> ``model.layers.3.mlp``."""
+    path = re.sub(r"\[(\d+)\]", r".\1", qualified)
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def fx_origins(nodes) -> list:
+    """The FX nodes an IR node (or scheduler nodes) came from."""
+    out = []
+    for n in nodes:
+        node = getattr(n, "node", n)
+        out.extend(o for o in getattr(node, "origins", ()) if getattr(o, "op", "") == "call_function")
     return out

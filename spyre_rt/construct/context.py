@@ -68,6 +68,7 @@ class BuildContext:
     program: ProgramBuilder = field(default_factory=ProgramBuilder)
     slot_of: dict[str, int] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)  # logical start of a buffer in its storage
+    scratchpad_peak: int = 0  # bytes of one core's scratchpad the program holds at most (set by builders)
 
     def offset(self, buffer: str) -> int:
         return self.offsets.get(buffer, 0)

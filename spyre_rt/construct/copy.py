@@ -70,3 +70,4 @@ def build(ctx: BuildContext, copies: list[Copy]) -> None:
     cmds["ndeps"] = ndeps
     cmds["dep_begin"] = begin
     ctx.program.add(cmds, deps.astype(np.uint32))
+    ctx.scratchpad_peak = 2 * CHUNK_MAX if n > cores else CHUNK_MAX

@@ -999,4 +999,5 @@ def build(ctx: BuildContext, k: LoopKernel, tiling: dict | None = None) -> dict:
                          np.where(c.deps == FREE_OUT, free_out[idx][:, None], first[idx][:, None] + c.deps))
             deps[dfirst[idx][:, None] + np.arange(len(c.deps))] = d
     ctx.program.add(cmds, deps.astype(np.uint32))
+    ctx.scratchpad_peak = b.lx_top
     return tiling

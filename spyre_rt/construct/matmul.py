@@ -385,6 +385,7 @@ def build(ctx: BuildContext, spec: MatmulSpec, tiles: Tiles | None = None) -> Ti
         cmds["op"][pos_st[li[po.nbases > j]] + j] = OP_STORE
     _fill_dmas(cmds, pos_st[li], po, np.arange(ntiles), ctx.slot(o.buf), stage[sslot], load=False)
     ctx.program.add(cmds, dval.astype(np.uint32))
+    ctx.scratchpad_peak = lx.top
     return tiles
 
 

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from .. import card as cards
-from .. import construct, jobs, tensors
+from .. import construct, jobs, kernel_info, tensors
 from ..construct import copy
 from ..construct.context import BuildContext, Target
+from ..construct.facts import kernel_facts
 from ..dtypes import torch_dtype
 from ..errors import SpyreError
 from ..kernels import Buffer
@@ -154,7 +155,10 @@ class Executable:
             copy.build(ctx, copies)
         else:
             kernel = self.desc.kernels[kernel_name]
+            first = kernel_name not in self._tilings
             self._tilings[kernel_name] = construct.build(ctx, kernel, self._tilings.get(kernel_name))
+            if first:  # what it computes and moves, for the trace and the profiler
+                kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 
     def construct_and_run(self, kernels, table, mode: str) -> None:

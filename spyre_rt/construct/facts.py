@@ -1,0 +1,97 @@
+"""What a constructed kernel computes and moves: the facts the profiler places against the
+card's roofline (:mod:`spyre_rt.kernel_info`).
+
+From the description: its kind, aten ops and module, the FLOPs it must do (a multiply-add
+counts as 2) and the fewest DRAM bytes it must move (every buffer it touches, once). From
+the program construction made: the DRAM bytes its commands move, the cores they run on and
+the scratchpad each core holds at most.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import dtypes
+from ..program import CMD_DMA, CMD_GATHER, CORE_CARD, DMA_DESCS, OP_GATHER, OP_LOAD, OP_SCATTER, OP_STORE
+from .context import BuildContext
+
+# loop-body operations that are not arithmetic: data movement and index bookkeeping
+_NOT_ARITHMETIC = {"load", "store", "constant", "index", "indirect", "to_dtype", "where"}
+
+
+# aten ops that only rearrange or make constants: not what a kernel is named by
+_PLUMBING = {"view", "_unsafe_view", "reshape", "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
+             "t", "transpose", "alias", "clone", "convert_element_type", "iota", "full", "scalar_tensor",
+             "_to_copy", "copy_"}
+_MATMULS = {"mm", "bmm", "addmm", "baddbmm"}
+
+
+def principal_ops(kernel) -> list[str]:
+    """The aten ops a kernel is named by: the matmul of a matmul kernel, the computing ops of
+    a loop kernel (without views and constants), each once."""
+    def name(origin: str) -> str:  # "aten.mm.default" -> "mm"
+        parts = origin.split(".")
+        return parts[1] if len(parts) > 2 else parts[-1]
+
+    ops = sorted({name(o) for o in kernel.origins})
+    if kernel.kind == "matmul":
+        return [o for o in ops if o in _MATMULS] or ops
+    return [o for o in ops if o not in _PLUMBING] or ops
+
+
+def kernel_facts(kernel, ctx: BuildContext) -> dict:
+    facts = {"kind": getattr(kernel, "shape", None) or kernel.kind, "op": principal_ops(kernel),
+             "module": getattr(kernel, "module", ""), "flops": flops(kernel),
+             "dram_bytes_min": min_bytes(kernel), **program_facts(ctx)}
+    dtype = getattr(kernel, "in_dtype", "") or next((b.dtype for b in kernel.buffers if b.dtype in dtypes.FLOATS), "")
+    if dtype:
+        facts["dtype"] = dtype
+    return facts
+
+
+def flops(kernel) -> int:
+    if kernel.kind == "matmul":
+        batch, m, k = kernel.a[2]
+        return 2 * batch * m * k * kernel.b[2][2]
+    arithmetic = sum(1 for op in kernel.ops if op.op not in _NOT_ARITHMETIC)
+    return math.prod(kernel.sizes) * arithmetic
+
+
+def min_bytes(kernel) -> int:
+    """Each buffer once: the largest box through which the kernel touches it."""
+    itemsize = {b.name: dtypes.ITEMSIZE.get(b.dtype, 4) for b in kernel.buffers}
+    per_buffer: dict[str, int] = {}
+    for buf, _, sizes, _ in kernel.views():
+        per_buffer[buf] = max(per_buffer.get(buf, 0), math.prod(sizes) * itemsize.get(buf, 4))
+    return sum(per_buffer.values())
+
+
+def program_facts(ctx: BuildContext) -> dict:
+    cmds = ctx.program.commands()
+    cores = np.unique(cmds["core"][cmds["core"] != CORE_CARD])
+    return {"dram_bytes": dram_bytes(cmds, ctx.program.descriptors()), "cores": int(cores.size),
+            "scratchpad_peak": int(ctx.scratchpad_peak)}
+
+
+def dram_bytes(cmds: np.ndarray, descs: np.ndarray) -> int:
+    """Bytes the program's DMA, gather and scatter commands move between DRAM and the
+    scratchpads."""
+    total = 0
+    dma = cmds[np.isin(cmds["op"], (OP_LOAD, OP_STORE))].view(CMD_DMA)
+    listed = (dma["flags"] & DMA_DESCS) != 0
+    plain = dma[~listed]
+    reps = np.ones(len(plain), dtype=np.int64)
+    for k in range(3):
+        reps *= np.where(plain["ndims"] > k, plain["count"][:, k], 1)
+    total += int((plain["run_bytes"].astype(np.int64) * reps).sum())
+    for c in dma[listed]:
+        first = int(c["src_off"])  # a descriptor list's first entry
+        total += int(descs["bytes"][first: first + int(c["desc_count"])].astype(np.int64).sum())
+    rows = cmds[np.isin(cmds["op"], (OP_GATHER, OP_SCATTER))].view(CMD_GATHER)
+    reps = np.ones(len(rows), dtype=np.int64)
+    for k in range(2):
+        reps *= np.where(rows["ndims"] > k, rows["count"][:, k], 1)
+    total += int((rows["nidx"].astype(np.int64) * rows["run_bytes"] * reps).sum())
+    return total

@@ -1,0 +1,85 @@
+"""Every kernel knows what it computes: its kind, aten ops, module, FLOPs, the DRAM bytes it
+must move and the bytes it did move, its cores and scratchpad; trace job events carry them
+(what spyre-profile's per-op table and roofline read)."""
+
+from __future__ import annotations
+
+import torch
+
+from spyre_rt import card as cards
+from spyre_rt import executor, kernel_info, trace
+from spyre_rt.dispatch import dispatch_mode
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 96, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x)) * 2
+
+
+def _compiled_block():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    return torch.compile(Block().eval().to("spyre"), backend="spyre_rt", dynamic=False)
+
+
+def _infos(step) -> list[tuple[str, dict]]:
+    (exe,) = step.executables()
+    names = [exe.job_name(k) for seg in exe.device_segments() for k in seg.kernels]
+    return [(n, kernel_info.lookup(n)) for n in names if kernel_info.lookup(n)]
+
+
+def test_a_matmul_knows_its_flops_bytes_module_and_cores():
+    before = set(executor.live_steps())
+    f = _compiled_block()
+    with torch.no_grad():
+        f(torch.randn(10, 64).to("spyre"))
+    (step,) = set(executor.live_steps()) - before
+    mm = [info for _, info in _infos(step) if info["op"] == ["mm"]]
+    assert len(mm) == 1
+    info = mm[0]
+    assert info["kind"] == "matmul" and info["module"] == "proj"
+    assert info["flops"] == 2 * 10 * 64 * 96
+    assert info["dram_bytes_min"] == (10 * 64 + 64 * 96 + 10 * 96) * 4
+    assert info["dram_bytes"] >= info["dram_bytes_min"]
+    assert 1 <= info["cores"] <= 32 and info["scratchpad_peak"] > 0
+    assert info["dtype"] == "float32"
+
+
+def test_trace_job_events_carry_what_each_kernel_computes():
+    f = _compiled_block()
+    card = cards.get(0)
+    x = torch.randn(10, 64).to("spyre")
+    with torch.no_grad(), dispatch_mode("prebuilt"):
+        f(x)  # plans exist
+        with trace.capture(card, commands=False) as cap:
+            f(x)
+    events = cap.export()["traceEvents"]
+    jobs = [e for e in events if e.get("ph") == "X" and "flops" in e.get("args", {})]
+    assert jobs, "no job event carries kernel info"
+    for key in ("op", "module", "flops", "dram_bytes_min", "dram_bytes", "cores"):
+        assert all(key in e["args"] for e in jobs), key
+
+
+def test_a_warm_start_knows_its_kernels_from_the_plan_file():
+    """A step whose plans come from the plan cache builds nothing: what its kernels compute
+    comes from the plan file."""
+    torch._dynamo.reset()
+    before = set(executor.live_steps())
+    f = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend="spyre_rt", dynamic=False)
+    x, w = torch.randn(10, 64).to("spyre"), torch.randn(64, 96).to("spyre")
+    with dispatch_mode("prebuilt"):
+        f(x, w)
+    (step,) = set(executor.live_steps()) - before
+    names = [n for n, _ in _infos(step)]
+    assert names
+    kernel_info.clear()
+    built = executor.stats["kernels_built"]
+    fresh = executor.CompiledStep(step.desc, step.digest)  # as a new process would make it
+    with dispatch_mode("prebuilt"):
+        fresh([x, w], {})
+    assert executor.stats["kernels_built"] == built, "the plans were built, not loaded"
+    assert all(kernel_info.lookup(n) for n in names)

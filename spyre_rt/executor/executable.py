@@ -29,7 +29,7 @@ from .. import card as cards
 from .. import construct, jobs, kernel_info, tensors
 from ..construct import copy
 from ..construct.context import BuildContext, Target
-from ..construct.facts import kernel_facts
+from ..construct.facts import kernel_facts, program_facts
 from ..dtypes import torch_dtype
 from ..errors import SpyreError
 from ..kernels import Buffer
@@ -102,7 +102,7 @@ class Executable:
 
     def job_name(self, kernel: str) -> str:
         """The name a kernel's job runs under in the trace: unique across steps."""
-        return kernel if kernel in (SNAPSHOT, RESTORE) else f"{kernel}@{self.step.digest[:8]}"
+        return f"{kernel}@{self.step.digest[:8]}"
 
     def _output_sources(self, names_in: list[str]) -> list:
         """Where each output comes from: (a fresh output buffer?, which, offset, sizes,
@@ -153,6 +153,9 @@ class Executable:
             copies = self.snapshots if kernel_name == SNAPSHOT else [
                 copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
             copy.build(ctx, copies)
+            kernel_info.register(self.job_name(kernel_name), {
+                "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
+                "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
         else:
             kernel = self.desc.kernels[kernel_name]
             first = kernel_name not in self._tilings

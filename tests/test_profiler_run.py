@@ -203,10 +203,12 @@ def test_efficiency_is_device_time_against_the_roofline_per_phase(cli_run):
     for phase in PHASES:
         e = out["efficiency"][phase]
         assert e["device_ms"] == pytest.approx(per_step(out, "prebuilt", phase, "device_ms"))
-        # the compiler registers no kernel info yet: the analytic model's roofline stands in
-        assert e["source"] == "analytic" and e["kernels_with_info"] == 0
+        # every kernel carries what it computes: the phase's roofline is the sum of theirs,
+        # which the analytic model of the whole step cannot exceed by much (kernels over a
+        # static cache attend to all of it; fused kernels move less)
+        assert e["source"] == "kernels" and e["kernels_with_info"] == e["kernels"] > 0
         cost = analytic.granite_step(config, 1, 16, phase, "float32")
-        assert e["roofline_ms"] == pytest.approx(cost.roofline_ms(roofline))
+        assert e["roofline_ms"] >= 0.5 * cost.roofline_ms(roofline)
         assert e["fraction"] == pytest.approx(e["roofline_ms"] / e["device_ms"])
         assert e["bound"] in ("compute", "DRAM") and 0 < e["fraction"] < 1
 

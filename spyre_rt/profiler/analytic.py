@@ -3,7 +3,9 @@
 A cross-check of the kernel-by-kernel roofline: whatever the compiler makes of the model,
 a prefill of ``batch x seq`` tokens, or one decode token, needs at least
 
-- FLOPs: every linear layer (q, k, v, o; gate, up, down; the LM head) on every token, and
+- FLOPs: every linear layer (q, k, v, o; gate, up, down) on every token, the LM head on
+  the positions whose logits are asked for (the last of each sequence, as a server asks:
+  ``logits_to_keep=1``; every token with ``all_logits``), and
   causal attention (QK^T and AV over the keys each query sees: ``seq (seq + 1) / 2`` pairs
   per head in prefill, ``seq + 1`` keys for the decode token at position ``seq``);
 - weight bytes: every weight read once (norms included), and the embedding rows of the
@@ -57,10 +59,12 @@ class StepCost:
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-def granite_step(config: Mapping[str, Any], batch: int, seq: int, phase: str, dtype: str = "float16") -> StepCost:
+def granite_step(config: Mapping[str, Any], batch: int, seq: int, phase: str, dtype: str = "float16",
+                 all_logits: bool = False) -> StepCost:
     """The least work of a Granite prefill of `batch` x `seq` tokens, or of one decode
     token at position `seq` (`phase` "prefill" or "decode"); `config` holds the Hugging
-    Face config's keys (a model profile's ``[config]``)."""
+    Face config's keys (a model profile's ``[config]``). Logits are those of each
+    sequence's last position, or of every token with `all_logits`."""
     if phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be prefill or decode, not {phase!r}")
     h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
@@ -69,15 +73,16 @@ def granite_step(config: Mapping[str, Any], batch: int, seq: int, phase: str, dt
     kv = int(config["num_key_value_heads"]) * head_dim  # width of k and of v
     w = _DTYPE_BYTES[dtype]
     tokens = batch * seq if phase == "prefill" else batch
+    logit_rows = tokens if all_logits else batch
     # (query, key) pairs per head and sequence: causal in prefill, every position so far in decode
     pairs = seq * (seq + 1) // 2 if phase == "prefill" else seq + 1
     keys_read = seq if phase == "prefill" else seq + 1
 
     linear_macs = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k, v, o, gate, up, down
-    flops = 2 * tokens * (layers * linear_macs + h * vocab) + layers * batch * heads * 4 * pairs * head_dim
+    flops = 2 * tokens * layers * linear_macs + 2 * logit_rows * h * vocab + layers * batch * heads * 4 * pairs * head_dim
     layer_weights = linear_macs + 2 * h  # and the two RMS norms
     weights = (layers * layer_weights + h + vocab * h + tokens * h) * w  # final norm, LM head, embedding rows
     kv_bytes = layers * batch * 2 * kv * ((seq if phase == "prefill" else 1) + keys_read) * w
     per_layer = (h + h + 2 * kv) + (h + h) + (h + h) + (h + 2 * inter) + (inter + h)  # qkv, attn, o, gate+up, down
-    activations = tokens * (layers * per_layer + h + h + vocab) * w  # embedding out, LM head in, logits
+    activations = (tokens * (layers * per_layer + h) + logit_rows * (h + vocab)) * w  # embedding out; LM head in, logits
     return StepCost(float(flops), float(weights), float(kv_bytes), float(activations), dtype)

@@ -231,7 +231,10 @@ class Session:
         cache = self.cache
 
         def forward(ids, pos):
-            return model(ids, cache=cache, position_ids=pos, use_cache=True).logits
+            # Logits of the last position only, as a serving system asks for: the next token
+            # needs no more (a prefill's LM head over all 1,024 positions was 49k-wide work
+            # for nothing).
+            return model(ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
 
         self.forward = torch.compile(forward, backend="spyre_rt", fullgraph=True, dynamic=False)
         self.prompt = torch.randint(0, cfg.vocab_size, (opts.batch, opts.seq))

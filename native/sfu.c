@@ -373,6 +373,18 @@ static void i_isnan(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t 
     memset(o, 0, (size_t)n * sizeof *o);
 }
 
+static void f_signbit(const spy_instr *ins, uint32_t n, int64_t *o, const float *a, const float *b)
+{
+    for (uint32_t i = 0; i < n; i++)
+        o[i] = signbit(a[i]) != 0;
+}
+
+static void i_signbit(const spy_instr *ins, uint32_t n, int64_t *o, const int64_t *a, const int64_t *b)
+{
+    for (uint32_t i = 0; i < n; i++)
+        o[i] = a[i] < 0;
+}
+
 /* Float reductions accumulate sums and products in double; NaN wins max, min, argmax and
  * argmin (the first NaN's index). any/all test the integer conversion of each element. */
 static void f_rsum(const spy_instr *ins, uint32_t n, const float *a, uint8_t *dst)

@@ -72,6 +72,7 @@
     X(ISNAN,     38, 1, NONE, SIMPLE,         TEST,   f_isnan,     i_isnan)                 \
     X(ATAN,      39, 1, NONE, TRANSCENDENTAL, MAP,    f_atan,      i_zero)                  \
     X(REMAINDER, 40, 2, NONE, TRANSCENDENTAL, MAP,    f_remainder, i_remainder) /* Python %: sign of the divisor */ \
+    X(SIGNBIT,   41, 1, NONE, SIMPLE,         TEST,   f_signbit,   i_signbit) /* the sign bit: true for -0.0 */ \
     X(RSUM,      64, 1, NONE, SIMPLE,         REDUCE, f_rsum,      i_rsum)                  \
     X(RMAX,      65, 1, NONE, SIMPLE,         REDUCE, f_rmax,      i_rmax)                  \
     X(RMIN,      66, 1, NONE, SIMPLE,         REDUCE, f_rmin,      i_rmin)                  \

@@ -48,6 +48,7 @@ from .sfu import (
     REDUCE,
     ROW,
     SCALAR,
+    TESTS,
     TILE,
     UNARY,
     Operand,
@@ -174,7 +175,7 @@ class Builder:
             target = op.dtype
             dtype = target if target in ("float16", "bfloat16") else compute_type(target)
             return Value(op, deps, self._kind(deps), dtype, level)
-        if op.op in COMPARE or op.op in LOGICAL:
+        if op.op in COMPARE or op.op in LOGICAL or op.op in TESTS:
             return Value(op, deps, self._kind(deps), "bool", level)
         if op.op == "where":
             a, b = args[1].dtype, args[2].dtype

@@ -30,7 +30,7 @@ FLOATS = dtypes.FLOATS
 # table (native/sfu_ops.h, read through spyre_rt.sfu_ops).
 _CARD_OP = {name: name.upper() for name in (
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf", "floor", "ceil",
-    "trunc", "round", "sign", "log1p", "expm1", "atan", "isnan", "silu",
+    "trunc", "round", "sign", "log1p", "expm1", "atan", "isnan", "silu", "signbit",
     "add", "sub", "mul", "div", "floordiv", "mod", "remainder", "pow", "xor",
 )} | {
     "reciprocal": "RECIP", "logical_not": "NOT", "bitwise_not": "NOT", "identity": "MOV", "to_dtype": "MOV",
@@ -39,6 +39,7 @@ _CARD_OP = {name: name.upper() for name in (
     "bitwise_xor": "XOR", "and_": "AND", "or_": "OR",
 }
 UNARY = {name: SFU_OPS[op].opcode for name, op in _CARD_OP.items() if SFU_OPS[op].arity == 1}
+TESTS = frozenset(name for name, op in _CARD_OP.items() if SFU_OPS[op].kind == "test")  # bool results
 BINARY = {name: SFU_OPS[op].opcode for name, op in _CARD_OP.items() if SFU_OPS[op].arity == 2}
 COMPARE = {"eq": lib.SPY_CMP_EQ, "ne": lib.SPY_CMP_NE, "lt": lib.SPY_CMP_LT, "le": lib.SPY_CMP_LE,
            "gt": lib.SPY_CMP_GT, "ge": lib.SPY_CMP_GE}

@@ -9,12 +9,9 @@ between blocks, outside the measurement.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import platform
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -53,13 +50,3 @@ def label(host: dict[str, Any]) -> str:
             f"is simulated, so the speedups follow this host's speed.")
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """A block without cyclic garbage collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

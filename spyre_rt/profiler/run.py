@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import card as cards
+from .. import trace as trace_format
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
@@ -452,7 +453,7 @@ def _measure_rounds(session: Session, opts: Options, step) -> dict[str, list[dic
                 step(f"measuring [{mode}] {round_ + 1}/{opts.repeats}")
                 traced = opts.trace_detail if opts.trace and round_ == opts.repeats - 1 else None
                 gc.collect()
-                with host.quiet():
+                with trace_format.gc_paused():  # no collection inside a measured run
                     samples[mode].append(session.run(mode, trace=traced))
                 step()
     finally:

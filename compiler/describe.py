@@ -34,6 +34,7 @@ from typing import Any
 import sympy
 
 from spyre_rt.kernels import Access, Buffer, LoopKernel, Op, description
+from spyre_rt.layout import storage_numel
 
 MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements
 
@@ -554,12 +555,6 @@ def _prune(ops: list[Op]) -> list[Op]:
     return [o for o in ops if o.op == "store" or o.id in needed]
 
 
-def _storage_numel(b: Buffer) -> int:
-    if any(s == 0 for s in b.sizes):
-        return 0
-    return b.offset + 1 + sum((s - 1) * st for s, st in zip(b.sizes, b.strides, strict=True))
-
-
 def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list[int],
                           buffers: dict[str, Buffer]) -> None:
     """Give a masked load the box where all its masks can be true, if the whole box would
@@ -569,7 +564,8 @@ def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list
     acc = load.access
     hi = acc.const + sum(c * (n - 1) for c, n in zip(acc.coeffs, canon, strict=True) if c > 0)
     lo = acc.const + sum(c * (n - 1) for c, n in zip(acc.coeffs, canon, strict=True) if c < 0)
-    if lo >= 0 and hi < _storage_numel(buffers[acc.buf]):
+    b = buffers[acc.buf]
+    if lo >= 0 and hi < storage_numel(b.sizes, b.strides, b.offset):
         return  # reading the full box is safe; the mask picks the values
     by_id = {o.id: o for o in ops}
     deps = set()

@@ -12,6 +12,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from . import tensors
+from .layout import storage_numel
 
 aten = torch.ops.aten
 _CPU = DispatchKeySet(DispatchKey.CPU)
@@ -103,7 +104,7 @@ def _zero(self):
 def _resize(self, size, memory_format=None):
     size = [int(s) for s in size]
     strides = _strides_for(size, memory_format)
-    need = self.storage_offset() + tensors.storage_numel(size, strides)
+    need = storage_numel(size, strides, self.storage_offset())
     if need * self.element_size() <= self.untyped_storage().nbytes():
         return aten.resize_.default.redispatch(_CPU, self, size, memory_format=memory_format)
     # Growing: a new storage holding the old elements, then repoint the tensor at it.

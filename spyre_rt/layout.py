@@ -59,6 +59,14 @@ class StickLayout(NamedTuple):
         return (c // s) * self.stick_stride + r * self.stick_bytes + (c % s) * self.itemsize
 
 
+def storage_numel(sizes, strides, offset: int = 0) -> int:
+    """Elements of storage a view needs: one past its last element (its offset included),
+    or none when it is empty (torch's rule)."""
+    if any(n == 0 for n in sizes):
+        return 0
+    return offset + 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+
+
 def layout_for(sizes, strides, storage_numel: int, itemsize: int, stick_bytes: int = 128) -> StickLayout:
     """The layout a new storage gets from the tensor it is created for: rows as long as the
     tensor's stride-1 dimension (when that divides the storage), otherwise a single row."""

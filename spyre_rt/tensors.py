@@ -18,7 +18,7 @@ import torch
 from . import card as cards
 from . import config, dispatch, dtypes
 from .errors import SpyreError
-from .layout import StickLayout, layout_for, registry
+from .layout import StickLayout, layout_for, registry, storage_numel
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
 
@@ -49,12 +49,6 @@ def device_index(device) -> int:
     if device.type != "spyre":
         raise SpyreError(f"expected a spyre device, got {device}")
     return current_device() if device.index is None else device.index
-
-
-def storage_numel(sizes, strides) -> int:
-    if any(s == 0 for s in sizes):
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
 def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None, card=None) -> torch.Tensor:

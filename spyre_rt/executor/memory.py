@@ -12,17 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import torch_dtype
-from ..kernels import Buffer, StepDesc
-from ..layout import StickLayout, layout_for
+from ..kernels import StepDesc
+from ..layout import StickLayout, layout_for, storage_numel
 
 ALIGN = 128  # arena regions start on a stick
-
-
-def storage_numel(b: Buffer) -> int:
-    """Elements of storage a buffer's view reaches (its offset included)."""
-    if any(s == 0 for s in b.sizes):
-        return b.offset
-    return b.offset + 1 + sum((s - 1) * st for s, st in zip(b.sizes, b.strides, strict=True))
 
 
 def align(n: int) -> int:
@@ -58,7 +51,8 @@ def plan(desc: StepDesc, stick_bytes: int) -> MemoryPlan:
     views = views_of(desc)
     layouts = {}
     for name, b in desc.buffers.items():
-        layout = layout_for(b.sizes, b.strides, storage_numel(b), torch_dtype(b.dtype).itemsize, stick_bytes)
+        layout = layout_for(b.sizes, b.strides, storage_numel(b.sizes, b.strides, b.offset),
+                            torch_dtype(b.dtype).itemsize, stick_bytes)
         if name not in output_bases:  # the step's own buffers: a layout every view suits
             layout = choose_layout(layout, views.get(name, []))
         layouts[name] = layout

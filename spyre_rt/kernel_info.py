@@ -73,10 +73,11 @@ def module_path(info: dict[str, Any]) -> str | None:
 
 
 def describe(job_name: str) -> str:
-    """A kernel by what it computes: ``k12 · mm · layers.3.mlp.up_proj`` (the job name alone
-    when nothing was registered)."""
+    """A kernel by what it computes: ``k12 | mm | layers.3.mlp.up_proj`` (the job name alone
+    when nothing was registered). ASCII only: torch.profiler's Kineto export drops a
+    record_function range whose name holds anything else."""
     info = lookup(job_name)
     if not info:
         return job_name
-    return " · ".join(x for x in (job_name, op_names(info), module_path(info)) if x)
+    return " | ".join(x for x in (job_name, op_names(info), module_path(info)) if x)
 

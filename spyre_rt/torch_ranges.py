@@ -1,7 +1,7 @@
 """Host launches as ``torch.profiler`` ranges, beside the aten ops in its trace.
 
 Inside a ``torch.profiler.profile()`` block every launch on a card is a
-``record_function`` range named ``spyre:N launch <job> · <ops> · <module>`` (a plan:
+``record_function`` range named ``spyre:N launch <job> | <ops> | <module>`` (a plan:
 ``spyre:N launch step``), so a torch.profiler trace shows which launches each aten op made
 and how long they held the host. ``spyre-profile merge`` finds these ranges again to put
 the card's own tracks on the same timeline.

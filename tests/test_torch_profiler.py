@@ -55,6 +55,7 @@ def test_launches_are_ranges_in_the_torch_trace(profiled):
     names = [e["name"] for e in launch_ranges(json.loads(torch_path.read_text()))]
     kernels = [n for n in names if n != "spyre:0 launch step"]
     assert kernels and all(n.startswith("spyre:0 launch k") for n in kernels)  # one per kernel in construct mode
+    assert any(" | mm" in n for n in kernels)  # named by what they compute, and kept by the export
     assert names.count("spyre:0 launch step") == 1  # the prebuilt call: one plan launch
 
 
@@ -74,9 +75,9 @@ def test_a_range_names_the_kernels_op_and_module():
     kernel_info.clear()
     try:
         kernel_info.register("k7", {"op": ["aten.mm", "aten.relu"], "module": "model.layers.3.mlp.up_proj"})
-        assert torch_ranges.range_name(0, "k7") == "spyre:0 launch k7 · mm+relu · layers.3.mlp.up_proj"
+        assert torch_ranges.range_name(0, "k7") == "spyre:0 launch k7 | mm+relu | layers.3.mlp.up_proj"
         assert torch_ranges.range_name(1, "step") == "spyre:1 launch step"
-        assert torch_ranges.RANGE_NAME.match("spyre:0 launch k7 · mm+relu · layers.3.mlp.up_proj").groups() == \
+        assert torch_ranges.RANGE_NAME.match("spyre:0 launch k7 | mm+relu | layers.3.mlp.up_proj").groups() == \
             ("0", "k7")
     finally:
         kernel_info.clear()

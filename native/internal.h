@@ -90,6 +90,10 @@ struct spy_program {
     uint32_t nh2d;
     uint64_t bytes_h2d, bytes_d2h;
     spy_job_info info;
+    /* The job's length on the timeline, recorded at its first run (timed != 0): it depends
+     * on the program alone, the simulator running in job-relative time (job.c reuses it). */
+    double duration_ns;
+    uint32_t timed;
 };
 typedef struct spy_program spy_program;
 
@@ -172,6 +176,8 @@ void spy_trace_push(spy_device *dev, const spy_trace_event *ev);
  * first_job on (nothing when the trace is off or no job ran). */
 void spy_trace_launch(spy_device *dev, uint32_t name, uint64_t host_start, uint64_t first_job,
                       uint64_t njobs);
+/* A job on the device timeline, [start, end), of ncmds commands (nothing when the trace is off). */
+void spy_trace_job(spy_device *dev, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds);
 void spy_trace_free(spy_trace *t);
 
 /* ---- the device object (its functions: device.c) ------------------------------------------ */
@@ -283,7 +289,7 @@ uint8_t **spy_job_slot_hosts(spy_device *dev, size_t n);
 spy_status spy_job_run_bound(spy_device *dev, spy_block *blk, const uint64_t *addr,
                              double not_before, uint32_t name, double *end);
 /* Run a job whose slots are resolved in the device's slot scratch (plans). */
-spy_status spy_job_execute(spy_device *dev, const spy_program *g, double not_before,
+spy_status spy_job_execute(spy_device *dev, spy_program *g, double not_before,
                            uint32_t name, double *end);
 
 #endif

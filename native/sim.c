@@ -454,17 +454,7 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx,
         s->ev.n = 0;
         s->pool.n = 0;
     }
-    if (dev->trace.enabled) {
-        spy_trace_event ev = {0};
-        ev.kind = SPY_EV_JOB;
-        ev.core = SPY_CORE_CARD;
-        ev.start_ns = t0;
-        ev.end_ns = t0 + job_end;
-        ev.job = r.job;
-        ev.a = name;
-        ev.b = n;
-        spy_trace_push(dev, &ev);
-    }
+    spy_trace_job(dev, r.job, t0, t0 + job_end, name, n);
     *duration = job_end;
     return r.err;
 }

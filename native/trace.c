@@ -36,6 +36,21 @@ void spy_trace_launch(spy_device *d, uint32_t name, uint64_t host_start, uint64_
     spy_trace_push(d, &ev);
 }
 
+void spy_trace_job(spy_device *d, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds)
+{
+    if (!d->trace.enabled)
+        return;
+    spy_trace_event ev = {0};
+    ev.kind = SPY_EV_JOB;
+    ev.core = SPY_CORE_CARD;
+    ev.start_ns = start;
+    ev.end_ns = end;
+    ev.job = job;
+    ev.a = name;
+    ev.b = ncmds;
+    spy_trace_push(d, &ev);
+}
+
 void spy_trace_free(spy_trace *t)
 {
     free(t->ev);

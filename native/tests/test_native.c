@@ -534,6 +534,54 @@ static void test_cost_model(void)
     spy_device_close(d);
 }
 
+/* A committed program launched again in timing mode is charged the duration of its first
+ * run without its commands being walked again -- unless the trace records commands or a
+ * fault is armed, which both need the walk. */
+static void test_timing_reuses_a_jobs_duration(void)
+{
+    current = "timing reuses a job's duration";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    uint64_t big, addr, len;
+    CHECK_OK(spy_malloc(d, 32u << 20, SPY_MEM_DATA, &big));
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 32u << 20);
+    for (uint16_t c = 0; c < 32; c++)
+        dma(&p, SPY_OP_LOAD, c, s0, (uint64_t)c << 20, 0, 0, 1u << 20);
+    void *blob = encode(&p, &len);
+    CHECK_OK(spy_malloc(d, len, SPY_MEM_CONTROL, &addr));
+    CHECK_OK(spy_mem_write(d, addr, blob, len));
+    free(blob);
+    CHECK_OK(spy_program_commit(d, addr, NULL));
+    double busy[5];
+    spy_counters c0, c1;
+    for (int i = 0; i < 5; i++) {
+        if (i == 2)
+            CHECK_OK(spy_trace_enable(d, 1, 1));
+        if (i == 3) {
+            CHECK_OK(spy_trace_enable(d, 1, 0));
+            CHECK_OK(spy_fault_inject(d, SPY_FAULT_DMA, 4));
+            CHECK(spy_launch(d, addr, &big, 1, 0, NULL) == SPY_E_DMA);
+        }
+        uint64_t events = spy_trace_count(d);
+        CHECK_OK(spy_counters_get(d, &c0));
+        CHECK_OK(spy_launch(d, addr, &big, 1, 0, NULL));
+        CHECK_OK(spy_counters_get(d, &c1));
+        busy[i] = c1.device_busy_ns - c0.device_busy_ns;
+        CHECK(c1.jobs == c0.jobs + 1 && c1.commands == c0.commands + 32);
+        if (i == 2) /* every command, the job and the launch */
+            CHECK(spy_trace_count(d) == events + 34);
+        if (i == 4) /* the job and the launch */
+            CHECK(spy_trace_count(d) == events + 2);
+    }
+    CHECK(NEAR(busy[0], 500 + 32.0 * (1u << 20) / 150.0, 0.01));
+    for (int i = 1; i < 5; i++)
+        CHECK(NEAR(busy[i], busy[0], 1e-12));
+    spy_device_close(d);
+}
+
 static void test_gather_and_faults(void)
 {
     current = "gather and faults";
@@ -1014,6 +1062,7 @@ int main(void)
     test_no_stray_writes();
     test_functional();
     test_cost_model();
+    test_timing_reuses_a_jobs_duration();
     test_gather_and_faults();
     test_plan();
     test_sfu();

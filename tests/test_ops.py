@@ -220,6 +220,21 @@ def head_norm_rotary(x, w, cos, sin):
     return rotary(q, cos, sin)
 
 
+def local_window_softmax(a):
+    """ModernBERT's local attention: keys at most 2 positions from the query. The distance
+    is an index expression with ``Abs``, which the card computes on the SFU."""
+    pos = torch.arange(a.shape[-1], device=a.device)
+    far = (pos[None, :] - pos[:, None]).abs() > 2
+    return a.masked_fill(far, float("-inf")).softmax(-1)
+
+
+def clamped_distance(a):
+    """A relative-position bias from the clamped distance of two positions (DeBERTa-style
+    buckets): ``Min`` and ``Abs`` in the index of a value."""
+    pos = torch.arange(a.shape[-1], device=a.device)
+    return a + (pos[None, :] - pos[:, None]).abs().clamp(max=3).to(a.dtype)
+
+
 def kv_cache_index_copy(cache, pos, k):
     cache.index_copy_(2, pos, k)
     return cache.sum(-1)
@@ -302,6 +317,8 @@ CASES: list[Case] = [
     Case("to_bfloat16", lambda a: a.to(torch.bfloat16), (X,)),
     Case("masked_softmax_empty_rows", lambda a, m: a.masked_fill(m, float("-inf")).softmax(-1),
          (X, A(3, 5, "D", gen=rows_masked))),
+    Case("local_window_softmax", local_window_softmax, (A(3, 5, 5),)),
+    Case("clamped_distance", clamped_distance, (A(3, "D", "D"),)),
     Case("arange_causal_mask", lambda a: a.masked_fill(
         torch.arange(5, device=a.device)[None, :] > torch.arange(5, device=a.device)[:, None],
         float("-inf")).softmax(-1), (A(3, 5, 5),)),

@@ -75,16 +75,22 @@ def randomise_biases_and_norms(model: torch.nn.Module, std: float = 0.1) -> None
                     p.normal_(1.0, std)
 
 
+def _granite_tiny() -> dict[str, Any]:
+    """The config of the ``granite-tiny`` model profile (``profiles/models``)."""
+    from .run import load_model
+
+    return dict(load_model("granite-tiny").config)
+
+
 def _family(name, kind, model_class, config_class, config, brings, **kw) -> Family:
     return Family(name, kind, model_class, config_class, config, brings, **kw)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     # ---- decoders: rotary position embeddings, RMSNorm, gated MLPs ----
-    _family("granite", DECODER, "GraniteForCausalLM", "GraniteConfig", {
-        **_LLAMA_SHAPE, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-        "attention_multiplier": 0.0078125, "logits_scaling": 16.0, "tie_word_embeddings": True},
-        "Granite's multipliers (embedding, residual, attention, logits), tied embeddings"),
+    _family("granite", DECODER, "GraniteForCausalLM", "GraniteConfig", _granite_tiny(),
+            "Granite's multipliers (embedding, residual, attention, logits), tied embeddings "
+            "(the granite-tiny profile that spyre-profile run uses)"),
     _family("llama", DECODER, "LlamaForCausalLM", "LlamaConfig", {**_LLAMA_SHAPE, "tie_word_embeddings": False},
             "rotary embeddings, RMSNorm, SwiGLU, grouped-query attention"),
     _family("mistral", DECODER, "MistralForCausalLM", "MistralConfig", {**_LLAMA_SHAPE, "sliding_window": 16},
@@ -137,7 +143,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "positions counted from the padding (a cumulative sum)"),
     _family("modernbert", ENCODER, "ModernBertModel", "ModernBertConfig", dict(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT, **_IDS),
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT, cls_token_id=1,
+        sep_token_id=2, **_IDS),
         "rotary embeddings in an encoder, GeGLU, local and global attention, LayerNorm without bias"),
     _family("deberta_v2", ENCODER, "DebertaV2Model", "DebertaV2Config", dict(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,

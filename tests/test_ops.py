@@ -210,6 +210,31 @@ def rotary(q, cos, sin):
     return q * cos + rotate_half(q) * sin
 
 
+def head_norm_rotary(x, w, cos, sin):
+    """Qwen3's query path: each head RMS-normalised, then rotated. The norm's row sums and
+    the rotation's cat fuse into one kernel that reads the sums over other loops than the
+    reduction wrote them (a compile once checked this kernel at wrong sizes and failed)."""
+    b, s, hd = x.shape
+    d = w.shape[-1]
+    q = rms_norm(x.view(b, s, hd // d, d), w).transpose(1, 2)
+    return rotary(q, cos, sin)
+
+
+def local_window_softmax(a):
+    """ModernBERT's local attention: keys at most 2 positions from the query. The distance
+    is an index expression with ``Abs``, which the card computes on the SFU."""
+    pos = torch.arange(a.shape[-1], device=a.device)
+    far = (pos[None, :] - pos[:, None]).abs() > 2
+    return a.masked_fill(far, float("-inf")).softmax(-1)
+
+
+def clamped_distance(a):
+    """A relative-position bias from the clamped distance of two positions (DeBERTa-style
+    buckets): ``Min`` and ``Abs`` in the index of a value."""
+    pos = torch.arange(a.shape[-1], device=a.device)
+    return a + (pos[None, :] - pos[:, None]).abs().clamp(max=3).to(a.dtype)
+
+
 def kv_cache_index_copy(cache, pos, k):
     cache.index_copy_(2, pos, k)
     return cache.sum(-1)
@@ -292,6 +317,8 @@ CASES: list[Case] = [
     Case("to_bfloat16", lambda a: a.to(torch.bfloat16), (X,)),
     Case("masked_softmax_empty_rows", lambda a, m: a.masked_fill(m, float("-inf")).softmax(-1),
          (X, A(3, 5, "D", gen=rows_masked))),
+    Case("local_window_softmax", local_window_softmax, (A(3, 5, 5),)),
+    Case("clamped_distance", clamped_distance, (A(3, "D", "D"),)),
     Case("arange_causal_mask", lambda a: a.masked_fill(
         torch.arange(5, device=a.device)[None, :] > torch.arange(5, device=a.device)[:, None],
         float("-inf")).softmax(-1), (A(3, 5, 5),)),
@@ -348,6 +375,8 @@ CASES: list[Case] = [
     Case("slice_narrow", lambda a: a.narrow(-1, 3, 20) * a[..., -20:], (X,)),
     Case("rotate_half", rotate_half, (A(2, 3, 5, "D"),)),
     Case("rotary", rotary, (A(2, 3, 5, "D"), A(5, "D"), A(5, "D"))),
+    Case("head_norm_rotary", head_norm_rotary, (A(1, 5, "2D"), A("D"), A(5, "D"), A(5, "D")),
+         tol={F32: (1e-5, 1e-5)}),
     # -- shapes and views --
     Case("cat_last", lambda a, b: torch.cat([a, b], -1), (X, A(3, 5, 17))),
     Case("cat_first", lambda a, b: torch.cat([a, b], 0), (X, A(2, 5, "D"))),

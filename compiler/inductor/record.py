@@ -8,6 +8,7 @@ and indices may hold size symbols (``s0``) when the graph has dynamic shapes.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -84,7 +85,20 @@ class _Recorder(DefaultHandler):
         return self._add({"op": "constant", "value": value, "dtype": dtype_name(dtype)})
 
     def index_expr(self, expr, dtype):
-        return self._add({"op": "index", "index": expr, "dtype": dtype_name(dtype)})
+        """An index as a value. Kernels address memory with affine indices only, so the
+        functions Inductor leaves in a value's index (``Abs(i - j)`` of a local attention
+        window or a relative position, ``Min``, ``Max``) become the card's own operations
+        on affine parts."""
+        expr = sympy.sympify(expr)
+        op = _INDEX_FUNCTIONS.get(type(expr).__name__)
+        if op is None and isinstance(expr, (sympy.Add, sympy.Mul)) and _has_index_function(expr):
+            op = "add" if isinstance(expr, sympy.Add) else "mul"
+        if op is None:
+            return self._add({"op": "index", "index": expr, "dtype": dtype_name(dtype)})
+        args = [self.index_expr(a, dtype) for a in expr.args]
+        if op == "abs":
+            return self._add({"op": "abs", "args": args})
+        return functools.reduce(lambda a, b: self._add({"op": op, "args": [a, b]}), args)
 
     def indirect_indexing(self, x, size_, check=True, wrap_neg=True):
         sym = sympy.Symbol(f"{self.prefix}ind{self.nind}", integer=True)
@@ -113,6 +127,15 @@ class _Recorder(DefaultHandler):
 
     def device_assert_async(self, cond, msg):
         return None
+
+
+# Functions in a value's index, by name (sympy's and torch's classes), and the card
+# operation of each
+_INDEX_FUNCTIONS = {"Abs": "abs", "Min": "minimum", "Max": "maximum"}
+
+
+def _has_index_function(expr: sympy.Basic) -> bool:
+    return any(type(e).__name__ in _INDEX_FUNCTIONS for e in sympy.preorder_traversal(expr))
 
 
 def _record_node(snode, prefix: str, real_name) -> RecordedNode:

@@ -16,6 +16,7 @@ distinct size at its first call).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import sympy
 import torch
@@ -143,6 +144,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         seq: list = []
         buffers: dict[str, Buffer] = {}
         aliases: dict[str, tuple] = {}
+        read_back: list = []  # values read back from the card (.item()): DynamicScalar nodes
         for line in self.lines:
             if isinstance(line, W.KernelCallLine):
                 seq.append(("run", line.kernel_name))
@@ -175,6 +177,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                     (line.node.get_name(), lay.offset, tuple(lay.size), tuple(lay.stride)))
             elif isinstance(line, W.UnbackedSymbolDefsLine) and not line.unbacked_bindings:
                 continue  # written after every extern kernel; this one defines no symbol
+            elif isinstance(line, W.DynamicScalarLine):
+                read_back.append(line.node)  # checked below: nothing may depend on it
             elif not isinstance(line, _NO_WORK):
                 # A line kind this step description does not know would be work left undone
                 # (a device copy once was, and its buffer held garbage): refuse it.
@@ -184,13 +188,15 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             if b.dtype not in dtypes.BY_NAME:
                 raise compile_error(f"{b.name} holds {b.dtype}, which spyre tensors cannot hold "
                                     f"(they hold {', '.join(dtypes.BY_NAME)})", _origin_of(b.name))
-        return StepDesc(
+        step = StepDesc(
             inputs=tuple(inputs), outputs=tuple(self._outputs()), buffers=buffers, aliases=aliases,
             constants={name: Buffer(name, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0)
                        for name, t in g.constants.items()},
             kernels=dict(self.spyre_kernels), sequence=tuple(seq), options=self._options(),
             static_inputs=tuple(g.module.meta.get(STATIC_INPUTS, ())), symbols=tuple(symbols),
         )
+        _check_unused(read_back, step)
+        return step
 
     def _inputs(self) -> tuple[list, list]:
         """The tensor inputs (and whether the step mutates them), and where each size symbol
@@ -258,6 +264,30 @@ def _origin_of(name: str) -> list:
     """The IR node of a buffer (for an error that names the op it came from)."""
     node = V.graph.get_buffer(name)
     return [node] if node is not None else []
+
+
+def _check_unused(read_back: list, step: StepDesc) -> None:
+    """A value read back from the card (``u0 = x.item()``) that no size, kernel or output
+    of the step depends on is not read at all: a step's sizes are fixed when its plan is
+    built. (OPT reads its cache's length so, for a mask its positions then do not use.)"""
+    used = [node for node in read_back if _mentions(step, node.sym.name)]
+    if used:
+        names = ", ".join(node.sym.name for node in used)
+        raise compile_error(f"sizes that depend on a value read back from the card ({names} = tensor.item())", used)
+
+
+def _mentions(x, name: str) -> bool:
+    if isinstance(x, Sym):
+        return name in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", x.text)
+    if isinstance(x, sympy.Basic):
+        return any(s.name == name for s in x.free_symbols)
+    if isinstance(x, (list, tuple)):
+        return any(_mentions(v, name) for v in x)
+    if isinstance(x, dict):
+        return any(_mentions(v, name) for v in x.values())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return any(_mentions(getattr(x, f.name), name) for f in dataclasses.fields(x))
+    return False
 
 
 def _is_symbolic(x) -> bool:

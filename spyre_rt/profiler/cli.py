@@ -267,6 +267,49 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---- models --------------------------------------------------------------------------------
+
+
+def _choices(known: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma list of some of `known`, in the order given."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{what} must be a comma list of {', '.join(known)}, not {text!r}")
+        return names
+    return parse
+
+
+def _models_arguments(p: argparse.ArgumentParser) -> None:
+    from .matrix import DTYPES, MODES
+    from .models import FAMILIES
+
+    p.add_argument("--families", type=_choices(list(FAMILIES), "families"), default=tuple(FAMILIES), metavar="LIST",
+                   help=f"model families to run (default: all: {','.join(FAMILIES)})")
+    p.add_argument("--dtypes", type=_choices(list(DTYPES), "dtypes"), default=tuple(DTYPES), metavar="LIST",
+                   help="dtypes to compare (default: fp32,fp16)")
+    p.add_argument("--modes", type=_choices(MODES, "modes"), default=MODES, metavar="LIST",
+                   help="dispatch modes to run each compiled model in (default: construct,prebuilt-transfer,prebuilt)")
+    p.add_argument("--json", metavar="FILE", help="write every row of the matrix as JSON")
+
+
+def cmd_models(args: argparse.Namespace, console: Console) -> int:
+    from . import matrix
+    from .models import FAMILIES
+
+    families = [FAMILIES[name] for name in args.families]
+    rows, host = matrix.run_live(families, args.dtypes, args.modes, console)
+    matrix.render(console, rows, args.dtypes, args.modes, host)
+    if args.json:
+        from .run import write_json
+
+        write_json({"format": matrix.FORMAT, "dtypes": list(args.dtypes), "modes": list(args.modes), "host": host,
+                    "rows": [r.as_dict() for r in rows]}, args.json)
+        console.print(f"rows written to {args.json}")
+    return 0
+
+
 # ---- info ----------------------------------------------------------------------------------
 
 
@@ -400,6 +443,8 @@ def kernel_info_table(info: dict) -> Table:
 COMMANDS: dict[str, Subcommand] = {
     "run": Subcommand("compile a Granite model and measure prefill and decode in every dispatch mode",
                       _run_arguments, cmd_run),
+    "models": Subcommand("the model-compatibility matrix: small Hugging Face models of each family on the "
+                         "card against CPU eager, run live", _models_arguments, cmd_models),
     "cache": Subcommand("the plan cache: list, inspect, clear, stats", _cache_arguments, cmd_cache),
     "info": Subcommand("the device profile (every figure with its source) and a self-test on the card",
                        _info_arguments, cmd_info),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,17 +228,18 @@ def ellipsize(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
-def fit_columns(names: list[str], cells: list[list[str]], width: int) -> tuple[list[int], int]:
-    """Which numeric columns fit beside the name column in `width` characters, and the name
-    column's width. Empty columns go first; then columns are dropped by their ``keep`` rank
-    (lowest first, the rightmost of equals first) until the name column has at least
+def fit_columns(names: list[str], cells: list[list[str]], width: int,
+                columns: Sequence[_Column] = COLUMNS) -> tuple[list[int], int]:
+    """Which of the `columns` fit beside the name column in `width` characters, and the
+    name column's width. Empty columns go first; then columns are dropped by their ``keep``
+    rank (lowest first, the rightmost of equals first) until the name column has at least
     :data:`NAME_MIN` (or its widest name, if less)."""
-    widths = [max([len(x) for x in col.header.split("\n")] + [len(c[i]) for c in cells])
-              for i, col in enumerate(COLUMNS)]
+    widths = [max(len(line) for text in [col.header, *(c[i] for c in cells)] for line in text.split("\n"))
+              for i, col in enumerate(columns)]
     natural = max(len(n) for n in names)
     want = min(natural, NAME_MIN)
-    shown = [i for i in range(len(COLUMNS)) if any(c[i] for c in cells)]
-    drop_order = sorted(shown, key=lambda i: (COLUMNS[i].keep, -i))
+    shown = [i for i in range(len(columns)) if any(c[i] for c in cells)]
+    drop_order = sorted(shown, key=lambda i: (columns[i].keep, -i))
     while True:
         room = width - sum(widths[i] + _GAP for i in shown)
         if room >= want or len(shown) <= 1:

@@ -1,0 +1,161 @@
+"""The model families of the compatibility matrix: small Hugging Face models from configs.
+
+Each :class:`Family` names a transformers architecture and the config of a small model of
+it (random weights, no download): two layers, 256 wide, 8 heads, a 1000-token vocabulary,
+spelt in each architecture's own config keys. The test suite (``tests/test_models.py``)
+and ``spyre-profile models`` build their models here, so both measure the same ones.
+
+Random configs: a larger ``initializer_range`` than the default, so that greedy decoding
+wanders over many tokens and cache positions (a decode that repeats one token would let a
+cache written at the wrong place go unnoticed), and biases and norm weights randomised
+(their inits leave them at 0 and 1, where a wrong epilogue would go unnoticed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DECODER, ENCODER = "decoder", "encoder"
+
+VOCAB = 1000
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 8, 2
+MAX_POSITIONS = 128
+INIT = 0.1  # the weights' standard deviation (the configs' default of 0.02 makes a decode repeat itself)
+
+# The shape in the keys most configs share (Llama's); families with other names map it below.
+_LLAMA_SHAPE = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                    max_position_embeddings=MAX_POSITIONS, initializer_range=INIT)
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture at a small config."""
+
+    name: str
+    kind: str                        # DECODER (a causal LM) or ENCODER (hidden states)
+    model_class: str                 # the transformers class, e.g. "LlamaForCausalLM"
+    config_class: str                # its config class
+    config: dict[str, Any]
+    brings: str                      # what it exercises beyond the families before it
+    slow: bool = False               # kept out of the default test run (a fast family covers it)
+    tags: tuple[str, ...] = field(default=())
+
+    def hf_config(self):
+        import transformers
+
+        return getattr(transformers, self.config_class)(**self.config)
+
+    def build(self, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, torch.nn.Module]:
+        """The config and the model (eval mode, on the CPU, in `dtype`): the same weights
+        for the same seed."""
+        import transformers
+
+        cfg = self.hf_config()
+        torch.manual_seed(seed)
+        model = getattr(transformers, self.model_class)(cfg).eval()
+        randomise_biases_and_norms(model)
+        return cfg, model.to(dtype)
+
+
+def randomise_biases_and_norms(model: torch.nn.Module, std: float = 0.1) -> None:
+    """Biases ~ N(0, std) and norm weights ~ N(1, std): their inits (0 and 1) would hide a
+    bias or a norm scale the card dropped."""
+    with torch.no_grad():
+        for module in model.modules():
+            is_norm = "norm" in type(module).__name__.lower()
+            for name, p in module.named_parameters(recurse=False):
+                if name == "bias":
+                    p.normal_(0.0, std)
+                elif is_norm and name == "weight":
+                    p.normal_(1.0, std)
+
+
+def _granite_tiny() -> dict[str, Any]:
+    """The config of the ``granite-tiny`` model profile (``profiles/models``)."""
+    from .run import load_model
+
+    return dict(load_model("granite-tiny").config)
+
+
+def _family(name, kind, model_class, config_class, config, brings, **kw) -> Family:
+    return Family(name, kind, model_class, config_class, config, brings, **kw)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    # ---- decoders: rotary position embeddings, RMSNorm, gated MLPs ----
+    _family("granite", DECODER, "GraniteForCausalLM", "GraniteConfig", _granite_tiny(),
+            "Granite's multipliers (embedding, residual, attention, logits), tied embeddings "
+            "(the granite-tiny profile that spyre-profile run uses)"),
+    _family("llama", DECODER, "LlamaForCausalLM", "LlamaConfig", {**_LLAMA_SHAPE, "tie_word_embeddings": False},
+            "rotary embeddings, RMSNorm, SwiGLU, grouped-query attention"),
+    _family("mistral", DECODER, "MistralForCausalLM", "MistralConfig", {**_LLAMA_SHAPE, "sliding_window": 16},
+            "a sliding attention window (16) shorter than the decode"),
+    _family("qwen2", DECODER, "Qwen2ForCausalLM", "Qwen2Config", {**_LLAMA_SHAPE, "tie_word_embeddings": False},
+            "q/k/v projection biases"),
+    _family("qwen3", DECODER, "Qwen3ForCausalLM", "Qwen3Config", {**_LLAMA_SHAPE, "head_dim": 32},
+            "RMSNorm of each query and key head"),
+    _family("phi3", DECODER, "Phi3ForCausalLM", "Phi3Config", {**_LLAMA_SHAPE, **_IDS},
+            "fused qkv and gate/up projections, split"),
+    _family("gemma2", DECODER, "Gemma2ForCausalLM", "Gemma2Config", {
+        **_LLAMA_SHAPE, "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32,
+        "tie_word_embeddings": False},
+        "GELU (tanh), (1 + w) RMSNorm, soft-capped attention and logits, sliding and global layers"),
+    _family("gemma", DECODER, "GemmaForCausalLM", "GemmaConfig", {**_LLAMA_SHAPE, "head_dim": 32},
+            "Gemma's GELU (tanh), (1 + w) RMSNorm and embeddings scaled by sqrt(hidden)", slow=True),
+    _family("olmo", DECODER, "OlmoForCausalLM", "OlmoConfig", {**_LLAMA_SHAPE, **_IDS},
+            "LayerNorm without parameters", slow=True),
+    _family("stablelm", DECODER, "StableLmForCausalLM", "StableLmConfig", {
+        **_LLAMA_SHAPE, "partial_rotary_factor": 0.25},
+        "LayerNorm with bias, rotary embeddings on a quarter of each head"),
+    # ---- decoders: learned positions, LayerNorm, GELU MLPs ----
+    _family("gpt2", DECODER, "GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=HIDDEN, n_inner=INTERMEDIATE, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,
+        vocab_size=VOCAB, initializer_range=INIT, **_IDS),
+        "learned positions, Conv1D projections, GELU (tanh), tied embeddings"),
+    _family("opt", DECODER, "OPTForCausalLM", "OPTConfig", dict(
+        hidden_size=HIDDEN, ffn_dim=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        word_embed_proj_dim=HIDDEN, max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, init_std=INIT,
+        **_IDS),
+        "learned positions offset by 2, ReLU"),
+    _family("gpt_neox", DECODER, "GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT, rotary_pct=0.25,
+        use_parallel_residual=True, **_IDS),
+        "parallel attention and MLP, interleaved fused qkv, partial rotary"),
+    _family("falcon", DECODER, "FalconForCausalLM", "FalconConfig", dict(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_kv_heads=KV_HEADS,
+        new_decoder_architecture=True, max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB,
+        initializer_range=INIT, **_IDS),
+        "Falcon's new decoder architecture: two LayerNorms, parallel attention, grouped fused qkv"),
+    # ---- encoders: hidden states under a padding mask ----
+    _family("bert", ENCODER, "BertModel", "BertConfig", dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT),
+        "bidirectional attention under a padding mask, token types, pooler"),
+    _family("roberta", ENCODER, "RobertaModel", "RobertaConfig", dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT, pad_token_id=1),
+        "positions counted from the padding (a cumulative sum)"),
+    _family("modernbert", ENCODER, "ModernBertModel", "ModernBertConfig", dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT, cls_token_id=1,
+        sep_token_id=2, **_IDS),
+        "rotary embeddings in an encoder, GeGLU, local and global attention, LayerNorm without bias"),
+    _family("deberta_v2", ENCODER, "DebertaV2Model", "DebertaV2Config", dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT,
+        relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"]),
+        "disentangled relative-position attention (gathers)"),
+)}
+
+
+def family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"no model family {name!r}; known: {', '.join(FAMILIES)}") from None

@@ -248,7 +248,7 @@ def test_the_versions_cover_the_compiler_the_runtime_and_the_native_module():
     from spyre_rt.version import sources as runtime_sources
 
     names = {p.name for p in runtime_sources()}
-    assert {"executable.py", "loops.py", "layout.py", "transfer.py", "plan.py"} <= names
+    assert {"executable.py", "tiling.py", "layout.py", "transfer.py", "plan.py"} <= names
     assert any(n.startswith("_native") for n in names)
     assert {"describe.py", "lowering.py", "wrapper.py"} <= {p.name for p in compiler_sources()}
     assert compiler_version() != runtime_version()

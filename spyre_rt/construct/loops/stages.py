@@ -1,0 +1,230 @@
+"""The SFU programs of a tile: one per stage, and the prologue.
+
+Stage ``level`` computes the values of that level (a gather's result is one level after
+its index, so gathers run between stages); the last stage also moves every stored value
+into its store's staging slot. Index arithmetic is written in terms of the tile's origin,
+a per-tile constant the tile's *prologue* writes (one instruction per constant), so all
+tiles of the same shape share one program per stage and slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...kernels import Access
+from ...native import lib
+from ..context import BuildContext, round_up
+from ..sfu import (
+    BINARY,
+    COL,
+    COMPARE,
+    FLOATS,
+    REDUCE,
+    ROW,
+    SCALAR,
+    TILE,
+    UNARY,
+    Operand,
+    Program,
+    compute_type,
+)
+from .analysis import Unsupported, Value
+from .scratchpad import ScratchpadLayout
+from .tiling import Tile, Tiling
+
+
+def _imm(value, dtype: str) -> Operand:
+    return Operand(SCALAR, dtype, imm=value)
+
+
+class StagePrograms:
+    """Writes the SFU programs of one kernel's tiles under one scratchpad layout."""
+
+    def __init__(self, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout):
+        self.ctx = ctx
+        self.tiling = tiling
+        self.analysis = tiling.analysis
+        self.layout = layout
+        self.columns = tiling.analysis.columns
+
+    def dims(self, kind: str, rows: int) -> tuple[int, int]:
+        """(rows, columns) an instruction on a value of `kind` covers."""
+        return {TILE: (rows, self.columns), ROW: (rows, 1), COL: (1, self.columns), SCALAR: (1, 1)}[kind]
+
+    # ---- stages ------------------------------------------------------------------------
+    def stage(self, level: int, slot: int, rows: int, size: int) -> Program:
+        """The instructions of stage `level` for a tile of `rows` rows (`size` blocks)."""
+        a, layout = self.analysis, self.layout
+        prog = Program()
+        for v in a.values.values():
+            if v.level == level and v.op.op not in ("load", "store", "constant"):
+                self._compute(prog, v, slot, rows, size)
+        if level == a.levels - 1:
+            for v in a.stores:  # into the staging slots the stores move out
+                r, c = self.dims(v.kind, rows)
+                prog.emit(lib.SPY_SFU_MOV, r, c, layout.slots[v.op.id].operand(slot),
+                          layout.operand(v.op.args[0], slot))
+        for v in a.values.values():
+            if v.op.op in ("load", "store") and v.op.access.ind:
+                # a gather's rows before the gather, a scatter's with the stored values
+                target = v.level - 1 if v.op.op == "load" else a.levels - 1
+                if target == level:
+                    self._buffer_rows(prog, v, slot, rows, size)
+        return prog
+
+    def _compute(self, prog: Program, v: Value, slot: int, rows: int, size: int) -> None:
+        op = v.op
+        r, c = self.dims(v.kind, rows)
+        dst = self.layout.temporaries[op.id]
+        args = [self.layout.operand(a, slot) for a in op.args]
+        name = op.op
+        if name == "index":
+            self._index(prog, v, rows, size, dst)
+        elif name == "indirect":
+            self._indirect(prog, v, args[0], r, c, dst)
+        elif name == "reduction":
+            self._reduction(prog, v, args, rows)
+        elif name == "to_dtype":
+            prog.emit(lib.SPY_SFU_MOV, r, c, dst, args[0])
+        elif name in COMPARE:
+            prog.emit(lib.SPY_SFU_CMP, r, c, dst, *args, aux=COMPARE[name])
+        elif name == "where":
+            prog.emit(lib.SPY_SFU_SELECT, r, c, dst, *args)
+        elif name == "relu":
+            prog.emit(lib.SPY_SFU_MAX, r, c, dst, args[0], _imm(0.0 if dst.dtype in FLOATS else 0, dst.dtype))
+        elif name == "square":
+            prog.emit(lib.SPY_SFU_MUL, r, c, dst, args[0], args[0])
+        elif name == "exp2":
+            prog.emit(lib.SPY_SFU_POW, r, c, dst, _imm(2.0, "float32"), args[0])
+        elif name in UNARY:
+            prog.emit(UNARY[name], r, c, dst, *args)
+        elif name in BINARY:
+            prog.emit(BINARY[name], r, c, dst, *args)
+        else:
+            raise Unsupported(f"operation {name}")
+
+    def _indirect(self, prog: Program, v: Value, x: Operand, r: int, c: int, dst: Operand) -> None:
+        """An index into a dimension of `size`; negative ones count from its end."""
+        size = int(v.op.attrs["size"])
+        prog.emit(lib.SPY_SFU_MOV, r, c, dst, x)
+        if v.op.attrs.get("wrap_neg", True):
+            scratch = self.layout.scratch
+            neg = Operand(v.kind, "bool", scratch[("bool", 0)], dst.pitch)
+            prog.emit(lib.SPY_SFU_CMP, r, c, neg, dst, _imm(0, "int64"), aux=lib.SPY_CMP_LT)
+            wrapped = Operand(v.kind, "int64", scratch[("i64", 1)], dst.pitch)
+            prog.emit(lib.SPY_SFU_ADD, r, c, wrapped, dst, _imm(size, "int64"))
+            prog.emit(lib.SPY_SFU_SELECT, r, c, dst, neg, wrapped, dst)
+
+    def _reduction(self, prog: Program, v: Value, args: list[Operand], rows: int) -> None:
+        kind = v.op.attrs["kind"]
+        src = self.analysis.values[v.op.args[0]]
+        x, dst, columns, scratch = args[0], self.layout.temporaries[v.op.id], self.columns, self.layout.scratch
+        r = rows if v.kind == ROW else 1
+        if src.kind != TILE:  # broadcast over the columns first
+            floats = compute_type(src.dtype) == "float32"
+            tmp = Operand(TILE, "float32" if floats else "int64", scratch[("f32", 0) if floats else ("i64", 1)],
+                          round_up(columns, 8))
+            prog.emit(lib.SPY_SFU_MOV, rows, columns, tmp, x)
+            x = tmp
+        if kind == "count":
+            prog.emit(lib.SPY_SFU_MOV, r, 1, dst, _imm(float(columns), "float32"))
+        elif kind == "mean":
+            prog.emit(lib.SPY_SFU_RSUM, r, columns, dst, x)
+            prog.emit(lib.SPY_SFU_DIV, r, 1, dst, dst, _imm(float(columns), "float32"))
+        elif kind == "m2":  # the sum of squared differences from the mean (args[1])
+            mean = self.layout.operand(v.op.args[1], 0)
+            tmp = Operand(TILE, "float32", scratch[("f32", 1)], round_up(columns, 8))
+            prog.emit(lib.SPY_SFU_SUB, rows, columns, tmp, x, mean)
+            prog.emit(lib.SPY_SFU_MUL, rows, columns, tmp, tmp, tmp)
+            prog.emit(lib.SPY_SFU_RSUM, r, columns, dst, tmp)
+        else:
+            prog.emit(REDUCE[kind], r, columns, dst, x)
+
+    def _affine(self, prog: Program, rows: int, size: int, coeffs, dst: Operand, base: Operand, kind: str) -> None:
+        """dst[r, c] = base + sum of coeffs * (the loop variables' values inside the tile)."""
+        r_all, c_all = self.dims(kind, rows)
+        prog.emit(lib.SPY_SFU_MOV, r_all, c_all, dst, base)
+        term = Operand(kind, "int64", self.layout.scratch[("i64", 0)],
+                       round_up(self.columns, 8) if kind in (TILE, COL) else 1)
+        zero, one = _imm(0, "int64"), _imm(1, "int64")
+        if kind in (TILE, ROW):
+            for j, count, stride in self.tiling.tile_rows(size):
+                if coeffs[j]:  # the block variable's count is the tile's, never wrapped
+                    self._add_term(prog, r_all, c_all, dst, term, (one, zero), stride,
+                                   count if j != self.tiling.block else None, coeffs[j])
+        if kind in (TILE, COL):
+            for j, count, stride in self.tiling.tile_cols():
+                if coeffs[j]:
+                    self._add_term(prog, r_all, c_all, dst, term, (zero, one), stride, count, coeffs[j])
+
+    @staticmethod
+    def _add_term(prog: Program, r: int, c: int, dst: Operand, term: Operand, steps: tuple[Operand, Operand],
+                  stride: int, count: int | None, coeff: int) -> None:
+        """dst += coeff * ((row or column position // stride) % count)."""
+        prog.emit(lib.SPY_SFU_IOTA, r, c, term, _imm(0, "int64"), *steps)
+        if stride > 1:
+            prog.emit(lib.SPY_SFU_FLOORDIV, r, c, term, term, _imm(stride, "int64"))
+        if count is not None:
+            prog.emit(lib.SPY_SFU_MOD, r, c, term, term, _imm(count, "int64"))
+        prog.emit(lib.SPY_SFU_MUL, r, c, term, term, _imm(coeff, "int64"))
+        prog.emit(lib.SPY_SFU_ADD, r, c, dst, dst, term)
+
+    def _index(self, prog: Program, v: Value, rows: int, size: int, dst: Operand) -> None:
+        base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "index")])
+        coeffs = v.op.access.coeffs
+        if dst.dtype == "int64":
+            self._affine(prog, rows, size, coeffs, dst, base, v.kind)
+        else:  # computed in int64, then converted
+            tmp = Operand(v.kind, "int64", self.layout.scratch[("i64", 1)], dst.pitch)
+            self._affine(prog, rows, size, coeffs, tmp, base, v.kind)
+            r, c = self.dims(v.kind, rows)
+            prog.emit(lib.SPY_SFU_MOV, r, c, dst, tmp)
+
+    def _buffer_rows(self, prog: Program, v: Value, slot: int, rows: int, size: int) -> None:
+        """The buffer row each tile row of a gather or scatter reads or writes."""
+        acc = v.op.access
+        row_len = self.ctx.layouts[acc.buf].row_len
+        (idx, coef), = acc.ind
+        row_coeffs = [0] * self.analysis.n_vars
+        for j in range(self.analysis.n_row_vars):
+            if acc.coeffs[j] % row_len:
+                raise Unsupported("a gather/scatter whose rows are not whole rows of its buffer")
+            row_coeffs[j] = acc.coeffs[j] // row_len
+        dst = self.layout.index_slots[v.op.id].operand(slot)
+        base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "rowbase")])
+        self._affine(prog, rows, size, row_coeffs, dst, base, ROW)
+        tmp = Operand(ROW, "int64", self.layout.scratch[("row", 0)], 1)
+        prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // row_len, "int64"))
+        prog.emit(lib.SPY_SFU_ADD, rows, 1, dst, dst, tmp)
+
+    # ---- the prologue ------------------------------------------------------------------
+    def prologue(self, tile: Tile) -> Program | None:
+        """One instruction per tile constant (the immediates differ from tile to tile)."""
+        if not self.layout.tile_consts:
+            return None
+        prog = Program()
+        for const in self.layout.tile_consts:
+            dst = Operand(SCALAR, "int64", self.layout.const_off[const])
+            prog.emit(lib.SPY_SFU_IOTA, 1, 1, dst, _imm(self._tile_const(const, tile), "int64"), _imm(0, "int64"),
+                      _imm(0, "int64"))
+        return prog
+
+    def _tile_const(self, const: tuple[str, str], tile: Tile) -> int:
+        """The tile's origin in index terms, or the first buffer row of a gather/scatter."""
+        vid, what = const
+        acc = self.analysis.values[vid].op.access
+        origin = self.tiling.origin(acc, tile)
+        if what == "index":
+            return int(origin)
+        return int((origin + self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len)
+
+    def tile_consts(self, fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Every tile's constants at once: tiles x constants (see :meth:`prologue`)."""
+        return np.stack([self._tile_const_column(const, fixed, start) for const in self.layout.tile_consts], axis=1)
+
+    def _tile_const_column(self, const: tuple[str, str], fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
+        vid, what = const
+        acc: Access = self.analysis.values[vid].op.access
+        if what == "index":
+            return self.tiling.origins(acc, fixed, start)
+        return self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len

@@ -1,0 +1,150 @@
+"""The tiles of a loop kernel: which rows each tile holds, and which core runs it.
+
+A tile is a box of the kernel's loop variables: one row variable, the *block* variable, is
+cut into blocks; the row variables inside it and all column variables are whole; the row
+variables outside it are fixed per tile. Tiles hold as many rows as the scratchpad layout
+lets them (at most an even share of the rows per core) and go round-robin to the cores.
+
+The tiling depends only on the kernel and the target: it is chosen once, at the first
+construction, and every later construction of the kernel takes it back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...kernels import Access
+from ..context import ScratchpadOverflow, Target
+from .analysis import Analysis
+from .scratchpad import ScratchNeed, lay_out, scratch_needs
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The rows one core computes at once."""
+
+    fixed: tuple[int, ...]  # the values of the row variables outside the block variable
+    start: int              # its first index of the block variable
+    size: int               # its indices of the block variable (the last block may be short)
+    core: int
+    seq: int                # its position on its core
+
+    def rows(self, inner: int) -> int:
+        return self.size * inner
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a kernel is cut into tiles, for the analysis it was chosen for."""
+
+    analysis: Analysis
+    block: int          # the block variable; -1 when the kernel has no row variables
+    block_size: int     # indices of the block variable per tile
+    inner_rows: int     # rows per index of the block variable (the variables inside it)
+    rows_per_tile: int  # rows of the largest tile: what the scratchpad layout holds
+    tiles: tuple[Tile, ...]              # in per-core order
+    scratch_needs: frozenset[ScratchNeed]
+
+    def tile_rows(self, size: int) -> list[tuple[int, int, int]]:
+        """The row variables of a tile of `size` blocks, outermost first, as (variable,
+        count, stride in tile rows)."""
+        sizes = self.analysis.kernel.sizes
+        out, stride = [], 1
+        for j in range(self.analysis.n_row_vars - 1, self.block, -1):
+            out.append((j, sizes[j], stride))
+            stride *= sizes[j]
+        if self.block >= 0:
+            out.append((self.block, size, stride))
+        return out[::-1]
+
+    def tile_cols(self) -> list[tuple[int, int, int]]:
+        """The column variables, outermost first, as (variable, count, stride in columns)."""
+        sizes = self.analysis.kernel.sizes
+        out, stride = [], 1
+        for j in range(self.analysis.n_vars - 1, self.analysis.n_row_vars - 1, -1):
+            out.append((j, sizes[j], stride))
+            stride *= sizes[j]
+        return out[::-1]
+
+    def origin(self, acc: Access, tile: Tile) -> int:
+        """The element `acc` reads at the tile's first row and column, from the start of
+        its buffer."""
+        base = acc.const
+        for j, x in enumerate(tile.fixed):
+            base += acc.coeffs[j] * x
+        if self.block >= 0:
+            base += acc.coeffs[self.block] * tile.start
+        return base
+
+    def origins(self, acc: Access, fixed: np.ndarray, start: np.ndarray, offset: int = 0) -> np.ndarray:
+        """`offset` + :meth:`origin` of every tile at once (`fixed`: tiles x outer variables)."""
+        base = np.full(len(start), acc.const + offset, dtype=np.int64)
+        if fixed.shape[1]:
+            base += fixed @ np.asarray(acc.coeffs[: fixed.shape[1]], dtype=np.int64)
+        if self.block >= 0:
+            base += acc.coeffs[self.block] * start
+        return base
+
+
+def choose_tiling(a: Analysis, target: Target) -> Tiling:
+    """Rows per tile: as many as the scratchpad layout holds (found by laying it out, so
+    reused temporaries count once), at most an even share of the rows per core."""
+    needs = scratch_needs(a)
+    sizes, nrow = a.kernel.sizes, a.n_row_vars
+    total_rows = math.prod(sizes[:nrow]) if nrow else 1
+    cap = _rows_that_fit(a, needs, target, want=max(1, -(-total_rows // target.num_cores)))
+    block, block_size, inner = _block(sizes, nrow, cap, align=target.stick_bytes // 2)
+    tiles = _tiles(sizes, block, block_size, target.num_cores)
+    return Tiling(a, block, block_size, inner, block_size * inner, tiles, needs)
+
+
+def _rows_that_fit(a: Analysis, needs: frozenset[ScratchNeed], target: Target, want: int) -> int:
+    """The largest row count up to `want` whose layout fits (the layout grows with the rows)."""
+    def peak(rows: int) -> int:
+        return lay_out(a, rows, needs, target.stick_bytes).peak
+
+    one_row = peak(1)
+    if one_row > target.scratchpad_bytes:
+        raise ScratchpadOverflow(
+            f"one row of {a.columns} columns of kernel {a.kernel.name} needs {one_row} bytes of scratchpad")
+    lo, hi = 1, want
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak(mid) <= target.scratchpad_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _block(sizes: tuple[int, ...], nrow: int, cap: int, align: int) -> tuple[int, int, int]:
+    """(block variable, block size, inner rows) for tiles of at most `cap` rows: the row
+    variables inside the block variable fit whole in a tile, and the block variable is cut
+    into blocks of as many indices as then fit."""
+    if not nrow:
+        return -1, 1, 1
+    inner, j = 1, nrow - 1
+    while j >= 0 and inner * sizes[j] <= cap:
+        inner *= sizes[j]
+        j -= 1
+    if j < 0:  # every row fits in one tile
+        return 0, sizes[0], inner // sizes[0]
+    block_size = max(1, cap // inner)
+    if block_size > align:
+        # blocks that start on stick boundaries keep every DMA one compact pattern
+        block_size -= block_size % align
+    return j, block_size, inner
+
+
+def _tiles(sizes: tuple[int, ...], block: int, block_size: int, cores: int) -> tuple[Tile, ...]:
+    """Every tile, dealt round-robin to the cores, in per-core order."""
+    outer = sizes[:block] if block > 0 else ()
+    nblock = sizes[block] if block >= 0 else 1
+    boxes = [(tuple(int(x) for x in fixed), start, min(block_size, nblock - start))
+             for fixed in (np.ndindex(*outer) if outer else [()])
+             for start in range(0, nblock, block_size)]
+    tiles = [Tile(fixed, start, size, i % cores, i // cores) for i, (fixed, start, size) in enumerate(boxes)]
+    return tuple(sorted(tiles, key=lambda t: (t.core, t.seq)))

@@ -1,0 +1,305 @@
+"""How a matmul is spread over the cores, and the cost model that chooses how.
+
+The cores form ``groups`` independent groups. A group is a ``pk x pm x pn`` grid: per wave
+it computes one *block* of the output, ``pm`` M tiles by ``pn`` N tiles, and its K range is
+cut into ``pk`` slices, one per layer of the grid (split-K). Within a slice, the cores of a
+grid row need the same A chunk and the cores of a grid column the same B chunk: each chunk
+is loaded from DRAM once, by one of them, and forwarded to the others over the ring. The
+``pk`` partial sums of a tile are added over the ring before its epilogue.
+
+M is cut into ``m_tiles`` (a multiple of ``pm``) and N into ``n_tiles`` (a multiple of
+``pn``) pieces of whole granules, as even as they can be, bigger first, so that the waves
+are balanced and the tile count is a multiple of the core count whenever the blocks fill
+the groups. K is walked in chunks of ``tk``, through ``nbuf`` operand buffers per core.
+
+The cost model estimates the device time of a tiling from the profile's figures: the
+systolic arrays' time per chunk with their granularity, the DRAM bytes (charged in whole
+bursts) shared by every core that loads at once, each command's fixed latency, a core's
+DMA port, the ring sends a chunk costs its loader, the split-K reduction and the epilogue
+the arrays wait for between waves, and the pipeline's fill and drain. Tilings that do not
+fit the scratchpad are not candidates. Among the cheapest (within the model's resolution)
+the one with the fewest commands wins, as it builds fastest.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..context import LX_ALIGN, ScratchpadOverflow, Target
+from .spec import Problem
+
+# sizes a tile or chunk may aim at; tile counts are derived from them, then deduplicated
+M_TILE_AIMS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
+N_TILE_AIMS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048)
+K_GRANULE = 64  # K slices and chunks start on whole fp16 sticks (two fp32 ones)
+K_CHUNKS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
+NBUFS = (2, 3)
+TIE = 0.005  # tilings within this fraction of the cheapest are equal to the model
+LEAN = 0.05  # and within this fraction of the fewest DRAM bytes, lean enough
+SHORTLIST = 48  # grids estimated with every K chunk and buffer count
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A matmul's spread over the cores (see the module docstring)."""
+
+    groups: int
+    pk: int
+    pm: int
+    pn: int
+    m_tiles: int
+    n_tiles: int
+    tk: int
+    nbuf: int
+
+    @property
+    def group_cores(self) -> int:
+        return self.pk * self.pm * self.pn
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def preferred_granules(target: Target, p: Problem) -> tuple[int, int]:
+    """The units M and N tiles are cut in when there is enough of them: for M the rows the
+    arrays fill at once, or whole sticks where M is A's contiguous dimension; for N a
+    stick's worth of columns (the arrays' width; whole sticks of B and of the output)."""
+    return (target.stick_bytes // p.e_in if p.trans_a else target.gran_m), target.gran_n
+
+
+def granule(extent: int, parts: int, preferred: int) -> int:
+    """The preferred unit if every part gets one, else halved (down to 8): halves of a
+    stick keep a tile inside its sticks. Below 8, single elements."""
+    g = preferred
+    while g > 8 and extent < g * parts:
+        g //= 2
+    return g if extent >= g * parts else 1
+
+
+def split(extent: int, parts: int, gran: int) -> np.ndarray:
+    """Sizes of `parts` consecutive pieces of `extent` in whole granules (the last one
+    ends where the extent does), as even as possible, the bigger ones first."""
+    q = -(-extent // gran)
+    if not 1 <= parts <= max(q, 1):
+        raise ValueError(f"{extent} in {parts} pieces of {gran}")
+    base, extra = divmod(q, parts)
+    sizes = np.full(parts, base * gran, dtype=np.int64)
+    sizes[:extra] += gran
+    sizes[-1] -= q * gran - extent
+    return sizes
+
+
+def chunk_count(k: int, tk: int) -> int:
+    return -(-k // tk) if k else 0
+
+
+# ---- the cost model, vectorised over candidate tilings ------------------------------------
+
+def _round_up(x, g):
+    return -(-x // g) * g
+
+
+def _charged(target: Target, rows, cols, e: int):
+    """DRAM bytes charged for `rows` runs of `cols` contiguous elements in the stick layout:
+    whole sticks are exact, a stick's remainder costs whole bursts."""
+    s = target.stick_bytes // e
+    return rows * ((cols // s) * target.stick_bytes + _round_up((cols % s) * e, target.dram_burst_bytes))
+
+
+def lx_bytes(target: Target, p: Problem, tm, tn, tk, pk, nbuf):
+    """Scratchpad bytes a core needs (the layout `build` makes): operand buffers, the fp32
+    accumulator, the receive buffer of split-K, two staging tiles and two bias rows."""
+    si, so = target.stick_bytes // p.e_in, target.stick_bytes // p.e_out
+    depth = np.minimum(tk, max(p.k, 1))
+    a = (depth * _round_up(tm, si) if p.trans_a else tm * _round_up(depth, si)) * p.e_in
+    b = (tn * _round_up(depth, si) if p.trans_b else depth * _round_up(tn, si)) * p.e_in
+    acc = tm * _round_up(tn, 32) * 4
+    stage = tm * _round_up(tn, so) * p.e_out
+    bias = _round_up(tn, target.stick_bytes // p.e_bias) * p.e_bias if p.e_bias else 0 * tn
+    al = LX_ALIGN
+    return (nbuf * (_round_up(a, al) + _round_up(b, al)) + _round_up(acc, al) * np.where(pk > 1, 2, 1)
+            + 2 * _round_up(stage, al) + 2 * _round_up(bias, al))
+
+
+def _tile_max(extent: int, tiles: np.ndarray, preferred: int) -> np.ndarray:
+    """The largest piece of ``split(extent, tiles, granule(extent, tiles, preferred))``,
+    vectorised over tile counts."""
+    gran = np.full(tiles.shape, preferred, dtype=np.int64)
+    while (shrink := (gran > 8) & (extent < gran * tiles)).any():
+        gran[shrink] //= 2
+    gran[extent < gran * tiles] = 1
+    q = -(-extent // gran)
+    return np.minimum(-(-q // tiles) * gran, extent)
+
+
+def tile_max(target: Target, p: Problem, m_tiles: np.ndarray, n_tiles: np.ndarray):
+    """(rows, columns) of the largest tile, vectorised over tile counts."""
+    gm, gn = preferred_granules(target, p)
+    return _tile_max(p.m, m_tiles, gm), _tile_max(p.n, n_tiles, gn)
+
+
+def _grids(target: Target, p: Problem) -> np.ndarray:
+    """Rows (groups, pk, pm, pn, m_tiles, n_tiles) of every grid and tile count worth
+    trying: grids of all the cores, tiles aimed at the sizes above that fit the scratchpad,
+    and as many blocks as whole waves of all groups need, so that every core has a tile in
+    every wave (a matmul too small for that takes what there is)."""
+    c = target.num_cores
+    rows = []
+    for pk in divisors(c):
+        if pk > max(p.k, 1):
+            continue
+        for pm in divisors(c // pk):
+            for pn in divisors(c // (pk * pm)):
+                wm = np.unique(np.maximum(1, -(-p.m // (pm * np.array(M_TILE_AIMS)))))
+                wn = np.unique(np.maximum(1, -(-p.n // (pn * np.array(N_TILE_AIMS)))))
+                wm, wn = (x.ravel() for x in np.meshgrid(wm, wn, indexing="ij"))
+                rows.append(np.column_stack([np.full((wm.size, 4), (c // (pk * pm * pn), pk, pm, pn)),
+                                             pm * wm, pn * wn, wm * wn]))
+    groups, pk, pm, pn, m_tiles, n_tiles, blocks = np.concatenate(rows).T
+    tm, tn = tile_max(target, p, m_tiles, n_tiles)
+    smallest = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk, 2)
+    keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= target.scratchpad_bytes)
+    busy = keep & (p.batch * blocks % groups == 0)
+    keep = busy if busy.any() else keep
+    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
+
+
+def _with_chunks(target: Target, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
+    """Every grid row with every K chunk and buffer count, as columns (fitting ones only;
+    ``row`` names the grid row)."""
+    combos = np.array([(tk, nb) for tk in tks for nb in nbufs])
+    g = np.repeat(grid, len(combos), axis=0)
+    t = np.tile(combos, (len(grid), 1))
+    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), g.T, strict=True))
+    cand["tk"], cand["nbuf"] = t[:, 0], t[:, 1]
+    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    fits = lx_bytes(target, p, tm, tn, cand["tk"], cand["pk"], cand["nbuf"]) <= target.scratchpad_bytes
+    cand["row"] = np.repeat(np.arange(len(grid)), len(combos))
+    return {k: v[fits] for k, v in cand.items()}
+
+
+def candidates(target: Target, p: Problem) -> dict[str, np.ndarray]:
+    """The tilings worth estimating finely: every grid is estimated with two K chunks
+    first, and the most promising are tried with every chunk and buffer count."""
+    k_max = _round_up(max(p.k, 1), K_GRANULE)
+    tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
+    grid = _grids(target, p)
+    coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2))
+    ns, _, _ = estimate(target, p, coarse)
+    best = np.full(len(grid), np.inf)
+    np.minimum.at(best, coarse["row"], ns)
+    fine = _with_chunks(target, p, grid[np.argsort(best, kind="stable")[:SHORTLIST]], tks, NBUFS)
+    del fine["row"]
+    return fine
+
+
+def estimate(target: Target, p: Problem, cand: dict[str, np.ndarray]):
+    """(estimated device ns, DRAM bytes, commands) of each candidate tiling."""
+    t = terms(target, p, cand)
+    return t["ns"], t["dram_bytes"], t["cmds"]
+
+
+def terms(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every term of the estimate, by name (the ``t_*`` are ns)."""
+    groups, pk, pm, pn = cand["groups"], cand["pk"], cand["pm"], cand["pn"]
+    tk = cand["tk"]
+    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    # the longest K slice sets the steps of a wave: full chunks and a shorter last one
+    k_slice = _tile_max(p.k, pk, K_GRANULE)
+    steps = -(-k_slice // tk)
+    tail = k_slice - (steps - 1) * tk
+    blocks = p.batch * (cand["m_tiles"] // pm) * (cand["n_tiles"] // pn)
+    waves = -(-blocks // groups)
+    active = np.minimum(blocks, groups)
+
+    step = _step_terms(target, p, cand, tm, tn, np.minimum(tk, max(p.k, 1)), active)
+    last = _step_terms(target, p, cand, tm, tn, np.maximum(tail, 1), active)
+    t_mm, t_load, t_fwd, t_step = step["t_mm"], step["t_load"], step["t_fwd"], step["t_step"]
+
+    # every byte the kernel moves, with average tiles: A once per N block, B once per M block
+    tm_avg, tn_avg, k = p.m / cand["m_tiles"], p.n / cand["n_tiles"], p.k
+    a_strip = _charged(target, k, tm_avg, p.e_in) if p.trans_a else _charged(target, tm_avg, k, p.e_in)
+    b_strip = _charged(target, tn_avg, k, p.e_in) if p.trans_b else _charged(target, k, tn_avg, p.e_in)
+    c_tile = _charged(target, tm, tn, p.e_out)
+    per_block = pm * a_strip + pn * b_strip + pm * pn * _charged(target, tm_avg, tn_avg, p.e_out)
+    t_bytes = blocks * per_block / target.dram_bytes_per_ns
+
+    acc = tm * _round_up(tn, 32) * 4
+    rounds = np.ceil(np.log2(pk))
+    sfu = target.sfu_latency_ns + tm * tn / target.sfu_elems_per_ns
+    t_reduce = rounds * (acc / target.ring_bytes_per_ns + target.ring_hop_ns + sfu)
+    t_epilogue = sfu * (2 if p.e_bias else 1)
+    # per step: the critical core; per wave: the DRAM every active group shares
+    t_steps = np.where(steps > 0, (steps - 1) * t_step + last["t_step"], 0)
+    t_wave = np.maximum(t_steps, active * per_block / target.dram_bytes_per_ns) + t_reduce + t_epilogue
+
+    storing = np.minimum(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / (active * pm * pn))
+    t_drain = target.dma_latency_ns + c_tile / storing
+    # the first chunk's latency and forwards; its transfer only where the arrays would wait
+    t_fill = np.where(steps > 0, t_load + t_fwd - np.maximum(0, t_load - target.dma_latency_ns - t_mm), 0)
+    t_stream = t_bytes + 2 * target.dma_latency_ns + t_mm + t_epilogue  # DRAM never idle
+    ns = np.maximum(t_fill + waves * t_wave + t_drain, t_stream)
+
+    sends = pm * (pn - 1) + pn * (pm - 1)
+    cmds = blocks * (steps * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
+    dram_bytes = blocks * per_block
+    return {k: v for k, v in locals().items() if isinstance(v, np.ndarray)} | step
+
+
+def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tm, tn, depth, active) -> dict:
+    """The time of one step of a wave (chunks `depth` deep) on its busiest core: the
+    arrays, the load engine (its share of the step's loads, each at its share of the
+    DRAM), the ring port, and the latency of a chunk's load and forwards, which the
+    other buffers hide."""
+    pk, pm, pn, nbuf = cand["pk"], cand["pm"], cand["pn"], cand["nbuf"]
+    rate = target.macs_per_ns * (target.pt_fp32_ratio if p.fp32 else 1.0)
+    t_mm = target.pt_latency_ns + _round_up(tm, target.gran_m) * _round_up(tn, target.gran_n) * depth / rate
+    a_chunk = _charged(target, depth, tm, p.e_in) if p.trans_a else _charged(target, tm, depth, p.e_in)
+    b_chunk = _charged(target, tn, depth, p.e_in) if p.trans_b else _charged(target, depth, tn, p.e_in)
+    loads = active * pk * (pm + pn)  # transfers sharing DRAM in a step
+    share = np.minimum(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / loads)
+    t_load = target.dma_latency_ns + np.maximum(a_chunk, b_chunk) / share
+    # a core's load engine moves one transfer at a time: its share of a step's loads
+    t_port = ((pm + pn) * target.dma_latency_ns + (pm * a_chunk + pn * b_chunk) / share) / (pm * pn)
+    hop = target.ring_hop_ns * np.maximum(pm, pn) / 2
+    a_send = a_chunk / target.ring_bytes_per_ns + hop
+    b_send = b_chunk / target.ring_bytes_per_ns + hop
+    t_fwd = np.maximum((pn - 1) * a_send, (pm - 1) * b_send)
+    t_ring = (pm * (pn - 1) * a_send + pn * (pm - 1) * b_send) / (pm * pn)
+    t_step = np.maximum.reduce([t_mm, t_ring, t_port, (t_load + t_fwd) / (nbuf - 1)])
+    return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load,
+            "t_fwd": t_fwd, "t_step": t_step}
+
+
+@functools.lru_cache(maxsize=512)
+def choose(target: Target, p: Problem) -> Tiling:
+    """The cheapest tiling that fits the scratchpad (cached: one choice per shape). Among
+    those the model cannot tell apart, the one that moves the fewest DRAM bytes (the
+    bandwidth other work on the card shares), with the most operand buffers (the most
+    slack for what the model does not see), then with the fewest commands (it builds
+    fastest)."""
+    cand = candidates(target, p)
+    if not cand["tk"].size:
+        raise ScratchpadOverflow(f"no matmul tile of {p.m}x{p.n}x{p.k} fits the scratchpad")
+    ns, nbytes, cmds = estimate(target, p, cand)
+    near = np.flatnonzero(ns <= ns.min() * (1 + TIE))
+    lean = near[nbytes[near] <= nbytes[near].min() * (1 + LEAN)]
+    lean = lean[cand["nbuf"][lean] == cand["nbuf"][lean].max()]
+    best = lean[np.argmin(cmds[lean])]
+    return Tiling(**{k: int(v[best]) for k, v in cand.items()})
+
+
+def estimate_one(target: Target, p: Problem, t: Tiling) -> float:
+    """The model's device time of one tiling, in ns."""
+    ns, _, _ = estimate(target, p, {k: np.array([getattr(t, k)]) for k in Tiling.__dataclass_fields__})
+    return float(ns[0])
+
+
+def lx_bytes_of(target: Target, p: Problem, t: Tiling) -> int:
+    tm, tn = tile_max(target, p, np.array([t.m_tiles]), np.array([t.n_tiles]))
+    return int(lx_bytes(target, p, tm, tn, np.array([t.tk]), np.array([t.pk]), np.array([t.nbuf]))[0])
+

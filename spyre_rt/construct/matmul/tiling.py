@@ -282,6 +282,8 @@ def choose(target: Target, p: Problem) -> Tiling:
     bandwidth other work on the card shares), with the most operand buffers (the most
     slack for what the model does not see), then with the fewest commands (it builds
     fastest)."""
+    if p.batch * p.m * p.n == 0:
+        return Tiling(target.num_cores, 1, 1, 1, 1, 1, K_GRANULE, 2)  # nothing to compute
     cand = candidates(target, p)
     if not cand["tk"].size:
         raise ScratchpadOverflow(f"no matmul tile of {p.m}x{p.n}x{p.k} fits the scratchpad")

@@ -37,8 +37,8 @@ N_TILE_AIMS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 7
 K_GRANULE = 64  # K slices and chunks start on whole fp16 sticks (two fp32 ones)
 K_CHUNKS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
 NBUFS = (2, 3)
-TIE = 0.005  # tilings within this fraction of the cheapest are equal to the model
-LEAN = 0.05  # and within this fraction of the fewest DRAM bytes, lean enough
+TIE = 0.02  # tilings within this fraction of the cheapest are equal to the model (its error)
+DRAM_BUDGET = 1.5  # DRAM bytes a tiling may move, in minimums (each operand and the output once)
 SHORTLIST = 48  # grids estimated with every K chunk and buffer count
 
 
@@ -216,12 +216,13 @@ def terms(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, 
     waves = -(-blocks // groups)
     active = np.minimum(blocks, groups)
 
-    step = _step_terms(target, p, cand, tm, tn, np.minimum(tk, max(p.k, 1)), active)
-    last = _step_terms(target, p, cand, tm, tn, np.maximum(tail, 1), active)
+    tm_avg, tn_avg, k = p.m / cand["m_tiles"], p.n / cand["n_tiles"], p.k
+    tiles = ((tm, tn), (tm_avg, tn_avg))
+    step = _step_terms(target, p, cand, tiles, np.minimum(tk, max(p.k, 1)), active)
+    last = _step_terms(target, p, cand, tiles, np.maximum(tail, 1), active)
     t_mm, t_load, t_fwd, t_step = step["t_mm"], step["t_load"], step["t_fwd"], step["t_step"]
 
     # every byte the kernel moves, with average tiles: A once per N block, B once per M block
-    tm_avg, tn_avg, k = p.m / cand["m_tiles"], p.n / cand["n_tiles"], p.k
     a_strip = _charged(target, k, tm_avg, p.e_in) if p.trans_a else _charged(target, tm_avg, k, p.e_in)
     b_strip = _charged(target, tn_avg, k, p.e_in) if p.trans_b else _charged(target, k, tn_avg, p.e_in)
     c_tile = _charged(target, tm, tn, p.e_out)
@@ -250,38 +251,47 @@ def terms(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, 
     return {k: v for k, v in locals().items() if isinstance(v, np.ndarray)} | step
 
 
-def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tm, tn, depth, active) -> dict:
+def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tiles, depth, active) -> dict:
     """The time of one step of a wave (chunks `depth` deep) on its busiest core: the
-    arrays, the load engine (its share of the step's loads, each at its share of the
-    DRAM), the ring port, and the latency of a chunk's load and forwards, which the
-    other buffers hide."""
+    arrays, its load engine (its share of the step's loads at its port's rate), its ring
+    port, and the time a chunk takes to arrive (latency, its share of the DRAM, the
+    forwards), which the other operand buffers hide. The DRAM the cores share is counted
+    per wave (`terms`): it serves whoever is still loading, so an average chunk is what
+    waits for it."""
     pk, pm, pn, nbuf = cand["pk"], cand["pm"], cand["pn"], cand["nbuf"]
+    (tm, tn), (tm_avg, tn_avg) = tiles
     rate = target.macs_per_ns * (target.pt_fp32_ratio if p.fp32 else 1.0)
     t_mm = target.pt_latency_ns + _round_up(tm, target.gran_m) * _round_up(tn, target.gran_n) * depth / rate
-    a_chunk = _charged(target, depth, tm, p.e_in) if p.trans_a else _charged(target, tm, depth, p.e_in)
-    b_chunk = _charged(target, tn, depth, p.e_in) if p.trans_b else _charged(target, depth, tn, p.e_in)
+    a, b = _chunks(target, p, tm, tn, depth)
+    a_avg, b_avg = _chunks(target, p, tm_avg, tn_avg, depth)
+    # a core's load engine moves one transfer at a time: its share of a step's loads
+    t_port = ((pm + pn) * target.dma_latency_ns + (pm * a + pn * b) / target.core_dma_bytes_per_ns) / (pm * pn)
     loads = active * pk * (pm + pn)  # transfers sharing DRAM in a step
     share = np.minimum(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / loads)
-    t_load = target.dma_latency_ns + np.maximum(a_chunk, b_chunk) / share
-    # a core's load engine moves one transfer at a time: its share of a step's loads
-    t_port = ((pm + pn) * target.dma_latency_ns + (pm * a_chunk + pn * b_chunk) / share) / (pm * pn)
+    t_load = target.dma_latency_ns + (pm * a_avg + pn * b_avg) / (pm + pn) / share
     hop = target.ring_hop_ns * np.maximum(pm, pn) / 2
-    a_send = a_chunk / target.ring_bytes_per_ns + hop
-    b_send = b_chunk / target.ring_bytes_per_ns + hop
+    a_send = a / target.ring_bytes_per_ns + hop
+    b_send = b / target.ring_bytes_per_ns + hop
     t_fwd = np.maximum((pn - 1) * a_send, (pm - 1) * b_send)
     t_ring = (pm * (pn - 1) * a_send + pn * (pm - 1) * b_send) / (pm * pn)
     t_step = np.maximum.reduce([t_mm, t_ring, t_port, (t_load + t_fwd) / (nbuf - 1)])
-    return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load,
-            "t_fwd": t_fwd, "t_step": t_step}
+    return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load, "t_fwd": t_fwd, "t_step": t_step}
+
+
+def _chunks(target: Target, p: Problem, tm, tn, depth):
+    """DRAM bytes of an A chunk and a B chunk (`depth` deep) of `tm` x `tn` tiles."""
+    a = _charged(target, depth, tm, p.e_in) if p.trans_a else _charged(target, tm, depth, p.e_in)
+    b = _charged(target, tn, depth, p.e_in) if p.trans_b else _charged(target, depth, tn, p.e_in)
+    return a, b
 
 
 @functools.lru_cache(maxsize=512)
 def choose(target: Target, p: Problem) -> Tiling:
     """The cheapest tiling that fits the scratchpad (cached: one choice per shape). Among
-    those the model cannot tell apart, the one that moves the fewest DRAM bytes (the
-    bandwidth other work on the card shares), with the most operand buffers (the most
-    slack for what the model does not see), then with the fewest commands (it builds
-    fastest)."""
+    those the model cannot tell apart, one that moves at most 1.5 times the minimum DRAM
+    bytes (the bandwidth is shared with whatever else the card runs), with the most
+    operand buffers (slack for what the model does not see), then with the fewest commands
+    (it builds fastest and takes the least of the card's memory)."""
     if p.batch * p.m * p.n == 0:
         return Tiling(target.num_cores, 1, 1, 1, 1, 1, K_GRANULE, 2)  # nothing to compute
     cand = candidates(target, p)
@@ -289,7 +299,8 @@ def choose(target: Target, p: Problem) -> Tiling:
         raise ScratchpadOverflow(f"no matmul tile of {p.m}x{p.n}x{p.k} fits the scratchpad")
     ns, nbytes, cmds = estimate(target, p, cand)
     near = np.flatnonzero(ns <= ns.min() * (1 + TIE))
-    lean = near[nbytes[near] <= nbytes[near].min() * (1 + LEAN)]
+    lean = near[nbytes[near] <= DRAM_BUDGET * p.min_bytes]
+    lean = lean if lean.size else near
     lean = lean[cand["nbuf"][lean] == cand["nbuf"][lean].max()]
     best = lean[np.argmin(cmds[lean])]
     return Tiling(**{k: int(v[best]) for k, v in cand.items()})

@@ -12,14 +12,14 @@ transposed in place (a weight used as ``W.t()``), and the matmul command says so
 
 The tiling comes from a cost model over the profile's figures, under the scratchpad
 capacity (checked again by the card when the program is committed); :mod:`.schedule` says
-which core does what, :mod:`.build` makes the commands.
+which core does what, :mod:`.commands` makes the commands.
 """
 
 from __future__ import annotations
 
 from ... import dtypes
 from ..context import BuildContext
-from . import build as _build
+from . import commands
 from .spec import ITEMSIZE, MatmulSpec, Problem, View
 from .tiling import Tiling, choose
 
@@ -32,7 +32,7 @@ def build(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) -> 
     if spec.alpha != 1 or spec.beta != 1:
         raise NotImplementedError("matmul alpha/beta other than 1 are lowered to pointwise ops")
     tiling = tiling or choose(ctx.target, Problem.of(spec))
-    _build.build(ctx, spec, tiling)
+    commands.build(ctx, spec, tiling)
     return tiling
 
 

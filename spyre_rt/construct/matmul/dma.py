@@ -7,6 +7,7 @@ import numpy as np
 from ...program import DESC, DMA_DESCS, OP_LOAD, OP_STORE, empty_cmds
 from ..access import NotAffine, Pattern, descriptor_runs, pattern
 from ..context import BuildContext
+from .graph import unique_rows
 from .spec import View
 
 
@@ -29,35 +30,40 @@ class Patterns:
         self.lx_strides = (lx_pitch, itemsize)
         self.boxes = boxes
         self.bases = bases = np.asarray(bases, dtype=np.int64)
-        # A pattern depends on the box and on where it starts in its storage row (how it
-        # meets the sticks and whether it reaches the row's end); boxes a whole number of
-        # rows apart share it. A one-row storage is linear: every start shares it.
-        column = bases % layout.row_len if layout.rows > 1 else np.zeros_like(bases)
-        keys = np.stack([boxes[:, 0], boxes[:, 1], column], axis=1)
-        uniq, self.pid = np.unique(keys, axis=0, return_inverse=True)
-        self.pid = self.pid.ravel()
+        keys = self._keys()
+        first, self.pid = unique_rows(keys)
         self.patterns: list[Pattern | None] = []
-        origin = np.zeros(len(uniq), dtype=np.int64)
-        for u, key in enumerate(uniq):
-            first = int(np.flatnonzero(self.pid == u)[0])
+        for u, key in enumerate(keys[first]):
             try:
-                p = pattern(layout, int(bases[first]), (int(key[0]), int(key[1])), self.strides, self.lx_strides)
+                p = pattern(layout, int(bases[first[u]]), (int(key[0]), int(key[1])), self.strides, self.lx_strides)
             except NotAffine:
                 p = None
             if writes and p is not None and self._overruns(p, key, itemsize):
                 p = None
             self.patterns.append(p)
-            origin[u] = layout.phys(int(bases[first]))
+        origin = layout.phys(bases[first])
         # device byte offset of each tile relative to its pattern's first base
         self.start = layout.phys(bases) - origin[self.pid]
         self.nbases = np.array([len(p.bases) if p else 1 for p in self.patterns], dtype=np.int64)[self.pid]
 
+    def _keys(self) -> np.ndarray:
+        """What a box's pattern depends on besides where it starts: its shape, where it
+        starts inside a stick, whether its columns reach past its storage row's end (no
+        pattern then) and whether its last column is the row's last (the padding after it
+        may be written). Boxes alike in these share a pattern, moved. A one-row storage is
+        linear: every start shares it."""
+        lay, boxes = self.layout, self.boxes
+        if lay.rows <= 1:
+            return np.column_stack([boxes, np.zeros((len(boxes), 3), dtype=np.int64)])
+        column = self.bases % lay.row_len
+        span = (boxes - 1) @ (np.array(self.strides) % lay.row_len)
+        ends = (column + boxes[:, 1] >= lay.row_len) & (self.strides[1] == 1)
+        return np.column_stack([boxes, column % lay.stick_elems, column + span >= lay.row_len, ends])
+
     def _overruns(self, p: Pattern, key: np.ndarray, itemsize: int) -> bool:
         """Does the pattern move bytes outside its box that are not the row's padding?"""
-        rows, cols, column = (int(x) for x in key)
-        if p.bytes == rows * cols * itemsize:
-            return False
-        return not (self.strides[1] == 1 and column + cols >= self.layout.row_len)
+        rows, cols, _, _, ends = (int(x) for x in key)
+        return p.bytes != rows * cols * itemsize and not ends
 
     def descriptors(self, item: int, lx_off: int, load: bool) -> tuple[int, int]:
         """(first descriptor, count) of a descriptor-list DMA moving one item's box."""
@@ -70,38 +76,35 @@ class Patterns:
 
 
 def fill_dmas(cmds: np.ndarray, rows: np.ndarray, pats: Patterns, items: np.ndarray, slot: int,
-               lx_off: np.ndarray, load: bool) -> None:
+              lx_off: np.ndarray, load: bool) -> None:
     """Fill the DMA commands at `rows` (one run of len(bases) rows per item) for the items
-    (tiles or chunks) of an operand; lx_off is each item's scratchpad region."""
+    (tiles or chunks) of an operand; lx_off is each item's scratchpad region. Fields are
+    written through column views, in place."""
+    pid = pats.pid[items]
+    slot_field, dev_field, lx_field = ("src_slot", "src_off", "dst_off") if load else ("dst_slot", "dst_off", "src_off")
     for u, p in enumerate(pats.patterns):
-        sel = np.flatnonzero(pats.pid[items] == u)
+        sel = np.flatnonzero(pid == u) if len(pats.patterns) > 1 else np.arange(len(items))
         if not sel.size:
             continue
         if p is None:
             for s_ in sel:
                 first, n = pats.descriptors(int(items[s_]), int(lx_off[s_]), load)
-                c = cmds[rows[s_]]
-                c["flags"] = DMA_DESCS
-                c["src_slot"], c["dst_slot"] = (slot, 0) if load else (0, slot)
-                c["src_off"], c["desc_count"] = first, n
-                cmds[rows[s_]] = c
+                r = rows[s_]
+                cmds["flags"][r] = DMA_DESCS
+                cmds[slot_field][r] = slot
+                cmds["src_off"][r], cmds["desc_count"][r] = first, n
             continue
         for j, (dram, lxb) in enumerate(p.bases):
             r = rows[sel] + j
-            dev = pats.start[items[sel]] + dram
-            lxo = lx_off[sel] + lxb
-            c = cmds[r]
-            if load:
-                c["src_slot"], c["src_off"], c["dst_off"] = slot, dev, lxo
-            else:
-                c["dst_slot"], c["dst_off"], c["src_off"] = slot, dev, lxo
-            c["run_bytes"] = p.run
-            c["ndims"] = len(p.dims)
+            cmds[slot_field][r] = slot
+            cmds[dev_field][r] = pats.start[items[sel]] + dram
+            cmds[lx_field][r] = lx_off[sel] + lxb
+            cmds["run_bytes"][r] = p.run
+            cmds["ndims"][r] = len(p.dims)
             for k, d in enumerate(p.dims):
-                c["count"][:, k] = d.count
-                c["src_stride"][:, k] = d.src if load else d.dst
-                c["dst_stride"][:, k] = d.dst if load else d.src
-            cmds[r] = c
+                cmds["count"][r, k] = d.count
+                cmds["src_stride"][r, k] = d.src if load else d.dst
+                cmds["dst_stride"][r, k] = d.dst if load else d.src
 
 
 def dma_block(pats: Patterns, items: np.ndarray, core: np.ndarray, slot: int, lx_off: np.ndarray,

@@ -31,6 +31,20 @@ class Ops:
         return self.first.size
 
 
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of each distinct row's first occurrence, in sorted row order; the distinct
+    row of each row) of a 2-D array of non-negative integers. The columns are packed into
+    one integer key where they fit (a one-dimensional unique is many times faster)."""
+    a = np.asarray(a, dtype=np.int64)
+    radix = a.max(axis=0, initial=0) + 1
+    if a.size and float(np.prod(radix.astype(float))) < 2.0**62:
+        key = a @ np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]])
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(a, axis=0, return_index=True, return_inverse=True)
+    return first, inverse.ravel()
+
+
 class CommandGraph:
     def __init__(self) -> None:
         self._blocks: list[np.ndarray] = []
@@ -72,11 +86,11 @@ class CommandGraph:
 
     def commit(self, program: ProgramBuilder) -> int:
         """Append the commands to the program in key order; returns the first's index."""
-        cmds = np.concatenate(self._blocks)
+        raw = np.concatenate([b.view(np.uint8).reshape(len(b), CMD.itemsize) for b in self._blocks])
         order = np.argsort(np.concatenate(self._keys), kind="stable")
         rank = np.empty_like(order)
         rank[order] = np.arange(order.size)
-        cmds = cmds[order]
+        cmds = raw[order].reshape(-1).view(CMD)  # records moved as bytes: no field promotion
         if self._after:
             after = rank[np.concatenate(self._after)]
             before = rank[np.concatenate(self._before)]

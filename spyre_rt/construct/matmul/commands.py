@@ -44,7 +44,7 @@ from ...program import (
 )
 from ..context import BuildContext, ScratchpadPlan, round_up
 from .dma import Patterns, dma_block
-from .graph import CommandGraph, Ops
+from .graph import CommandGraph, Ops, unique_rows
 from .schedule import Schedule, Sharing, _prev_on
 from .spec import ITEMSIZE, MatmulSpec, Problem
 from .tiling import Tiling
@@ -242,9 +242,9 @@ class _Builder:
         """SFU programs acc += recv, one per tile shape; each pair's first instruction."""
         acc = (OPND_TILE, lib.SPY_DT_F32, 0, self.lx.c_pitch, self.lx.acc)
         recv = (OPND_TILE, lib.SPY_DT_F32, 0, self.lx.c_pitch, max(self.lx.recv, 0))
-        shapes, inv = np.unique(np.stack([rows, cols], axis=1), axis=0, return_inverse=True)
-        ins = np.zeros(len(shapes), dtype=INSTR)
-        for x, (r, c) in enumerate(shapes):
+        first, inv = unique_rows(np.stack([rows, cols], axis=1))
+        ins = np.zeros(len(first), dtype=INSTR)
+        for x, (r, c) in enumerate(zip(rows[first], cols[first], strict=True)):
             ins[x] = (lib.SPY_SFU_ADD, 0, 0, 0, r, c, acc, [acc, recv, NONE])
         return self.ctx.program.add_instrs(ins) + inv.ravel()
 
@@ -324,9 +324,9 @@ class _Builder:
         spec, lx = self.spec, self.lx
         acc = (OPND_TILE, lib.SPY_DT_F32, 0, lx.c_pitch, lx.acc)
         zero = (OPND_IMM, lib.SPY_DT_F32, 0, 0, 0)  # 0.0 as the immediate's bits
-        shapes, inv = np.unique(np.stack([slot, rows, cols], axis=1), axis=0, return_inverse=True)
+        first, inv = unique_rows(np.stack([slot, rows, cols], axis=1))
         programs = []
-        for s_, r, c in shapes:
+        for s_, r, c in zip(slot[first], rows[first], cols[first], strict=True):
             ins = []
             if self.p.k == 0:
                 ins.append((lib.SPY_SFU_MOV, 0, 0, 0, r, c, acc, [zero, NONE, NONE]))
@@ -337,8 +337,8 @@ class _Builder:
                         (OPND_TILE, spec.out_dtype, 0, lx.s_pitch, int(lx.stage[s_])), [acc, NONE, NONE]))
             programs.append(np.array(ins, dtype=INSTR))
         n = len(programs[0])
-        first = self.ctx.program.add_instrs(np.concatenate(programs))
-        return n, first + n * inv.ravel()
+        begin = self.ctx.program.add_instrs(np.concatenate(programs))
+        return n, begin + n * inv
 
     def _accumulator_reuse(self, mm: Ops, rsend: Ops, radd: Ops, sfu: Ops) -> None:
         """A task's first matmul overwrites the accumulator: the core's previous task must

@@ -45,7 +45,7 @@ from ...program import (
 from ..context import BuildContext, ScratchpadPlan, round_up
 from .dma import Patterns, dma_block
 from .graph import CommandGraph, Ops, unique_rows
-from .schedule import Schedule, Sharing, _prev_on
+from .schedule import Schedule, Sharing, prev_alike
 from .spec import ITEMSIZE, MatmulSpec, Problem
 from .tiling import Tiling
 
@@ -91,24 +91,24 @@ def build(ctx: BuildContext, spec: MatmulSpec, t: Tiling) -> None:
 class _Builder:
     def __init__(self, ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling):
         self.ctx, self.spec, self.p, self.t = ctx, spec, p, t
-        self.s = Schedule.of(ctx.target, p, t)
-        self.lx = Scratchpad(ctx, spec, p, t, self.s)
+        self.sched = Schedule.of(ctx.target, p, t)
+        self.lx = Scratchpad(ctx, spec, p, t, self.sched)
         self.g = CommandGraph()
-        tasks, uses = self.s.tasks, self.s.uses
-        steps = self.s.geometry.steps
+        tasks, uses = self.sched.tasks, self.sched.uses
+        steps = self.sched.geometry.steps
         self.use_key = (tasks.wave[uses.task] * steps + uses.step) * 8
         # a wave's end goes nbuf - 1 steps into the next wave (see the module docstring)
         self.end_key = ((tasks.wave + 1) * max(steps, 1) + t.nbuf - 2) * 8
 
     def run(self) -> None:
-        a_load, a_in, a_sends = self._operand(self.s.a, "a")
-        b_load, b_in, b_sends = self._operand(self.s.b, "b")
+        a_load, a_in, a_sends = self._operand(self.sched.a, "a")
+        b_load, b_in, b_sends = self._operand(self.sched.b, "b")
         mm = self._matmuls()
-        for share, arrival, sends in ((self.s.a, a_in, a_sends), (self.s.b, b_in, b_sends)):
+        for share, arrival, sends in ((self.sched.a, a_in, a_sends), (self.sched.b, b_in, b_sends)):
             self.g.depend(mm, arrival)  # a matmul waits for both of its chunks
             self._buffer_reuse(share, arrival, sends, mm)
-        self._in_step_order(self.s.a, a_load, a_in, b_in)
-        self._in_step_order(self.s.b, b_load, a_in, b_in)
+        self._in_step_order(self.sched.a, a_load, a_in, b_in)
+        self._in_step_order(self.sched.b, b_load, a_in, b_in)
         rsend, radd = self._reduction(mm)
         sfu = self._epilogue(mm, radd)
         self._accumulator_reuse(mm, rsend, radd, sfu)
@@ -118,11 +118,11 @@ class _Builder:
 
     def _operand_boxes(self, which: str, chunk_uses: np.ndarray) -> Patterns:
         """DMA patterns of the chunks loaded at `chunk_uses` (one use per chunk)."""
-        tasks, geo, p = self.s.tasks, self.s.geometry, self.p
+        tasks, geo, p = self.sched.tasks, self.sched.geometry, self.p
         view = self.spec.a if which == "a" else self.spec.b
-        task = self.s.uses.task[chunk_uses]
-        k0 = geo.k_start[self.s.uses.chunk[chunk_uses]]
-        depth = geo.k_size[self.s.uses.chunk[chunk_uses]]
+        task = self.sched.uses.task[chunk_uses]
+        k0 = geo.k_start[self.sched.uses.chunk[chunk_uses]]
+        depth = geo.k_size[self.sched.uses.chunk[chunk_uses]]
         st = view.strides
         if which == "a":
             base = view.offset + tasks.batch[task] * st[0] + tasks.row0[task] * st[1] + k0 * st[2]
@@ -137,7 +137,7 @@ class _Builder:
     def _operand(self, share: Sharing, which: str) -> tuple[Ops, Ops, Ops]:
         """(the load of each chunk, what brought each use its chunk: its own load or a
         send, the sends of each chunk as one run of ops), indexed as the schedule does."""
-        uses, tasks = self.s.uses, self.s.tasks
+        uses, tasks = self.sched.uses, self.sched.tasks
         slots = self.lx.a if which == "a" else self.lx.b
         loader = share.loader_use
         pats = self._operand_boxes(which, loader)
@@ -166,9 +166,9 @@ class _Builder:
 
     def _chunk_bytes(self, which: str, use: np.ndarray) -> np.ndarray:
         """Bytes of a chunk in its operand buffer: its rows times the buffer's pitch."""
-        tasks, geo, p = self.s.tasks, self.s.geometry, self.p
-        task = self.s.uses.task[use]
-        depth = geo.k_size[self.s.uses.chunk[use]]
+        tasks, geo, p = self.sched.tasks, self.sched.geometry, self.p
+        task = self.sched.uses.task[use]
+        depth = geo.k_size[self.sched.uses.chunk[use]]
         if which == "a":
             rows = depth if p.trans_a else tasks.rows[task]
             return rows * self.lx.a_pitch * p.e_in
@@ -178,7 +178,7 @@ class _Builder:
     def _buffer_reuse(self, share: Sharing, arrival: Ops, sends_of_chunk: Ops, mm: Ops) -> None:
         """A write into an operand buffer waits for the previous use of that buffer on the
         core: its matmul, and the forwards of its chunk if the core was the loader."""
-        prev = self.s.uses.prev
+        prev = self.sched.uses.prev
         before = np.maximum(prev, 0)
         self.g.depend(arrival, mm[before], keep=prev >= 0)
         forwards = sends_of_chunk[share.chunk[before]]
@@ -188,7 +188,7 @@ class _Builder:
         """At the start, when every buffer is free, a load for step c waits until its core
         has the chunks of step c - 1: the first step's chunks get the DRAM to themselves
         instead of sharing it with the next steps'. (Later, buffer reuse paces the loads.)"""
-        uses = self.s.uses
+        uses = self.sched.uses
         loader = share.loader_use
         later = (uses.step[loader] > 0) & (uses.prev[loader] < 0)
         self.g.depend(loads, a_in[np.maximum(loader - 1, 0)], keep=later)
@@ -197,7 +197,7 @@ class _Builder:
     # ---- matmuls ----------------------------------------------------------------------
 
     def _matmuls(self) -> Ops:
-        uses, tasks, geo, p, lx = self.s.uses, self.s.tasks, self.s.geometry, self.p, self.lx
+        uses, tasks, geo, p, lx = self.sched.uses, self.sched.tasks, self.sched.geometry, self.p, self.lx
         task = uses.task
         mm = empty_cmds(task.size, OP_MATMUL, tasks.core[task], CMD_MM)
         mm["a_off"], mm["b_off"], mm["c_off"] = lx.a[uses.slot], lx.b[uses.slot], lx.acc
@@ -210,14 +210,14 @@ class _Builder:
 
     def _last_mm(self, task: np.ndarray) -> np.ndarray:
         """The last matmul use of each task (-1 for a task without K chunks)."""
-        tasks = self.s.tasks
+        tasks = self.sched.tasks
         return np.where(tasks.nuses[task] > 0, tasks.first_use[task] + tasks.nuses[task] - 1, -1)
 
     # ---- split-K --------------------------------------------------------------------------
 
     def _reduction(self, mm: Ops) -> tuple[Ops, Ops]:
         """Sends of partial sums into receive buffers, and the adds that consume them."""
-        red, tasks, lx = self.s.reduction, self.s.tasks, self.lx
+        red, tasks, lx = self.sched.reduction, self.sched.tasks, self.lx
         snd, rcv = red.sender, red.receiver
         if not snd.size:
             return Ops(np.zeros(0)), Ops(np.zeros(0))
@@ -252,10 +252,10 @@ class _Builder:
 
     def _epilogue(self, mm: Ops, radd: Ops) -> Ops:
         """Per root: bias load, SFU (bias, rounding into staging), stores of the tile."""
-        roots, tasks, spec = self.s.roots, self.s.tasks, self.spec
+        roots, tasks, spec = self.sched.roots, self.sched.tasks, self.spec
         core = tasks.core[roots]
-        slot = self.s.root_seq % 2
-        prev = _prev_on(core)
+        slot = self.sched.root_seq % 2
+        prev = prev_alike(core)
         prev2 = np.where(prev >= 0, prev[np.maximum(prev, 0)], -1)  # the root that used this slot
         key = self.end_key[roots]
         sfu = empty_cmds(roots.size, OP_SFU, core, CMD_SFU)
@@ -265,7 +265,7 @@ class _Builder:
             last = self._last_mm(roots)
             self.g.depend(sfus, mm[np.maximum(last, 0)], keep=last >= 0)
         if len(radd):
-            adds = self.s.reduction.last_add[roots]
+            adds = self.sched.reduction.last_add[roots]
             self.g.depend(sfus, radd[np.maximum(adds, 0)], keep=adds >= 0)
         if spec.bias is not None:
             bias = self._bias_loads(roots, slot, key)
@@ -284,7 +284,7 @@ class _Builder:
         the tiles would take most of the DRAM from the next wave's first loads and stall
         the arrays; spread out, they take what the loads leave. The staging tile is not
         needed again before the wave after next."""
-        tasks = self.s.tasks
+        tasks = self.sched.tasks
         following = np.full(tasks.core.size, -1, dtype=np.int64)
         has_prev = tasks.prev_task >= 0
         following[tasks.prev_task[has_prev]] = np.flatnonzero(has_prev)
@@ -297,7 +297,7 @@ class _Builder:
         self.g.depend(stores, mm[tasks.first_use[np.maximum(nxt, 0)] + step], keep=paced)
 
     def _bias_loads(self, roots: np.ndarray, slot: np.ndarray, key: np.ndarray) -> Ops:
-        tasks, bv, e = self.s.tasks, self.spec.bias, ITEMSIZE.get(self.spec.bias_dtype, 4)
+        tasks, bv, e = self.sched.tasks, self.spec.bias, ITEMSIZE.get(self.spec.bias_dtype, 4)
         if bv.strides[1] != 0 and bv.sizes[1] != 1:
             raise ValueError("a matmul bias must be broadcast over the rows")
         base = bv.offset + tasks.batch[roots] * bv.strides[0] + tasks.col0[roots] * bv.strides[2]
@@ -309,7 +309,7 @@ class _Builder:
         return self.g.add(cmds, key + BIAS, first, count)
 
     def _stores(self, roots: np.ndarray, slot: np.ndarray, key: np.ndarray) -> Ops:
-        tasks, o, p = self.s.tasks, self.spec.out, self.p
+        tasks, o, p = self.sched.tasks, self.spec.out, self.p
         base = o.offset + tasks.batch[roots] * o.strides[0] + tasks.row0[roots] * o.strides[1] \
             + tasks.col0[roots] * o.strides[2]
         box = np.stack([tasks.rows[roots], tasks.cols[roots]], axis=1)
@@ -343,7 +343,7 @@ class _Builder:
     def _accumulator_reuse(self, mm: Ops, rsend: Ops, radd: Ops, sfu: Ops) -> None:
         """A task's first matmul overwrites the accumulator: the core's previous task must
         have sent it (split-K) and its SFU must have read it."""
-        uses, tasks, red = self.s.uses, self.s.tasks, self.s.reduction
+        uses, tasks, red = self.sched.uses, self.sched.tasks, self.sched.reduction
         if not len(mm):
             return  # no matmuls: the accumulator is written by the SFU alone, in order
         first = np.flatnonzero(uses.step == 0)
@@ -355,6 +355,6 @@ class _Builder:
             self.g.depend(mm[first], rsend[np.maximum(sent, 0)], keep=has & (sent >= 0))
             self.g.depend(mm[first], radd[np.maximum(added, 0)], keep=has & (added >= 0))
         root_of = np.full(tasks.core.size, -1, dtype=np.int64)
-        root_of[self.s.roots] = np.arange(self.s.roots.size)
+        root_of[self.sched.roots] = np.arange(self.sched.roots.size)
         was_root = root_of[prev]
         self.g.depend(mm[first], sfu[np.maximum(was_root, 0)], keep=has & (was_root >= 0))

@@ -4,8 +4,8 @@ A *task* is one core's share of a wave: one output tile over one K slice. A *use
 step of a task: the matmul of one K chunk, which needs that chunk of A (shared by the
 tasks of its grid row) and of B (shared by its grid column). Each shared chunk has one
 *loader*, a task that loads it from DRAM and forwards it to the others over the ring; the
-loader rotates with the step and the wave so that every core loads and forwards its share,
-and an A loader is never a B loader of the same step when the grid allows it.
+loader rotates with the step and the wave so that every core loads and forwards its share
+(on a grid with even sides no core loads an A and a B chunk for the same step).
 
 A use's chunks go to operand buffer ``slot = (wave * steps + step) % nbuf``, the same on
 every core of the group, so a forwarded chunk lands where the receiver's matmul reads it.
@@ -87,7 +87,6 @@ class Uses:
     step: np.ndarray
     chunk: np.ndarray     # K chunk
     slot: np.ndarray
-    last: np.ndarray      # the task's last step
     prev: np.ndarray      # the core's previous use of the same operand buffers (-1: none)
 
 
@@ -121,17 +120,16 @@ class Schedule:
     reduction: Reduction
     roots: np.ndarray       # tasks of slice 0, in order
     root_seq: np.ndarray    # per root: its position among the roots of its core
-    waves: int
 
     @classmethod
     def of(cls, target: Target, p: Problem, t: Tiling) -> Schedule:
         geo = Geometry.of(target, p, t)
-        tasks, waves = _tasks(p, t, geo)
+        tasks = _tasks(p, t, geo)
         uses = _uses(tasks, geo, t)
         a = _share(tasks, uses, t, along=tasks.j, across=tasks.i, width=t.pn, offset=0)
         b = _share(tasks, uses, t, along=tasks.i, across=tasks.j, width=t.pm, offset=1)
         roots = np.flatnonzero(tasks.s == 0)
-        return cls(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]), waves)
+        return cls(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]))
 
 
 def _seq_on_core(core: np.ndarray) -> np.ndarray:
@@ -144,7 +142,7 @@ def _seq_on_core(core: np.ndarray) -> np.ndarray:
     return seq
 
 
-def _prev_on(key: np.ndarray) -> np.ndarray:
+def prev_alike(key: np.ndarray) -> np.ndarray:
     """For items in order: the previous item with the same key (-1: none)."""
     order = np.argsort(key, kind="stable")
     prev_sorted = np.r_[-1, order[:-1]]
@@ -154,7 +152,8 @@ def _prev_on(key: np.ndarray) -> np.ndarray:
     return prev
 
 
-def _tasks(p: Problem, t: Tiling, geo: Geometry) -> tuple[Tasks, int]:
+def _tasks(p: Problem, t: Tiling, geo: Geometry) -> Tasks:
+    """Blocks in order (batch, M block, N block), dealt to the groups wave by wave."""
     wm, wn = t.m_tiles // t.pm, t.n_tiles // t.pn
     nblocks = p.batch * wm * wn
     block = np.arange(nblocks)
@@ -169,9 +168,8 @@ def _tasks(p: Problem, t: Tiling, geo: Geometry) -> tuple[Tasks, int]:
     mt, nt = mb[rep] * t.pm + i, nb[rep] * t.pn + j
     core = ((group[rep] * t.pk + s) * t.pm + i) * t.pn + j
     nuses = geo.slice_len[s]
-    tasks = Tasks(wave[rep], core, b[rep], s, i, j, geo.m_size[mt], geo.n_size[nt], geo.m_start[mt],
-                  geo.n_start[nt], nuses, np.cumsum(nuses) - nuses, _prev_on(core))
-    return tasks, int(wave.max()) + 1 if nblocks else 0
+    return Tasks(wave[rep], core, b[rep], s, i, j, geo.m_size[mt], geo.n_size[nt], geo.m_start[mt],
+                 geo.n_start[nt], nuses, np.cumsum(nuses) - nuses, prev_alike(core))
 
 
 def _uses(tasks: Tasks, geo: Geometry, t: Tiling) -> Uses:
@@ -179,8 +177,7 @@ def _uses(tasks: Tasks, geo: Geometry, t: Tiling) -> Uses:
     step = np.arange(task.size) - tasks.first_use[task]
     counter = tasks.wave[task] * geo.steps + step  # the same on every core of a slice
     slot = counter % t.nbuf
-    return Uses(task, step, geo.slice_first[tasks.s[task]] + step, slot, step == tasks.nuses[task] - 1,
-                _prev_on(tasks.core[task] * t.nbuf + slot))
+    return Uses(task, step, geo.slice_first[tasks.s[task]] + step, slot, prev_alike(tasks.core[task] * t.nbuf + slot))
 
 
 def _share(tasks: Tasks, uses: Uses, t: Tiling, along: np.ndarray, across: np.ndarray, width: int,
@@ -191,7 +188,7 @@ def _share(tasks: Tasks, uses: Uses, t: Tiling, along: np.ndarray, across: np.nd
     tk = uses.task
     block = np.arange(tasks.core.size) // t.group_cores  # a block's tasks follow each other
     steps = int(uses.step.max(initial=0)) + 1
-    key = ((block[tk] * t.pk + tasks.s[tk]) * (t.pm + t.pn) + across[tk]) * steps + uses.step
+    key = ((block[tk] * t.pk + tasks.s[tk]) * max(t.pm, t.pn) + across[tk]) * steps + uses.step
     chunk_ids, chunk = np.unique(key, return_inverse=True)
     chunk = chunk.ravel()
     loads = along[tk] == (across[tk] + uses.step + tasks.wave[tk] + offset) % width
@@ -201,7 +198,8 @@ def _share(tasks: Tasks, uses: Uses, t: Tiling, along: np.ndarray, across: np.nd
 
 
 def _reduction(tasks: Tasks, t: Tiling) -> Reduction:
-    """The pairwise rounds of split-K, in round order (a tile's rounds follow each other)."""
+    """The pairwise rounds of split-K, wave by wave and round by round (the time order of a
+    core's adds)."""
     n = tasks.core.size
     sender, receiver, rnd = [], [], []
     tile_first = np.flatnonzero(tasks.s == 0)  # tasks of one block and tile: s varies slowest
@@ -220,7 +218,7 @@ def _reduction(tasks: Tasks, t: Tiling) -> Reduction:
     order = np.lexsort((rnd, tasks.wave[receiver]))  # wave by wave, round by round
     sender, receiver = sender[order], receiver[order]
     pair = np.arange(sender.size)
-    prev_add = _prev_on(tasks.core[receiver])
+    prev_add = prev_alike(tasks.core[receiver])
     last_add = np.full(n, -1, dtype=np.int64)
     np.maximum.at(last_add, receiver, pair)  # pairs are in time order: the last is the largest
     sent = np.full(n, -1, dtype=np.int64)

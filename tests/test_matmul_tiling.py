@@ -45,13 +45,27 @@ def test_split_is_as_even_as_whole_granules_allow(extent, parts, gran):
 
 @pytest.mark.parametrize("m,n,k", list(itertools.product(MS, NKS, NKS)))
 def test_choice_fits_and_gives_every_core_a_tile_in_every_wave(m, n, k):
+    """Every core has a tile in every wave, unless the matmul is so small that its roofline
+    is a few job launches (its fixed costs dominate)."""
     ctx, spec = linear(m, n, k)
     p = Problem.of(spec)
     t = choose(TARGET, p)
     assert tl.lx_bytes_of(TARGET, p, t) <= TARGET.scratchpad_bytes
     assert t.groups * t.group_cores == TARGET.num_cores
+    if tl.roofline_ns(TARGET, p) < tl.BUSY_FROM * TARGET.job_launch_ns:
+        return
     assert blocks(p, t) % t.groups == 0, f"{t}: the last wave leaves groups idle"
     assert (blocks(p, t) * t.group_cores) % TARGET.num_cores == 0  # tiles: a multiple of the cores
+
+
+@pytest.mark.parametrize("n,k", [(256, 256), (64, 256), (512, 256), (256, 512), (1000, 256)])
+def test_tiny_matmuls_take_few_commands(n, k):
+    """A decode GEMM of a tiny model is a few job launches of work: within a job launch's
+    time of the fastest tiling, the one with the fewest commands (construct mode builds
+    them at every launch)."""
+    ctx, spec = linear(1, n, k)
+    build(ctx, spec)
+    assert ctx.program.ncmds <= 48
 
 
 @pytest.mark.parametrize("k", [4097, 49155])

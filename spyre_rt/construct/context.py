@@ -34,6 +34,7 @@ class Target:
     ring_hop_ns: float
     sfu_elems_per_ns: float
     sfu_latency_ns: float      # per SFU instruction
+    job_launch_ns: float       # the command processor's fixed cost of a job
 
     @classmethod
     def from_profile(cls, p: DeviceProfile) -> Target:
@@ -54,6 +55,7 @@ class Target:
             ring_hop_ns=p["ring_hop_ns"],
             sfu_elems_per_ns=p["sfu_elems_per_cycle"] * p["clock_ghz"],
             sfu_latency_ns=p["sfu_latency_ns"],
+            job_launch_ns=p["job_launch_ns"],
         )
 
 

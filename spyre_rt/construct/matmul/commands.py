@@ -157,8 +157,7 @@ class _Builder:
         sent = self.g.add(ring, self.use_key[receivers] + SEND)
         self.g.depend(sent, loads[share.chunk[receivers]])  # a chunk is forwarded once it landed
 
-        arrival = loads[share.chunk]
-        arrival.first[receivers], arrival.count[receivers] = sent.first, 1
+        arrival = loads[share.chunk].with_runs(receivers, sent.first, 1)
         per_chunk = np.bincount(share.chunk[receivers], minlength=loader.size)
         sends_of_chunk = Ops(sent.first[0] + np.cumsum(per_chunk) - per_chunk if receivers.size
                              else np.zeros(loader.size, dtype=np.int64), per_chunk)
@@ -182,7 +181,7 @@ class _Builder:
         before = np.maximum(prev, 0)
         self.g.depend(arrival, mm[before], keep=prev >= 0)
         forwards = sends_of_chunk[share.chunk[before]]
-        self.g.depend(arrival, forwards, keep=(prev >= 0) & share.loads[before] & (forwards.count > 0))
+        self.g.depend(arrival, forwards, keep=(prev >= 0) & share.loads[before] & (forwards.counts() > 0))
 
     def _in_step_order(self, share: Sharing, loads: Ops, a_in: Ops, b_in: Ops) -> None:
         """At the start, when every buffer is free, a load for step c waits until its core
@@ -220,7 +219,7 @@ class _Builder:
         red, tasks, lx = self.sched.reduction, self.sched.tasks, self.lx
         snd, rcv = red.sender, red.receiver
         if not snd.size:
-            return Ops(np.zeros(0)), Ops(np.zeros(0))
+            return Ops(np.zeros(0, dtype=np.int64)), Ops(np.zeros(0, dtype=np.int64))
         ring = empty_cmds(snd.size, OP_RING, tasks.core[snd], CMD_RING)
         ring["dst_core"] = tasks.core[rcv]
         ring["ring_src"], ring["ring_dst"] = lx.acc, max(lx.recv, 0)

@@ -16,19 +16,30 @@ from ...program import CMD, ProgramBuilder
 
 class Ops:
     """Operations that are runs of commands in a graph: op ``x`` is commands
-    ``[first[x], first[x] + count[x])``."""
+    ``[first[x], first[x] + count[x])``; no `count` means one command each (the common
+    case, kept without an array of ones)."""
 
     __slots__ = ("first", "count")
 
     def __init__(self, first: np.ndarray, count: np.ndarray | None = None):
-        self.first = np.asarray(first, dtype=np.int64)
-        self.count = np.ones_like(self.first) if count is None else np.asarray(count, dtype=np.int64)
+        self.first = first
+        self.count = count
 
     def __getitem__(self, sel) -> Ops:
-        return Ops(self.first[sel], self.count[sel])
+        return Ops(self.first[sel], None if self.count is None else self.count[sel])
 
     def __len__(self) -> int:
         return self.first.size
+
+    def counts(self) -> np.ndarray:
+        return np.ones_like(self.first) if self.count is None else self.count
+
+    def with_runs(self, at: np.ndarray, first: np.ndarray, count: np.ndarray | int) -> Ops:
+        """A copy in which the ops at `at` are the runs (`first`, `count`)."""
+        counts = self.counts().copy()
+        firsts = self.first.copy()
+        firsts[at], counts[at] = first, count
+        return Ops(firsts, None if (counts == 1).all() else counts)
 
 
 def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +47,9 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row of each row) of a 2-D array of non-negative integers. The columns are packed into
     one integer key where they fit (a one-dimensional unique is many times faster)."""
     a = np.asarray(a, dtype=np.int64)
-    radix = a.max(axis=0, initial=0) + 1
+    if not len(a) or (a == a[0]).all():  # the common case: every row alike
+        return np.zeros(min(len(a), 1), dtype=np.int64), np.zeros(len(a), dtype=np.int64)
+    radix = a.max(axis=0) + 1
     if a.size and float(np.prod(radix.astype(float))) < 2.0**62:
         key = a @ np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]])
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
@@ -57,32 +70,30 @@ class CommandGraph:
             count: np.ndarray | None = None) -> Ops:
         """Append commands; `key` per command (or per op, with `first`/`count` giving the
         runs of commands that form each op). Returns the ops."""
-        base = self.size
+        base, n = self.size, len(cmds)
         self._blocks.append(cmds.view(CMD))  # one storage dtype, whatever variant filled it
-        if first is None:
-            first = np.arange(len(cmds))
-        ops = Ops(first + base, count)
-        keys = np.broadcast_to(np.asarray(key, dtype=np.int64), (len(ops),))
-        self._keys.append(np.repeat(keys, ops.count) if count is not None else keys.copy())
-        self.size += len(cmds)
-        return ops
+        self.size += n
+        if first is None or len(first) == n:  # one command per op
+            self._keys.append(key if np.ndim(key) else np.full(n, key, dtype=np.int64))
+            return Ops(np.arange(base, base + n))
+        self._keys.append(np.repeat(key, count))
+        return Ops(first + base, count)
 
     def depend(self, after: Ops, before: Ops, keep: np.ndarray | None = None) -> None:
         """Every command of op ``after[x]`` waits for every command of ``before[x]``
         (pairs where `keep` is false are skipped)."""
+        if after.count is None and before.count is None:  # one command each: no expansion
+            self._after.append(after.first if keep is None else after.first[keep])
+            self._before.append(before.first if keep is None else before.first[keep])
+            return
         if keep is not None:
             after, before = after[keep], before[keep]
-        if not len(after):
-            return
-        if (after.count == 1).all() and (before.count == 1).all():
-            self._after.append(after.first)
-            self._before.append(before.first)
-            return
-        pairs = after.count * before.count
+        a_count, b_count = after.counts(), before.counts()
+        pairs = a_count * b_count
         x = np.repeat(np.arange(len(after)), pairs)
         k = np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs)
-        self._after.append(after.first[x] + k // before.count[x])
-        self._before.append(before.first[x] + k % before.count[x])
+        self._after.append(after.first[x] + k // b_count[x])
+        self._before.append(before.first[x] + k % b_count[x])
 
     def commit(self, program: ProgramBuilder) -> int:
         """Append the commands to the program in key order; returns the first's index."""

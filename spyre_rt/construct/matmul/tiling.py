@@ -41,6 +41,7 @@ NBUFS = (2, 3)
 TIE = 0.02  # tilings within this fraction of the cheapest are equal to the model (its error)
 DRAM_BUDGET = 1.5  # DRAM bytes a tiling may move, in minimums (each operand and the output once)
 SHORTLIST = 48  # grids estimated with every K chunk and buffer count
+BUSY_FROM = 10  # job launches of roofline from which every core must have a tile in every wave
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ def _grids(target: Target, p: Problem) -> np.ndarray:
     """Rows (groups, pk, pm, pn, m_tiles, n_tiles) of every grid and tile count worth
     trying: grids of all the cores, tiles aimed at the sizes above that fit the scratchpad,
     and as many blocks as whole waves of all groups need, so that every core has a tile in
-    every wave (a matmul too small for that takes what there is)."""
+    every wave. A matmul whose roofline is a few job launches is exempt: its fixed costs
+    dominate, and the fewest commands serve it best."""
     c = target.num_cores
     rows = []
     for pk in divisors(c):
@@ -165,9 +167,17 @@ def _grids(target: Target, p: Problem) -> np.ndarray:
     tm, tn = tile_max(target, p, m_tiles, n_tiles)
     smallest = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk, 2)
     keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= target.scratchpad_bytes)
-    busy = keep & (p.batch * blocks % groups == 0)
-    keep = busy if busy.any() else keep
+    if roofline_ns(target, p) >= BUSY_FROM * target.job_launch_ns:
+        busy = keep & (p.batch * blocks % groups == 0)
+        keep = busy if busy.any() else keep
     return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
+
+
+def roofline_ns(target: Target, p: Problem) -> float:
+    """The least time the card can take: all its arrays busy, or the DRAM streaming the
+    minimum bytes."""
+    rate = target.macs_per_ns * target.num_cores * (target.pt_fp32_ratio if p.fp32 else 1.0)
+    return max(p.macs / rate, p.min_bytes / target.dram_bytes_per_ns)
 
 
 def _with_chunks(target: Target, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
@@ -306,7 +316,8 @@ def _chunks(target: Target, p: Problem, tm, tn, depth):
 @functools.lru_cache(maxsize=512)
 def choose(target: Target, p: Problem) -> Tiling:
     """The cheapest tiling that fits the scratchpad (cached: one choice per shape). Among
-    those the model cannot tell apart, one that moves at most 1.5 times the minimum DRAM
+    those the model cannot tell apart (within its error, or within the card's fixed cost of
+    a job, which no tiling changes), one that moves at most 1.5 times the minimum DRAM
     bytes (the bandwidth is shared with whatever else the card runs), with the most
     operand buffers (slack for what the model does not see), then with the fewest commands
     (it builds fastest and takes the least of the card's memory)."""
@@ -316,7 +327,7 @@ def choose(target: Target, p: Problem) -> Tiling:
     if not cand["tk"].size:
         raise ScratchpadOverflow(f"no matmul tile of {p.m}x{p.n}x{p.k} fits the scratchpad")
     ns, nbytes, cmds = estimate(target, p, cand)
-    near = np.flatnonzero(ns <= ns.min() * (1 + TIE))
+    near = np.flatnonzero(ns <= ns.min() + max(TIE * ns.min(), target.job_launch_ns))
     lean = near[nbytes[near] <= DRAM_BUDGET * p.min_bytes]
     lean = lean if lean.size else near
     lean = lean[cand["nbuf"][lean] == cand["nbuf"][lean].max()]

@@ -12,9 +12,8 @@ from .spec import View
 
 
 class Patterns:
-    """The DMA patterns of one operand over many tiles: tiles whose boxes have the same
-    shape and start at the same column of a storage row share a pattern and differ only by
-    where they start. A box with no compact pattern (its columns wrap into the next storage
+    """The DMA patterns of one operand over many tiles: boxes alike in what shapes a pattern
+    (`_keys`) share one and differ only by where they start. A box with no compact pattern (its columns wrap into the next storage
     row, as in a matmul over a reshaped input) is moved by a descriptor list of its own.
 
     A pattern may move whole sticks where the box ends inside one. A load may read the

@@ -12,13 +12,19 @@ from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 
 
-def _matmul_program(card, m, n, k, dtype=lib.SPY_DT_F16, e=2):
+def _matmul_context(card, m, n, k, dtype=lib.SPY_DT_F16, e=2, tiling=None) -> tuple[BuildContext, object]:
+    """A matmul's program built into a fresh context; returns it and its tiling."""
     layouts = {"a": StickLayout(m, k, e), "b": StickLayout(k, n, e), "o": StickLayout(m, n, e)}
     ctx = BuildContext(Target.from_profile(card.profile), layouts)
-    build(ctx, MatmulSpec(View("a", 0, (1, m, k), (0, k, 1)), View("b", 0, (1, k, n), (0, n, 1)),
-                          View("o", 0, (1, m, n), (0, n, 1)), dtype, dtype))
+    tiling = build(ctx, MatmulSpec(View("a", 0, (1, m, k), (0, k, 1)), View("b", 0, (1, k, n), (0, n, 1)),
+                                   View("o", 0, (1, m, n), (0, n, 1)), dtype, dtype), tiling)
+    return ctx, tiling
+
+
+def _matmul_program(card, m, n, k, dtype=lib.SPY_DT_F16, e=2):
+    ctx, _ = _matmul_context(card, m, n, k, dtype, e)
     prog = jobs.ResidentProgram(card, ctx.encode(), "matmul")
-    addrs = {name: card.malloc(lay.nbytes) for name, lay in layouts.items()}
+    addrs = {name: card.malloc(lay.nbytes) for name, lay in ctx.layouts.items()}
     return prog, [addrs[b] for b in ctx.buffers()], ctx.program.ncmds
 
 
@@ -29,6 +35,21 @@ def test_timing_mode_commands_per_second(benchmark, timing_card):
     benchmark.pedantic(prog.launch, args=(args,), rounds=5, iterations=1, warmup_rounds=1)
     benchmark.extra_info["commands"] = ncmds
     benchmark.extra_info["commands_per_second"] = ncmds / benchmark.stats.stats.min if benchmark.stats else 0
+
+
+@pytest.mark.benchmark(group="simulator")
+def test_matmul_construction(benchmark, timing_card):
+    """Host time of building the 1024x1024x1024 fp16 matmul's job graph with its tiling
+    chosen: the work `construct` mode repeats at every launch."""
+    n = 1024
+    _, tiling = _matmul_context(timing_card, n, n, n)
+
+    def construct():
+        ctx, _ = _matmul_context(timing_card, n, n, n, tiling=tiling)
+        return ctx.encode()
+
+    benchmark.pedantic(construct, rounds=10, iterations=1, warmup_rounds=1)
+    benchmark.extra_info["commands"] = _matmul_context(timing_card, n, n, n, tiling=tiling)[0].program.ncmds
 
 
 @pytest.mark.benchmark(group="simulator")

@@ -25,6 +25,7 @@ from spyre_rt.construct import loops
 from spyre_rt.construct import matmul as mm
 from spyre_rt.construct.access import NotAffine, pattern
 from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.matmul.dma import Patterns
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.executor import plans
 from spyre_rt.layout import StickLayout
@@ -145,7 +146,7 @@ def test_matmul_operand_patterns_equal_each_boxs_own(seed):
     boxes = np.stack([rng.integers(1, 3, n), rng.choice([8, 32, 48], n)], axis=1)
     columns = rng.choice([0, 16, 32, 64, row_len - 40, row_len - 8], n)
     bases = rng.integers(0, rows - 3, n) * row_len + columns
-    pats = mm._Patterns(ctx, view, (1, 2), boxes, 96 * itemsize, itemsize, bases)
+    pats = Patterns(ctx, view, (1, 2), boxes, 96 * itemsize, itemsize, bases)
     shared = 0
     for i in range(n):
         try:

@@ -1,0 +1,91 @@
+"""Granite 3.3 8B's GEMMs, one at a time on a timing-mode card, against the roofline.
+
+Each benchmark times the construction of one GEMM's job graph (the host work `construct`
+mode repeats per launch) and records in ``extra_info`` the device time of one launch, the
+kernel's roofline max(MACs / card MAC rate, minimum DRAM bytes / DRAM bandwidth) and the
+DRAM bytes the program moves against that minimum. Weights are read as ``W.t()`` in place,
+as ``nn.Linear`` does. Run ``pytest benchmarks/test_bench_gemm.py --benchmark-enable -s``
+to see the table.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spyre_rt import jobs
+from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.layout import StickLayout
+from spyre_rt.native import lib
+
+HIDDEN, INTER, HEADS, HEAD_DIM, KV_HEADS, VOCAB = 4096, 12800, 32, 128, 8, 49155
+# (name, N, K) of each linear layer; q and o share a shape, k and v, gate and up
+LAYERS = [
+    ("q_proj", HEADS * HEAD_DIM, HIDDEN),
+    ("k_proj", KV_HEADS * HEAD_DIM, HIDDEN),
+    ("up_proj", INTER, HIDDEN),
+    ("down_proj", HIDDEN, INTER),
+    ("lm_head", VOCAB, HIDDEN),
+]
+PHASES = [("prefill", 1024), ("decode", 1)]
+
+
+def roofline_ns(target: Target, m: int, n: int, k: int, itemsize: int = 2) -> float:
+    macs = m * n * k
+    min_bytes = (m * k + k * n + m * n) * itemsize
+    return max(macs / (target.macs_per_ns * target.num_cores), min_bytes / target.dram_bytes_per_ns)
+
+
+def linear_context(target: Target, m: int, n: int, k: int) -> tuple[BuildContext, MatmulSpec]:
+    """out (m, n) = x (m, k) @ W.t(), W (n, k) as nn.Linear stores it; fp16."""
+    layouts = {"x": StickLayout(m, k, 2), "w": StickLayout(n, k, 2), "o": StickLayout(m, n, 2)}
+    spec = MatmulSpec(View("x", 0, (1, m, k), (0, k, 1)), View("w", 0, (1, k, n), (0, 1, k)),
+                      View("o", 0, (1, m, n), (0, n, 1)), lib.SPY_DT_F16, lib.SPY_DT_F16)
+    return BuildContext(target, layouts), spec
+
+
+def device_ns(card, ctx: BuildContext) -> tuple[float, dict]:
+    """Device time of one launch of the context's program, and the program's figures."""
+    prog = jobs.ResidentProgram(card, ctx.encode(), "gemm")
+    addrs = {name: card.malloc(ctx.layouts[name].nbytes) for name in ctx.buffers()}
+    try:
+        card.synchronize()
+        before = card.counters()["device_busy_ns"]
+        prog.launch([addrs[b] for b in ctx.buffers()])
+        card.synchronize()
+        return card.counters()["device_busy_ns"] - before, jobs.validate(card, ctx.encode())
+    finally:
+        prog.free()
+        for a in addrs.values():
+            card.free(a)
+
+
+@pytest.mark.benchmark(group="gemm")
+@pytest.mark.parametrize("phase,m", PHASES, ids=[p for p, _ in PHASES])
+@pytest.mark.parametrize("layer,n,k", LAYERS, ids=[name for name, _, _ in LAYERS])
+def test_granite_gemm(benchmark, timing_card, layer, n, k, phase, m):
+    target = Target.from_profile(timing_card.profile)
+    ctx, spec = linear_context(target, m, n, k)
+    t0 = time.perf_counter()
+    tiles = build(ctx, spec)  # the first build also chooses the tiles (compile time)
+    choose_and_build_s = time.perf_counter() - t0
+
+    def construct():
+        c, s = linear_context(target, m, n, k)
+        build(c, s, tiles)
+        return c.encode()
+
+    benchmark.pedantic(construct, rounds=3, iterations=1, warmup_rounds=1)
+    dev, info = device_ns(timing_card, ctx)
+    roof = roofline_ns(target, m, n, k)
+    min_bytes = (m * k + k * n + m * n) * 2
+    benchmark.extra_info.update({
+        "shape": f"{m}x{n}x{k}", "tiles": repr(tiles), "commands": ctx.program.ncmds,
+        "device_us": dev / 1e3, "roofline_us": roof / 1e3, "fraction": roof / dev,
+        "dram_bytes_over_min": info["dma_bytes"] / min_bytes,
+        "first_build_ms": choose_and_build_s * 1e3,
+    })
+    print(f"\n{layer:9s} {phase:7s} {m}x{n}x{k}: device {dev / 1e3:9.1f} us  roofline {roof / 1e3:9.1f} us"
+          f"  {roof / dev:6.1%}  DRAM {info['dma_bytes'] / min_bytes:4.2f}x min  {ctx.program.ncmds} cmds  {tiles}")

@@ -1,0 +1,76 @@
+"""What a matmul computes, as plain data: its views, dtypes and the shape they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ... import dtypes
+from ...native import lib
+
+ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
+
+
+@dataclass(frozen=True)
+class View:
+    """A strided view of a buffer, in logical elements (plain data)."""
+
+    buf: str
+    offset: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MatmulSpec:
+    a: View          # (batch, M, K)
+    b: View          # (batch, K, N)
+    out: View        # (batch, M, N)
+    in_dtype: int    # spy dtype of A and B
+    out_dtype: int
+    bias: View | None = None  # broadcast to (batch, M, N)
+    bias_dtype: int = 0
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of a matmul as tiling sees it: sizes, element sizes, orientations."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    e_in: int
+    e_out: int
+    e_bias: int      # 0: no bias
+    trans_a: bool    # A is read with M contiguous (its K dimension is the strided one)
+    trans_b: bool    # B is read with K contiguous (a weight used as W.t())
+    fp32: bool       # fp32 operands: the systolic arrays run at a fraction of their rate
+
+    @classmethod
+    def of(cls, spec: MatmulSpec) -> Problem:
+        batch, m, k = spec.a.sizes
+        return cls(batch, m, spec.b.sizes[2], k, ITEMSIZE[spec.in_dtype], ITEMSIZE[spec.out_dtype],
+                   ITEMSIZE.get(spec.bias_dtype, 4) if spec.bias is not None else 0,
+                   transposed(spec.a, contiguous_inner=2, other=1),
+                   transposed(spec.b, contiguous_inner=2, other=1),
+                   spec.in_dtype == lib.SPY_DT_F32)
+
+    @property
+    def macs(self) -> int:
+        return self.batch * self.m * self.n * self.k
+
+    @property
+    def min_bytes(self) -> int:
+        """Each operand read once and the output written once."""
+        return self.batch * ((self.m * self.k + self.k * self.n) * self.e_in + self.m * self.n * self.e_out)
+
+
+def transposed(view: View, contiguous_inner: int, other: int) -> bool:
+    """True when the view must be loaded transposed (its `other` dim is the contiguous one)."""
+    if view.strides[contiguous_inner] == 1 or view.sizes[contiguous_inner] == 1:
+        return False
+    if view.strides[other] == 1 or view.sizes[other] == 1:
+        return True
+    raise ValueError(f"matmul operand {view.buf} has no contiguous dimension (strides {view.strides})")

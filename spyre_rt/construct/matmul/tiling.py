@@ -1,0 +1,347 @@
+"""How a matmul is spread over the cores, and the cost model that chooses how.
+
+The cores form ``groups`` independent groups. A group is a ``pk x pm x pn`` grid: per wave
+it computes one *block* of the output, ``pm`` M tiles by ``pn`` N tiles, and its K range is
+cut into ``pk`` slices, one per layer of the grid (split-K). Within a slice, the cores of a
+grid row need the same A chunk and the cores of a grid column the same B chunk: each chunk
+is loaded from DRAM once, by one of them, and forwarded to the others over the ring. The
+``pk`` partial sums of a tile are added over the ring before its epilogue.
+
+M is cut into ``m_tiles`` (a multiple of ``pm``) and N into ``n_tiles`` (a multiple of
+``pn``) pieces of whole granules, as even as they can be, bigger first, so that the waves
+are balanced and the tile count is a multiple of the core count whenever the blocks fill
+the groups. K is walked in chunks of ``tk``, through ``nbuf`` operand buffers per core.
+
+The cost model estimates the device time of a tiling from the profile's figures: the
+systolic arrays' time per chunk with their granularity, the DRAM bytes (charged in whole
+bursts) shared by every core that loads at once, each command's fixed latency, a core's
+DMA port, the ring sends a chunk costs its loader, the split-K reduction and the epilogue
+the arrays wait for between waves, and the pipeline's fill and drain. Tilings that do not
+fit the scratchpad are not candidates. The model is within a few per cent of the
+simulator (tests hold it to 15 %); tilings it cannot tell apart are ranked by DRAM bytes,
+operand buffers and commands (`choose`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..context import LX_ALIGN, ScratchpadOverflow, Target
+from .spec import Problem
+
+# sizes a tile or chunk may aim at; tile counts are derived from them, then deduplicated
+M_TILE_AIMS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
+N_TILE_AIMS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048)
+K_GRANULE = 64  # K slices and chunks start on whole fp16 sticks (two fp32 ones)
+K_CHUNKS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
+NBUFS = (2, 3)
+TIE = 0.02  # tilings within this fraction of the cheapest are equal to the model (its error)
+DRAM_BUDGET = 1.5  # DRAM bytes a tiling may move, in minimums (each operand and the output once)
+SHORTLIST = 48  # grids estimated with every K chunk and buffer count
+BUSY_FROM = 10  # job launches of roofline from which every core must have a tile in every wave
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A matmul's spread over the cores (see the module docstring)."""
+
+    groups: int
+    pk: int
+    pm: int
+    pn: int
+    m_tiles: int
+    n_tiles: int
+    tk: int
+    nbuf: int
+
+    @property
+    def group_cores(self) -> int:
+        return self.pk * self.pm * self.pn
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def preferred_granules(target: Target, p: Problem) -> tuple[int, int]:
+    """The units M and N tiles are cut in when there is enough of them: for M the rows the
+    arrays fill at once, or whole sticks where M is A's contiguous dimension; for N a
+    stick's worth of columns (the arrays' width; whole sticks of B and of the output)."""
+    return (target.stick_bytes // p.e_in if p.trans_a else target.gran_m), target.gran_n
+
+
+def granule(extent: int, parts: int, preferred: int) -> int:
+    """The preferred unit if every part gets one, else halved (down to 8): halves of a
+    stick keep a tile inside its sticks. Below 8, single elements."""
+    g = preferred
+    while g > 8 and extent < g * parts:
+        g //= 2
+    return g if extent >= g * parts else 1
+
+
+def split(extent: int, parts: int, gran: int) -> np.ndarray:
+    """Sizes of `parts` consecutive pieces of `extent` in whole granules (the last one
+    ends where the extent does), as even as possible, the bigger ones first."""
+    q = -(-extent // gran)
+    if not 1 <= parts <= max(q, 1):
+        raise ValueError(f"{extent} in {parts} pieces of {gran}")
+    base, extra = divmod(q, parts)
+    sizes = np.full(parts, base * gran, dtype=np.int64)
+    sizes[:extra] += gran
+    sizes[-1] -= q * gran - extent
+    return sizes
+
+
+def chunk_count(k: int, tk: int) -> int:
+    return -(-k // tk) if k else 0
+
+
+# ---- the cost model, vectorised over candidate tilings ------------------------------------
+
+def _round_up(x, g):
+    return -(-x // g) * g
+
+
+def _charged(target: Target, rows, cols, e: int):
+    """DRAM bytes charged for `rows` runs of `cols` contiguous elements in the stick layout:
+    whole sticks are exact, a stick's remainder costs whole bursts."""
+    s = target.stick_bytes // e
+    return rows * ((cols // s) * target.stick_bytes + _round_up((cols % s) * e, target.dram_burst_bytes))
+
+
+def lx_bytes(target: Target, p: Problem, tm, tn, tk, pk, nbuf):
+    """Scratchpad bytes a core needs (the layout :class:`.commands.Scratchpad` makes):
+    operand buffers, the fp32 accumulator, the receive buffer of split-K, two staging tiles
+    and two bias rows."""
+    si, so = target.stick_bytes // p.e_in, target.stick_bytes // p.e_out
+    depth = np.minimum(tk, max(p.k, 1))
+    a = (depth * _round_up(tm, si) if p.trans_a else tm * _round_up(depth, si)) * p.e_in
+    b = (tn * _round_up(depth, si) if p.trans_b else depth * _round_up(tn, si)) * p.e_in
+    acc = tm * _round_up(tn, 32) * 4
+    stage = tm * _round_up(tn, so) * p.e_out
+    bias = _round_up(tn, target.stick_bytes // p.e_bias) * p.e_bias if p.e_bias else np.zeros_like(tn)
+    al = LX_ALIGN
+    return (nbuf * (_round_up(a, al) + _round_up(b, al)) + _round_up(acc, al) * np.where(pk > 1, 2, 1)
+            + 2 * _round_up(stage, al) + 2 * _round_up(bias, al))
+
+
+def _tile_max(extent: int, tiles: np.ndarray, preferred: int) -> np.ndarray:
+    """The largest piece of ``split(extent, tiles, granule(extent, tiles, preferred))``,
+    vectorised over tile counts."""
+    gran = np.full(tiles.shape, preferred, dtype=np.int64)
+    while (shrink := (gran > 8) & (extent < gran * tiles)).any():
+        gran[shrink] //= 2
+    gran[extent < gran * tiles] = 1
+    q = -(-extent // gran)
+    return np.minimum(-(-q // tiles) * gran, extent)
+
+
+def tile_max(target: Target, p: Problem, m_tiles: np.ndarray, n_tiles: np.ndarray):
+    """(rows, columns) of the largest tile, vectorised over tile counts."""
+    gm, gn = preferred_granules(target, p)
+    return _tile_max(p.m, m_tiles, gm), _tile_max(p.n, n_tiles, gn)
+
+
+def _grids(target: Target, p: Problem) -> np.ndarray:
+    """Rows (groups, pk, pm, pn, m_tiles, n_tiles) of every grid and tile count worth
+    trying: grids of all the cores, tiles aimed at the sizes above that fit the scratchpad,
+    and as many blocks as whole waves of all groups need, so that every core has a tile in
+    every wave. A matmul whose roofline is a few job launches is exempt: its fixed costs
+    dominate, and the fewest commands serve it best."""
+    c = target.num_cores
+    rows = []
+    for pk in divisors(c):
+        if pk > max(p.k, 1):
+            continue
+        for pm in divisors(c // pk):
+            for pn in divisors(c // (pk * pm)):
+                wm = np.unique(np.maximum(1, -(-p.m // (pm * np.array(M_TILE_AIMS)))))
+                wn = np.unique(np.maximum(1, -(-p.n // (pn * np.array(N_TILE_AIMS)))))
+                wm, wn = (x.ravel() for x in np.meshgrid(wm, wn, indexing="ij"))
+                rows.append(np.column_stack([np.full((wm.size, 4), (c // (pk * pm * pn), pk, pm, pn)),
+                                             pm * wm, pn * wn, wm * wn]))
+    groups, pk, pm, pn, m_tiles, n_tiles, blocks = np.concatenate(rows).T
+    tm, tn = tile_max(target, p, m_tiles, n_tiles)
+    smallest = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk, 2)
+    keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= target.scratchpad_bytes)
+    if roofline_ns(target, p) >= BUSY_FROM * target.job_launch_ns:
+        busy = keep & (p.batch * blocks % groups == 0)
+        keep = busy if busy.any() else keep
+    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
+
+
+def roofline_ns(target: Target, p: Problem) -> float:
+    """The least time the card can take: all its arrays busy, or the DRAM streaming the
+    minimum bytes."""
+    rate = target.macs_per_ns * target.num_cores * (target.pt_fp32_ratio if p.fp32 else 1.0)
+    return max(p.macs / rate, p.min_bytes / target.dram_bytes_per_ns)
+
+
+def _with_chunks(target: Target, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
+    """Every grid row with every K chunk and buffer count, as columns (fitting ones only;
+    ``row`` names the grid row)."""
+    combos = np.array([(tk, nb) for tk in tks for nb in nbufs])
+    g = np.repeat(grid, len(combos), axis=0)
+    t = np.tile(combos, (len(grid), 1))
+    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), g.T, strict=True))
+    cand["tk"], cand["nbuf"] = t[:, 0], t[:, 1]
+    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    fits = lx_bytes(target, p, tm, tn, cand["tk"], cand["pk"], cand["nbuf"]) <= target.scratchpad_bytes
+    cand["row"] = np.repeat(np.arange(len(grid)), len(combos))
+    return {k: v[fits] for k, v in cand.items()}
+
+
+def candidates(target: Target, p: Problem) -> dict[str, np.ndarray]:
+    """The tilings worth estimating finely: every grid is estimated with two K chunks
+    first, and the most promising are tried with every chunk and buffer count."""
+    k_max = _round_up(max(p.k, 1), K_GRANULE)
+    tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
+    grid = _grids(target, p)
+    coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2))
+    ns, _, _ = estimate(target, p, coarse)
+    best = np.full(len(grid), np.inf)
+    np.minimum.at(best, coarse["row"], ns)
+    fine = _with_chunks(target, p, grid[np.argsort(best, kind="stable")[:SHORTLIST]], tks, NBUFS)
+    del fine["row"]
+    return fine
+
+
+def estimate(target: Target, p: Problem, cand: dict[str, np.ndarray]):
+    """(estimated device ns, DRAM bytes, commands) of each candidate tiling."""
+    t = terms(target, p, cand)
+    return t["ns"], t["dram_bytes"], t["cmds"]
+
+
+def terms(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every term of the estimate by name (``t_*`` in ns): the tiles, the bytes, the time."""
+    shape = _shape(target, p, cand)
+    moved = _dram_bytes(target, p, cand, shape)
+    return shape | moved | _time(target, p, cand, shape, moved)
+
+
+def _shape(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Tiles (largest and average), steps per wave (the longest K slice sets them: full
+    chunks and a shorter last one), blocks, waves and the groups active in a wave."""
+    pk, pm, pn, tk = cand["pk"], cand["pm"], cand["pn"], cand["tk"]
+    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    k_slice = _tile_max(p.k, pk, K_GRANULE)
+    steps = -(-k_slice // tk)
+    blocks = p.batch * (cand["m_tiles"] // pm) * (cand["n_tiles"] // pn)
+    return {"tm": tm, "tn": tn, "tm_avg": p.m / cand["m_tiles"], "tn_avg": p.n / cand["n_tiles"],
+            "steps": steps, "tail": k_slice - (steps - 1) * tk, "blocks": blocks,
+            "waves": -(-blocks // cand["groups"]), "active": np.minimum(blocks, cand["groups"])}
+
+
+def _dram_bytes(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict) -> dict[str, np.ndarray]:
+    """Every byte the kernel moves, with average tiles: A once per N block, B once per M
+    block, the output once; and the commands that move and compute them."""
+    pk, pm, pn, k = cand["pk"], cand["pm"], cand["pn"], p.k
+    tm_avg, tn_avg = shape["tm_avg"], shape["tn_avg"]
+    a_strip = _charged(target, k, tm_avg, p.e_in) if p.trans_a else _charged(target, tm_avg, k, p.e_in)
+    b_strip = _charged(target, tn_avg, k, p.e_in) if p.trans_b else _charged(target, k, tn_avg, p.e_in)
+    per_block = pm * a_strip + pn * b_strip + pm * pn * _charged(target, tm_avg, tn_avg, p.e_out)
+    sends = pm * (pn - 1) + pn * (pm - 1)
+    cmds = shape["blocks"] * (shape["steps"] * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
+    return {"per_block": per_block, "dram_bytes": shape["blocks"] * per_block, "cmds": cmds}
+
+
+def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, moved: dict) -> dict:
+    """Per step the busiest core, per wave the DRAM every active group shares; between
+    waves the arrays wait for the split-K reduction and the epilogue; the pipeline's fill
+    (the first chunk's latency and forwards, and its transfer where the arrays would wait
+    for it) and drain (the last tiles' stores). Never less than the DRAM streaming all of
+    the kernel's bytes."""
+    pk, tk = cand["pk"], cand["tk"]
+    tm, tn, steps, active = shape["tm"], shape["tn"], shape["steps"], shape["active"]
+    tiles = ((tm, tn), (shape["tm_avg"], shape["tn_avg"]))
+    step = _step_terms(target, p, cand, tiles, np.minimum(tk, max(p.k, 1)), active)
+    last = _step_terms(target, p, cand, tiles, np.maximum(shape["tail"], 1), active)
+    t_steps = np.where(steps > 0, (steps - 1) * step["t_step"] + last["t_step"], 0)
+
+    sfu = target.sfu_latency_ns + tm * tn / target.sfu_elems_per_ns
+    acc_bytes = tm * _round_up(tn, 32) * 4
+    t_reduce = np.ceil(np.log2(pk)) * (acc_bytes / target.ring_bytes_per_ns + target.ring_hop_ns + sfu)
+    t_epilogue = sfu * (2 if p.e_bias else 1)
+    t_wave = (np.maximum(t_steps, active * moved["per_block"] / target.dram_bytes_per_ns)
+              + t_reduce + t_epilogue)
+
+    t_mm, t_load = step["t_mm"], step["t_load"]
+    t_fill = np.where(steps > 0, step["t_fwd"] + t_load - np.maximum(0, t_load - target.dma_latency_ns - t_mm), 0)
+    storing = np.minimum(target.core_dma_bytes_per_ns,
+                         target.dram_bytes_per_ns / (active * cand["pm"] * cand["pn"]))
+    t_drain = target.dma_latency_ns + _charged(target, tm, tn, p.e_out) / storing
+    t_stream = moved["dram_bytes"] / target.dram_bytes_per_ns + 2 * target.dma_latency_ns + t_mm + t_epilogue
+    ns = np.maximum(t_fill + shape["waves"] * t_wave + t_drain, t_stream)
+    return step | {"t_steps": t_steps, "t_reduce": t_reduce, "t_epilogue": t_epilogue, "t_wave": t_wave,
+                   "t_fill": t_fill, "t_drain": t_drain, "t_stream": t_stream, "ns": ns}
+
+
+def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tiles, depth, active) -> dict:
+    """The time of one step of a wave (chunks `depth` deep) on its busiest core: the
+    arrays, its load engine (its share of the step's loads at its port's rate), its ring
+    port, and the time a chunk takes to arrive (latency, its share of the DRAM, the
+    forwards), which the other operand buffers hide. The DRAM the cores share is counted
+    per wave (`terms`): it serves whoever is still loading, so an average chunk is what
+    waits for it."""
+    pk, pm, pn, nbuf = cand["pk"], cand["pm"], cand["pn"], cand["nbuf"]
+    (tm, tn), (tm_avg, tn_avg) = tiles
+    rate = target.macs_per_ns * (target.pt_fp32_ratio if p.fp32 else 1.0)
+    t_mm = target.pt_latency_ns + _round_up(tm, target.gran_m) * _round_up(tn, target.gran_n) * depth / rate
+    a, b = _chunks(target, p, tm, tn, depth)
+    a_avg, b_avg = _chunks(target, p, tm_avg, tn_avg, depth)
+    # a core's load engine moves one transfer at a time: its share of a step's loads
+    t_port = ((pm + pn) * target.dma_latency_ns + (pm * a + pn * b) / target.core_dma_bytes_per_ns) / (pm * pn)
+    loads = active * pk * (pm + pn)  # transfers sharing DRAM in a step
+    share = np.minimum(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / loads)
+    t_load = target.dma_latency_ns + (pm * a_avg + pn * b_avg) / (pm + pn) / share
+    hop = target.ring_hop_ns * np.maximum(pm, pn) / 2
+    a_send = a / target.ring_bytes_per_ns + hop
+    b_send = b / target.ring_bytes_per_ns + hop
+    t_fwd = np.maximum((pn - 1) * a_send, (pm - 1) * b_send)
+    t_ring = (pm * (pn - 1) * a_send + pn * (pm - 1) * b_send) / (pm * pn)
+    t_step = np.maximum.reduce([t_mm, t_ring, t_port, (t_load + t_fwd) / (nbuf - 1)])
+    return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load, "t_fwd": t_fwd, "t_step": t_step}
+
+
+def _chunks(target: Target, p: Problem, tm, tn, depth):
+    """DRAM bytes of an A chunk and a B chunk (`depth` deep) of `tm` x `tn` tiles."""
+    a = _charged(target, depth, tm, p.e_in) if p.trans_a else _charged(target, tm, depth, p.e_in)
+    b = _charged(target, tn, depth, p.e_in) if p.trans_b else _charged(target, depth, tn, p.e_in)
+    return a, b
+
+
+@functools.lru_cache(maxsize=512)
+def choose(target: Target, p: Problem) -> Tiling:
+    """The cheapest tiling that fits the scratchpad (cached: one choice per shape). Among
+    those the model cannot tell apart (within its error, or within the card's fixed cost of
+    a job, which no tiling changes), one that moves at most 1.5 times the minimum DRAM
+    bytes (the bandwidth is shared with whatever else the card runs), with the most
+    operand buffers (slack for what the model does not see), then with the fewest commands
+    (it builds fastest and takes the least of the card's memory)."""
+    if p.batch * p.m * p.n == 0:
+        return Tiling(target.num_cores, 1, 1, 1, 1, 1, K_GRANULE, 2)  # nothing to compute
+    cand = candidates(target, p)
+    if not cand["tk"].size:
+        raise ScratchpadOverflow(f"no matmul tile of {p.m}x{p.n}x{p.k} fits the scratchpad")
+    ns, nbytes, cmds = estimate(target, p, cand)
+    near = np.flatnonzero(ns <= ns.min() + max(TIE * ns.min(), target.job_launch_ns))
+    lean = near[nbytes[near] <= DRAM_BUDGET * p.min_bytes]
+    lean = lean if lean.size else near
+    lean = lean[cand["nbuf"][lean] == cand["nbuf"][lean].max()]
+    best = lean[np.argmin(cmds[lean])]
+    return Tiling(**{k: int(v[best]) for k, v in cand.items()})
+
+
+def estimate_one(target: Target, p: Problem, t: Tiling) -> float:
+    """The model's device time of one tiling, in ns."""
+    ns, _, _ = estimate(target, p, {k: np.array([getattr(t, k)]) for k in Tiling.__dataclass_fields__})
+    return float(ns[0])
+
+
+def lx_bytes_of(target: Target, p: Problem, t: Tiling) -> int:
+    tm, tn = tile_max(target, p, np.array([t.m_tiles]), np.array([t.n_tiles]))
+    return int(lx_bytes(target, p, tm, tn, np.array([t.tk]), np.array([t.pk]), np.array([t.nbuf]))[0])
+

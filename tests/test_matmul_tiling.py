@@ -1,0 +1,142 @@
+"""The matmul's tiling and its cost model: choices fit the scratchpad, give every core a
+tile in every wave, split K where M x N is too small for the cores, share operands over
+the ring so that DRAM traffic stays near the minimum, and the model's time tracks the
+simulator's. Shapes off the 64 grid: M of 1, 7 and 1024; N and K from 64 to 49,155."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from spyre_rt import jobs, profile
+from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, choose
+from spyre_rt.construct.matmul import tiling as tl
+from spyre_rt.layout import StickLayout
+from spyre_rt.native import lib
+
+TARGET = Target.from_profile(profile.load("spyre"))
+MS, NKS = (1, 7, 1024), (64, 100, 4097, 49155)
+
+
+def linear(m: int, n: int, k: int) -> tuple[BuildContext, MatmulSpec]:
+    """x (m, k) @ W.t(), W (n, k) as nn.Linear stores it; fp16."""
+    layouts = {"x": StickLayout(m, k, 2), "w": StickLayout(n, k, 2), "o": StickLayout(m, n, 2)}
+    spec = MatmulSpec(View("x", 0, (1, m, k), (0, k, 1)), View("w", 0, (1, k, n), (0, 1, k)),
+                      View("o", 0, (1, m, n), (0, n, 1)), lib.SPY_DT_F16, lib.SPY_DT_F16)
+    return BuildContext(TARGET, layouts), spec
+
+
+def blocks(p: Problem, t: Tiling) -> int:
+    return p.batch * (t.m_tiles // t.pm) * (t.n_tiles // t.pn)
+
+
+@pytest.mark.parametrize("extent,parts,gran", [(1024, 4, 8), (49155, 112, 64), (7, 2, 1), (100, 3, 8),
+                                               (65, 65, 1), (4097, 4, 64)])
+def test_split_is_as_even_as_whole_granules_allow(extent, parts, gran):
+    sizes = tl.split(extent, parts, gran)
+    assert sizes.sum() == extent and len(sizes) == parts
+    assert (sizes[:-1] % gran == 0).all() and (sizes > 0).all()
+    assert sizes.max() - sizes[:-1].min() <= gran
+    assert (np.diff(sizes[:-1]) <= 0).all(), "bigger pieces first"
+
+
+@pytest.mark.parametrize("m,n,k", list(itertools.product(MS, NKS, NKS)))
+def test_choice_fits_and_gives_every_core_a_tile_in_every_wave(m, n, k):
+    """Every core has a tile in every wave, unless the matmul is so small that its roofline
+    is a few job launches (its fixed costs dominate)."""
+    ctx, spec = linear(m, n, k)
+    p = Problem.of(spec)
+    t = choose(TARGET, p)
+    assert tl.lx_bytes_of(TARGET, p, t) <= TARGET.scratchpad_bytes
+    assert t.groups * t.group_cores == TARGET.num_cores
+    if tl.roofline_ns(TARGET, p) < tl.BUSY_FROM * TARGET.job_launch_ns:
+        return
+    assert blocks(p, t) % t.groups == 0, f"{t}: the last wave leaves groups idle"
+    assert (blocks(p, t) * t.group_cores) % TARGET.num_cores == 0  # tiles: a multiple of the cores
+
+
+@pytest.mark.parametrize("n,k", [(256, 256), (64, 256), (512, 256), (256, 512), (1000, 256)])
+def test_tiny_matmuls_take_few_commands(n, k):
+    """A decode GEMM of a tiny model is a few job launches of work: within a job launch's
+    time of the fastest tiling, the one with the fewest commands (construct mode builds
+    them at every launch)."""
+    ctx, spec = linear(1, n, k)
+    build(ctx, spec)
+    assert ctx.program.ncmds <= 48
+
+
+@pytest.mark.parametrize("k", [4097, 49155])
+def test_decode_with_few_columns_splits_k(k):
+    """M x N of 1 x 64 cannot keep 32 cores busy with output tiles: K is cut instead."""
+    _, spec = linear(1, 64, k)
+    assert choose(TARGET, Problem.of(spec)).pk > 1
+
+
+def test_large_gemms_share_both_operands():
+    """A prefill GEMM uses a 2-D grid: A forwarded along rows, B along columns."""
+    _, spec = linear(1024, 12800, 4096)
+    t = choose(TARGET, Problem.of(spec))
+    assert t.pm > 1 and t.pn > 1
+
+
+def test_the_model_counts_what_the_ring_saves():
+    """Without sharing every core streams its own A and B strips: more DRAM bytes, and a
+    slower estimate, for the same tiles."""
+    _, spec = linear(1024, 4096, 4096)
+    p = Problem.of(spec)
+    shared = Tiling(1, 1, 4, 8, 4, 16, 128, 3)
+    alone = Tiling(32, 1, 1, 1, 4, 16, 128, 3)
+    cols = {k: np.array([getattr(t, k) for t in (shared, alone)]) for k in Tiling.__dataclass_fields__}
+    ns, nbytes, _ = tl.estimate(TARGET, p, cols)
+    assert nbytes[1] > 2 * nbytes[0] and ns[1] > 1.2 * ns[0]
+
+
+# ---- against the simulator ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def card():
+    from spyre_rt.card import Card
+
+    return Card(profile.load("spyre"), "timing", 0)
+
+
+def simulate(card, ctx: BuildContext) -> tuple[float, int]:
+    """(device ns of one launch, DRAM bytes the program moves)."""
+    prog = jobs.ResidentProgram(card, ctx.encode(), "gemm")
+    addrs = {name: card.malloc(ctx.layouts[name].nbytes) for name in ctx.buffers()}
+    try:
+        card.synchronize()
+        before = card.counters()["device_busy_ns"]
+        prog.launch([addrs[b] for b in ctx.buffers()])
+        card.synchronize()
+        return card.counters()["device_busy_ns"] - before, int(prog.info.dma_bytes)
+    finally:
+        prog.free()
+        for a in addrs.values():
+            card.free(a)
+
+
+@pytest.mark.parametrize("m,n,k", [(1024, 4096, 4096), (1024, 1024, 4096), (1, 4096, 4096), (1, 64, 49155),
+                                   (7, 4097, 4097), (1024, 100, 4097), (7, 49155, 64)])
+def test_the_model_tracks_the_simulator(card, m, n, k):
+    ctx, spec = linear(m, n, k)
+    p = Problem.of(spec)
+    t = build(ctx, spec)
+    ns, _ = simulate(card, ctx)
+    assert abs(tl.estimate_one(TARGET, p, t) / ns - 1) < 0.15, f"{t}: model vs simulator"
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (12800, 4096), (4096, 12800)])
+def test_prefill_gemms_move_at_most_one_and_a_half_times_the_minimum(card, n, k):
+    """Each operand once and the output once is the minimum; sharing over the ring keeps a
+    1024-row GEMM within 1.5 times it, and its device time within 15 % of the roofline."""
+    ctx, spec = linear(1024, n, k)
+    p = Problem.of(spec)
+    build(ctx, spec)
+    ns, moved = simulate(card, ctx)
+    assert moved <= 1.5 * p.min_bytes
+    roofline = max(p.macs / (TARGET.macs_per_ns * TARGET.num_cores), p.min_bytes / TARGET.dram_bytes_per_ns)
+    assert ns <= roofline / 0.85

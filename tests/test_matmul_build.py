@@ -276,3 +276,22 @@ def test_construction_is_deterministic():
         build(ctx, spec, choose(target, Problem.of(spec)))
         blobs.append(ctx.encode())
     assert np.array_equal(*blobs)
+
+
+@pytest.mark.parametrize("m,k,n", [(5, 1, 7), (64, 1, 130), (5, 0, 7), (1, 1, 1)])
+@pytest.mark.parametrize("mode", ["construct", "prebuilt"])
+def test_a_compiled_matmul_of_one_or_no_contraction_is_the_matmul_kernel(m, k, n, mode):
+    """mm, addmm and bmm with K = 1 or K = 0, compiled, equal torch: the lowering hands them
+    to the matmul builder as they are (Inductor's own decompositions may still make an outer
+    product a multiply)."""
+    from spyre_rt.dispatch import dispatch_mode
+
+    g = torch.Generator().manual_seed(m * 100 + k * 10 + n)
+    a, b, c = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), torch.randn(n, generator=g)
+    torch._dynamo.reset()
+    with dispatch_mode(mode):
+        out = torch.compile(lambda a, b, c: (a @ b, torch.addmm(c, a, b), torch.bmm(a[None], b[None])),
+                            backend="spyre_rt", dynamic=False)(a.to("spyre"), b.to("spyre"), c.to("spyre"))
+    want = (a @ b, torch.addmm(c, a, b), torch.bmm(a[None], b[None]))
+    for got, w in zip(out, want, strict=True):
+        torch.testing.assert_close(got.cpu(), w, atol=1e-5, rtol=1e-5)

@@ -105,12 +105,8 @@ def _matmul_operand(x):
 def _matmul(a, b, bias=None):
     *batch, m, k = a.get_size()
     size = [*batch, m, b.get_size()[-1]]
-    if _known(k, 0) or any(_known(s, 0) for s in size):  # empty (all zeros, plus the bias)
-        zeros = L.full(size, 0, dtype=a.get_dtype(), device=a.get_device())
-        return zeros if bias is None else L.lowerings[aten.add.Tensor](zeros, bias)
-    if _known(k, 1):  # an outer product: one multiply per element, a broadcast on the SFU
-        prod = L.lowerings[aten.mul.Tensor](a, b)
-        return prod if bias is None else L.lowerings[aten.add.Tensor](prod, bias)
+    if any(_known(s, 0) for s in size):  # an empty result: nothing to compute
+        return L.full(size, 0, dtype=a.get_dtype(), device=a.get_device())
     a, b = _matmul_operand(a), _matmul_operand(b)
     layout = ir.FixedLayout(a.get_device(), a.get_dtype(), size)
     inputs = [a, b] + ([ir.ExternKernel.realize_input(bias)] if bias is not None else [])

@@ -13,7 +13,7 @@ from ..program import SLOT_DRAM, ProgramBuilder
 LX_ALIGN = 128  # scratchpad regions start on a stick
 
 
-@dataclass
+@dataclass(frozen=True)
 class Target:
     """The figures of the card that shape construction (from the device profile)."""
 
@@ -25,6 +25,15 @@ class Target:
     gran_n: int
     dram_bytes_per_ns: float
     core_dma_bytes_per_ns: float
+    # what a cost model needs beyond bandwidths: the fixed costs of commands, the ring
+    pt_fp32_ratio: float       # the systolic arrays' rate on fp32 operands, relative
+    pt_latency_ns: float       # per matmul command
+    dma_latency_ns: float      # per DRAM <-> scratchpad command, before its bytes flow
+    dram_burst_bytes: int      # a DRAM run is charged in whole bursts
+    ring_bytes_per_ns: float   # one core's ring port, per direction
+    ring_hop_ns: float
+    sfu_elems_per_ns: float
+    sfu_latency_ns: float      # per SFU instruction
 
     @classmethod
     def from_profile(cls, p: DeviceProfile) -> Target:
@@ -37,6 +46,14 @@ class Target:
             gran_n=int(p["pt_gran_n"]),
             dram_bytes_per_ns=p["dram_bandwidth_gbps"],
             core_dma_bytes_per_ns=p["core_dma_gbps"],
+            pt_fp32_ratio=p["pt_fp32_ratio"],
+            pt_latency_ns=p["pt_latency_ns"],
+            dma_latency_ns=p["dma_latency_ns"],
+            dram_burst_bytes=int(p["dram_burst_bytes"]),
+            ring_bytes_per_ns=p["ring_bytes_per_cycle"] * p["clock_ghz"],
+            ring_hop_ns=p["ring_hop_ns"],
+            sfu_elems_per_ns=p["sfu_elems_per_cycle"] * p["clock_ghz"],
+            sfu_latency_ns=p["sfu_latency_ns"],
         )
 
 

@@ -106,6 +106,7 @@ CASES = [
     Case("gqa4_decode_padding", 2, 8, 2, 1, 1000, 100, mask="padding"),
     Case("gqa8_prefill_1000_causal", 1, 8, 1, 1000, 1000, 64, causal=True),
     Case("gqa4_chunk_against_static_cache", 1, 8, 2, 37, 130, 40, mask="hf"),
+    Case("gqa4_prefill_keys_shared_by_cores", 1, 8, 2, 300, 310, 64, mask="hf"),
     Case("gqa4_float_mask", 1, 4, 1, 50, 77, 64, mask="float"),
     Case("per_head_mask", 1, 4, 2, 20, 65, 32, mask="per_head", dtypes=(F32,)),
     Case("mask_2d", 2, 2, 2, 9, 33, 33, mask="2d", dtypes=(F32,)),
@@ -284,6 +285,21 @@ def test_a_task_split_over_cores_is_combined_over_the_ring(card):
     mask = torch.rand(1, 1, 1, 2100, generator=g) < 0.9
     got, tiling, blob = run_direct(card, q, k, v, mask=mask)
     assert tiling.tasks[:, A.PARTS].max() == 16 and len(np.unique(tiling.tasks[:, A.CORE])) == 32
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    _no_races(blob)
+
+
+def test_cores_of_a_kv_head_share_its_keys_over_the_ring(card):
+    """Prefill with a mask: the tiles of a KV head are dealt to a group of cores that walk
+    its keys together, one of them loading each block and sending it to the others."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 300, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, 310, 64, generator=g).half() for _ in range(2))
+    mask = causal_from(300, 310, 10)
+    got, tiling, blob = run_direct(card, q, k, v, mask=mask)
+    tasks = tiling.tasks
+    assert (tasks[:, A.GROUP] >= 0).all() and tasks[:, A.STEP].max() >= 1
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
     _no_races(blob)

@@ -114,8 +114,11 @@ class Shape:
 
 # ---- tasks -------------------------------------------------------------------------------
 
-# Columns of the task table (one row per task, in each core's program order).
-CORE, BATCH, KV_HEAD, Q0, ROWS, KV0, KV1, PART, PARTS, LEADER = range(10)
+# Columns of the task table (one row per task, in each core's program order). A task split
+# over cores has PARTS > 1 and its parts name the first, their LEADER; tasks of a sharing
+# GROUP (one KV head on several cores) walk the same keys in STEPs, in lockstep.
+CORE, BATCH, KV_HEAD, Q0, ROWS, KV0, KV1, PART, PARTS, LEADER, GROUP, STEP = range(12)
+COLUMNS = 12
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class Tiling:
 
     q_rows: int
     kv_block: int
-    tasks: np.ndarray  # (ntasks, 10) int64
+    tasks: np.ndarray  # (ntasks, COLUMNS) int64
 
 
 def visible_keys(shape: Shape, q0: int, rows: int) -> int:
@@ -145,32 +148,70 @@ def split_points(kv_end: int, parts: int, align: int) -> list[int]:
     return sorted(cuts)
 
 
-def make_tasks(shape: Shape, target: Target, q_rows: int, kv_block: int) -> np.ndarray:
+def units_of(shape: Shape, q_rows: int) -> list[tuple[int, int, int, int, int]]:
+    """(batch, kv head, first query, query rows, keys seen) of every tile of queries."""
+    units = []
+    for b, h, q0 in itertools.product(range(shape.batch), range(shape.kv_heads), range(0, shape.q_len, q_rows)):
+        n = min(q_rows, shape.q_len - q0)
+        end = visible_keys(shape, q0, n)
+        if end > 0:
+            units.append((b, h, q0, n, end))
+    return units
+
+
+def can_share(shape: Shape, target: Target, q_rows: int) -> bool:
+    """Several cores can walk one KV head's keys together: each tile sees them all, and
+    there are cores enough for two or more per KV head and tiles for each."""
+    heads = shape.batch * shape.kv_heads
+    return not shape.causal and target.num_cores // heads >= 2 and -(-shape.q_len // q_rows) >= 2
+
+
+def make_tasks(shape: Shape, target: Target, q_rows: int, kv_block: int, shared: bool = False) -> np.ndarray:
     """The tasks of a tiling, on their cores (see :class:`Tiling`)."""
-    units = [(b, h, q0, min(q_rows, shape.q_len - q0))
-             for b in range(shape.batch) for h in range(shape.kv_heads) for q0 in range(0, shape.q_len, q_rows)]
-    units = [(b, h, q0, n, visible_keys(shape, q0, n)) for b, h, q0, n in units]
-    units = [u for u in units if u[4] > 0]
-    cores = target.num_cores
-    rows = []
-    if 0 < len(units) < cores:  # too few tasks: split each one's keys over several cores
-        align = max(64, target.stick_bytes // dtypes.ITEMSIZE.get(shape.mask_dtype, 2))
-        share = [cores // len(units) + (i < cores % len(units)) for i in range(len(units))]
-        for (b, h, q0, n, end), parts in zip(units, share, strict=True):
-            cuts = split_points(end, min(parts, -(-end // align)), align)
-            leader = len(rows)
-            for p, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-                rows.append([len(rows), b, h, q0, n, lo, hi, p, len(cuts) - 1, leader])
-        return np.array(rows, dtype=np.int64).reshape(-1, 10)
-    for b, h, q0, n, end in units:
-        rows.append([0, b, h, q0, n, 0, end, 0, 1, 0])
-    tasks = np.array(rows, dtype=np.int64).reshape(-1, 10)
+    units = units_of(shape, q_rows)
+    if 0 < len(units) < target.num_cores:
+        return _split(shape, target, units)
+    if shared:
+        return _shared(shape, target, units)
     work = [task_ns(shape, target, n, end, kv_block) for _, _, _, n, end in units]
-    return _on_cores(tasks, work, cores)
+    return _on_cores(units, work, target.num_cores)
 
 
-def _on_cores(tasks: np.ndarray, work: list[float], cores: int) -> np.ndarray:
+def _split(shape: Shape, target: Target, units: list) -> np.ndarray:
+    """Too few tiles for the cores: each one's keys in parts on cores of their own (at
+    least a stick of mask columns each)."""
+    cores = target.num_cores
+    align = max(64, target.stick_bytes // dtypes.ITEMSIZE.get(shape.mask_dtype, 2))
+    rows = []
+    for i, (b, h, q0, n, end) in enumerate(units):
+        parts = cores // len(units) + (i < cores % len(units))
+        cuts = split_points(end, min(parts, -(-end // align)), align)
+        leader = len(rows)
+        for p, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+            rows.append([len(rows), b, h, q0, n, lo, hi, p, len(cuts) - 1, leader, -1, 0])
+    return np.array(rows, dtype=np.int64).reshape(-1, COLUMNS)
+
+
+def _shared(shape: Shape, target: Target, units: list) -> np.ndarray:
+    """Each KV head on a group of cores: its tiles dealt round the group, step by step, so
+    that every core of the group reads the same block of keys at once (see Commands)."""
+    per_group = target.num_cores // (shape.batch * shape.kv_heads)
+    rows = []
+    tiles = -(-shape.q_len // units[0][3])
+    for i, (b, h, q0, n, end) in enumerate(units):
+        group, tile = divmod(i, tiles)
+        core = group * per_group + tile % per_group
+        rows.append([core, b, h, q0, n, 0, end, 0, 1, 0, group, tile // per_group])
+    tasks = np.array(rows, dtype=np.int64)
+    tasks = tasks[np.lexsort((tasks[:, STEP], tasks[:, CORE]))]
+    tasks[:, LEADER] = np.arange(len(tasks))
+    return tasks
+
+
+def _on_cores(units: list, work: list[float], cores: int) -> np.ndarray:
     """Longest task first onto the least loaded core (LPT); each core's tasks in that order."""
+    tasks = np.array([[0, b, h, q0, n, 0, end, 0, 1, 0, -1, 0] for b, h, q0, n, end in units],
+                     dtype=np.int64).reshape(-1, COLUMNS)
     load = [(0.0, c) for c in range(cores)]
     order = sorted(range(len(work)), key=lambda i: (-work[i], i))
     seq = np.zeros(len(work), dtype=np.int64)
@@ -182,6 +223,19 @@ def _on_cores(tasks: np.ndarray, work: list[float], cores: int) -> np.ndarray:
     tasks = tasks[np.lexsort((seq, tasks[:, CORE]))]
     tasks[:, LEADER] = np.arange(len(tasks))  # unsplit: each task is its own leader
     return tasks
+
+
+def sources(tasks: np.ndarray, task: np.ndarray, first_block: np.ndarray) -> np.ndarray:
+    """The block that loads each block's K and V: itself, or in a sharing group the block
+    at the same step and keys on one of the group's cores (they take turns)."""
+    j = np.arange(len(task)) - first_block[task]
+    src = np.arange(len(task))
+    grouped = np.flatnonzero(tasks[:, GROUP] >= 0)
+    for group, step in np.unique(tasks[grouped][:, [GROUP, STEP]], axis=0):
+        members = grouped[(tasks[grouped, GROUP] == group) & (tasks[grouped, STEP] == step)]
+        sel = np.flatnonzero(np.isin(task, members))
+        src[sel] = first_block[members[j[sel] % len(members)]] + j[sel]
+    return src
 
 
 def blocks_of(tiling: Tiling) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,27 +256,32 @@ SFU_PASSES = 12
 SFU_INSTRS = 16
 
 
-def block_costs(shape: Shape, target: Target, rows: int, keys: int) -> tuple[float, float, float]:
-    """(arrays ns, SFU ns, DRAM bytes) of one block of `rows` query rows per head."""
+def block_costs(shape: Shape, target: Target, rows: int, keys: int, share: int = 1) -> tuple[float, float, float]:
+    """(arrays ns, SFU ns, DRAM bytes) of one block of `rows` query rows per head, its keys
+    read by one of `share` cores that walk them together."""
     r = shape.group * rows
     rate = target.macs_per_ns * (target.pt_fp32_ratio if shape.fp32 else 1.0)
     gm, gn = target.gran_m, target.gran_n
     padded = round_up(r, gm) * (round_up(keys, gn) * shape.dim + round_up(shape.v_dim, gn) * keys)
     arrays = padded / rate + 2 * target.pt_latency_ns
     sfu = (r * keys * SFU_PASSES + r * shape.v_dim) / target.sfu_elems_per_ns + SFU_INSTRS * target.sfu_latency_ns
-    moved = keys * (shape.dim + shape.v_dim) * shape.e_in
+    moved = keys * (shape.dim + shape.v_dim) * shape.e_in / share
     if shape.mask:
         moved += shape.mask_heads * rows * keys * dtypes.ITEMSIZE[shape.mask_dtype]
     return arrays, sfu, moved
 
 
-def task_ns(shape: Shape, target: Target, rows: int, keys: int, kv_block: int, rate: float | None = None) -> float:
-    """A task's time on one core: its blocks, each as long as its slowest engine."""
+def task_ns(shape: Shape, target: Target, rows: int, keys: int, kv_block: int, rate: float | None = None,
+            share: int = 1) -> float:
+    """A task's time on one core: its blocks, each as long as its slowest engine, the
+    loads of its queries and the store of its output spread over them."""
     rate = rate or target.core_dma_bytes_per_ns
+    nblocks = -(-keys // kv_block)
+    tile = shape.group * rows * (shape.dim + shape.v_dim) * shape.e_in / nblocks
     total = 0.0
     for lo in range(0, keys, kv_block):
-        arrays, sfu, moved = block_costs(shape, target, rows, min(kv_block, keys - lo))
-        total += max(arrays, sfu, moved / rate)
+        arrays, sfu, moved = block_costs(shape, target, rows, min(kv_block, keys - lo), share)
+        total += max(arrays, sfu, (moved + tile) / rate)
     return total
 
 
@@ -233,25 +292,31 @@ def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
     active = len(np.unique(t[:, CORE]))
     rate = min(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / active)
     tile_bytes = shape.group * tiling.q_rows * (shape.dim + shape.v_dim) * shape.e_in
+    share = np.ones(len(t), dtype=np.int64)
+    grouped = t[:, GROUP] >= 0
+    if grouped.any():
+        _, inverse, counts = np.unique(t[grouped][:, [GROUP, STEP]], axis=0, return_inverse=True, return_counts=True)
+        share[grouped] = counts[inverse.ravel()]
     per_core: dict[int, float] = {}
-    for task in t:
-        ns = task_ns(shape, target, int(task[ROWS]), int(task[KV1] - task[KV0]), tiling.kv_block, rate)
+    for task, n in zip(t, share, strict=True):
+        ns = task_ns(shape, target, int(task[ROWS]), int(task[KV1] - task[KV0]), tiling.kv_block, rate, int(n))
         per_core[int(task[CORE])] = per_core.get(int(task[CORE]), 0.0) + ns
     return max(per_core.values()) + tile_bytes / rate + 2 * target.dma_latency_ns
 
 
-def candidates(shape: Shape) -> list[tuple[int, int]]:
-    """(query rows per head, keys per block), the largest first."""
+def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
+    """(query rows per head, keys per block, shared), the largest tiles first."""
     rows = sorted({shape.q_len} | {r for r in (8, 16, 32, 64, 128, 256, 512) if r < shape.q_len}, reverse=True)
     keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
-    return [(r, k) for r in rows for k in keys]
+    return [(r, k, shared) for r in rows for k in keys
+            for shared in ((True, False) if can_share(shape, target, r) else (False,))]
 
 
 def choose(shape: Shape, target: Target) -> Tiling:
     """The tiling with the lowest estimated time whose scratchpad plan fits."""
     best, best_ns = None, None
-    for rows, keys in candidates(shape):
-        tiling = Tiling(rows, keys, make_tasks(shape, target, rows, keys))
+    for rows, keys, shared in candidates(shape, target):
+        tiling = Tiling(rows, keys, make_tasks(shape, target, rows, keys, shared))
         try:
             Scratchpad(shape, target, tiling)
         except ScratchpadOverflow:
@@ -600,7 +665,11 @@ class Commands:
     V; the matmul S = Q K^T) and group B (the SFU program; the matmul O += P V; after a
     task's last block its finish, or the ring transfer of a part's state). Program order
     per core is A0 A1 B0 A2 B1 ...: the arrays compute the next block's S while the SFU
-    works on this one's."""
+    works on this one's.
+
+    In a sharing group one core loads a block's K and V from DRAM and sends them over the
+    ring into the same slots of the group's other cores (the cores take turns, block by
+    block): K and V leave DRAM once per group instead of once per tile."""
 
     def __init__(self, ctx: BuildContext, shape: Shape, tiling: Tiling, lx: Scratchpad, views: dict, scale: float):
         self.ctx, self.shape, self.tiling, self.lx, self.views = ctx, shape, tiling, lx, views
@@ -617,6 +686,11 @@ class Commands:
         self.first_block, self.last_block = np.flatnonzero(self.first), np.flatnonzero(self.last)
         self.tseq = np.arange(len(t)) - np.searchsorted(t[:, CORE], t[:, CORE])  # the task's place on its core
         self.storing = np.flatnonzero(t[:, PART] == 0)
+        self.src = sources(t, self.task, self.first_block)
+        self.own = np.flatnonzero(self.src == np.arange(n))
+        recv = np.flatnonzero(self.src != np.arange(n))
+        self.recv = recv[np.lexsort((recv, self.src[recv]))]  # sends, grouped by the block that sends
+        self.nsend = np.bincount(self.src[self.recv], minlength=n)
 
     # -- DMA of each operand --
     def moves(self) -> None:
@@ -647,23 +721,36 @@ class Commands:
                         np.column_stack([srows * lx.stage_pitch * e, sones * lx.stage_pitch * e, sones * e]), load=False)
 
     def _kv(self, view: View, pitch: int, dim: int) -> Moves:
-        t, b, e = self.tasks, self.task, self.shape.e_in
-        base = view.offset + t[b, BATCH] * view.strides[0] + t[b, KV_HEAD] * view.strides[1] + self.kv0 * view.strides[2]
+        """Loads of the blocks that read K or V from DRAM themselves."""
+        t, b, e, own = self.tasks, self.task[self.own], self.shape.e_in, self.own
+        base = (view.offset + t[b, BATCH] * view.strides[0] + t[b, KV_HEAD] * view.strides[1]
+                + self.kv0[own] * view.strides[2])
         ones = np.ones(len(b), dtype=np.int64)
-        return Moves(self.ctx, view.buf, view.strides[2:], base, np.column_stack([self.keys, ones * dim]),
+        return Moves(self.ctx, view.buf, view.strides[2:], base, np.column_stack([self.keys[own], ones * dim]),
                      np.column_stack([ones * pitch * e, ones * e]), load=True)
 
     # -- where each command goes --
     def place(self) -> int:
         """Rows of every group's commands; the number of commands."""
         n, t = len(self.task), self.tasks
-        self.nq = np.zeros(n, dtype=np.int64)
-        self.nq[self.first_block] = self.mq.count
-        self.nk, self.nv = self.mk.count, self.mv.count
+        # A core's first task loads its queries with its first block's keys; each later
+        # task's load while the task before it runs (in its second block, behind that
+        # block's own loads: Q has two slots).
+        t_all = np.arange(len(t))
+        ahead = self.tseq >= 1
+        prev_first = self.first_block[np.maximum(t_all - 1, 0)]
+        second = np.minimum(prev_first + 1, self.last_block[np.maximum(t_all - 1, 0)])
+        self.q_host = np.where(ahead, second, self.first_block)
+        self.nq0 = np.zeros(n, dtype=np.int64)  # before the block's mask and V
+        self.nq0[self.q_host[~ahead]] = self.mq.count[~ahead]
+        self.nq1 = np.zeros(n, dtype=np.int64)  # after them
+        self.nq1[self.q_host[ahead]] = self.mq.count[ahead]
+        self.nk, self.nv = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.nk[self.own], self.nv[self.own] = self.mk.count, self.mv.count
         self.nm = self.mmask.count if self.mmask is not None else np.zeros(n, dtype=np.int64)
         self.no = np.zeros(len(t), dtype=np.int64)
         self.no[self.storing] = self.mo.count
-        size_a = self.nq + self.nk + self.nm + self.nv + 1
+        size_a = self.nq0 + self.nq1 + self.nk + self.nm + self.nv + 2 * self.nsend + 1
         size_b = 2 + np.where(self.last, 1 + self.no[self.task], 0)
         sizes = np.r_[size_a, size_b]
         cores = np.r_[self.core, self.core]
@@ -672,10 +759,13 @@ class Commands:
         start[order] = np.cumsum(sizes[order]) - sizes[order]
         self.core_of_row = np.repeat(cores[order], sizes[order])
         a, b = start[:n], start[n:]
-        self.q_row, self.k_row = a, a + self.nq
-        self.m_row = self.k_row + self.nk
+        self.k_row = a
+        self.m_row = self.k_row + self.nk + self.nq0
         self.v_row = self.m_row + self.nm
-        self.mm1_row = self.v_row + self.nv
+        self.q_row = np.where(self.tseq >= 1, (self.v_row + self.nv)[self.q_host], (a + self.nk)[self.q_host])
+        self.ks_row = self.v_row + self.nv + self.nq1  # the sends of K, then of V, to the group's other cores
+        self.vs_row = self.ks_row + self.nsend
+        self.mm1_row = self.vs_row + self.nsend
         self.sfu_row, self.mm2_row, self.end_row = b, b + 1, b + 2
         return int(sizes.sum())
 
@@ -683,10 +773,11 @@ class Commands:
     def fill(self, cmds: np.ndarray) -> None:
         s, t, lx, g = self.shape, self.tasks, self.lx, self.g
         cmds["core"] = self.core_of_row
-        q_first = self.q_row[self.first_block]
-        self.mq.fill(cmds, q_first, np.array(lx.q)[self.tseq % 2])
-        self.mk.fill(cmds, self.k_row, np.array(lx.k)[g % 2])
-        self.mv.fill(cmds, self.v_row, np.array(lx.v)[g % 2])
+        self.mq.fill(cmds, self.q_row, np.array(lx.q)[self.tseq % 2])
+        own = self.own
+        self.mk.fill(cmds, self.k_row[own], np.array(lx.k)[g[own] % 2])
+        self.mv.fill(cmds, self.v_row[own], np.array(lx.v)[g[own] % 2])
+        self._sends(cmds)
         if self.mmask is not None:
             self.mmask.fill(cmds, self.m_row, np.array(lx.mask)[g % 2])
         rows = s.group * t[self.task, ROWS]
@@ -706,6 +797,22 @@ class Commands:
             mm["a_dtype"][r], mm["b_dtype"][r] = code, code
         self._sfu(cmds, self.sfu_row, [self._block_key(i) for i in range(len(self.task))])
         self._ends(cmds)
+
+    def _sends(self, cmds: np.ndarray) -> None:
+        """K and V of a shared block, from the core that loaded them into the same slots of
+        each other core of its group."""
+        lx, e, recv = self.lx, self.shape.e_in, self.recv
+        src = self.src[recv]
+        rank = _ranks(self.nsend[self.nsend > 0]) if len(recv) else np.zeros(0, dtype=np.int64)
+        ring = cmds.view(CMD_RING)
+        for rows, slots, pitch in ((self.ks_row, lx.k, lx.k_pitch), (self.vs_row, lx.v, lx.v_pitch)):
+            r = rows[src] + rank
+            ring["op"][r] = OP_RING
+            ring["dst_core"][r] = self.core[recv]
+            ring["ring_src"][r] = np.array(slots)[self.g[src] % 2]
+            ring["ring_dst"][r] = np.array(slots)[self.g[recv] % 2]
+            ring["bytes"][r] = self.keys[recv] * pitch * e
+        self.send_row = self.ks_row[src] + rank  # of each receiving block's K; its V's is nsend further
 
     def _block_key(self, i: int) -> tuple:
         s, task = self.shape, self.tasks[self.task[i]]
@@ -747,15 +854,18 @@ class Commands:
         def at(rows: np.ndarray, i: np.ndarray) -> np.ndarray:  # rows[i], -1 where i is
             return np.where(i >= 0, rows[np.maximum(i, 0)], -1)
 
-        # a scratchpad slot is free once the block two back on the core read it
+        # a scratchpad slot is free once the block two back on the core read it (and sent it)
         deps.add(self.k_row, self.nk, at(self.mm1_row, p2))
+        deps.add(self.k_row, self.nk, at(self.ks_row, p2), at(self.nsend, p2))
         deps.add(self.m_row, self.nm, at(self.sfu_row, p2))
         deps.add(self.v_row, self.nv, at(self.mm2_row, p2))
-        fb, nq = self.first_block, self.nq[self.first_block]
+        deps.add(self.v_row, self.nv, at(self.vs_row, p2), at(self.nsend, p2))
+        self._send_links(deps, at)
+        fb, nq = self.first_block, self.mq.count
         two_back = np.where(self.tseq >= 2, np.arange(len(t)) - 2, -1)
-        deps.add(self.q_row[fb], nq, at(self.mm1_row[self.last_block], two_back))
+        deps.add(self.q_row, nq, at(self.mm1_row[self.last_block], two_back))
         deps.add(self.mm1_row, 1, self.k_row, self.nk)
-        deps.add(self.mm1_row[fb], 1, self.q_row[fb], nq)
+        deps.add(self.mm1_row[fb], 1, self.q_row, nq)
         deps.add(self.mm1_row, 1, at(self.sfu_row, p2))  # S slot
         deps.add(self.sfu_row, 1, self.mm1_row)
         deps.add(self.sfu_row, 1, self.m_row, self.nm)
@@ -768,6 +878,19 @@ class Commands:
         deps.add(self.mm2_row[after], 1, self.end_row[p1[after]])
         self._end_links(deps)
         return deps
+
+    def _send_links(self, deps: Links, at) -> None:
+        """A send leaves once its block is loaded and the receiver's slot is free; the
+        receiver's matmul waits for it."""
+        recv, src = self.recv, self.src[self.recv]
+        p2 = self.prev2[recv]
+        k_send, v_send = self.send_row, self.send_row + self.nsend[src]
+        for send, load, nload, reader, sent in ((k_send, self.k_row, self.nk, self.mm1_row, self.ks_row),
+                                                (v_send, self.v_row, self.nv, self.mm2_row, self.vs_row)):
+            deps.add(send, 1, load[src], nload[src])
+            deps.add(send, 1, at(reader, p2))
+            deps.add(send, 1, at(sent, p2), at(self.nsend, p2))
+            deps.add(reader[recv], 1, send)
 
     def _end_links(self, deps: Links) -> None:
         t, last = self.tasks, self.last_block

@@ -201,17 +201,44 @@ def lower(query, key, value, attn_mask=None, is_causal=False, scale=None):
         return None
     head_dim = query.get_size()[-1]
     if scale is None:
-        if not isinstance(head_dim, int) and not getattr(head_dim, "is_Integer", False):
+        if not _static(head_dim):
             return None
         scale = 1.0 / math.sqrt(int(head_dim))
     batch, heads, q_len, _ = query.get_size()
     kv_len, v_dim = value.get_size()[-2:]
+    if _known(q_len, 0) or _known(kv_len, 0):  # no query or no key: torch's own answer
+        return None
     operands = [_rows_contiguous(x) for x in (query, key, value)]
     if attn_mask is not None:
         operands.append(_broadcast_mask(attn_mask, [batch, heads, q_len, kv_len]))
+    if not _tiles_fit(operands, attn_mask, is_causal):
+        return None
     layout = ir.FixedLayout(query.get_device(), query.get_dtype(), [batch, heads, q_len, v_dim],
                             [q_len * heads * v_dim, v_dim, heads * v_dim, 1])
     return ir.TensorBox.create(SpyreAttention(layout, operands, scale=float(scale), causal=bool(is_causal)))
+
+
+def _tiles_fit(operands, attn_mask, is_causal) -> bool:
+    """Some tiling of the builder fits the scratchpad (known now for static shapes; a
+    dynamic one is tiled at its first call)."""
+    from spyre_rt.card import card_set
+    from spyre_rt.construct import attention as construct
+    from spyre_rt.construct.context import ScratchpadOverflow, Target
+
+    sizes = [x.get_size() for x in operands] + [x.get_stride() for x in operands[3:]]
+    if not all(_static(v) for dims in sizes for v in dims):
+        return True
+    (batch, heads, q_len, dim), (_, kv_heads, kv_len, _), (*_, v_dim) = (
+        [int(v) for v in x.get_size()] for x in operands[:3])
+    mask = "" if attn_mask is None else "bool" if attn_mask.get_dtype() == torch.bool else "add"
+    mask_heads = 1 if mask == "" or int(operands[3].get_stride()[1]) == 0 else heads // kv_heads
+    shape = construct.Shape(batch, heads, kv_heads, q_len, kv_len, dim, v_dim, dtype_name(operands[0].get_dtype()),
+                            mask, dtype_name(attn_mask.get_dtype()) if mask else "", mask_heads, bool(is_causal), 0)
+    try:
+        construct.choose(shape, Target.from_profile(card_set().profile))
+    except ScratchpadOverflow:
+        return False
+    return True
 
 
 def _card_computes(query, key, value, attn_mask) -> bool:
@@ -240,13 +267,24 @@ def _broadcast_mask(mask, sizes):
     mask = ir.ExternKernel.realize_input(mask)
     if not (_unit(mask.get_size()[-1]) or _unit(mask.get_stride()[-1])):
         mask = ir.ExternKernel.require_contiguous(mask)
-    return ir.ExternKernel.realize_input(ir.ExpandView.create(mask, sizes))
+    mask = ir.ExternKernel.realize_input(ir.ExpandView.create(mask, sizes))
+    if _unit(sizes[-1]) or not _known(mask.get_stride()[-1], 0):
+        return mask
+    return ir.ExternKernel.require_contiguous(mask)  # one value for all keys: made a row of them
 
 
 def _unit(expr) -> bool:
+    return _known(expr, 1)
+
+
+def _known(expr, n: int) -> bool:
     from torch._inductor.virtualized import V
 
-    return V.graph.sizevars.statically_known_equals(expr, 1)
+    return V.graph.sizevars.statically_known_equals(expr, n)
+
+
+def _static(expr) -> bool:
+    return isinstance(expr, int) or getattr(expr, "is_Integer", False)
 
 
 def install() -> None:

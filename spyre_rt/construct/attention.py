@@ -27,6 +27,7 @@ come from a small cost model over the card's figures (:func:`choose`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -173,8 +174,8 @@ def make_tasks(shape: Shape, target: Target, q_rows: int, kv_block: int, shared:
         return _split(shape, target, units)
     if shared:
         return _shared(shape, target, units)
-    work = [task_ns(shape, target, n, end, kv_block) for _, _, _, n, end in units]
-    return _on_cores(units, work, target.num_cores)
+    cost = functools.cache(lambda n, end: task_ns(shape, target, n, end, kv_block))
+    return _on_cores(units, [cost(n, end) for _, _, _, n, end in units], target.num_cores)
 
 
 def _split(shape: Shape, target: Target, units: list) -> np.ndarray:
@@ -276,13 +277,14 @@ def task_ns(shape: Shape, target: Target, rows: int, keys: int, kv_block: int, r
     """A task's time on one core: its blocks, each as long as its slowest engine, the
     loads of its queries and the store of its output spread over them."""
     rate = rate or target.core_dma_bytes_per_ns
-    nblocks = -(-keys // kv_block)
-    tile = shape.group * rows * (shape.dim + shape.v_dim) * shape.e_in / nblocks
-    total = 0.0
-    for lo in range(0, keys, kv_block):
-        arrays, sfu, moved = block_costs(shape, target, rows, min(kv_block, keys - lo), share)
-        total += max(arrays, sfu, (moved + tile) / rate)
-    return total
+    full, rest = divmod(keys, kv_block)
+    tile = shape.group * rows * (shape.dim + shape.v_dim) * shape.e_in / (full + (rest > 0))
+
+    def block_ns(n: int) -> float:
+        arrays, sfu, moved = block_costs(shape, target, rows, n, share)
+        return max(arrays, sfu, (moved + tile) / rate)
+
+    return full * block_ns(kv_block) + (block_ns(rest) if rest else 0.0)
 
 
 def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
@@ -297,11 +299,11 @@ def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
     if grouped.any():
         _, inverse, counts = np.unique(t[grouped][:, [GROUP, STEP]], axis=0, return_inverse=True, return_counts=True)
         share[grouped] = counts[inverse.ravel()]
-    per_core: dict[int, float] = {}
-    for task, n in zip(t, share, strict=True):
-        ns = task_ns(shape, target, int(task[ROWS]), int(task[KV1] - task[KV0]), tiling.kv_block, rate, int(n))
-        per_core[int(task[CORE])] = per_core.get(int(task[CORE]), 0.0) + ns
-    return max(per_core.values()) + tile_bytes / rate + 2 * target.dma_latency_ns
+    kinds, inverse = np.unique(np.column_stack([t[:, ROWS], t[:, KV1] - t[:, KV0], share]), axis=0,
+                               return_inverse=True)
+    ns = np.array([task_ns(shape, target, int(r), int(k), tiling.kv_block, rate, int(n)) for r, k, n in kinds])
+    per_core = np.bincount(t[:, CORE], weights=ns[inverse.ravel()])
+    return float(per_core.max()) + tile_bytes / rate + 2 * target.dma_latency_ns
 
 
 def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
@@ -312,8 +314,10 @@ def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
             for shared in ((True, False) if can_share(shape, target, r) else (False,))]
 
 
+@functools.lru_cache(maxsize=256)
 def choose(shape: Shape, target: Target) -> Tiling:
-    """The tiling with the lowest estimated time whose scratchpad plan fits."""
+    """The tiling with the lowest estimated time whose scratchpad plan fits (made once per
+    shape and card: the layers of a model share it)."""
     best, best_ns = None, None
     for rows, keys, shared in candidates(shape, target):
         tiling = Tiling(rows, keys, make_tasks(shape, target, rows, keys, shared))
@@ -326,6 +330,7 @@ def choose(shape: Shape, target: Target) -> Tiling:
             best, best_ns = tiling, ns
     if best is None:
         raise ScratchpadOverflow(f"no attention tile of head dim {shape.dim} fits the scratchpad")
+    best.tasks.flags.writeable = False  # shared by every build that takes this choice
     return best
 
 

@@ -42,6 +42,13 @@ INDUCTOR_PATCHES = {
 }
 
 
+def _inductor_patches() -> dict:
+    from .inductor.attention import FoldRepeatedKV
+
+    # attention reads the KV heads repeat_kv copied (see compiler/inductor/attention.py)
+    return {**INDUCTOR_PATCHES, "post_grad_custom_pre_pass": FoldRepeatedKV()}
+
+
 def register() -> None:
     """Register the Inductor device backend for ``spyre`` (idempotent)."""
     global _registered
@@ -89,6 +96,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     from torch._inductor.compile_fx import compile_fx
 
     from . import options as opts
+    from .inductor.attention import use_card_attention
     from .inductor.lowering import decompositions
 
     options = dict(options or {})
@@ -102,6 +110,8 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "compiler_version": compiler_version(),
     }
 
+    use_card_attention(gm)  # before AOT would decompose it into its math
+
     # A fused kernel that construction cannot express (a non-affine index, say) names the FX
     # nodes it holds; with CPU fallback on, they run on the CPU in a compile again, and the
     # fusion forms around them.
@@ -110,7 +120,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         try:
             with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
                 return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
-                                  config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
+                                  config_patches={**_inductor_patches(), **options}, decompositions=decompositions())
         except Exception as e:
             # Inductor wraps exceptions (in a LoweringException, in an InductorError): hand
             # our compile errors to the caller as themselves.

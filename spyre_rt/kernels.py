@@ -139,6 +139,44 @@ class MatmulKernel:
 
 @description
 @dataclass(frozen=True)
+class AttentionKernel:
+    """``out = softmax(q @ k^T * scale + mask) @ v`` for every (batch, head), as
+    ``torch.nn.functional.scaled_dot_product_attention`` defines it.
+
+    q is (batch, heads, q_len, head_dim); k and v are (batch, kv_heads, kv_len, dim), and
+    query head h reads kv head ``h // (heads // kv_heads)`` (grouped-query attention). The
+    mask is broadcast to (batch, heads, q_len, kv_len): a boolean mask keeps the scores
+    where it is true, a float mask is added to them. ``causal`` keeps key j for query i
+    when ``j <= i + q_offset`` (torch's ``is_causal`` aligns the corners: offset 0)."""
+
+    name: str
+    q: View
+    k: View
+    v: View
+    out: View
+    dtype: str               # of q, k, v and out
+    scale: float
+    causal: bool = False
+    q_offset: int = 0
+    mask: View | None = None
+    mask_dtype: str = ""
+    buffers: tuple[Buffer, ...] = ()
+    origins: tuple[str, ...] = ()
+    module: str = ""
+
+    kind = "attention"
+
+    def views(self) -> list[View]:
+        out = [self.q, self.k, self.v, self.out]
+        if self.mask is not None:  # its broadcast dimensions read nothing more
+            name, off, sizes, strides = self.mask
+            moving = [(n, s) for n, s in zip(sizes, strides, strict=True) if s != 0]
+            out.append((name, off, tuple(n for n, _ in moving), tuple(s for _, s in moving)))
+        return out
+
+
+@description
+@dataclass(frozen=True)
 class CpuOp:
     """An op that runs on the host inside a compiled step (CPU fallback).
 

@@ -21,6 +21,7 @@ from spyre_rt.kernels import MatmulKernel
 
 from ..describe import ADAPTERS
 from ..errors import compile_error
+from . import attention
 from .record import (
     buffer_info,
     dtype_name,
@@ -247,6 +248,7 @@ def install() -> None:
                 x = L.lowerings[aten.cat.default](parts, dim)
         return x
 
+    attention.install()
     _install_card_check()  # last: it wraps the lowerings above too
 
 

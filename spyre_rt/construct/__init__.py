@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import loops, matmul
+from . import attention, loops, matmul
 from .context import BuildContext
 
 BUILDERS: dict[str, Callable] = {
     "loop": loops.build,
     "matmul": matmul.build_kernel,
+    "attention": attention.build,
 }
 
 

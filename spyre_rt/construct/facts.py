@@ -55,8 +55,24 @@ def flops(kernel) -> int:
     if kernel.kind == "matmul":
         batch, m, k = kernel.a[2]
         return 2 * batch * m * k * kernel.b[2][2]
+    if kernel.kind == "attention":
+        return attention_flops(kernel)
     arithmetic = sum(1 for op in kernel.ops if op.op not in _NOT_ARITHMETIC)
     return math.prod(kernel.sizes) * arithmetic
+
+
+def attention_flops(kernel) -> int:
+    """Q K^T and P V over the (query, key) pairs the result depends on: with a causal
+    mask the keys up to each query's diagonal; with a mask tensor, every pair (which it
+    keeps is known only when it runs)."""
+    batch, heads, q_len, dim = kernel.q[2]
+    kv_len, v_dim = kernel.v[2][2], kernel.v[2][3]
+    if kernel.causal:
+        seen = np.clip(np.arange(q_len) + 1 + kernel.q_offset, 0, kv_len)
+        pairs = int(seen.sum())
+    else:
+        pairs = q_len * kv_len
+    return 2 * batch * heads * pairs * (dim + v_dim)
 
 
 def min_bytes(kernel) -> int:

@@ -1,0 +1,365 @@
+"""Attention on the card: ``F.scaled_dot_product_attention`` as one kernel.
+
+* Parity: compiled on spyre in every dispatch mode (bit for bit alike) against CPU eager,
+  over shapes off the 64 grid, grouped-query ratios 1, 4 and 8, one query row and a
+  thousand, causal, boolean, additive, per-head and padding masks, fp32 and fp16.
+* The Hugging Face pattern (``repeat_kv``, a boolean mask made from the cache position,
+  ``transpose(1, 2).contiguous()``) becomes one attention kernel that reads the static
+  cache in place and whose output the next matmul reads as it lies.
+* The builder, run directly on a functional card: causal masks with a query offset
+  (decode against a longer cache), keys split over cores and combined over the ring.
+* The tiling: decode spreads one KV head's keys over several cores; every choice fits
+  the scratchpad; prefill keeps every core busy.
+* Dynamic shapes: a symbolic sequence length compiles once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from spyre_rt import card as cards
+from spyre_rt import dtypes, executor, fallback, jobs, profile
+from spyre_rt.construct import attention as A
+from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.kernels import AttentionKernel, LoopKernel
+from spyre_rt.layout import StickLayout
+
+MODES = ("construct", "prebuilt-transfer", "prebuilt")
+F32, F16 = torch.float32, torch.float16
+# fp32: both sides sum in fp32 in other orders (see SUMS in test_ops); fp16: two ulps
+TOL = {F32: (1e-5, 2e-5), F16: (2e-3, 2e-3)}
+
+
+@pytest.fixture(autouse=True)
+def functional():
+    with cards.configured(sim_mode="functional") as cs:
+        yield cs
+
+
+# ---- parity against CPU eager ---------------------------------------------------------------
+
+
+def causal_from(q_len: int, kv_len: int, offset: int) -> torch.Tensor:
+    """Hugging Face's mask over a static cache: key j for query i when j <= i + offset."""
+    return (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + offset)[None, None]
+
+
+def padding(b: int, kv_len: int) -> torch.Tensor:
+    """A padding mask per batch element: the first 3 * i keys of element i are padding."""
+    keep = torch.arange(kv_len)[None, :] >= 3 * torch.arange(b)[:, None]
+    return keep[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    dim: int
+    mask: str = ""          # "", "padding", "hf", "float", "per_head", "2d", "empty_rows"
+    causal: bool = False
+    scale: float | None = None
+    dtypes: tuple = (F32, F16)
+
+    def inputs(self, dtype, g):
+        b, h, kv = self.batch, self.heads, self.kv_heads
+        q = torch.randn(b, h, self.q_len, self.dim, generator=g).to(dtype)
+        k = torch.randn(b, kv, self.kv_len, self.dim, generator=g).to(dtype)
+        v = torch.randn(b, kv, self.kv_len, self.dim, generator=g).to(dtype)
+        return q, k, v, self.make_mask(dtype, g)
+
+    def make_mask(self, dtype, g):
+        lq, lk = self.q_len, self.kv_len
+        if self.mask == "padding":
+            return padding(self.batch, lk)
+        if self.mask == "hf":
+            return causal_from(lq, lk, lk - lq - 5)
+        if self.mask == "float":
+            m = torch.randn(self.batch, 1, lq, lk, generator=g).to(dtype)
+            return m.masked_fill(~causal_from(lq, lk, lk - lq), float("-inf"))
+        if self.mask == "per_head":
+            m = torch.rand(self.batch, self.heads, lq, lk, generator=g) < 0.6
+            m[..., 0] = True
+            return m
+        if self.mask == "2d":
+            return torch.rand(lq, lk, generator=g) < 0.5
+        if self.mask == "empty_rows":  # rows that see no key: torch's CPU kernel gives 0
+            m = causal_from(lq, lk, 0).clone()
+            m[..., 1::3, :] = False
+            return m
+        return None
+
+
+CASES = [
+    Case("mha_causal_ragged", 2, 3, 3, 70, 70, 72, causal=True),
+    Case("gqa4_decode_padding", 2, 8, 2, 1, 1000, 100, mask="padding"),
+    Case("gqa8_prefill_1000_causal", 1, 8, 1, 1000, 1000, 64, causal=True),
+    Case("gqa4_chunk_against_static_cache", 1, 8, 2, 37, 130, 40, mask="hf"),
+    Case("gqa4_prefill_keys_shared_by_cores", 1, 8, 2, 300, 310, 64, mask="hf"),
+    Case("gqa4_float_mask", 1, 4, 1, 50, 77, 64, mask="float"),
+    Case("per_head_mask", 1, 4, 2, 20, 65, 32, mask="per_head", dtypes=(F32,)),
+    Case("mask_2d", 2, 2, 2, 9, 33, 33, mask="2d", dtypes=(F32,)),
+    Case("rows_without_keys", 1, 4, 4, 12, 12, 16, mask="empty_rows", dtypes=(F32,)),
+    Case("gqa8_decode_1000_scaled", 1, 16, 2, 1, 1000, 128, scale=0.3),
+]
+
+
+def _params():
+    for case in CASES:
+        for dtype in case.dtypes:
+            yield pytest.param(case, dtype, id=f"{case.name}-{str(dtype).removeprefix('torch.')}")
+
+
+def sdpa(case: Case):
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.causal, scale=case.scale,
+                                              enable_gqa=case.heads != case.kv_heads)
+    return f
+
+
+def attention_kernels(step) -> list[AttentionKernel]:
+    (exe,) = step.executables()
+    return [k for k in exe.desc.kernels.values() if isinstance(k, AttentionKernel)]
+
+
+@pytest.mark.parametrize(("case", "dtype"), list(_params()))
+def test_attention_matches_cpu_eager_in_every_dispatch_mode(case, dtype):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(len(case.name))
+    q, k, v, mask = case.inputs(dtype, g)
+    f = sdpa(case)
+    want = f(q, k, v, mask)
+    compiled = torch.compile(f, backend="spyre_rt", dynamic=False, fullgraph=True)
+    before = set(executor.live_steps())
+    eager = sum(fallback.calls.values())
+    outs = {}
+    for mode in MODES:
+        args = [x.to("spyre") if x is not None else None for x in (q, k, v, mask)]
+        with dispatch_mode(mode):
+            outs[mode] = compiled(*args).cpu()
+    assert sum(fallback.calls.values()) == eager, "an op ran as an eager CPU fallback"
+    (step,) = set(executor.live_steps()) - before
+    assert len(attention_kernels(step)) == 1
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(outs["prebuilt"], want, rtol=rtol, atol=atol)
+    for mode in MODES[:-1]:
+        assert torch.equal(outs[mode].view(torch.uint8), outs["prebuilt"].view(torch.uint8)), mode
+
+
+# ---- the Hugging Face pattern ---------------------------------------------------------------
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def hf_layer(q, cache_k, cache_v, position, o_proj):
+    """Hugging Face's SDPA attention over a static cache, then the output projection."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, kv_len = q.shape[2], cache_k.shape[2]
+    q_pos = torch.arange(q_len, device=q.device) + position
+    mask = (torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None])[None, None]
+    out, _ = sdpa_attention_forward(_Attention(), q, cache_k, cache_v, mask, scaling=0.125)
+    return out.reshape(1, q_len, -1) @ o_proj
+
+
+@pytest.mark.parametrize("q_len", [1, 6])
+def test_hugging_face_attention_reads_the_cache_in_place_and_its_output_as_it_lies(q_len):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(q_len)
+    heads, kv_heads, dim, kv_len = 8, 2, 64, 24
+    q = torch.randn(1, heads, q_len, dim, generator=g)
+    ck, cv = (torch.randn(1, kv_heads, kv_len, dim, generator=g) for _ in range(2))
+    w = torch.randn(heads * dim, 32, generator=g) / 16
+    position = torch.tensor(kv_len - q_len - 2)
+    want = hf_layer(q, ck, cv, position, w)
+    before = set(executor.live_steps())
+    f = torch.compile(hf_layer, backend="spyre_rt", dynamic=False, fullgraph=True)
+    got = f(*(x.to("spyre") for x in (q, ck, cv, position, w))).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    (step,) = set(executor.live_steps()) - before
+    (exe,) = step.executables()
+    (att,) = attention_kernels(step)
+    inputs = {b.name for b, _ in exe.desc.inputs}
+    cache_k, cache_v = att.k[0], att.v[0]
+    assert {cache_k, cache_v} <= inputs, "attention reads a copy of the cache"
+    for kernel in exe.desc.kernels.values():
+        if isinstance(kernel, LoopKernel):  # the mask; no repeat_kv copy, no transpose of the output
+            touched = {b.name for b in kernel.buffers}
+            assert not touched & {cache_k, cache_v, att.out[0]}, f"a loop kernel copies {touched}"
+
+
+# ---- the builder, run directly -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def card():
+    return cards.Card(profile.load("spyre"), "functional", 0)
+
+
+def _upload(card, values: torch.Tensor, row_len: int) -> tuple[int, StickLayout]:
+    layout = StickLayout(values.numel() // row_len, row_len, values.element_size())
+    raw = np.zeros(layout.nbytes, np.uint8)
+    phys = layout.phys(np.arange(values.numel()))
+    raw[(phys[:, None] + np.arange(layout.itemsize)).ravel()] = values.reshape(-1).view(torch.uint8).numpy()
+    addr = card.malloc(layout.nbytes)
+    card.write(addr, raw.tobytes())
+    return addr, layout
+
+
+def _download(card, addr: int, layout: StickLayout, like: torch.Tensor) -> torch.Tensor:
+    raw = np.frombuffer(card.read(addr, layout.nbytes), np.uint8)
+    phys = layout.phys(np.arange(like.numel()))
+    return torch.from_numpy(raw[(phys[:, None] + np.arange(layout.itemsize)).ravel()].copy()).view(like.dtype)
+
+
+def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=None):
+    """The builder's program for one attention, on the card; (output, tiling, program)."""
+    batch, heads, q_len, dim = q.shape
+    out = torch.zeros(batch, q_len, heads, v.shape[-1], dtype=q.dtype)
+    host = {"q": q, "k": k, "v": v, "out": out} | ({"mask": mask} if mask is not None else {})
+    views = {n: (n, 0, tuple(t.shape), tuple(t.stride())) for n, t in host.items()}
+    views["out"] = ("out", 0, (batch, heads, q_len, out.shape[-1]), tuple(out.transpose(1, 2).stride()))
+    if mask is not None:
+        m = mask.expand(batch, heads, q_len, k.shape[2])
+        views["mask"] = ("mask", 0, tuple(m.shape), tuple(m.stride()))
+    kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], dtypes.name(q.dtype),
+                             1 / math.sqrt(dim), causal, q_offset, views.get("mask"),
+                             dtypes.name(mask.dtype) if mask is not None else "")
+    placed = {n: _upload(card, t.contiguous(), t.shape[-1]) for n, t in host.items()}
+    ctx = BuildContext(Target.from_profile(card.profile), {n: lay for n, (_, lay) in placed.items()})
+    tiling = A.build(ctx, kernel, tiling)
+    blob = ctx.encode()
+    try:
+        program = jobs.ResidentProgram(card, blob, "attention")
+        program.launch([placed[n][0] for n in ctx.buffers()])
+        card.synchronize()
+        program.free()
+        got = _download(card, *placed["out"], out).view(batch, q_len, heads, -1).transpose(1, 2)
+    finally:
+        for addr, _ in placed.values():
+            card.free(addr)
+    return got, tiling, blob
+
+
+def _no_races(blob):
+    """The scratchpad race detector of the matmul tests, where the tree has it."""
+    try:
+        from scratchpad_races import races
+    except ImportError:
+        return
+    assert races(blob) == []
+
+
+@pytest.mark.parametrize(("q_len", "kv_len", "offset"), [(1, 300, 299), (5, 300, 295), (40, 700, 600),
+                                                         (64, 64, -10)])
+def test_causal_with_a_query_offset_keeps_each_querys_keys_up_to_its_position(card, q_len, kv_len, offset):
+    g = torch.Generator().manual_seed(kv_len)
+    q = torch.randn(1, 8, q_len, 40, generator=g)
+    k, v = (torch.randn(1, 2, kv_len, 40, generator=g) for _ in range(2))
+    got, tiling, blob = run_direct(card, q, k, v, causal=True, q_offset=offset)
+    keep = (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + offset)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    _no_races(blob)
+
+
+def test_a_task_split_over_cores_is_combined_over_the_ring(card):
+    """Decode of two KV heads: each head's keys on 16 cores, combined on the first."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 1, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, 2100, 64, generator=g).half() for _ in range(2))
+    mask = torch.rand(1, 1, 1, 2100, generator=g) < 0.9
+    got, tiling, blob = run_direct(card, q, k, v, mask=mask)
+    assert tiling.tasks[:, A.PARTS].max() == 16 and len(np.unique(tiling.tasks[:, A.CORE])) == 32
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    _no_races(blob)
+
+
+def test_cores_of_a_kv_head_share_its_keys_over_the_ring(card):
+    """Prefill with a mask: the tiles of a KV head are dealt to a group of cores that walk
+    its keys together, one of them loading each block and sending it to the others."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 300, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, 310, 64, generator=g).half() for _ in range(2))
+    mask = causal_from(300, 310, 10)
+    got, tiling, blob = run_direct(card, q, k, v, mask=mask)
+    tasks = tiling.tasks
+    assert (tasks[:, A.GROUP] >= 0).all() and tasks[:, A.STEP].max() >= 1
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    _no_races(blob)
+
+
+# ---- the tiling ------------------------------------------------------------------------------
+
+
+def granite(q_len: int, kv_len: int, **kw) -> A.Shape:
+    """Granite 3.3 8B's attention: 32 query heads, 8 KV heads, head dim 128, fp16."""
+    base = dict(batch=1, heads=32, kv_heads=8, q_len=q_len, kv_len=kv_len, dim=128, v_dim=128, dtype="float16",
+                mask="bool", mask_dtype="bool", mask_heads=1, causal=False, q_offset=0)
+    return A.Shape(**(base | kw))
+
+
+def _target() -> Target:
+    return Target.from_profile(profile.load("spyre"))
+
+
+def test_decode_spreads_each_kv_heads_keys_over_the_cores():
+    target = _target()
+    tiling = A.choose(granite(1, 1029), target)
+    tasks = tiling.tasks
+    assert sorted(tasks[:, A.CORE]) == list(range(target.num_cores))  # one part per core
+    assert set(tasks[:, A.PARTS]) == {4}
+    starts = tasks[:, A.KV0]
+    assert all(s % 128 == 0 for s in starts), "mask columns of a part start on a stick"
+    keys = tasks[:, A.KV1] - tasks[:, A.KV0]
+    assert keys.max() - keys.min() <= 128
+
+
+@pytest.mark.parametrize("shape", [granite(1024, 1029), granite(1024, 1024, mask="", causal=True),
+                                   granite(1, 1029, dtype="float32"), granite(1000, 1000, heads=8, kv_heads=1),
+                                   granite(70, 70, heads=3, kv_heads=3, dim=72, v_dim=72)],
+                         ids=["prefill", "prefill_causal", "decode_fp32", "gqa8", "mha_ragged"])
+def test_every_core_works_and_the_choice_fits_the_scratchpad(shape):
+    target = _target()
+    tiling = A.choose(shape, target)
+    assert A.Scratchpad(shape, target, tiling).top <= target.scratchpad_bytes
+    busy = len(np.unique(tiling.tasks[:, A.CORE]))
+    assert busy == min(target.num_cores, len(tiling.tasks))
+    units = shape.batch * shape.kv_heads * -(-shape.q_len // tiling.q_rows)
+    assert busy == target.num_cores or units < target.num_cores
+
+
+# ---- dynamic shapes ---------------------------------------------------------------------------
+
+
+def test_a_symbolic_sequence_length_compiles_once():
+    torch._dynamo.reset()
+    counters.clear()
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    compiled = torch.compile(f, backend="spyre_rt", dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for n in (9, 70, 33):
+        q = torch.randn(1, 8, n, 32, generator=g)
+        k, v = (torch.randn(1, 2, n, 32, generator=g) for _ in range(2))
+        got = compiled(q.to("spyre"), k.to("spyre"), v.to("spyre")).cpu()
+        torch.testing.assert_close(got, f(q, k, v), rtol=1e-5, atol=2e-5, msg=f"length {n}")
+    assert counters["stats"]["unique_graphs"] == 1

@@ -27,7 +27,7 @@ class ResidentProgram:
     It remembers the card's reset epoch it was made in: after a reset the program is gone
     and :meth:`free` leaves whatever newer allocation took its address alone."""
 
-    __slots__ = ("card", "addr", "epoch", "nbytes", "nslots", "info", "name", "_blob")
+    __slots__ = ("card", "addr", "epoch", "nbytes", "nslots", "info", "name")
 
     def __init__(self, card: Card, blob: np.ndarray, name: str = "", prebuilt_transfer: bool = True):
         self.card = card
@@ -45,7 +45,6 @@ class ResidentProgram:
             raise
         self.info = info
         self.nslots = int(info.nslots)
-        self._blob = None
 
     def launch(self, bindings) -> float:
         if torch_ranges.active():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,15 @@ class Op:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
-View = tuple[str, int, tuple[int, ...], tuple[int, ...]]   # (buffer, offset, sizes, strides)
+class View(NamedTuple):
+    """A strided view of a buffer, in logical elements of its storage. A tuple: a
+    description decoded from JSON holds plain ``(buf, offset, sizes, strides)`` tuples, and
+    builders name the fields."""
+
+    buf: str
+    offset: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
 
 _TYPES: dict[str, type] = {}  # every description type, by name (for from_json)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes
+from ..kernels import View
 from ..native import lib
 from ..program import (
     CMD_DMA,
@@ -56,16 +57,6 @@ from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, r
 from .sfu import COL, ROW, SCALAR, TILE, Operand, Program
 
 # ---- the problem ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class View:
-    """A strided view of a buffer, in logical elements of its storage."""
-
-    buf: str
-    offset: int
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
 
 
 @dataclass(frozen=True)

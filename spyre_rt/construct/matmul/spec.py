@@ -5,19 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import dtypes
+from ...kernels import View
 from ...native import lib
 
 ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
-
-
-@dataclass(frozen=True)
-class View:
-    """A strided view of a buffer, in logical elements (plain data)."""
-
-    buf: str
-    offset: int
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
 
 
 @dataclass(frozen=True)

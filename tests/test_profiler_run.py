@@ -298,3 +298,9 @@ def test_cache_inspect_shows_the_kernel_info_a_plan_file_carries(tmp_path, capsy
     row = next(line for line in out.splitlines() if line.startswith("k3 "))
     assert row.split() == ["k3", "matmul", "mm", "·", "layers.3.mlp.up_proj", "0.5", "24", "32", "32", "64"]
     assert '"k3": {' not in out  # not repeated as raw JSON in the header table
+
+
+def test_a_run_without_construct_says_its_speedups_are_undefined(capsys):
+    assert cli.main(["run", *TINY, "--timing", "--repeats", "1", "--modes", "prebuilt"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "construct, which was not run" in out

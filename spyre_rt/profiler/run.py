@@ -576,7 +576,9 @@ def _latency_table(out: dict):
         s = sp.get(mode, {})
         t.add_row(mode, _ms(r["prefill_ms"]), _ms(r["decode_ms_per_token"]), _ms(r["host_ms"]),
                   _ms(r["device_ms"]), _ms(r["device_wait_host_ms"]),
-                  f"{s.get('prefill', float('nan')):.2f}x", f"{s.get('decode', float('nan')):.2f}x")
+                  *(f"{s[phase]:.2f}x" if phase in s else "—" for phase in ("prefill", "decode")))
+    if not sp:
+        t.caption = ((t.caption + "\n") if t.caption else "") + "speedups are against construct, which was not run"
     return t
 
 

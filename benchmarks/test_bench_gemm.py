@@ -48,18 +48,7 @@ def linear_context(target: Target, m: int, n: int, k: int) -> tuple[BuildContext
 
 def device_ns(card, ctx: BuildContext) -> tuple[float, dict]:
     """Device time of one launch of the context's program, and the program's figures."""
-    prog = jobs.ResidentProgram(card, ctx.encode(), "gemm")
-    addrs = {name: card.malloc(ctx.layouts[name].nbytes) for name in ctx.buffers()}
-    try:
-        card.synchronize()
-        before = card.counters()["device_busy_ns"]
-        prog.launch([addrs[b] for b in ctx.buffers()])
-        card.synchronize()
-        return card.counters()["device_busy_ns"] - before, jobs.validate(card, ctx.encode())
-    finally:
-        prog.free()
-        for a in addrs.values():
-            card.free(a)
+    return jobs.time_alone(card, ctx.encode(), [ctx.layouts[name].nbytes for name in ctx.buffers()])
 
 
 @pytest.mark.benchmark(group="gemm")

@@ -84,3 +84,23 @@ def validate(card: Card, blob: np.ndarray) -> dict:
     info = ffi.new("spy_job_info *")
     check(lib.spy_job_validate(card.handle, ffi.from_buffer(blob), blob.size, info), "validating a program")
     return {name: getattr(info, name) for name, _ in ffi.typeof("spy_job_info").fields}
+
+
+def time_alone(card: Card, blob: np.ndarray, nbytes: list[int]) -> tuple[float, dict]:
+    """Device time of one launch of a program on its own (fresh buffers of `nbytes`, one a
+    slot, nothing else running), and the figures the card validated it with. For cost-model
+    checks and kernel benchmarks: a timing-mode card gives the time without arithmetic."""
+    prog = ResidentProgram(card, blob, "alone")
+    addrs = []
+    try:
+        addrs = [card.malloc(n) for n in nbytes]
+        card.synchronize()
+        before = card.counters()["device_busy_ns"]
+        prog.launch(addrs)
+        card.synchronize()
+        info = {name: getattr(prog.info, name) for name, _ in ffi.typeof("spy_job_info").fields}
+        return card.counters()["device_busy_ns"] - before, info
+    finally:
+        prog.free()
+        for a in addrs:
+            card.free(a)

@@ -105,18 +105,8 @@ def card():
 
 def simulate(card, ctx: BuildContext) -> tuple[float, int]:
     """(device ns of one launch, DRAM bytes the program moves)."""
-    prog = jobs.ResidentProgram(card, ctx.encode(), "gemm")
-    addrs = {name: card.malloc(ctx.layouts[name].nbytes) for name in ctx.buffers()}
-    try:
-        card.synchronize()
-        before = card.counters()["device_busy_ns"]
-        prog.launch([addrs[b] for b in ctx.buffers()])
-        card.synchronize()
-        return card.counters()["device_busy_ns"] - before, int(prog.info.dma_bytes)
-    finally:
-        prog.free()
-        for a in addrs.values():
-            card.free(a)
+    ns, info = jobs.time_alone(card, ctx.encode(), [ctx.layouts[name].nbytes for name in ctx.buffers()])
+    return ns, int(info["dma_bytes"])
 
 
 @pytest.mark.parametrize("m,n,k", [(1024, 4096, 4096), (1024, 1024, 4096), (1, 4096, 4096), (1, 64, 49155),

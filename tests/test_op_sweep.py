@@ -72,23 +72,17 @@ BINARY_FLOAT = {
     "logical_not": lambda x, y: torch.logical_not(x > y),
     "where": lambda x, y: torch.where(x > y, x, y),
     "fma": lambda x, y: torch.addcmul(x, x, y),
-    "chebyshev_polynomial_t": lambda x, y: sp.chebyshev_polynomial_t(x, 3),
-    "chebyshev_polynomial_u": lambda x, y: sp.chebyshev_polynomial_u(x, 3),
-    "chebyshev_polynomial_v": lambda x, y: sp.chebyshev_polynomial_v(x, 3),
-    "chebyshev_polynomial_w": lambda x, y: sp.chebyshev_polynomial_w(x, 3),
-    "shifted_chebyshev_polynomial_t": lambda x, y: sp.shifted_chebyshev_polynomial_t(x, 3),
-    "shifted_chebyshev_polynomial_u": lambda x, y: sp.shifted_chebyshev_polynomial_u(x, 3),
-    "shifted_chebyshev_polynomial_v": lambda x, y: sp.shifted_chebyshev_polynomial_v(x, 3),
-    "shifted_chebyshev_polynomial_w": lambda x, y: sp.shifted_chebyshev_polynomial_w(x, 3),
-    "hermite_polynomial_h": lambda x, y: sp.hermite_polynomial_h(x, 3),
-    "hermite_polynomial_he": lambda x, y: sp.hermite_polynomial_he(x, 3),
-    "laguerre_polynomial_l": lambda x, y: sp.laguerre_polynomial_l(x, 3),
-    "legendre_polynomial_p": lambda x, y: sp.legendre_polynomial_p(x, 3),
     "to_dtype": lambda x, y: (x * 10).to(torch.int32) + 1,
     "to_dtype_bitcast": lambda x, y: (x + 1).view(torch.int32) & 255,
     "identity": lambda x, y: x.clone(),
     "bucketize": lambda x, y: torch.bucketize(x, torch.tensor([0.25, 0.5, 0.75], device=x.device)),
 }
+# the orthogonal polynomials, each at degree 3
+BINARY_FLOAT |= {name: (lambda x, y, name=name: getattr(sp, name)(x, 3)) for name in (
+    "chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+    "shifted_chebyshev_polynomial_w", "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+    "legendre_polynomial_p")}
 BINARY_INT = {
     "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
     "bitwise_not": lambda a, b: torch.bitwise_not(a), "floordiv": torch.floor_divide,

@@ -42,10 +42,7 @@ def synthetic() -> np.ndarray:
         (EV_JOB, CARD, 0, 460_000, 461_000, 4, 5, 1),
         (EV_JOB, CARD, 0, 470_000, 472_000, 5, 6, 1),
     ]
-    ev = np.zeros(len(rows), TRACE_EVENT)
-    for i, r in enumerate(rows):
-        ev[i] = r
-    return ev
+    return np.array(rows, TRACE_EVENT)
 
 
 @pytest.fixture

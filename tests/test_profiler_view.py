@@ -39,10 +39,7 @@ def synthetic(j0_us: float = 10.0) -> np.ndarray:
     ]
     rows += [(EV_CMD, core, 2, 3_000, 3_000 + j0_us * 1000, 0, OP_MATMUL, 1 << 20) for core in range(8)]
     rows += [(EV_CMD, core, 0, 15_000, 20_000, 1, OP_LOAD, 4096) for core in range(2)]
-    ev = np.zeros(len(rows), TRACE_EVENT)
-    for i, r in enumerate(rows):
-        ev[i] = r
-    return ev
+    return np.array(rows, TRACE_EVENT)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from programs import loads
 
 from spyre_rt import jobs
 from spyre_rt.card import MEM_DATA
@@ -43,17 +44,6 @@ def busy(card, blob, bindings):
     return after - before
 
 
-def load_program(cores, nbytes):
-    b = ProgramBuilder()
-    s = b.slot(SLOT_DRAM, len(cores) * nbytes)
-    cmds = empty_cmds(len(cores), OP_LOAD, np.array(cores))
-    cmds["src_slot"] = s
-    cmds["src_off"] = np.arange(len(cores)) * nbytes
-    cmds["run_bytes"] = nbytes
-    b.add(cmds)
-    return b.encode()
-
-
 def matmul_program(m, n, k, dtype=lib.SPY_DT_F16):
     b = ProgramBuilder()
     c = empty_cmds(1, OP_MATMUL, 0, CMD_MM)
@@ -69,19 +59,19 @@ def matmul_program(m, n, k, dtype=lib.SPY_DT_F16):
 
 def test_dram_bound_copy_one_core(timing_card):
     buf = timing_card.malloc(MiB)
-    t = busy(timing_card, load_program([0], MiB), [buf])
+    t = busy(timing_card, loads([0], MiB), [buf])
     assert t == pytest.approx(300 + MiB / 48, rel=0.01)
 
 
 def test_dram_bandwidth_is_shared_by_32_cores(timing_card):
     buf = timing_card.malloc(32 * MiB)
-    t = busy(timing_card, load_program(list(range(32)), MiB), [buf])
+    t = busy(timing_card, loads(list(range(32)), MiB), [buf])
     assert t == pytest.approx(300 + 32 * MiB / 150, rel=0.01)
 
 
 def test_four_cores_saturate_nothing_below_dram(timing_card):
     buf = timing_card.malloc(4 * MiB)
-    t = busy(timing_card, load_program([0, 1, 2, 3], MiB), [buf])
+    t = busy(timing_card, loads([0, 1, 2, 3], MiB), [buf])
     # 4 x 48 = 192 GB/s wanted, 150 available
     assert t == pytest.approx(300 + 4 * MiB / 150, rel=0.01)
 
@@ -121,13 +111,13 @@ def test_timing_and_functional_give_the_same_device_time(functional_card, timing
     blob = matmul_program(64, 128, 256)
     assert busy(functional_card, blob, []) == busy(timing_card, blob, [])
     f_buf, t_buf = functional_card.malloc(8 * MiB), timing_card.malloc(8 * MiB)
-    blob = load_program(list(range(8)), MiB)
+    blob = loads(list(range(8)), MiB)
     assert busy(functional_card, blob, [f_buf]) == busy(timing_card, blob, [t_buf])
 
 
 def test_invalid_commands_are_typed_and_named(functional_card):
     buf = functional_card.malloc(4096)
-    blob = load_program([0], 8192)  # slot extent 8 KiB, bound to a 4 KiB allocation
+    blob = loads([0], 8192)  # slot extent 8 KiB, bound to a 4 KiB allocation
     with pytest.raises(SpyreInvalidCommandError, match="slot 0") as e:
         jobs.run_once(functional_card, blob, [buf])
     assert e.value.status == "SPY_E_BAD_ADDRESS"
@@ -149,7 +139,7 @@ def test_invalid_commands_are_typed_and_named(functional_card):
         jobs.validate(functional_card, b.encode())
     assert e.value.status == "SPY_E_CYCLE"
     # the card still works
-    assert busy(functional_card, load_program([0], 4096), [buf]) > 0
+    assert busy(functional_card, loads([0], 4096), [buf]) > 0
 
 
 def test_host_clock_excludes_simulator_arithmetic(functional_card):

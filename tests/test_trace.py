@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+from programs import loads
 
 from spyre_rt import jobs, trace
 from spyre_rt.card import EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, TRACE_EVENT
@@ -16,25 +17,12 @@ from spyre_rt.program import (
     OP_LOAD,
     OP_MATMUL,
     OP_RING,
-    SLOT_DRAM,
     ProgramBuilder,
     empty_cmds,
 )
 from spyre_rt.transfer import D2H, TransferGraph
 
 KiB = 1 << 10
-
-
-def loads(cores, nbytes):
-    """One DRAM -> scratchpad load of `nbytes` on each core."""
-    b = ProgramBuilder()
-    s = b.slot(SLOT_DRAM, len(cores) * nbytes)
-    c = empty_cmds(len(cores), OP_LOAD, np.array(cores))
-    c["src_slot"] = s
-    c["src_off"] = np.arange(len(cores)) * nbytes
-    c["run_bytes"] = nbytes
-    b.add(c)
-    return b.encode()
 
 
 def matmul(m, n, k):

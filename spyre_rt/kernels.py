@@ -237,6 +237,7 @@ class StepDesc:
     static_inputs: tuple[int, ...] = ()   # inputs whose memory does not change (parameters)
     # size symbols of a dynamic-shape step: (name, "int" | "size" | "stride", argument, dim)
     symbols: tuple[tuple[str, str, int, int], ...] = ()
+    host_outputs: tuple[int, ...] = ()    # outputs the graph computes on the CPU device
 
 
 for _cls in (Buffer, Access, Op):

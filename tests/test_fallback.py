@@ -57,3 +57,27 @@ def test_each_op_warns_once_and_is_counted():
 def test_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.mm(torch.ones(2, 2).to("spyre"), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_work_on_cpu_tensors_inside_a_compiled_graph_runs_and_stays_on_the_cpu(dynamic):
+    """A model may pass 0-d CPU tensors, or make CPU tensors, inside a graph compiled for the
+    card: aten runs that work (a step has no C++ kernels), and what eager leaves on the CPU
+    comes back on the CPU."""
+    from spyre_rt.dispatch import dispatch_mode
+
+    def f(x, s):
+        t = s.to(torch.float32) * 2  # computed on the CPU, read by a card kernel, returned
+        made = torch.arange(4, dtype=torch.float32) * 3
+        return x * t, t, made
+
+    x, s = torch.randn(5, 70), torch.tensor(3)
+    want = f(x, s)
+    torch._dynamo.reset()
+    fast = torch.compile(f, backend="spyre_rt", dynamic=dynamic)
+    for mode in ("construct", "prebuilt-transfer", "prebuilt"):
+        with dispatch_mode(mode):
+            got = fast(x.to("spyre"), s)
+        assert got[0].device.type == "spyre" and got[1].device.type == "cpu" and got[2].device.type == "cpu"
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.cpu(), w)

@@ -99,3 +99,19 @@ def test_a_hand_written_decode_loop_with_cache_positions_gives_cpu_eagers_tokens
 
     torch._dynamo.reset()
     assert decode(on_card, "spyre") == decode(model, "cpu")
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_with_a_sliding_window_shorter_than_the_decode(functional, cache):
+    """Mistral's sliding window (16 positions, 8 + 20 tokens), dynamic shapes: its mask
+    arithmetic on 0-d CPU tensors runs inside the compiled graph."""
+    from spyre_rt.profiler.models import family
+
+    _, model = family("mistral").build(torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation=cache)
+    on_card = copy.deepcopy(model).to("spyre")
+    torch._dynamo.reset()
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt", dynamic=True)
+    got = on_card.generate(ids.to("spyre"), max_new_tokens=20, do_sample=False, cache_implementation=cache)
+    assert torch.equal(got.cpu(), want)

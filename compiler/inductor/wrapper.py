@@ -194,6 +194,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                        for name, t in g.constants.items()},
             kernels=dict(self.spyre_kernels), sequence=tuple(seq), options=self._options(),
             static_inputs=tuple(g.module.meta.get(STATIC_INPUTS, ())), symbols=tuple(symbols),
+            host_outputs=self._host_outputs(),
         )
         _check_unused(read_back, step)
         return step
@@ -237,6 +238,18 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 raise compile_error(f"a graph output of kind {type(out).__name__}", [])
             outputs.append(stored_view(view_of(out)))
         return outputs
+
+    def _host_outputs(self) -> tuple[int, ...]:
+        """The outputs on the CPU device (work on CPU tensors the graph was given): the step
+        computes them like the rest and returns them as CPU tensors, as eager does."""
+        def device(out):
+            try:
+                return out.get_device()
+            except Exception:
+                return None
+
+        return tuple(i for i, out in enumerate(V.graph.graph_outputs)
+                     if getattr(device(out), "type", None) == "cpu")
 
     def _options(self) -> dict:
         from .. import options

@@ -112,7 +112,7 @@ class CompiledStep:
                                  "sets, spyre_rt.configure); use one card")
             geometry.append((layout, t.storage_offset()))
         exe = self.executable(card, tuple(geometry))
-        if not host_inputs:
+        if not host_inputs and not self.desc.host_outputs:
             self._fast = _FastPath(self, exe, inputs, geometry)
         outs = exe.run(inputs, override() or self.default_mode)
         for i, t in host_inputs.items():
@@ -120,6 +120,9 @@ class CompiledStep:
                 t.copy_(inputs[i])  # a mutated host input: write the new values back
         if host_inputs and len(host_inputs) == len(inputs):
             outs = [o.cpu() if isinstance(o, torch.Tensor) else o for o in outs]
+        for i in self.desc.host_outputs:
+            if isinstance(outs[i], torch.Tensor):
+                outs[i] = outs[i].cpu()
         return outs
 
 

@@ -7,6 +7,7 @@ backend="spyre_rt")`` works without importing spyre_rt first. The graph goes thr
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -74,8 +75,12 @@ def register() -> None:
         _registered = True
 
 
-def _inner_compile(gm, example_inputs, **kwargs):
+def _inner_compile(gm, example_inputs, *, spyre_options: dict, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
+
+    from . import options as opts
+
+    patch = spyre_options
 
     from .inductor.lowering import decomposition_table
 
@@ -86,7 +91,25 @@ def _inner_compile(gm, example_inputs, **kwargs):
     # The wrapper records which inputs keep their memory (parameters, static caches): a call
     # checks them by identity, not by address. They travel with the graph, not beside it.
     gm.meta[STATIC_INPUTS] = tuple(kwargs.get("static_input_idxs", ()) or ())
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    # A fused kernel that construction cannot express (a non-affine index, an accumulating
+    # scatter) names the FX nodes it holds; with CPU fallback on, they run on the CPU in a
+    # compile again, and the fusion forms around them. Here rather than around compile_fx:
+    # AOT compiles a backward graph lazily, at the first backward, outside that call, and
+    # it needs the backend's options as much as the forward does.
+    cpu_nodes: list[str] = []
+    for _ in range(MAX_RECOMPILES + 1):
+        try:
+            with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as e:
+            ours = _our_error(e)
+            if ours is None:
+                raise
+            more = sorted(set(getattr(ours, "fallback_nodes", ())) - set(cpu_nodes))
+            if not patch["cpu_fallback"] or not more:
+                raise ours from None
+            cpu_nodes = cpu_nodes + more
+    raise ours from None
 
 
 def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **_):
@@ -112,26 +135,18 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
     use_card_attention(gm)  # before AOT would decompose it into its math
 
-    # A fused kernel that construction cannot express (a non-affine index, say) names the FX
-    # nodes it holds; with CPU fallback on, they run on the CPU in a compile again, and the
-    # fusion forms around them.
-    cpu_nodes: list[str] = []
-    for _ in range(MAX_RECOMPILES + 1):
-        try:
-            with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
-                return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
-                                  config_patches={**_inductor_patches(), **options}, decompositions=decompositions())
-        except Exception as e:
-            # Inductor wraps exceptions (in a LoweringException, in an InductorError): hand
-            # our compile errors to the caller as themselves.
-            ours = _our_error(e)
-            if ours is None:
-                raise
-            more = sorted(set(getattr(ours, "fallback_nodes", ())) - set(cpu_nodes))
-            if not settings.cpu_fallback or not more:
-                raise ours from None
-            cpu_nodes = cpu_nodes + more
-    raise ours from None
+    inner = functools.partial(_inner_compile, spyre_options=patch)
+    try:
+        with opts.patch(patch):
+            return compile_fx(gm, example_inputs, inner_compile=inner,
+                              config_patches={**_inductor_patches(), **options}, decompositions=decompositions())
+    except Exception as e:
+        # Inductor wraps exceptions (in a LoweringException, in an InductorError): hand our
+        # compile errors to the caller as themselves.
+        ours = _our_error(e)
+        if ours is None:
+            raise
+        raise ours from None
 
 
 MAX_RECOMPILES = 8

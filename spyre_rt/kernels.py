@@ -227,7 +227,7 @@ class StepDesc:
     ``(buffer, offset, sizes, strides)`` in logical elements."""
 
     inputs: tuple[tuple[Buffer, bool], ...]                 # graph inputs, mutated?
-    outputs: tuple                      # views (see View), or {"int": n} for a size it returns
+    outputs: tuple                      # views (see View), {"int": n} for a size it returns, {"none": True}
     buffers: dict[str, Buffer]                               # intermediates the step owns
     aliases: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]]
     constants: dict[str, Buffer]

@@ -101,6 +101,8 @@ def card_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 def _card_takes(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     if dropout_p or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, attn_mask) if x is not None):
+        return False  # the card's kernel is forward only: autograd differentiates torch's math
     if not (query.dtype == key.dtype == value.dtype) or not query.dtype.is_floating_point:
         return False
     heads, kv_heads = query.size(1), key.size(1)

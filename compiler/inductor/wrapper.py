@@ -234,6 +234,9 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             if isinstance(out, ir.ShapeAsConstantBuffer):  # a size the graph returns
                 outputs.append({"int": text(out.expr)})
                 continue
+            if isinstance(out, ir.NoneAsConstantBuffer):  # no gradient for an input, say
+                outputs.append({"none": True})
+                continue
             if not hasattr(out, "get_name"):
                 raise compile_error(f"a graph output of kind {type(out).__name__}", [])
             outputs.append(stored_view(view_of(out)))

@@ -110,8 +110,8 @@ class Executable:
         index_in = {n: i for i, n in enumerate(names_in)}
         out = []
         for output in self.desc.outputs:
-            if isinstance(output, dict):
-                out.append(int(output["int"]))
+            if isinstance(output, dict):  # a size the graph returns, or None
+                out.append(int(output["int"]) if "int" in output else None)
                 continue
             name, off, sizes, strides = output
             base = self.base_of(name)
@@ -241,7 +241,7 @@ class Executable:
             self._give_arena(taken)
         result = []
         for source in self._outputs:
-            if isinstance(source, int):
+            if source is None or isinstance(source, int):
                 result.append(source)
                 continue
             fresh, k, delta, sizes, strides = source

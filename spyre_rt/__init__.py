@@ -29,13 +29,14 @@ def register() -> None:
         if _registered:
             return
 
-        from . import aten, device_module, fallback, printing
+        from . import aten, device_module, fallback, printing, serialization
 
         if torch._C._get_privateuse1_backend_name() != "spyre":
             _setup_privateuseone_for_python_backend("spyre", backend_module=device_module)
         aten.register()
         fallback.register()
         printing.install()
+        serialization.install()
         _registered = True
 
 

@@ -133,7 +133,10 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     values are zeros, with a one-time SpyreTimingModeWarning."""
     global _warned_timing
     card, view, base = geometry(t)
-    out = from_device(card, view, base, t.dtype, _prebuilt_transfers())
+    if view.layout.itemsize != t.element_size():
+        out = _reinterpreted(t, _storage_to_host(card, view.layout, base)).clone()
+    else:
+        out = from_device(card, view, base, t.dtype, _prebuilt_transfers())
     if not card.functional:
         if not _warned_timing:
             _warned_timing = True
@@ -151,7 +154,33 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> None:
         src = src.to(dst.dtype)
     if tuple(src.shape) != tuple(dst.shape):
         src = src.expand(dst.shape)
+    if view.layout.itemsize != dst.element_size():
+        # a view of other-sized elements (the storage's bytes, say): rewrite its elements in
+        # a host copy of the whole storage and put that back
+        whole = _storage_to_host(card, view.layout, base)
+        _reinterpreted(dst, whole).copy_(src)
+        to_device(card, whole, _whole(view.layout), base, _prebuilt_transfers())
+        return
     to_device(card, src, view, base, _prebuilt_transfers())
+
+
+# Element types to move a storage's elements with, bit for bit, by their size.
+_BITS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}  # copies move bits, never convert
+
+
+def _whole(layout: StickLayout) -> ViewGeometry:
+    return ViewGeometry(layout, 0, (layout.rows, layout.row_len), (layout.row_len, 1))
+
+
+def _storage_to_host(card, layout: StickLayout, base: int) -> torch.Tensor:
+    """Every element of a storage, in order, as a host tensor of the storage's element size."""
+    return from_device(card, _whole(layout), base, _BITS[layout.itemsize], _prebuilt_transfers())
+
+
+def _reinterpreted(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The view `t` makes of its storage, made of the host copy `whole` of that storage."""
+    flat = whole.reshape(-1).view(torch.uint8).view(t.dtype)
+    return torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,8 @@ class CpuOp:
 
     ``args``/``kwargs`` hold buffer references as ``{"buf": view}``, dtypes as
     ``{"dtype": name}``, devices as ``{"device": type}``; ``outputs`` are the buffers it
-    produces."""
+    produces. ``host`` marks work the graph does on CPU tensors, as eager does: it runs the
+    same way but is no fallback (no warning, not counted)."""
 
     name: str
     op: str
@@ -199,6 +200,7 @@ class CpuOp:
     outputs: tuple[Buffer, ...]
     mutated: tuple[str, ...]
     source: str
+    host: bool = False
 
     def buffer_refs(self) -> list[View]:
         return _buffer_refs(self.args) + _buffer_refs(self.kwargs)

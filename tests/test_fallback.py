@@ -75,9 +75,12 @@ def test_work_on_cpu_tensors_inside_a_compiled_graph_runs_and_stays_on_the_cpu(d
     want = f(x, s)
     torch._dynamo.reset()
     fast = torch.compile(f, backend="spyre_rt", dynamic=dynamic)
+    fallback.in_steps.clear()
     for mode in ("construct", "prebuilt-transfer", "prebuilt"):
-        with dispatch_mode(mode):
+        with dispatch_mode(mode), warnings.catch_warnings():
+            warnings.simplefilter("error", spyre_rt.SpyreFallbackWarning)  # eager's CPU work is no fallback
             got = fast(x.to("spyre"), s)
         assert got[0].device.type == "spyre" and got[1].device.type == "cpu" and got[2].device.type == "cpu"
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.cpu(), w)
+    assert not fallback.in_steps

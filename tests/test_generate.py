@@ -115,3 +115,23 @@ def test_generate_with_a_sliding_window_shorter_than_the_decode(functional, cach
     on_card.forward = torch.compile(on_card.forward, backend="spyre_rt", dynamic=True)
     got = on_card.generate(ids.to("spyre"), max_new_tokens=20, do_sample=False, cache_implementation=cache)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "qwen3", "phi3"])
+def test_generate_on_the_default_dynamic_cache_across_families(functional, name):
+    """Hugging Face's default cache, batch 2 left-padded, automatic dynamic shapes: the
+    decode step's new key is computed in place in its slice of the cat that grows the cache
+    (GPT-NeoX's partial rotary, Qwen3's per-head norm), at an offset the step must keep."""
+    from spyre_rt.profiler.models import family
+
+    _, model = family(name).build(torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    on_card = copy.deepcopy(model).to("spyre")
+    torch._dynamo.reset()
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt")
+    got = on_card.generate(ids.to("spyre"), attention_mask=mask.to("spyre"), max_new_tokens=12, do_sample=False,
+                           pad_token_id=0)
+    assert torch.equal(got.cpu(), want)

@@ -562,3 +562,29 @@ def test_sweep_covers_sixty_aten_ops():
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 seen.add(node.target.overloadpacket.__name__)
     assert len(seen) >= 60, sorted(seen)
+
+
+@pytest.mark.parametrize("mode", ["construct", "prebuilt-transfer", "prebuilt"])
+def test_a_cat_input_computed_in_place_at_an_offset_of_the_result(mode):
+    """A decode step growing a KV cache: the new key (rotary on a slice of a fused qkv
+    projection, itself a cat) is computed in place in its slice of the cache's cat, at row 9;
+    the step must write it there, not at the start of the result."""
+    from spyre_rt.dispatch import dispatch_mode
+
+    def step(ids, emb, past, inv_freq, w):
+        pos = (torch.arange(1, device=ids.device) + past.shape[-2]).unsqueeze(0)
+        freqs = pos[..., None].float() * inv_freq
+        e = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = e.cos().unsqueeze(1), e.sin().unsqueeze(1)
+        k = (F.embedding(ids, emb) @ w).view(1, 1, -1, 96).transpose(1, 2).chunk(3, dim=-1)[1]
+        k_rot, k_pass = k[..., :8], k[..., 8:]
+        rotated = torch.cat((-k_rot[..., 4:], k_rot[..., :4]), dim=-1)
+        return torch.cat([past, torch.cat([k_rot * cos + rotated * sin, k_pass], dim=-1)], dim=-2)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.tensor([[5]]), torch.randn(100, 256, generator=g), torch.randn(1, 8, 9, 32, generator=g),
+            1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), torch.randn(256, 768, generator=g) * 0.1]
+    torch._dynamo.reset()
+    with dispatch_mode(mode):
+        got = torch.compile(step, backend="spyre_rt", dynamic=False)(*(a.to("spyre") for a in args))
+    torch.testing.assert_close(got.cpu(), step(*args), atol=1e-4, rtol=1e-4)

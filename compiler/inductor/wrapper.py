@@ -122,6 +122,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 return {"dtype": dtype_name(a)}
             if isinstance(a, torch.device):
                 return {"device": a.type}
+            if isinstance(a, (torch.layout, torch.memory_format)):  # torch.strided, torch.contiguous_format
+                return {"torch": str(a).removeprefix("torch.")}
             if isinstance(a, sympy.Basic):
                 return text(a)
             if isinstance(a, (int, float, bool, str)) or a is None:
@@ -135,6 +137,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
             kwargs={k: enc(v) for k, v in {**kwargs, **(node.kwargs or {})}.items()},
             outputs=tuple(outputs), mutated=tuple(node.mutation_names), source=source_of([node]),
+            host=_on_host(node),
         )
 
     # -- the step -----------------------------------------------------------------------
@@ -145,6 +148,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         buffers: dict[str, Buffer] = {}
         aliases: dict[str, tuple] = {}
         read_back: list = []  # values read back from the card (.item()): DynamicScalar nodes
+        placed: dict[str, tuple] = {}  # an aliased buffer: (the buffer it finally lives in, offset)
         for line in self.lines:
             if isinstance(line, W.KernelCallLine):
                 seq.append(("run", line.kernel_name))
@@ -172,9 +176,16 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 b = stored_buffer(buffer_info(line.reused_as.get_name()))
                 buffers[b.name] = b
             elif isinstance(line, W.ReinterpretLine):
-                lay = line.layout
-                aliases[line.reused_as.get_name()] = stored_view(
-                    (line.node.get_name(), lay.offset, tuple(lay.size), tuple(lay.stride)))
+                # The buffer lives in a view of another (a cat's input computed in place in its
+                # slice of the result). The view's offset is relative to the buffer it views,
+                # which may itself live in a view (a cat inside a cat): Inductor adds the two
+                # at run time, here they are added once.
+                name, off, sizes, strides = view_of(line.layout.view)
+                if name in placed:
+                    name, outer = placed[name]
+                    off = outer + off
+                placed[line.reused_as.get_name()] = (name, off)
+                aliases[line.reused_as.get_name()] = stored_view((name, off, sizes, strides))
             elif isinstance(line, W.UnbackedSymbolDefsLine) and not line.unbacked_bindings:
                 continue  # written after every extern kernel; this one defines no symbol
             elif isinstance(line, W.DynamicScalarLine):
@@ -280,6 +291,15 @@ def _origin_of(name: str) -> list:
     """The IR node of a buffer (for an error that names the op it came from)."""
     node = V.graph.get_buffer(name)
     return [node] if node is not None else []
+
+
+def _on_host(node) -> bool:
+    """The op works on CPU tensors (what the graph was given or made on the CPU)."""
+    try:
+        device = node.get_device()
+    except Exception:
+        return False
+    return device is not None and device.type == "cpu"
 
 
 def _check_unused(read_back: list, step: StepDesc) -> None:

@@ -16,6 +16,10 @@ from ..dtypes import torch_dtype
 from ..kernels import CpuOp
 from ..transfer import ViewGeometry, from_device, to_device
 
+# The torch constants a CPU op's arguments may name (never getattr on a name read from disk).
+_TORCH_CONSTANTS = {str(c).removeprefix("torch."): c for c in (
+    torch.strided, torch.sparse_coo, torch.contiguous_format, torch.channels_last, torch.preserve_format)}
+
 _warned: set[tuple[str, str]] = set()
 
 
@@ -55,10 +59,11 @@ class CpuOps:
 
     def run(self, op: CpuOp, table, mode: str):
         exe = self.exe
-        fallback.in_steps[op.op] += 1
         if not exe.card.functional:
             _warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
-        _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
+        if not op.host:  # work eager does on the CPU too is no fallback
+            fallback.in_steps[op.op] += 1
+            _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
         prebuilt = mode != "construct"
 
         def fetch(ref, as_dtype: str | None):
@@ -80,6 +85,8 @@ class CpuOps:
                 return torch_dtype(a["dtype"])
             if isinstance(a, dict) and "device" in a:
                 return torch.device("cpu")
+            if isinstance(a, dict) and "torch" in a:  # a layout or memory format
+                return _TORCH_CONSTANTS[a["torch"]]
             if isinstance(a, (list, tuple)):
                 return [decode(x) for x in a]
             return a

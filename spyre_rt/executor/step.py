@@ -18,10 +18,10 @@ import weakref
 
 import torch
 
-from .. import aten, config, tensors
+from .. import aten, config, graphs, tensors
 from .. import card as cards
 from ..dispatch import override
-from ..errors import SpyreError
+from ..errors import SpyreError, SpyreGraphError
 from ..kernels import StepDesc, from_json, to_json
 from ..layout import registry
 from . import memory
@@ -80,12 +80,49 @@ class CompiledStep:
         args.clear()  # boxed calling convention: drop the caller's references early
         if self.desc.constants:
             inputs += [module_globals[name] for name in self.desc.constants]
+        if graphs.capturing and (g := graphs.recording()) is not None:
+            return self._capture(g, inputs)
         fast = self._fast
         if fast is not None:
             outs = fast.run(inputs, override() or self.default_mode)
             if outs is not None:
                 return outs
         return self._call(inputs)
+
+    def _capture(self, g, inputs: list):
+        """A call inside a graph capture: run in ``prebuilt`` dispatch with memory the
+        graph keeps, and recorded for its replays."""
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "spyre":
+                g._failed = True
+                raise SpyreGraphError(
+                    f"input {i} of a compiled step inside a spyre graph capture is on {t.device}: a replay reads "
+                    "static spyre tensors (copy the values into one before capturing, and copy_() new ones into it)")
+        try:
+            card, geometry = self._geometry(inputs)
+        except BaseException:
+            g._failed = True
+            raise
+        exe = self.executable(card, tuple(geometry))
+        return g.record_step(exe, inputs, [t.untyped_storage().data_ptr() for t in inputs])
+
+    def _geometry(self, inputs: list) -> tuple:
+        """The card of a call whose inputs are all on it, and their geometry."""
+        device = inputs[0].device if inputs else torch.device("spyre", tensors.current_device())
+        card = tensors.card_of(inputs[0]) if inputs else cards.get(device.index)
+        geometry = []
+        for t in inputs:
+            if t.device != device:
+                raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
+            base = t.untyped_storage().data_ptr()
+            layout = registry.get(base)
+            if layout is None:
+                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
+            if cards.owner(base) is not card:
+                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
+                                 "sets, spyre_rt.configure); use one card")
+            geometry.append((layout, t.storage_offset()))
+        return card, geometry
 
     def _call(self, inputs: list):
         spyre_in = [t for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "spyre"]

@@ -232,6 +232,15 @@ class SpyreGraph:
                     "instead, or capture again")
         self._swaps = aten.storage_swaps
 
+    def stale(self) -> bool:
+        """Whether replay() would refuse to run: nothing captured, the card reset since, or
+        a bound tensor pointed at other memory."""
+        if self._state != "captured":
+            return True
+        if self._card is not None and self._card.epoch != self._epoch:
+            return True
+        return any(t.untyped_storage().data_ptr() != base for t, base in self._bound)
+
     def reset(self) -> None:
         """Drop what was captured (its memory goes when its outputs die)."""
         if self._state == "capturing":

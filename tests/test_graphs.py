@@ -258,3 +258,20 @@ def test_timing_mode_replays_the_same_device_work(compiled):
         c2 = card.counters()
     assert c2["commands"] - c1["commands"] == c1["commands"] - c0["commands"] > 0
     assert tensors.card_of(x) is card
+
+
+def test_a_launch_with_the_last_bindings_is_checked_again_after_a_free():
+    """The card skips re-checking the bindings of a plan launched again with the same ones
+    (a replay) only while nothing was freed: a freed binding is refused, never written."""
+    import gc
+
+    a = _x(0).to("spyre")
+    b = torch.empty_like(a)
+    _, plan, table = tensors.copy_plan(b, a)
+    plan.launch(table)
+    plan.launch(table)  # the same bindings, nothing freed: the checks are skipped
+    assert torch.equal(b.cpu(), a.cpu())
+    del b
+    gc.collect()
+    with pytest.raises(spyre_rt.SpyreInvalidCommandError, match="not inside a live allocation"):
+        plan.launch(table)

@@ -85,6 +85,7 @@ class Executable:
         self._slots: list[_Slot] = []  # the memory of calls, pooled (see take_slot)
         self._slot_lock = threading.Lock()
         self._all_fresh = all(isinstance(o, tuple) and o[0] for o in self._outputs)
+        self._one_plan = len(self.segments) == 1 and isinstance(self.segments[0], DeviceSegment)
         self._plan_lock = threading.Lock()
 
     # ---- names ----
@@ -255,20 +256,36 @@ class Executable:
                 self._slots.pop(0)
 
     def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None,
-            slot: _Slot | None = None) -> list[torch.Tensor]:
-        """One call: binds `inputs` (their storage addresses `bases` when the caller has
-        them) and the memory of a slot, runs the segments and returns the outputs. With a
-        `slot` given (a graph capture), that slot is used and kept by the caller."""
+            slot: _Slot | None = None, binding=None, dynamic=()) -> list[torch.Tensor]:
+        """One call: binds `inputs` and the memory of a slot, runs the segments and returns
+        the outputs. The inputs' storage addresses are `bases` when the caller has them;
+        or, from a step's fast path, `binding` (an object whose ``bases`` are the addresses
+        of its calls, static inputs included) with the (index, address) of the inputs that
+        change per call in `dynamic`: a slot last bound by the same `binding` only has those
+        written. With a `slot` given (a graph capture), that slot is used and kept by the
+        caller."""
         epoch = self.card.epoch
         pooled = slot is None
         if pooled:
             slot = self.take_slot(epoch)
         try:
             table = slot.table
-            if bases is None:
-                bases = [t.untyped_storage().data_ptr() for t in inputs]
-            table[1: 1 + len(bases)] = bases
-            self._run_segments(Call(self, table, mode, epoch))
+            if binding is None:
+                if bases is None:
+                    bases = [t.untyped_storage().data_ptr() for t in inputs]
+                table[1: 1 + len(bases)] = bases
+                slot.bound = None
+            else:
+                if slot.bound is not binding:
+                    table[1: 1 + len(binding.bases)] = binding.bases
+                    slot.bound = binding
+                for i, base in dynamic:
+                    table[1 + i] = base
+            made = self._plans
+            if self._one_plan and mode == "prebuilt" and made is not None and made[0] == epoch:
+                self._launch_one(made[1][0], table)
+            else:
+                self._run_segments(Call(self, table, mode, epoch))
             # made before the slot goes back: the references in it mark the outputs held
             result = list(slot.results) if self._all_fresh else self._results(slot, inputs)
         finally:
@@ -288,6 +305,20 @@ class Executable:
                 t = inputs[k]
                 result[i] = torch.as_strided(t, sizes, strides, delta + t.storage_offset())
         return result
+
+    def _launch_one(self, plan, table) -> None:
+        """The whole step as one plan launch (a step of one device segment whose plan
+        exists): what `_run_segments` does for it, without its bookkeeping."""
+        try:
+            plan.launch(table)
+        except SpyreError as e:
+            named = self.segments[0].named(self, e)
+            # job 0 is the snapshot: a failure after it restores the mutated inputs
+            if self.snapshots and named.job > 0:
+                self._restore(table, "prebuilt")
+            if named is e:
+                raise
+            raise named from None
 
     def _run_segments(self, call: Call) -> None:
         saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
@@ -335,7 +366,7 @@ class _Slot:
     Each tensor handed out must also still have the geometry it was made with (an
     in-place metadata op such as ``t_()`` on a dropped output changes the object)."""
 
-    __slots__ = ("card", "epoch", "arena", "table", "outputs", "fresh", "results", "_storages", "_uses",
+    __slots__ = ("card", "epoch", "arena", "table", "outputs", "fresh", "results", "bound", "_storages", "_uses",
                  "_refs", "_geometry", "__weakref__")
 
     def __init__(self, card, epoch: int, arena: int, table, outputs: list, fresh: list):
@@ -343,6 +374,7 @@ class _Slot:
         self.outputs = outputs  # the base tensor of each output storage
         self.fresh = fresh      # (output index, tensor handed out)
         self.results = [t for _, t in fresh]
+        self.bound = None  # what bound the inputs in the table last (Executable.run)
         self._storages = [t.untyped_storage() for t in outputs]  # keeps each _cdata valid
         self._geometry = [(t.shape, t.stride(), t.storage_offset()) for t in self.results]
 

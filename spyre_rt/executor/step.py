@@ -172,20 +172,23 @@ class _FastPath:
         self.window = exe.card.instance  # dynamic inputs must be in the card's address window
         self.device = inputs[0].device if inputs else None
         self.n = len(inputs)
-        self.static_idx = [i for i in range(len(inputs)) if i in static]
+        static_idx = [i for i in range(len(inputs)) if i in static]
         # Holding the static tensors keeps their storages alive (and their ids unique): the
         # same objects with no storage swap since (aten.storage_swaps) have the same memory.
-        self.statics = [inputs[i] for i in self.static_idx]
+        self.statics = tuple(inputs[i] for i in static_idx)
+        self.pick = _picker(static_idx)
         self.swaps = aten.storage_swaps
         self.dynamic = [(i, geometry[i]) for i in range(len(inputs)) if i not in static]
+        # every input's address at this call: the static ones stay (Executable.run binds
+        # them once per slot), the dynamic ones are replaced at each call
         self.bases = [t.untyped_storage().data_ptr() for t in inputs]
 
     def run(self, inputs: list, mode: str):
         if id(cards.card_set()) != self.card_set or len(inputs) != self.n or aten.storage_swaps != self.swaps:
             return None
-        if not all(map(operator.is_, [inputs[i] for i in self.static_idx], self.statics)):
+        if not all(map(operator.is_, self.pick(inputs), self.statics)):
             return None
-        bases = list(self.bases)
+        dynamic = []
         window = self.window
         for i, geo in self.dynamic:
             t = inputs[i]
@@ -194,5 +197,15 @@ class _FastPath:
             base = t.untyped_storage().data_ptr()
             if (registry.get(base), t.storage_offset()) != geo or cards.window_of(base) != window:
                 return None
-            bases[i] = base
-        return self.exe.run(inputs, mode, bases)
+            dynamic.append((i, base))
+        return self.exe.run(inputs, mode, binding=self, dynamic=dynamic)
+
+
+def _picker(idx: list[int]):
+    """A function from a list to the tuple of its elements at `idx`."""
+    if len(idx) >= 2:
+        return operator.itemgetter(*idx)
+    if idx:
+        i = idx[0]
+        return lambda seq: (seq[i],)
+    return lambda seq: ()

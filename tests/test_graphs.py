@@ -5,6 +5,7 @@ and every misuse is a clear error, never a wrong result."""
 import pytest
 import torch
 import torch.nn.functional as F
+from test_step_outputs import counting_native_calls
 
 import spyre_rt
 from spyre_rt import card as cards
@@ -12,8 +13,6 @@ from spyre_rt import tensors
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.errors import SpyreGraphError
 from spyre_rt.executor import live_steps
-
-from test_step_outputs import counting_native_calls
 
 WIDTH = 64
 
@@ -275,3 +274,23 @@ def test_a_launch_with_the_last_bindings_is_checked_again_after_a_free():
     gc.collect()
     with pytest.raises(spyre_rt.SpyreInvalidCommandError, match="not inside a live allocation"):
         plan.launch(table)
+
+
+def test_compiling_inside_a_capture_is_refused_with_the_way_out():
+    def fresh(x, w):  # a function no test compiled before
+        return torch.relu(x @ w) - 3
+
+    f = torch.compile(fresh, backend="spyre_rt", dynamic=False)
+    x, w = _x(0).to("spyre"), torch.randn(WIDTH, 16).to("spyre")
+    with pytest.raises(Exception, match="run a compiled function once before capturing it") as e:
+        with torch.spyre.graph(torch.spyre.SpyreGraph()):
+            f(x, w)
+    # Dynamo wraps what a backend raises while compiling (BackendCompilerFailed)
+    assert isinstance(getattr(e.value, "inner_exception", e.value), SpyreGraphError)
+    assert graphs_idle()
+    f(x, w)  # compiled outside: now it captures
+    g = torch.spyre.SpyreGraph()
+    with torch.spyre.graph(g):
+        out = f(x, w)
+    g.replay()
+    assert torch.allclose(out.cpu(), torch.relu(_x(0) @ w.cpu()) - 3, atol=1e-2)

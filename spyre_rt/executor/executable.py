@@ -1,8 +1,9 @@
 """A compiled step on one card for one input geometry: its memory, segments and plans.
 
 Bindings: a call binds the arena of intermediates (binding 0), every input and constant,
-and a fresh buffer per output; each kernel's buffers are relocated against them
-(``relocs``: name -> (binding, byte offset)).
+and a buffer per output; each kernel's buffers are relocated against them (``relocs``:
+name -> (binding, byte offset)). The arena and output buffers of a call are a slot
+(:class:`_Slot`), pooled and reused once its outputs are released.
 
 Inputs a step mutates are all-or-nothing. The step's first job copies every byte range a
 mutated input covers into the arena (a snapshot, on the card: loads and stores through the

@@ -5,8 +5,9 @@ an :class:`~spyre_rt.executor.executable.Executable`. A call that repeats the la
 takes a fast path: static inputs (parameters, static caches) are checked by identity, the
 others by layout, offset and card.
 
-Outputs are fresh device tensors on every call, so a later call never overwrites what an
-earlier one returned.
+Outputs come from memory the executable pools (its slots), reused only once the caller has
+let go of them, so a later call never overwrites what an earlier one returned and is still
+held. Inside a graph capture (:mod:`spyre_rt.graphs`) a call is recorded instead.
 """
 
 from __future__ import annotations
@@ -106,10 +107,12 @@ class CompiledStep:
         exe = self.executable(card, tuple(geometry))
         return g.record_step(exe, inputs, [t.untyped_storage().data_ptr() for t in inputs])
 
-    def _geometry(self, inputs: list) -> tuple:
-        """The card of a call whose inputs are all on it, and their geometry."""
+    def _geometry(self, inputs: list, card: cards.Card | None = None) -> tuple:
+        """The card of a call whose inputs are all on it (`card` when the caller knows it),
+        and their geometry."""
         device = inputs[0].device if inputs else torch.device("spyre", tensors.current_device())
-        card = tensors.card_of(inputs[0]) if inputs else cards.get(device.index)
+        if card is None:
+            card = tensors.card_of(inputs[0]) if inputs else cards.get(device.index)
         geometry = []
         for t in inputs:
             if t.device != device:
@@ -138,16 +141,7 @@ class CompiledStep:
                 inputs[i] = tensors.to_card(t, card)
             elif t.device != device:
                 raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
-        geometry = []
-        for t in inputs:
-            base = t.untyped_storage().data_ptr()
-            layout = registry.get(base)
-            if layout is None:
-                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
-            if cards.owner(base) is not card:
-                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
-                                 "sets, spyre_rt.configure); use one card")
-            geometry.append((layout, t.storage_offset()))
+        _, geometry = self._geometry(inputs, card)
         exe = self.executable(card, tuple(geometry))
         if not host_inputs:
             self._fast = _FastPath(self, exe, inputs, geometry)

@@ -108,7 +108,8 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     cpu_nodes: list[str] = []
     for _ in range(MAX_RECOMPILES + 1):
         try:
-            with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
+            # inside a graph capture, what compiling does on the card is not the step's work
+            with opts.patch({**patch, "cpu_nodes": cpu_nodes}), spyre_rt.graphs.compiling():
                 return compile_fx(gm, example_inputs, inner_compile=_inner_compile,
                                   config_patches={**INDUCTOR_PATCHES, **options}, decompositions=decompositions())
         except Exception as e:

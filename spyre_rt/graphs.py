@@ -16,9 +16,10 @@ Compiled steps run in ``prebuilt`` dispatch inside a capture, whatever the mode.
 
 A capture refuses, with :class:`~spyre_rt.SpyreGraphError`, what a replay could not
 repeat: eager work on the card (an allocation, a copy to or from the host, an op that
-falls back to the CPU, reading a value), a compiled step with an op on the CPU, a
-compiled step called with CPU tensors, and the first call of a compiled function (compile
-before capturing, as CUDA graphs ask for a warm-up). A replay refuses to run after the
+falls back to the CPU, reading a value), a compiled step with an op on the CPU, and a
+compiled step called with CPU tensors. A compiled function may compile inside a capture
+(the compile is not recorded), but warming it up first, as CUDA graphs ask, keeps compile
+time out of the capture. A replay refuses to run after the
 card was reset, or after a tensor it reads or writes was pointed at other memory
 (``set_``, ``.data =``, a growing ``resize_``): its bound addresses would be wrong.
 
@@ -61,17 +62,24 @@ def refuse(what: str) -> None:
         g._failed = True
         raise SpyreGraphError(
             f"{what} inside a spyre graph capture: a capture records compiled steps and device-to-device "
-            "copies only (do eager work before or after it; run a compiled function once before capturing it)")
+            "copies only (do eager work before or after it)")
 
 
 @contextlib.contextmanager
 def _inside() -> Iterator[None]:
     """The capture's own work (running a step it records): not eager work."""
+    previous = getattr(_local, "inside", False)
     _local.inside = True
     try:
         yield
     finally:
-        _local.inside = False
+        _local.inside = previous
+
+
+def compiling():
+    """A block of compile-time work (the backend compiling a graph, which may touch the
+    card once), neither recorded by a capture under way nor refused by it."""
+    return _inside()
 
 
 class _Launch:

@@ -189,6 +189,33 @@ def test_replay_after_a_reset_is_a_clear_error(compiled):
         spyre_rt.reset_device(0)
         with pytest.raises(SpyreGraphError, match="was reset"):
             g.replay()
+        assert g.stale()
+        # the card refuses the stale plans too, before running any of them
+        jobs = cs.cards[0].counters()["jobs"]
+        with pytest.raises(spyre_rt.SpyreError, match="before the device was reset"):
+            g._launch(g._native)
+        assert cs.cards[0].counters()["jobs"] == jobs
+
+
+def test_the_card_refuses_a_malformed_launch_list():
+    from spyre_rt.native import ffi, lib
+
+    a = _x(0).to("spyre")
+    b = torch.empty_like(a)
+    _, plan, table = tensors.copy_plan(b, a)
+    failed, end = ffi.new("uint32_t *"), ffi.new("double *")
+    plans = ffi.new("spy_plan *[]", [plan.handle, ffi.NULL])
+    tables = ffi.new("uint64_t *[]", [table, table])
+    nbind = ffi.new("uint32_t[]", [2, 2])
+    names = ffi.new("uint32_t[]", [0, 0])
+    assert lib.spy_plan_launch_many(0, plans, tables, nbind, names, failed, end) == lib.SPY_E_INVALID_ARG
+    assert lib.spy_plan_launch_many(2, plans, tables, nbind, names, failed, end) == lib.SPY_E_INVALID_ARG
+    nbind[0] = 3
+    assert lib.spy_plan_launch_many(1, plans, tables, nbind, names, failed, end) == lib.SPY_E_INVALID_ARG
+    assert failed[0] == 0
+    nbind[0] = 2
+    assert lib.spy_plan_launch_many(1, plans, tables, nbind, names, failed, end) == lib.SPY_OK
+    assert torch.equal(b.cpu(), a.cpu())
 
 
 @pytest.mark.parametrize("how", ["set_", "data", "resize_"])

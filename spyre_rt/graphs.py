@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from . import aten, torch_ranges
-from .errors import SpyreError, SpyreGraphError
+from .errors import SpyreGraphError
 from .native import error_for, ffi, lib
 
 capturing = 0  # threads capturing now: the hot paths test this int before anything else
@@ -333,4 +333,4 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 1):
     return out[0] if single else tuple(out)
 
 
-__all__ = ["SpyreGraph", "graph", "make_graphed_callables", "GraphedCallable", "SpyreError"]
+__all__ = ["SpyreGraph", "graph", "make_graphed_callables", "GraphedCallable"]

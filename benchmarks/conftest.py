@@ -6,6 +6,7 @@ absolute times are for regression comparison between runs on one machine only.
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -47,6 +48,15 @@ class Decoder:
         with torch.no_grad():
             return self.session.forward(self.ids, self.pos)
 
+    def graph(self):
+        """The decode step captured (torch.spyre.graph): replay() runs it again."""
+        with torch.no_grad(), self.session.active():
+            self.step()
+            g = torch.spyre.SpyreGraph()
+            with torch.spyre.graph(g):
+                self.step()
+        return g
+
     def host_ns_per_step(self, steps: int) -> tuple[float, float]:
         """Host time (simulator arithmetic and waits for the card excluded) and native calls
         per step, from the card's clock and counters."""
@@ -73,6 +83,62 @@ def tiny_granite():
         if layers not in made:
             made[layers] = Decoder(Session(Options(model="granite-tiny", seq=8, decode_steps=1,
                                                    sim_mode="timing", layers=layers)))
+        return made[layers]
+
+    return make
+
+
+class CpuFloor:
+    """The same Granite on CPU tensors under Dynamo with a do-nothing backend: the compiled
+    graph returns outputs it made once, so a step costs Dynamo's frame and guards alone."""
+
+    def __init__(self, layers: int | None):
+        from transformers import GraniteForCausalLM, StaticCache
+
+        from spyre_rt.profiler.run import load_model
+
+        profile = load_model("granite-tiny")
+        cfg = profile.hf_config(layers)
+        torch.manual_seed(0)
+        model = GraniteForCausalLM(cfg).to(profile.dtype).eval()
+        cache = StaticCache(config=cfg, max_cache_len=16)
+        cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads,
+                                   head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=profile.dtype,
+                                   device="cpu")
+
+        def do_nothing(gm, example_inputs):
+            outs = gm(*example_inputs)
+            return lambda *args: outs
+
+        def forward(ids, pos):
+            return model(ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
+
+        self.forward = torch.compile(forward, backend=do_nothing, fullgraph=True, dynamic=False)
+        with torch.no_grad():  # a prefill graph first, as the decoders on the card have
+            self.forward(torch.zeros(1, 8, dtype=torch.long), torch.arange(8).view(1, 8))
+        self.ids = torch.zeros(1, 1, dtype=torch.long)
+        self.pos = torch.full((1, 1), 8, dtype=torch.long)
+
+    def step(self):
+        with torch.no_grad():
+            return self.forward(self.ids, self.pos)
+
+    def host_ns_per_step(self, steps: int) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter_ns() - t0) / steps
+
+
+@pytest.fixture(scope="session")
+def cpu_floor():
+    """A factory of :class:`CpuFloor` models: ``cpu_floor(layers=None)``."""
+    made: dict = {}
+
+    def make(layers: int | None = None) -> CpuFloor:
+        if layers not in made:
+            made[layers] = CpuFloor(layers)
+            made[layers].step()
         return made[layers]
 
     return make

@@ -1,15 +1,19 @@
-"""The compute-dispatch path: host time per Granite decode step in each dispatch mode.
+"""The compute-dispatch path: host time per Granite decode step in each dispatch mode, and
+per replay of a captured step.
 
 pytest-benchmark times the whole call (Dynamo's guards included). Beside it, in the same
 test, the card's host clock measures this mode and ``construct`` interleaved, and the
 ratio goes into ``extra_info``; so does the share of the call spent in Dynamo, measured by
-running the same steps with guard evaluation skipped.
+running the same steps with guard evaluation skipped. The ``prebuilt`` rows also measure,
+interleaved, the floor: the same model on CPU tensors under Dynamo with a do-nothing
+backend (guards on), and report how far above it the step is.
 """
 
 import pytest
 import torch
 
 from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.trace import gc_paused
 
 MODES = ("construct", "prebuilt-transfer", "prebuilt")
 
@@ -21,15 +25,20 @@ def _host_us(decoder, mode: str, steps: int) -> tuple[float, float]:
     return ns / 1e3, calls
 
 
-def _side_by_side(benchmark, decoder, mode: str, steps: int, rounds: int) -> None:
-    """This mode and ``construct``, alternated; the best round of each."""
-    ours, base = [], []
+def _side_by_side(benchmark, decoder, mode: str, steps: int, rounds: int, floor=None) -> None:
+    """This mode and ``construct`` (and the Dynamo floor, if given), alternated; the best
+    round of each."""
+    ours, base, floors = [], [], []
     for _ in range(rounds):
-        ours.append(_host_us(decoder, mode, steps))
+        with gc_paused():  # a collection of this heap would land in one side's figures by chance
+            ours.append(_host_us(decoder, mode, steps))
+            if floor is not None:
+                floors.append(floor.host_ns_per_step(steps) / 1e3)
         base.append(_host_us(decoder, "construct", max(1, steps // 10)))
     host, calls = min(ours)
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), gc_paused():
         unguarded, _ = min(_host_us(decoder, mode, steps) for _ in range(rounds))
+        floor_unguarded = min(floor.host_ns_per_step(steps) for _ in range(rounds)) / 1e3 if floor else None
     construct = min(b[0] for b in base)
     benchmark.extra_info.update({
         "host_us_per_step": round(host, 1),
@@ -38,11 +47,17 @@ def _side_by_side(benchmark, decoder, mode: str, steps: int, rounds: int) -> Non
         "construct_host_us_per_step": round(construct, 1),
         "speedup_vs_construct": round(construct / host, 2),
     })
+    if floors:
+        benchmark.extra_info.update({
+            "dynamo_floor_cpu_us_per_step": round(min(floors), 1),
+            "over_floor_us": round(host - min(floors), 1),
+            "dynamo_floor_cpu_us_per_step_guards_skipped": round(floor_unguarded, 1),
+        })
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.benchmark(group="dispatch: tiny Granite decode step")
-def test_decode_step(benchmark, tiny_granite, mode):
+def test_decode_step(benchmark, tiny_granite, cpu_floor, mode):
     decoder = tiny_granite()
     rounds = 5 if mode == "construct" else 50
     with dispatch_mode(mode):
@@ -50,12 +65,21 @@ def test_decode_step(benchmark, tiny_granite, mode):
         benchmark.pedantic(decoder.step, rounds=1 if benchmark.disabled else rounds, iterations=1,
                            warmup_rounds=0 if benchmark.disabled else 1)
     steps = 2 if benchmark.disabled else 20
-    _side_by_side(benchmark, decoder, mode, steps, rounds=1 if benchmark.disabled else 3)
+    _side_by_side(benchmark, decoder, mode, steps, rounds=1 if benchmark.disabled else (5 if mode == "prebuilt" else 3),
+                  floor=cpu_floor() if mode == "prebuilt" else None)
+
+
+@pytest.mark.benchmark(group="dispatch: tiny Granite decode step")
+def test_dynamo_floor_cpu(benchmark, cpu_floor):
+    """The floor beside them: Dynamo with a do-nothing backend, CPU tensors, guards on."""
+    floor = cpu_floor()
+    benchmark.pedantic(floor.step, rounds=1 if benchmark.disabled else 50, iterations=1,
+                       warmup_rounds=0 if benchmark.disabled else 1)
 
 
 @pytest.mark.slow
 @pytest.mark.benchmark(group="dispatch: 40-layer Granite decode step")
-def test_prebuilt_decode_step_40_layers(benchmark, tiny_granite):
+def test_prebuilt_decode_step_40_layers(benchmark, tiny_granite, cpu_floor):
     """40 layers (Granite 3.3 8B's depth) at the tiny width: the host path depends on the
     number of kernels, not on their size."""
     decoder = tiny_granite(layers=40)
@@ -64,4 +88,50 @@ def test_prebuilt_decode_step_40_layers(benchmark, tiny_granite):
         benchmark.pedantic(decoder.step, rounds=1 if benchmark.disabled else 50, iterations=1,
                            warmup_rounds=0 if benchmark.disabled else 1)
     _side_by_side(benchmark, decoder, "prebuilt", 2 if benchmark.disabled else 20,
-                  rounds=1 if benchmark.disabled else 3)
+                  rounds=1 if benchmark.disabled else 5, floor=cpu_floor(40))
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark(group="dispatch: 40-layer Granite decode step")
+def test_dynamo_floor_cpu_40_layers(benchmark, cpu_floor):
+    floor = cpu_floor(40)
+    benchmark.pedantic(floor.step, rounds=1 if benchmark.disabled else 50, iterations=1,
+                       warmup_rounds=0 if benchmark.disabled else 1)
+
+
+def _replay_host(decoder, g, replays: int) -> tuple[float, float, float]:
+    """Host µs, native calls and jobs per replay, from the card's clock and counters."""
+    card = decoder.card
+    card.synchronize()
+    c0, h0 = card.counters(), card.host_clock_ns()
+    for _ in range(replays):
+        g.replay()
+    card.synchronize()
+    c1, h1 = card.counters(), card.host_clock_ns()
+    host = (h1 - h0) - (c1["wait_ns"] - c0["wait_ns"])
+    return (host / replays / 1e3, (c1["native_calls"] - c0["native_calls"]) / replays,
+            (c1["jobs"] - c0["jobs"]) / replays)
+
+
+@pytest.mark.parametrize("layers", [2, pytest.param(10, marks=pytest.mark.slow),
+                                    pytest.param(40, marks=pytest.mark.slow)])
+@pytest.mark.benchmark(group="dispatch: replay of a captured decode step")
+def test_replay_decode_step(benchmark, tiny_granite, layers):
+    """torch.spyre.graph capture of the prebuilt decode step, replayed: host time must not
+    grow with the number of kernels; the compiled call beside it."""
+    decoder = tiny_granite(layers=None if layers == 2 else layers)
+    with dispatch_mode("prebuilt"):
+        g = decoder.graph()
+        benchmark.pedantic(g.replay, rounds=1 if benchmark.disabled else 200, iterations=1,
+                           warmup_rounds=0 if benchmark.disabled else 1)
+        rounds, n = (1, 2) if benchmark.disabled else (3, 200)
+        replay = min(_replay_host(decoder, g, n) for _ in range(rounds))
+        call, _ = min(_host_us(decoder, "prebuilt", max(2, n // 10)) for _ in range(rounds))
+    benchmark.extra_info.update({
+        "layers": layers,
+        "host_us_per_replay": round(replay[0], 2),
+        "native_calls_per_replay": replay[1],
+        "jobs_per_replay": replay[2],
+        "prebuilt_call_host_us_per_step": round(call, 1),
+        "speedup_vs_prebuilt_call": round(call / replay[0], 1),
+    })

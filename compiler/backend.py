@@ -99,7 +99,7 @@ def _inner_compile(gm, example_inputs, *, spyre_options: dict, **kwargs):
     cpu_nodes: list[str] = []
     for _ in range(MAX_RECOMPILES + 1):
         try:
-            with opts.patch({**patch, "cpu_nodes": cpu_nodes}):
+            with opts.patch({**patch, "cpu_nodes": cpu_nodes}), spyre_rt.graphs.compiling():
                 return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as e:
             ours = _our_error(e)
@@ -137,7 +137,8 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
     inner = functools.partial(_inner_compile, spyre_options=patch)
     try:
-        with opts.patch(patch):
+        # inside a graph capture, what compiling does on the card is not the step's work
+        with opts.patch(patch), spyre_rt.graphs.compiling():
             return compile_fx(gm, example_inputs, inner_compile=inner,
                               config_patches={**_inductor_patches(), **options}, decompositions=decompositions())
     except Exception as e:

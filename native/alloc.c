@@ -274,6 +274,7 @@ spy_status spy_alloc_put(spy_allocator *a, uint64_t addr)
     if (b.kind == SPY_MEM_CONTROL)
         a->control -= b.size;
     a->total_frees++;
+    a->changes++;
     spy_block_uncommit(&b);
     b.plan_owned = 0;
     memset(&b.layout, 0, sizeof b.layout); /* the record goes with the allocation */

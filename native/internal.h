@@ -141,6 +141,10 @@ typedef struct spy_allocator {
     size_t ncache, capcache;
     uint64_t allocated, peak, cached, control, data_peak;
     uint64_t total_allocs, total_frees, ooms;
+    /* One more at every free and every program committed into a block: while it stays the
+     * same, every address that lay inside a live block still does, in a block of the same
+     * kind (what a plan launch checks of its bindings; see plan.c). */
+    uint64_t changes;
 } spy_allocator;
 
 spy_status spy_alloc_init(spy_allocator *a, uint64_t base, uint64_t capacity, uint64_t align);

@@ -28,6 +28,7 @@ spy_status spy_job_commit_block(spy_device *d, spy_block *b, uint64_t len, spy_j
     if (s != SPY_OK)
         return s;
     b->prog = g;
+    d->mem.changes++;
     d->counters.commits++;
     d->counters.validated_commands += g->hdr->ncmds;
     if (info)

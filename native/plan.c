@@ -22,7 +22,13 @@ struct spy_plan {
     uint64_t upload_bytes;
     uint64_t epoch;           /* the device's reset epoch when the plan was created */
     uint8_t *binding_written; /* per binding: some job writes through it */
-    uint8_t **binding_host;   /* scratch: host memory behind each binding of a launch */
+    uint8_t **binding_host;   /* host memory behind each binding of the last launch */
+    /* The bindings of the last launch whose checks all passed, and the device's reset epoch
+     * and allocator changes then: a launch with the same bindings and no change since (a
+     * graph replay, a step bound as before) skips the checks and keeps binding_host. */
+    uint64_t *checked;
+    uint64_t checked_epoch, checked_changes;
+    bool checked_valid;
 };
 
 static void release_plan_blocks(spy_device *d, spy_plan *p)
@@ -98,7 +104,9 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->binding_used = calloc((size_t)h->nbindings + 1, 1);
     p->binding_written = calloc((size_t)h->nbindings + 1, 1);
     p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
-    if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host)
+    p->checked = calloc((size_t)h->nbindings + 1, sizeof *p->checked);
+    if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host ||
+        !p->checked)
         return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
 
@@ -191,6 +199,7 @@ void spy_plan_destroy(spy_plan *p)
     free(p->binding_used);
     free(p->binding_written);
     free(p->binding_host);
+    free(p->checked);
     free(p);
 }
 
@@ -204,46 +213,52 @@ spy_status spy_plan_binding_extent(const spy_plan *p, uint32_t binding, uint64_t
 
 uint32_t spy_plan_num_jobs(const spy_plan *p) { return p ? p->njobs : 0; }
 
-spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbindings,
-                           uint32_t name, double *step_end_ns)
+/* One plan's launch on its locked device: check its bindings, patch, run every job. */
+static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t nbindings, uint32_t name,
+                                double *step_end_ns)
 {
-    spy_clear_error();
-    if (!p)
-        return spy_fail(SPY_E_INVALID_ARG, -1, "null plan");
     spy_device *d = p->dev;
-    SPY_ENTER(d);
-    SPY_REFUSE_IF_LOST(d);
     uint64_t host_t = spy_host_clock_locked(d);
     if (p->epoch != d->epoch)
-        SPY_LEAVE(d, spy_fail(SPY_E_NOT_COMMITTED, -1, "the plan was made before the device was reset; rebuild it"));
+        return spy_fail(SPY_E_NOT_COMMITTED, -1, "the plan was made before the device was reset; rebuild it");
     if (nbindings != p->nbindings || (nbindings && !bindings))
-        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "plan takes %u bindings, %u given", p->nbindings,
-                              nbindings));
+        return spy_fail(SPY_E_INVALID_ARG, -1, "plan takes %u bindings, %u given", p->nbindings, nbindings);
     /* Bounds of every binding, once: the commands were checked against slot extents, and
-     * each slot is a binding plus an offset inside the binding's extent. */
-    for (uint32_t b = 0; b < nbindings; b++) {
+     * each slot is a binding plus an offset inside the binding's extent. The same bindings
+     * as the last launch that passed, with no free or commit on the device since, still
+     * pass, with the same host memory behind them. */
+    size_t table_bytes = (size_t)nbindings * sizeof *bindings;
+    bool same = p->checked_valid && p->checked_epoch == d->epoch && p->checked_changes == d->mem.changes &&
+                (!nbindings || memcmp(p->checked, bindings, table_bytes) == 0);
+    p->checked_valid = same;
+    for (uint32_t b = 0; b < nbindings && !same; b++) {
         p->binding_host[b] = NULL;
         if (!p->binding_used[b] || p->extent[b] == 0)
             continue;
         spy_block *blk = spy_alloc_find(&d->mem, bindings[b], p->extent[b]);
         if (!blk)
-            SPY_LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1,
-                                  "plan binding %u: [0x%llx, +%llu) is not inside a live allocation", b,
-                                  (unsigned long long)bindings[b], (unsigned long long)p->extent[b]));
+            return spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u: [0x%llx, +%llu) is not inside a live allocation",
+                            b, (unsigned long long)bindings[b], (unsigned long long)p->extent[b]);
         if ((blk->prog || blk->plan_owned) && p->binding_written[b])
-            SPY_LEAVE(d, spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u would overwrite a program", b));
+            return spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u would overwrite a program", b);
         p->binding_host[b] = blk->backing ? blk->backing + (bindings[b] - blk->addr) : NULL;
+    }
+    if (!same) {
+        if (nbindings)
+            memcpy(p->checked, bindings, table_bytes);
+        p->checked_epoch = d->epoch;
+        p->checked_changes = d->mem.changes;
+        p->checked_valid = true;
     }
     /* Patching the resident relocation table is a small control transfer. */
     double now = (double)spy_host_clock_locked(d);
-    double not_before = now + d->prof.pcie_latency_ns +
-                        (double)nbindings * 8.0 / d->prof.pcie_bytes_per_ns;
+    double not_before = now + d->prof.pcie_latency_ns + (double)nbindings * 8.0 / d->prof.pcie_bytes_per_ns;
     uint64_t first = d->job_seq;
     double end = 0;
     spy_status s = SPY_OK;
     uint8_t **slot_host = spy_job_slot_hosts(d, p->max_slots + 1);
     if (!slot_host)
-        SPY_LEAVE(d, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     /* Walking the resident jobs is the card's command processor's work, not the host's: the
      * whole walk leaves the host clock, as the simulation inside each job does. */
     uint64_t walk_t0 = spy_now_ns(), excluded0 = d->excluded_ns, sim0 = d->counters.sim_ns;
@@ -264,5 +279,48 @@ spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbind
     spy_trace_launch(d, name, host_t, first, d->job_seq - first);
     if (step_end_ns)
         *step_end_ns = end;
+    return s;
+}
+
+spy_status spy_plan_launch(spy_plan *p, const uint64_t *bindings, uint32_t nbindings,
+                           uint32_t name, double *step_end_ns)
+{
+    spy_clear_error();
+    if (!p)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "null plan");
+    spy_device *d = p->dev;
+    SPY_ENTER(d);
+    SPY_REFUSE_IF_LOST(d);
+    SPY_LEAVE(d, launch_locked(p, bindings, nbindings, name, step_end_ns));
+}
+
+spy_status spy_plan_launch_many(uint32_t n, spy_plan *const *plans, const uint64_t *const *bindings,
+                                const uint32_t *nbindings, const uint32_t *names, uint32_t *failed,
+                                double *end_ns)
+{
+    spy_clear_error();
+    if (failed)
+        *failed = 0;
+    if (!n || !plans || !bindings || !nbindings || !names)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "no plans, or a null array");
+    for (uint32_t i = 0; i < n; i++)
+        if (!plans[i] || plans[i]->dev != plans[0]->dev)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "plan %u is null or on another device", i);
+    spy_device *d = plans[0]->dev;
+    SPY_ENTER(d);
+    SPY_REFUSE_IF_LOST(d);
+    /* Every plan of the current reset epoch before anything runs: a stale list runs nothing. */
+    for (uint32_t i = 0; i < n; i++)
+        if (plans[i]->epoch != d->epoch) {
+            if (failed)
+                *failed = i;
+            SPY_LEAVE(d, spy_fail(SPY_E_NOT_COMMITTED, -1, "plan %u was made before the device was reset", i));
+        }
+    spy_status s = SPY_OK;
+    for (uint32_t i = 0; i < n && s == SPY_OK; i++) {
+        s = launch_locked(plans[i], bindings[i], nbindings[i], names[i], end_ns);
+        if (s != SPY_OK && failed)
+            *failed = i;
+    }
     SPY_LEAVE(d, s);
 }

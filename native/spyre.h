@@ -615,6 +615,15 @@ uint32_t spy_plan_num_jobs(const spy_plan *plan);
 /* One call per compiled step: patch the relocation table, run every job in order. */
 spy_status spy_plan_launch(spy_plan *plan, const uint64_t *bindings, uint32_t nbindings,
                            uint32_t name, double *step_end_ns);
+/* A captured sequence of plan launches in one call (a graph replay): plan i runs with the
+ * nbindings[i] addresses of bindings[i] and trace name names[i], in order, all on one
+ * device. Every plan must be of the device's current reset epoch, checked before any runs
+ * (SPY_E_NOT_COMMITTED otherwise). Stops at the first failure; *failed (if not NULL) is
+ * the index of the plan it was about, and the plans before it have had their effect.
+ * *end_ns (if not NULL) is the device time the last job run ends. */
+spy_status spy_plan_launch_many(uint32_t n, spy_plan *const *plans, const uint64_t *const *bindings,
+                                const uint32_t *nbindings, const uint32_t *names, uint32_t *failed,
+                                double *end_ns);
 
 /* ---- counters (device.c) ----------------------------------------------------------------- */
 

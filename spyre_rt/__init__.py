@@ -55,6 +55,7 @@ from .errors import (  # noqa: E402
     SpyreDeviceLostError,
     SpyreDMAError,
     SpyreError,
+    SpyreGraphError,
     SpyreIndexError,
     SpyreInvalidCommandError,
     SpyreNoDataError,
@@ -66,7 +67,7 @@ from .fallback import SpyreFallbackWarning  # noqa: E402
 
 __all__ = [
     "register", "configure", "configured", "reset_device", "SpyreError", "SpyreCompileError", "SpyreDeviceError",
-    "SpyreDeviceLostError", "SpyreDMAError", "SpyreIndexError", "SpyreInvalidCommandError",
+    "SpyreDeviceLostError", "SpyreDMAError", "SpyreGraphError", "SpyreIndexError", "SpyreInvalidCommandError",
     "SpyreNoDataError", "SpyreOutOfMemoryError", "SpyrePlanCacheError", "SpyreProfileError",
     "SpyreFallbackWarning",
 ]

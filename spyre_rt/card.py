@@ -55,6 +55,7 @@ class Card:
         check(lib.spy_device_open(native_profile, mode, index, out), f"opening spyre:{index}")
         self.handle = out[0]
         self.instance = int(lib.spy_device_instance(self.handle))  # its address window
+        self._epoch = int(lib.spy_device_epoch(self.handle))
         _by_instance[self.instance] = self
         self.transfers = TransferCache()
         self.tracing = False  # host spans are recorded only while tracing
@@ -96,8 +97,9 @@ class Card:
     @property
     def epoch(self) -> int:
         """The reset epoch: one more after every :meth:`reset`. Addresses, programs and
-        plans of an older epoch are gone."""
-        return int(lib.spy_device_epoch(self.handle))
+        plans of an older epoch are gone. Kept here (a card is reset only through
+        :meth:`reset`), so that a compiled step's one native call is its launch."""
+        return self._epoch
 
     def empty_cache(self) -> None:
         check(lib.spy_empty_cache(self.handle))
@@ -193,7 +195,10 @@ class Card:
     def reset(self) -> None:
         """Recover a lost card: every allocation, program and plan on it is dropped and a
         new :attr:`epoch` begins (holders of older addresses free nothing)."""
-        check(lib.spy_device_reset(self.handle))
+        try:
+            check(lib.spy_device_reset(self.handle))
+        finally:
+            self._epoch = int(lib.spy_device_epoch(self.handle))
 
 
 class CardSet:

@@ -19,6 +19,7 @@ import torch
 
 from . import card as cards
 from . import fallback, tensors
+from .graphs import GraphedCallable, SpyreGraph, graph, make_graphed_callables  # noqa: F401
 
 _DeviceProperties = namedtuple(
     "_DeviceProperties",

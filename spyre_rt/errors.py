@@ -70,3 +70,8 @@ class SpyreCompileError(SpyreError):
 
 class SpyrePlanCacheError(SpyreError):
     """A plan cache file is corrupt, truncated, of another version or not a plan file."""
+
+
+class SpyreGraphError(SpyreError):
+    """A graph capture or replay was refused: eager work inside a capture, a replay after
+    the card was reset or after a static input was pointed at other memory."""

@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from . import tensors
+from . import graphs, tensors
 
 aten = torch.ops.aten
 
@@ -177,11 +177,14 @@ def _note(name: str) -> None:
 def run_on_cpu(op, *args, **kwargs):
     """Run `op` on the host with spyre arguments copied down and results copied up."""
     sc = _schema(op)
-    _note(sc.name)
     if sc.is_view:
         view = _view_on_meta(op, args, kwargs)
         if view is not None:
+            _note(sc.name)
             return view
+    if graphs.capturing:
+        graphs.refuse(f"{sc.name} (no device kernel: it runs on the CPU)")
+    _note(sc.name)
     device = _device_of(args, kwargs)
     call = _Call(device)  # on a timing-mode card the inputs read as zeros
     read_ids = {id(a) for a in args}

@@ -41,7 +41,7 @@ class ResidentProgram:
             info = ffi.new("spy_job_info *")
             check(lib.spy_program_commit(card.handle, self.addr, info), f"committing {name or 'a program'}")
         except BaseException:
-            card.free(self.addr, self.epoch)
+            self.free()  # and forget the address: __del__ must not free it again
             raise
         self.info = info
         self.nslots = int(info.nslots)

@@ -16,8 +16,8 @@ import warnings
 import torch
 
 from . import card as cards
-from . import config, dispatch, dtypes
-from .errors import SpyreError
+from . import config, dispatch, dtypes, graphs
+from .errors import SpyreError, SpyreGraphError, SpyreOutOfMemoryError
 from .layout import StickLayout, layout_for, registry, storage_numel
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
@@ -54,6 +54,8 @@ def device_index(device) -> int:
 def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None, card=None) -> torch.Tensor:
     """A new device tensor with the given geometry (uninitialised), on `card` if given (a
     card of any card set) or else on `device` of the current card set."""
+    if graphs.capturing:
+        graphs.refuse("allocating a spyre tensor")
     dtype = dtype or torch.get_default_dtype()
     dtypes.of(dtype)  # rejects unsupported dtypes with a clear error
     if card is None:
@@ -84,6 +86,55 @@ def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtyp
     except BaseException:
         lib.spy_dlpack_release(managed)
         raise
+
+
+def empty_many(card, specs) -> list[torch.Tensor]:
+    """New device tensors on `card`, one per (sizes, strides, dtype) of `specs`, with one
+    native call (``spy_dlpack_new_many``: allocations, layout records and DLPack wrappers
+    together, all or nothing). The storage of each has the layout :func:`empty_strided`
+    would give it."""
+    n = len(specs)
+    if not n:
+        return []
+    stick = card.profile.stick_bytes
+    layouts = ffi.new("spy_layout[]", n)
+    descs = ffi.new("spy_dlpack_tensor[]", n)
+    keep, made = [], []
+    for i, (sizes, strides, dtype) in enumerate(specs):
+        sizes, strides = [int(x) for x in sizes], [int(x) for x in strides]
+        layout = layout_for(sizes, strides, storage_numel(sizes, strides), dtype.itemsize, stick)
+        made.append(layout)
+        layouts[i].rows, layouts[i].row_len = layout.rows, layout.row_len
+        layouts[i].itemsize, layouts[i].stick_bytes = layout.itemsize, layout.stick_bytes
+        shape, stride = ffi.new("int64_t[]", sizes or [0]), ffi.new("int64_t[]", strides or [0])
+        keep += (shape, stride)
+        code, bits = dtypes.of(dtype).dlpack
+        descs[i].shape, descs[i].strides, descs[i].ndim = shape, stride, len(sizes)
+        descs[i].code, descs[i].bits = code, bits
+    addrs = ffi.new("uint64_t[]", n)
+    out = ffi.new("void *[]", n)
+    status = lib.spy_dlpack_new_many(card.handle, n, layouts, descs, KDL_EXT_DEV, addrs, out)
+    if status == lib.SPY_E_OOM:
+        free = card.mem_stats()["free"]
+        need = sum(layout.nbytes for layout in made)
+        raise SpyreOutOfMemoryError(
+            f"{error_for(status, f'spyre:{card.index}')} (requested {need} bytes in {n} tensors, {free} bytes "
+            f"free on spyre:{card.index}; free tensors or call torch.spyre.empty_cache())",
+            requested=need, free=free)
+    if status != lib.SPY_OK:
+        raise error_for(status, f"allocating {n} tensors on spyre:{card.index}")
+    result = []
+    try:
+        for i in range(n):
+            registry.register(int(addrs[i]), made[i])
+            capsule = _capsule_new(int(ffi.cast("uintptr_t", out[i])), b"dltensor", None)
+            result.append(torch._C._from_dlpack(capsule))
+            out[i] = ffi.NULL  # the tensor owns it from here: its deleter frees the allocation
+    finally:
+        for i in range(n):
+            if out[i] != ffi.NULL:
+                lib.spy_dlpack_release(out[i])
+    return result
 
 
 def geometry(t: torch.Tensor) -> tuple[cards.Card, ViewGeometry, int]:
@@ -132,6 +183,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     A timing-mode card keeps no data: the transfer is still made (and timed) and the
     values are zeros, with a one-time SpyreTimingModeWarning."""
     global _warned_timing
+    if graphs.capturing:
+        graphs.refuse("reading a spyre tensor on the host")
     card, view, base = geometry(t)
     if view.layout.itemsize != t.element_size():
         out = _reinterpreted(t, _storage_to_host(card, view.layout, base)).clone()
@@ -149,6 +202,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def upload(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy a CPU tensor into a spyre tensor (broadcasting and converting like copy_)."""
+    if graphs.capturing:
+        graphs.refuse("copying host data to a spyre tensor")
     card, view, base = geometry(dst)
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
@@ -185,6 +240,8 @@ def _reinterpreted(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` where at least one side is on spyre."""
+    if graphs.capturing and (g := graphs.recording()) is not None:
+        return g.record_copy(dst, src)
     src_spyre, dst_spyre = src.device.type == "spyre", dst.device.type == "spyre"
     if src_spyre and dst_spyre:
         # Device to device: through host staging, which also makes overlapping views safe.
@@ -194,6 +251,48 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     else:
         dst.copy_(to_host(src))
     return dst
+
+
+def _dense(sizes, strides) -> bool:
+    """Whether a view with these sizes and strides covers its elements once each, densely."""
+    expect = 1
+    for size, stride in sorted((d for d in zip(sizes, strides, strict=True) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def copy_plan(dst: torch.Tensor, src: torch.Tensor):
+    """A device-to-device copy as a graph plan (for a graph capture): (card, plan, binding
+    table). The card copies bytes, so both sides must be whole storages of one layout seen
+    the same way; anything else is a clear error."""
+    from .construct import copy as copies
+    from .construct.context import BuildContext, Target
+    from .plan import GraphPlan, PlanJob, encode
+
+    if src.device.type != "spyre" or dst.device.type != "spyre":
+        host = src if src.device.type != "spyre" else dst
+        raise SpyreGraphError(f"a copy between {host.device} and spyre inside a spyre graph capture: a capture "
+                              "records device-to-device copies only (copy host data in before capturing)")
+    card, view_d, base_d = geometry(dst)
+    card_s, view_s, base_s = geometry(src)
+    if card_s is not card:
+        raise SpyreGraphError(f"a copy between {src.device} and {dst.device} inside a spyre graph capture: a capture "
+                              "uses one card")
+    if (src.dtype != dst.dtype or view_s != view_d or view_d.offset or dst.numel() != view_d.layout.numel
+            or not _dense(view_d.sizes, view_d.strides)):
+        raise SpyreGraphError(
+            "a capture records copies between whole tensors of one dtype, shape, strides and storage layout "
+            f"(here {tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}); copy into a tensor "
+            "made like the source (torch.empty_like) before capturing")
+    layout = view_d.layout
+    ctx = BuildContext(Target.from_profile(card.profile), {"src": layout, "dst": layout})
+    copies.build(ctx, [copies.Copy("src", 0, "dst", 0, layout.nbytes)])
+    relocs = tuple((0 if name == "src" else 1, 0) for name in ctx.buffers())
+    name = f"graph copy {tuple(dst.shape)}"
+    plan = GraphPlan(card, encode([PlanJob(ctx.encode(), relocs, name)], 2, card.intern), name)
+    return card, plan, ffi.new("uint64_t[]", [base_s, base_d])
 
 
 def fill(dst: torch.Tensor, value) -> torch.Tensor:

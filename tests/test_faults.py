@@ -145,6 +145,20 @@ def test_raw_program_dma_fault_stops_the_job_and_the_next_launch_copies(card):
     card.free(dst)
 
 
+def test_a_program_whose_upload_failed_frees_its_memory_once(card):
+    """A fault in a program's upload frees its allocation; the program's finalizer must
+    not free that address again, when another allocation may hold it."""
+    blob = matmul_program()
+    card.fault_inject("dma", 0)  # the upload's first DMA fails
+    with pytest.raises(SpyreDMAError) as e:  # its traceback keeps the failed program alive
+        jobs.ResidentProgram(card, blob, "mm")
+    other = jobs.ResidentProgram(card, blob, "mm")  # takes the freed address
+    del e
+    gc.collect()  # the failed program's finalizer runs
+    other.launch([])  # its program is still committed and resident
+    other.free()
+
+
 def test_raw_program_on_a_lost_card_every_call_fails_until_reset(card):
     n = 4096
     src, dst = card.malloc(n), card.malloc(n)

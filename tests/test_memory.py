@@ -22,13 +22,15 @@ def test_memory_follows_tensor_lifetimes():
 
 def test_peak_reserved_and_empty_cache():
     torch.spyre.reset_peak_memory_stats()
+    torch.spyre.empty_cache()
     base = torch.spyre.memory_allocated()
+    reserved = torch.spyre.memory_reserved()  # what live tensors and compiled steps' pools hold
     t = torch.empty(1 << 20, dtype=torch.uint8, device="spyre")
     assert torch.spyre.max_memory_allocated() >= base + (1 << 20)
     del t
-    assert torch.spyre.memory_reserved() >= (1 << 20)  # kept for reuse
+    assert torch.spyre.memory_reserved() >= reserved + (1 << 20)  # kept for reuse
     torch.spyre.empty_cache()
-    assert torch.spyre.memory_reserved() < (1 << 20)
+    assert torch.spyre.memory_reserved() <= reserved
 
 
 def test_out_of_memory_is_a_torch_oom_naming_sizes(small_profile_path):

@@ -4,6 +4,7 @@ import io
 import json
 
 import pytest
+import torch
 from rich.console import Console
 
 from spyre_rt import card as cards
@@ -88,6 +89,37 @@ def test_every_mode_runs_the_same_device_commands(cli_run):
         # both construct modes upload each kernel's program before running it (a job each);
         # a plan's programs are resident, so it runs the kernels alone
         assert jobs["construct"] == jobs["prebuilt-transfer"] > jobs["prebuilt"]
+    # a replay runs the prebuilt plans; its prefill uploads the prompt alone (the positions
+    # stay on the card), the compiled call uploads both
+    decode = {mode: out["results"][mode]["phases"]["decode"]["jobs"] for mode in runmod.MODES}
+    assert decode["replay"] == decode["prebuilt"]
+    prefill = {mode: out["results"][mode]["phases"]["prefill"]["jobs"] for mode in runmod.MODES}
+    assert prefill["replay"] == prefill["prebuilt"] - 1
+
+
+def test_the_decode_loop_keeps_the_token_on_the_card(cli_run):
+    """Prebuilt and replay decode steps are one native call each (the phase's closing
+    synchronize is the one more): no upload of the token, no download of the logits."""
+    _, out, _ = cli_run
+    for mode in ("prebuilt", "replay"):
+        f = out["results"][mode]["phases"]["decode"]
+        assert f["native_calls"] == f["steps"] + 1, mode
+
+
+def test_replay_picks_the_tokens_the_compiled_calls_pick():
+    """A functional run in each mode (replay between and after compiled calls) leaves the
+    same last token and position on the card."""
+    session = runmod.Session(runmod.Options(model="granite-tiny", seq=8, decode_steps=3, layers=2,
+                                            sim_mode="functional"))
+    tokens = {}
+    for mode in ("construct", "prebuilt", "replay", "prebuilt", "replay"):
+        session.run(mode)
+        with session.active():
+            tokens.setdefault(mode, []).append((session.tok.cpu(), session.tok_pos.cpu()))
+    assert tokens["replay"][0][1].item() == 8 + 3  # the position the next step would write
+    for mode, got in tokens.items():
+        for tok, pos in got:
+            assert torch.equal(tok, tokens["construct"][0][0]) and torch.equal(pos, tokens["construct"][0][1]), mode
 
 
 def test_the_trace_of_a_run_loads_and_views(cli_run, capsys):
@@ -280,7 +312,7 @@ def test_compare_works_on_two_real_run_outputs(cli_run, other_run, capsys):
     speedup = next(d for d in cmp.speedups if d.name == "prebuilt.decode")
     spread = out["spread"]["speedups"]["prebuilt"]["decode"]
     assert speedup.spread_a == (spread["min"], spread["max"])
-    assert set(cmp.modes) == {"construct", "prebuilt-transfer", "prebuilt"}
+    assert set(cmp.modes) == set(runmod.MODES)
 
 
 def test_cache_inspect_shows_the_kernel_info_a_plan_file_carries(tmp_path, capsys):

@@ -1,8 +1,9 @@
 """A compiled step on one card for one input geometry: its memory, segments and plans.
 
 Bindings: a call binds the arena of intermediates (binding 0), every input and constant,
-and a fresh buffer per output; each kernel's buffers are relocated against them
-(``relocs``: name -> (binding, byte offset)).
+and a buffer per output; each kernel's buffers are relocated against them (``relocs``:
+name -> (binding, byte offset)). The arena and output buffers of a call are a slot
+(:class:`_Slot`), pooled and reused once its outputs are released.
 
 Inputs a step mutates are all-or-nothing. The step's first job copies every byte range a
 mutated input covers into the arena (a snapshot, on the card: loads and stores through the
@@ -20,6 +21,7 @@ the plan cache when it has them), never touching the addresses the old ones had.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -41,6 +43,7 @@ from .segments import Call, DeviceSegment, cut
 from .stats import stats
 
 ARENA = 0  # binding 0 is the arena of intermediates
+POOLED = 4  # slots an executable keeps for reuse (a loop that holds its last output needs 2)
 SNAPSHOT = "<snapshot>"  # the job that saves the mutated inputs (see the module docstring)
 RESTORE = "<restore>"
 
@@ -80,8 +83,10 @@ class Executable:
         # again at every launch; what construct mode repeats is building the job graph
         self._tilings: dict[str, object] = {}
         self._plans: tuple[int, list] | None = None  # (reset epoch, plans)
-        self._arenas: list[tuple[int, object, int]] = []
-        self._arena_lock = threading.Lock()
+        self._slots: list[_Slot] = []  # the memory of calls, pooled (see take_slot)
+        self._slot_lock = threading.Lock()
+        self._all_fresh = all(isinstance(o, tuple) and o[0] for o in self._outputs)
+        self._one_plan = len(self.segments) == 1 and isinstance(self.segments[0], DeviceSegment)
         self._plan_lock = threading.Lock()
 
     # ---- names ----
@@ -198,56 +203,123 @@ class Executable:
         return made[1]
 
     # ---- running ----
-    def _take_arena(self, epoch: int) -> tuple[int, object, int]:
-        """An arena of the card's reset epoch `epoch` for one call, with the binding table
-        that goes with it. Pooled arenas of an older epoch were dropped by the reset: they
-        are forgotten, not freed (their addresses may belong to others now)."""
-        with self._arena_lock:
-            while self._arenas:
-                taken = self._arenas.pop()
-                if taken[2] == epoch:
-                    return taken
-        arena = self.card.malloc(max(self.arena_bytes, 1))
+    def new_slot(self, epoch: int) -> _Slot:
+        """The memory of one call, made in the card's reset epoch `epoch`: the arena, the
+        output storages (one native call for all of them) and the binding table that
+        points at them, with the output tensors handed to the caller made once."""
+        slot = self._make_slot(epoch)
+        slot.seal()  # here, where the slot alone refers to its tensors
+        return slot
+
+    def _make_slot(self, epoch: int) -> _Slot:
+        card = self.card
+        arena = card.malloc(max(self.arena_bytes, 1))
+        try:
+            outputs = tensors.empty_many(card, self._out_specs)
+        except BaseException:
+            card.free(arena, epoch)
+            raise
         table = ffi.new("uint64_t[]", len(self.binding_names))
         table[0] = arena
-        return arena, table, epoch
+        first = len(self.binding_names) - len(outputs)
+        for k, t in enumerate(outputs):
+            table[first + k] = t.untyped_storage().data_ptr()
+        fresh = []
+        for i, source in enumerate(self._outputs):
+            if isinstance(source, tuple) and source[0]:
+                _, k, delta, sizes, strides = source
+                t = outputs[k]
+                if tuple(t.shape) != tuple(sizes) or t.stride() != tuple(strides) or delta:
+                    t = torch.as_strided(t, sizes, strides, delta)
+                fresh.append((i, t))
+        return _Slot(card, epoch, arena, table, outputs, fresh)
 
-    def _give_arena(self, taken: tuple[int, object, int]) -> None:
-        with self._arena_lock:
-            self._arenas.append(taken)
+    def take_slot(self, epoch: int) -> _Slot:
+        """A pooled slot of epoch `epoch` whose outputs nobody holds any more, or a new one.
+        Slots of an older epoch were dropped by the reset: forgotten, never freed."""
+        with self._slot_lock:
+            slots = self._slots
+            for i in range(len(slots) - 1, -1, -1):  # the last given back first
+                slot = slots[i]
+                if slot.epoch == epoch and slot.released():
+                    return slots.pop(i)
+            if slots and any(slot.epoch != epoch for slot in slots):
+                self._slots = [slot for slot in slots if slot.epoch == epoch]
+        return self.new_slot(epoch)
 
-    def __del__(self):
-        for arena, _, epoch in getattr(self, "_arenas", ()):
-            try:
-                self.card.free(arena, epoch)
-            except Exception:
-                pass
+    def give_slot(self, slot: _Slot) -> None:
+        """Back to the pool, to be reused once the caller lets go of its outputs. The pool
+        keeps POOLED slots: past that, the oldest leaves it (its outputs stay the caller's,
+        and their memory goes when they die)."""
+        with self._slot_lock:
+            self._slots.append(slot)
+            if len(self._slots) > POOLED:
+                self._slots.pop(0)
 
-    def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None) -> list[torch.Tensor]:
-        card = self.card
-        outputs = [tensors.empty_strided(sizes, strides, dtype, card=card) for sizes, strides, dtype in self._out_specs]
-        epoch = card.epoch
-        taken = self._take_arena(epoch)
-        table = taken[1]
+    def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None,
+            slot: _Slot | None = None, binding=None, dynamic=()) -> list[torch.Tensor]:
+        """One call: binds `inputs` and the memory of a slot, runs the segments and returns
+        the outputs. The inputs' storage addresses are `bases` when the caller has them;
+        or, from a step's fast path, `binding` (an object whose ``bases`` are the addresses
+        of its calls, static inputs included) with the (index, address) of the inputs that
+        change per call in `dynamic`: a slot last bound by the same `binding` only has those
+        written. With a `slot` given (a graph capture), that slot is used and kept by the
+        caller."""
+        epoch = self.card.epoch
+        pooled = slot is None
+        if pooled:
+            slot = self.take_slot(epoch)
         try:
-            if bases is None:
-                bases = [t.untyped_storage().data_ptr() for t in inputs]
-            n = len(bases)
-            table[1: 1 + n] = bases
-            for k, t in enumerate(outputs):
-                table[1 + n + k] = t.untyped_storage().data_ptr()
-            self._run_segments(Call(self, table, mode, epoch))
+            table = slot.table
+            if binding is None:
+                if bases is None:
+                    bases = [t.untyped_storage().data_ptr() for t in inputs]
+                table[1: 1 + len(bases)] = bases
+                slot.bound = None
+            else:
+                if slot.bound is not binding:
+                    table[1: 1 + len(binding.bases)] = binding.bases
+                    slot.bound = binding
+                for i, base in dynamic:
+                    table[1 + i] = base
+            made = self._plans
+            if self._one_plan and mode == "prebuilt" and made is not None and made[0] == epoch:
+                self._launch_one(made[1][0], table)
+            else:
+                self._run_segments(Call(self, table, mode, epoch))
+            # made before the slot goes back: the references in it mark the outputs held
+            result = list(slot.results) if self._all_fresh else self._results(slot, inputs)
         finally:
-            self._give_arena(taken)
-        result = []
-        for source in self._outputs:
-            if source is None or isinstance(source, int):
-                result.append(source)
-                continue
-            fresh, k, delta, sizes, strides = source
-            t = outputs[k] if fresh else inputs[k]
-            result.append(torch.as_strided(t, sizes, strides, delta if fresh else delta + t.storage_offset()))
+            if pooled:
+                self.give_slot(slot)
         return result
+
+    def _results(self, slot: _Slot, inputs: list) -> list:
+        result = [None] * len(self._outputs)
+        for i, t in slot.fresh:
+            result[i] = t
+        for i, source in enumerate(self._outputs):
+            if source is None or isinstance(source, int):  # None, or a size the graph returns
+                result[i] = source
+            elif not source[0]:  # a view of an input
+                _, k, delta, sizes, strides = source
+                t = inputs[k]
+                result[i] = torch.as_strided(t, sizes, strides, delta + t.storage_offset())
+        return result
+
+    def _launch_one(self, plan, table) -> None:
+        """The whole step as one plan launch (a step of one device segment whose plan
+        exists): what `_run_segments` does for it, without its bookkeeping."""
+        try:
+            plan.launch(table)
+        except SpyreError as e:
+            named = self.segments[0].named(self, e)
+            # job 0 is the snapshot: a failure after it restores the mutated inputs
+            if self.snapshots and named.job > 0:
+                self._restore(table, "prebuilt")
+            if named is e:
+                raise
+            raise named from None
 
     def _run_segments(self, call: Call) -> None:
         saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
@@ -275,3 +347,63 @@ class Executable:
 
 def torch_dtype_of(b: Buffer) -> torch.dtype:
     return torch_dtype(b.dtype)
+
+
+_use_count = torch._C._storage_Use_Count
+
+
+class _Slot:
+    """The device memory of one call of an executable: its arena of intermediates, its
+    output storages and the binding table pointing at them; and the output tensors it
+    hands out, the same objects at every call that reuses it.
+
+    A slot is reused only once nobody outside it holds its outputs. That is detected the
+    way CUDA graph trees detect a released output, by reference counts, checked before
+    each reuse: every tensor handed out has the Python reference count it had when the
+    slot was made (the caller kept no reference to it); every output storage has the use
+    count it had then (no other tensor or view refers to it; torch's
+    ``_storage_Use_Count``); and the Python object of every output storage (torch keeps
+    one per storage, and ``t.untyped_storage()`` returns it) has its reference count.
+    Each tensor handed out must also still have the geometry it was made with (an
+    in-place metadata op such as ``t_()`` on a dropped output changes the object)."""
+
+    __slots__ = ("card", "epoch", "arena", "table", "outputs", "fresh", "results", "bound", "_storages", "_uses",
+                 "_refs", "_geometry", "__weakref__")
+
+    def __init__(self, card, epoch: int, arena: int, table, outputs: list, fresh: list):
+        self.card, self.epoch, self.arena, self.table = card, epoch, arena, table
+        self.outputs = outputs  # the base tensor of each output storage
+        self.fresh = fresh      # (output index, tensor handed out)
+        self.results = [t for _, t in fresh]
+        self.bound = None  # what bound the inputs in the table last (Executable.run)
+        self._storages = [t.untyped_storage() for t in outputs]  # keeps each _cdata valid
+        self._geometry = [(t.shape, t.stride(), t.storage_offset()) for t in self.results]
+
+    def seal(self) -> None:
+        """Record the reference counts of an unheld slot: call it where nothing but the slot
+        refers to its tensors."""
+        self._uses = [(s._cdata, _use_count(s._cdata)) for s in self._storages]
+        self._refs = self._refcounts()
+
+    def _refcounts(self) -> list[int]:
+        # torch keeps one Python object per storage: a caller holding `t.untyped_storage()`
+        # holds the object the slot keeps, so it shows in that object's count, not in uses
+        return [sys.getrefcount(t) for t in self.results] + [sys.getrefcount(s) for s in self._storages]
+
+    def released(self) -> bool:
+        """Whether the caller let go of every output handed out (see the class docstring)."""
+        if self._refcounts() != self._refs:
+            return False
+        for cdata, uses in self._uses:
+            if _use_count(cdata) != uses:
+                return False
+        for t, (shape, stride, offset) in zip(self.results, self._geometry, strict=True):
+            if t.shape != shape or t.stride() != stride or t.storage_offset() != offset:
+                return False
+        return True
+
+    def __del__(self):
+        try:
+            self.card.free(self.arena, self.epoch)
+        except Exception:
+            pass

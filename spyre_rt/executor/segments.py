@@ -38,13 +38,21 @@ class DeviceSegment:
                 exe.plans(call.epoch)[self.index].launch(call.table)
             else:
                 exe.construct_and_run(self.kernels, call.table, call.mode)
-        except SpyreIndexError as e:  # a bad index of the user's data: say which op read it
+        except SpyreError as e:
+            named = self.named(exe, e)
+            if named is e:
+                raise
+            raise named from None
+
+    def named(self, exe, e: SpyreError) -> SpyreError:
+        """The error to raise for `e`, raised by this segment's jobs: it names the segment,
+        and for a bad index of the user's data, the op that read it."""
+        if isinstance(e, SpyreIndexError):
             named = SpyreIndexError(f"{self._ops_of(exe, e.job)}: {e}", e.command)
             named.job, named.segment = e.job, self.index
-            raise named from None
-        except SpyreError as e:
-            e.segment = self.index
-            raise
+            return named
+        e.segment = self.index
+        return e
 
     def _ops_of(self, exe, job: int) -> str:
         if not 0 <= job < len(self.kernels) or self.kernels[job] not in exe.desc.kernels:

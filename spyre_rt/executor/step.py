@@ -5,8 +5,9 @@ an :class:`~spyre_rt.executor.executable.Executable`. A call that repeats the la
 takes a fast path: static inputs (parameters, static caches) are checked by identity, the
 others by layout, offset and card.
 
-Outputs are fresh device tensors on every call, so a later call never overwrites what an
-earlier one returned.
+Outputs come from memory the executable pools (its slots), reused only once the caller has
+let go of them, so a later call never overwrites what an earlier one returned and is still
+held. Inside a graph capture (:mod:`spyre_rt.graphs`) a call is recorded instead.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import weakref
 
 import torch
 
-from .. import aten, config, tensors
+from .. import aten, config, graphs, tensors
 from .. import card as cards
 from ..dispatch import override
-from ..errors import SpyreError
+from ..errors import SpyreError, SpyreGraphError
 from ..kernels import StepDesc, from_json, to_json
 from ..layout import registry
 from . import memory
@@ -80,12 +81,51 @@ class CompiledStep:
         args.clear()  # boxed calling convention: drop the caller's references early
         if self.desc.constants:
             inputs += [module_globals[name] for name in self.desc.constants]
+        if graphs.capturing and (g := graphs.recording()) is not None:
+            return self._capture(g, inputs)
         fast = self._fast
         if fast is not None:
             outs = fast.run(inputs, override() or self.default_mode)
             if outs is not None:
                 return outs
         return self._call(inputs)
+
+    def _capture(self, g, inputs: list):
+        """A call inside a graph capture: run in ``prebuilt`` dispatch with memory the
+        graph keeps, and recorded for its replays."""
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "spyre":
+                g._failed = True
+                raise SpyreGraphError(
+                    f"input {i} of a compiled step inside a spyre graph capture is on {t.device}: a replay reads "
+                    "static spyre tensors (copy the values into one before capturing, and copy_() new ones into it)")
+        try:
+            card, geometry = self._geometry(inputs)
+        except BaseException:
+            g._failed = True
+            raise
+        exe = self.executable(card, tuple(geometry))
+        return g.record_step(exe, inputs, [t.untyped_storage().data_ptr() for t in inputs])
+
+    def _geometry(self, inputs: list, card: cards.Card | None = None) -> tuple:
+        """The card of a call whose inputs are all on it (`card` when the caller knows it),
+        and their geometry."""
+        device = inputs[0].device if inputs else torch.device("spyre", tensors.current_device())
+        if card is None:
+            card = tensors.card_of(inputs[0]) if inputs else cards.get(device.index)
+        geometry = []
+        for t in inputs:
+            if t.device != device:
+                raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
+            base = t.untyped_storage().data_ptr()
+            layout = registry.get(base)
+            if layout is None:
+                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
+            if cards.owner(base) is not card:
+                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
+                                 "sets, spyre_rt.configure); use one card")
+            geometry.append((layout, t.storage_offset()))
+        return card, geometry
 
     def _call(self, inputs: list):
         spyre_in = [t for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "spyre"]
@@ -101,16 +141,7 @@ class CompiledStep:
                 inputs[i] = tensors.to_card(t, card)
             elif t.device != device:
                 raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
-        geometry = []
-        for t in inputs:
-            base = t.untyped_storage().data_ptr()
-            layout = registry.get(base)
-            if layout is None:
-                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
-            if cards.owner(base) is not card:
-                raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
-                                 "sets, spyre_rt.configure); use one card")
-            geometry.append((layout, t.storage_offset()))
+        _, geometry = self._geometry(inputs, card)
         exe = self.executable(card, tuple(geometry))
         if not host_inputs and not self.desc.host_outputs:
             self._fast = _FastPath(self, exe, inputs, geometry)
@@ -138,20 +169,23 @@ class _FastPath:
         self.window = exe.card.instance  # dynamic inputs must be in the card's address window
         self.device = inputs[0].device if inputs else None
         self.n = len(inputs)
-        self.static_idx = [i for i in range(len(inputs)) if i in static]
+        static_idx = [i for i in range(len(inputs)) if i in static]
         # Holding the static tensors keeps their storages alive (and their ids unique): the
         # same objects with no storage swap since (aten.storage_swaps) have the same memory.
-        self.statics = [inputs[i] for i in self.static_idx]
+        self.statics = tuple(inputs[i] for i in static_idx)
+        self.pick = _picker(static_idx)
         self.swaps = aten.storage_swaps
         self.dynamic = [(i, geometry[i]) for i in range(len(inputs)) if i not in static]
+        # every input's address at this call: the static ones stay (Executable.run binds
+        # them once per slot), the dynamic ones are replaced at each call
         self.bases = [t.untyped_storage().data_ptr() for t in inputs]
 
     def run(self, inputs: list, mode: str):
         if id(cards.card_set()) != self.card_set or len(inputs) != self.n or aten.storage_swaps != self.swaps:
             return None
-        if not all(map(operator.is_, [inputs[i] for i in self.static_idx], self.statics)):
+        if not all(map(operator.is_, self.pick(inputs), self.statics)):
             return None
-        bases = list(self.bases)
+        dynamic = []
         window = self.window
         for i, geo in self.dynamic:
             t = inputs[i]
@@ -160,5 +194,15 @@ class _FastPath:
             base = t.untyped_storage().data_ptr()
             if (registry.get(base), t.storage_offset()) != geo or cards.window_of(base) != window:
                 return None
-            bases[i] = base
-        return self.exe.run(inputs, mode, bases)
+            dynamic.append((i, base))
+        return self.exe.run(inputs, mode, binding=self, dynamic=dynamic)
+
+
+def _picker(idx: list[int]):
+    """A function from a list to the tuple of its elements at `idx`."""
+    if len(idx) >= 2:
+        return operator.itemgetter(*idx)
+    if idx:
+        i = idx[0]
+        return lambda seq: (seq[i],)
+    return lambda seq: ()

@@ -212,7 +212,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=2, metavar="N",
                    help="measured runs per mode, interleaved across modes; medians are reported (default 2)")
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
-                   help="dispatch modes to compare (default: construct,prebuilt-transfer,prebuilt)")
+                   help="modes to compare: the dispatch modes and replay, the prebuilt plans driven by "
+                        "captured graphs (default: construct,prebuilt-transfer,prebuilt,replay)")
     sim = p.add_mutually_exclusive_group()
     sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
                      help="compute every value on the card (slow for full-size models)")

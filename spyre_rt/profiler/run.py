@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.resources
 import math
@@ -37,7 +38,10 @@ from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+DISPATCH = ("construct", "prebuilt-transfer", "prebuilt")  # the three dispatch modes
+# and "replay": the prebuilt plans driven by captured graphs (torch.spyre.graph), prefill and
+# decode each one replay
+MODES = (*DISPATCH, "replay")
 PHASES = ("prefill", "decode")
 FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
 
@@ -237,22 +241,62 @@ class Session:
             # for nothing).
             return model(ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
 
-        self.forward = torch.compile(forward, backend="spyre_rt", fullgraph=True, dynamic=False)
+        # The greedy loop keeps the next token on the card, as a serving loop would: each
+        # step picks it there (argmax) and writes it, with its position, into the tensors
+        # the next decode step reads; the host never sees it.
+        def prefill(ids, pos, tok, tok_pos):
+            logits = forward(ids, pos)
+            tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            tok_pos.copy_(pos[:, -1:] + 1)
+            return logits
+
+        def decode(tok, pos):
+            logits = forward(tok, pos)
+            tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            pos.add_(1)
+            return logits
+
+        compile_ = functools.partial(torch.compile, backend="spyre_rt", fullgraph=True, dynamic=False)
+        self.forward = compile_(forward)
+        self._prefill, self._decode = compile_(prefill), compile_(decode)
         self.prompt = torch.randint(0, cfg.vocab_size, (opts.batch, opts.seq))
+        self.tok = torch.zeros(opts.batch, 1, dtype=torch.long, device="spyre")
+        self.tok_pos = torch.zeros(opts.batch, 1, dtype=torch.long, device="spyre")
+        self._graphs = None  # (prompt ids, positions, prefill graph, decode graph): replay mode
 
     def prefill(self):
+        """A prefill of the prompt; it leaves the first token on the card."""
         opts = self.opts
         with self.active():
             ids = self.prompt.to("spyre")
             pos = torch.arange(opts.seq).expand(opts.batch, opts.seq).to("spyre")
-            return self.forward(ids, pos)
+            return self._prefill(ids, pos, self.tok, self.tok_pos)
 
-    def decode_step(self, logits, step: int):
-        last = logits[:, -1].cpu()  # the host picks the next token (greedy)
-        tok = last.float().argmax(-1, keepdim=True)
-        pos = torch.full((self.opts.batch, 1), self.opts.seq + step, dtype=torch.long)
+    def decode_step(self):
+        """One decode step of the token on the card; it leaves the next one there."""
         with self.active():
-            return self.forward(tok.to("spyre"), pos.to("spyre"))
+            return self._decode(self.tok, self.tok_pos)
+
+    def graphs(self):
+        """The prefill and a decode step captured (torch.spyre.graph), made once: the
+        replay mode's. Its prompt lives in a static tensor that each run fills."""
+        if self._graphs is None or self._graphs[2].stale():
+            opts = self.opts
+            with self.active(), torch.no_grad(), dispatch_mode("prebuilt"):
+                ids = self.prompt.to("spyre")
+                pos = torch.arange(opts.seq).expand(opts.batch, opts.seq).to("spyre")
+                # compiled before the capture; every prefill on an empty cache, as a run's
+                self.cache.reset()
+                self._prefill(ids, pos, self.tok, self.tok_pos)
+                self._decode(self.tok, self.tok_pos)
+                self.cache.reset()
+                prefill, decode = torch.spyre.SpyreGraph(), torch.spyre.SpyreGraph()
+                with torch.spyre.graph(prefill):
+                    self._prefill(ids, pos, self.tok, self.tok_pos)
+                with torch.spyre.graph(decode):
+                    self._decode(self.tok, self.tok_pos)
+            self._graphs = (ids, pos, prefill, decode)
+        return self._graphs
 
     def run(self, mode: str, trace: str | None = None, decode_steps: int | None = None) -> dict:
         """One prefill and `decode_steps` decode steps in `mode` (the cache reset first).
@@ -261,13 +305,25 @@ class Session:
         span around it; :attr:`marks` then holds each phase's range of trace events."""
         decode_steps = self.opts.decode_steps if decode_steps is None else decode_steps
         self.marks: dict[str, tuple[int, int]] = {}
-        with torch.no_grad(), dispatch_mode(mode), self.active():
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        replay = self.graphs() if mode == "replay" else None
+        with torch.no_grad(), dispatch_mode("prebuilt" if replay else mode), self.active():
             self.cache.reset()
-            with self._phase("prefill", mode, trace) as pre:
-                logits = self.prefill()
-            with self._phase("decode", mode, trace) as dec:
-                for step in range(decode_steps):
-                    logits = self.decode_step(logits, step)
+            if replay:
+                ids, _, prefill, decode = replay
+                with self._phase("prefill", mode, trace) as pre:
+                    ids.copy_(self.prompt)  # the prompt's upload, as the other modes' prefill makes
+                    prefill.replay()
+                with self._phase("decode", mode, trace) as dec:
+                    for _ in range(decode_steps):
+                        decode.replay()
+            else:
+                with self._phase("prefill", mode, trace) as pre:
+                    self.prefill()
+                with self._phase("decode", mode, trace) as dec:
+                    for _ in range(decode_steps):
+                        self.decode_step()
         steps = max(1, decode_steps)
         d = dec.figures()
         return {
@@ -329,11 +385,11 @@ def speedups_of(results: dict) -> dict:
 def compute_share_of(results: dict) -> dict:
     """The share of the whole gain (construct -> prebuilt) made by moving construction off
     the compute path (prebuilt-transfer -> prebuilt)."""
-    if not all(m in results for m in MODES):
+    if not all(m in results for m in DISPATCH):
         return {}
     out = {}
     for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
-        c, t, p = (results[m][key] for m in MODES)
+        c, t, p = (results[m][key] for m in DISPATCH)
         out[phase] = (t - p) / (c - p) if c != p else float("nan")
     return out
 
@@ -389,8 +445,8 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         progress.update(task, description=f"compiling {session.profile.name} (prefill and decode graphs)")
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = session.prefill()
-            session.decode_step(logits, 0)
+            session.prefill()
+            session.decode_step()
         timings["compile_s"] = time.perf_counter() - t0
         progress.update(task, total=1, completed=1)
         runs = progress.add_task("measuring", total=(1 + opts.repeats) * len(opts.modes))
@@ -592,7 +648,7 @@ def _gains_table(out: dict):
     for col in ("figure", "measured", f"spread, {n} runs", "published", "difference"):
         t.add_column(col, justify="left" if col == "figure" else "right")
     rows = []
-    for mode in ("prebuilt-transfer", "prebuilt"):
+    for mode in ("prebuilt-transfer", "prebuilt", "replay"):
         for phase in PHASES:
             if mode in sp:
                 pub = ref["speedups"].get(mode, {}).get(phase) if ref else None

@@ -254,3 +254,29 @@ def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
     assert torch.equal(got["o1"], want1), f"{tiling}: first output off"
     assert torch.equal(got["o2"], want2), f"{tiling}: second output off"
     assert torch.equal(got["p"], p.values), "the product was stored"
+
+
+# ---- one load per tile ------------------------------------------------------------------------
+
+def rms_norm_residual(x, r, w):
+    h = x + r
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w, h * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_a_kernel_loads_each_tile_once(dtype):
+    """The kernel's nodes (the sum of squares, the scaling, the scaled residual) each load
+    x and r: one load of each."""
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(37, 200, dtype=dtype, generator=g), torch.randn(37, 200, dtype=dtype, generator=g),
+            torch.randn(200, dtype=dtype, generator=g))
+    out, desc = _compile_and_run(rms_norm_residual, args, fuse=True)
+    (k,) = _loops(desc)
+    loads = [(o.access, o.dtype) for o in k.ops if o.op == "load"]
+    assert len(loads) == len(set(loads)) == 3
+    want = rms_norm_residual(*(a.float() for a in args))
+    tol = 1e-2 if dtype == torch.float16 else 1e-5
+    for mode in MODES:
+        for a, b in zip(out[mode], want, strict=True):
+            torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
+        assert all(_same_bits(a, b) for a, b in zip(out[mode], out["prebuilt"], strict=True))

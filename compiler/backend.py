@@ -129,6 +129,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "dispatch": settings.dispatch,
         "cpu_fallback": settings.cpu_fallback,
         "compute_dtype": settings.compute_dtype,
+        "fuse_epilogues": settings.fuse_epilogues,
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),
     }

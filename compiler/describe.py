@@ -537,11 +537,37 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
             out_ops.append(Op(rid, op, args, rec.get("dtype", ""), None, attrs))
         for rid, masks in masks_of.items():
             _restrict_masked_load(out_ops, rid, masks, canon, buffers)
+    out_ops = _one_load_per_access(out_ops)
     used = {a for o in out_ops for a in o.args} | {a.access.ind[i][0] for a in out_ops if a.access
                                                   for i in range(len(a.access.ind))}
     kept = [o for o in out_ops if o.op in ("store",) or o.id in used]
     return LoopKernel(name, tuple(canon), ncols, rnumel > 1, tuple(_prune(kept)),
                       tuple(buffers.values()), tuple(origins))
+
+
+def _one_load_per_access(ops: list[Op]) -> list[Op]:
+    """Loads of the same elements (same access, box and dtype) as one load, its value used
+    by every reader: Inductor's nodes each load what they read (an RMSNorm reads its row
+    for the sum of squares and again to scale it), and each load is a transfer. A kernel
+    never reads a buffer it writes elsewhere than where it writes it, and a read where it
+    wrote is forwarded, so no store comes between two such loads."""
+    first: dict[tuple, str] = {}
+    rename: dict[str, str] = {}
+    out = []
+    for o in ops:
+        if rename:
+            acc = o.access
+            if acc is not None and acc.ind:
+                acc = dataclasses.replace(acc, ind=tuple((rename.get(i, i), c) for i, c in acc.ind))
+            o = dataclasses.replace(o, args=tuple(rename.get(a, a) for a in o.args), access=acc)
+        if o.op == "load":
+            key = (o.access, o.dtype)
+            if key in first:
+                rename[o.id] = first[key]
+                continue
+            first[key] = o.id
+        out.append(o)
+    return out
 
 
 def _prune(ops: list[Op]) -> list[Op]:

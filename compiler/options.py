@@ -13,6 +13,7 @@ from torch.utils._config_module import install_config_module
 dispatch: str = ""            # "" = SPYRE_RT_DISPATCH or the default (prebuilt)
 cpu_fallback: bool = True     # run ops the card cannot on the CPU (else SpyreCompileError)
 compute_dtype: str = "auto"   # auto | float16 | float32
+fuse_epilogues: bool = True   # pointwise kernels on a matmul's product become its epilogue
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 # FX nodes that run on the CPU because a kernel holding them could not be built for the card

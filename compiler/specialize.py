@@ -21,6 +21,7 @@ from spyre_rt.executor import CompiledStep
 from spyre_rt.kernels import StepDesc, from_json
 
 from .describe import RecordedKernel, Sym, describe, value
+from .fusion import fuse_epilogues
 
 
 def specialize(x, env: Mapping[str, int]):
@@ -73,6 +74,8 @@ class SymbolicStep:
                 step = self._steps.get(key)
                 if step is None:
                     concrete = specialize(dataclasses.replace(self.desc, symbols=()), env)
+                    if concrete.options.get("fuse_epilogues"):
+                        concrete = fuse_epilogues(concrete)
                     digest = hashlib.sha256(f"{self.digest}{key}".encode()).hexdigest()
                     step = self._steps[key] = CompiledStep(concrete, digest, family=(self.digest, dict(env)))
         return step

@@ -30,6 +30,7 @@ class Settings:
     cache_max_bytes: int = 2 << 30
     cpu_fallback: bool = True
     compute_dtype: str = "auto"            # auto (keep the model's dtype) | float16 | float32
+    fuse_epilogues: bool = True            # pointwise kernels on a matmul's product as its epilogue
     trace: bool = False
     trace_commands: bool = True
 
@@ -55,6 +56,7 @@ _ENV = {
     "SPYRE_RT_CACHE_MAX_BYTES": ("cache_max_bytes", int),
     "SPYRE_RT_CPU_FALLBACK": ("cpu_fallback", _bool),
     "SPYRE_RT_COMPUTE_DTYPE": ("compute_dtype", str),
+    "SPYRE_RT_FUSE_EPILOGUES": ("fuse_epilogues", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
 }
 

@@ -124,8 +124,30 @@ class LoopKernel:
 
 @description
 @dataclass(frozen=True)
+class Epilogue:
+    """Pointwise work a matmul does on each output tile before storing it: a pointwise
+    loop kernel that read the product (and nothing else did), folded into the matmul.
+
+    ``ops`` is an SSA body as a :class:`LoopKernel`'s, over the (batch, M, N) elements of
+    the product: ``product`` is the product rounded to the matmul's ``out_dtype`` (what the
+    loop kernel loaded), ``load`` reads ``inputs[attrs["input"]]`` and ``store`` writes
+    ``outputs[attrs["output"]]``; the views are (batch, M, N), a stride 0 where a view is
+    broadcast. The product itself is not stored."""
+
+    ops: tuple[Op, ...]
+    inputs: tuple[View, ...]
+    input_dtypes: tuple[str, ...]
+    outputs: tuple[View, ...]
+    output_dtypes: tuple[str, ...]
+    fused: str = ""          # the loop kernel it came from
+
+
+@description
+@dataclass(frozen=True)
 class MatmulKernel:
-    """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers."""
+    """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers.
+    With an ``epilogue``, ``out`` only names the product: the epilogue's stores are what
+    the kernel writes."""
 
     name: str
     a: tuple[str, int, tuple[int, ...], tuple[int, ...]]      # (buffer, offset, sizes, strides)
@@ -138,11 +160,15 @@ class MatmulKernel:
     buffers: tuple[Buffer, ...] = ()
     origins: tuple[str, ...] = ()
     module: str = ""
+    epilogue: Epilogue | None = None
 
     kind = "matmul"
 
     def views(self) -> list[View]:
-        return [v for v in (self.a, self.b, self.out, self.bias) if v is not None]
+        out = [v for v in (self.a, self.b, self.bias) if v is not None]
+        if self.epilogue is None:
+            return [*out, self.out]
+        return [*out, *self.epilogue.inputs, *self.epilogue.outputs]
 
 
 @description

@@ -64,7 +64,8 @@ def test_modes_give_identical_results_and_device_work():
     for m in MODES:
         assert torch.equal(outs[m], outs["construct"]), m
         assert results[m][1] == results["construct"][1], f"{m} ran other device commands"
-    assert len(results["construct"][1]) >= 5  # matmuls and fused pointwise kernels
+    # three matmuls (the SiLU·mul as the second's epilogue) and the softmax
+    assert len(results["construct"][1]) >= 4
 
 
 def _native_calls(card, fn, args, mode) -> int:

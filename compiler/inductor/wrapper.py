@@ -30,6 +30,7 @@ from spyre_rt.kernels import Buffer, CpuOp, StepDesc, to_json
 
 from ..describe import RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
+from ..fusion import fuse_epilogues
 from . import STATIC_INPUTS
 from .record import buffer_info, dtype_name, stored_buffer, stored_view, view_of
 
@@ -208,6 +209,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             host_outputs=self._host_outputs(),
         )
         _check_unused(read_back, step)
+        if step.options["fuse_epilogues"] and not _is_symbolic(step):
+            step = fuse_epilogues(step)  # a symbolic step's are fused once its sizes are known
         return step
 
     def _inputs(self) -> tuple[list, list]:
@@ -270,7 +273,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         from ..version import compiler_version
 
         return {"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
-                "compute_dtype": options.compute_dtype, "compiler_version": compiler_version()}
+                "compute_dtype": options.compute_dtype, "fuse_epilogues": options.fuse_epilogues,
+                "compiler_version": compiler_version()}
 
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)

@@ -17,6 +17,8 @@ which core does what, :mod:`.commands` makes the commands.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ... import dtypes
 from ..context import BuildContext
 from . import commands
@@ -47,6 +49,11 @@ def build_kernel(ctx: BuildContext, k, tiling: Tiling | None = None) -> Tiling:
     for dt in (k.in_dtype, k.out_dtype):
         if dt not in dtypes.MATMUL:
             raise NotImplementedError(f"matmul in {dt}")
+    ep = k.epilogue
+    if ep is not None:
+        ep = dataclasses.replace(ep, inputs=tuple(view(v) for v in ep.inputs),
+                                 outputs=tuple(view(v) for v in ep.outputs))
     spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
-                      bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0))
+                      bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
+                      epilogue=ep)
     return build(ctx, spec, tiling)

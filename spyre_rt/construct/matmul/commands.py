@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import dtypes
 from ...native import lib
 from ...program import (
     CMD_MM,
@@ -42,7 +43,10 @@ from ...program import (
     OPND_TILE,
     empty_cmds,
 )
+from .. import sfu as sfu_ops
 from ..context import BuildContext, ScratchpadPlan, round_up
+from ..sfu import TILE
+from . import epilogue
 from .dma import Patterns, dma_block
 from .graph import CommandGraph, Ops, unique_rows
 from .schedule import Schedule, Sharing, prev_alike
@@ -63,7 +67,7 @@ class Scratchpad:
         geo = sched.geometry
         tm, tn = int(geo.m_size.max()), int(geo.n_size.max())
         depth = int(geo.k_size.max(initial=1))
-        si, so = target.stick_bytes // p.e_in, target.stick_bytes // p.e_out
+        si = target.stick_bytes // p.e_in
         lx = ScratchpadPlan(target.scratchpad_bytes)
         self.a_pitch = round_up(tm, si) if p.trans_a else round_up(depth, si)
         self.b_pitch = round_up(depth, si) if p.trans_b else round_up(tn, si)
@@ -73,11 +77,25 @@ class Scratchpad:
         self.c_pitch = round_up(tn, 32)
         self.acc = lx.take(tm * self.c_pitch * 4)
         self.recv = lx.take(tm * self.c_pitch * 4) if t.pk > 1 else -1
-        self.s_pitch = round_up(tn, so)
-        self.stage = np.array([lx.take(tm * self.s_pitch * p.e_out) for _ in range(2)])
+        # the staging tiles of each stored tile (pitch, itemsize, two offsets): the product's,
+        # or an epilogue's outputs
+        self.outs = []
+        for e in p.e_stores:
+            pitch = round_up(tn, target.stick_bytes // e)
+            self.outs.append((pitch, e, np.array([lx.take(tm * pitch * e) for _ in range(2)])))
+        self.s_pitch, _, self.stage = self.outs[0]
         if spec.bias is not None:
             e_bias = ITEMSIZE.get(spec.bias_dtype, 4)
             self.bias = np.array([lx.take(round_up(tn, target.stick_bytes // e_bias) * e_bias) for _ in range(2)])
+        self.epi_in, self.temps = [], []
+        if spec.epilogue is not None:  # landing tiles (rows) of its inputs, its temporaries
+            ep, pl = spec.epilogue, epilogue.plan(spec.epilogue)
+            for dt, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True):
+                e = dtypes.ITEMSIZE[dt]
+                pitch = round_up(tn, target.stick_bytes // e)
+                rows = tm if kind == TILE else 1
+                self.epi_in.append((pitch, e, np.array([lx.take(rows * pitch * e) for _ in range(2)])))
+            self.temps = [lx.take(tm * self.c_pitch * pl.temp_itemsize) for _ in range(pl.ntemps)]
         self.peak = lx.top  # bytes of each core's scratchpad the program holds
 
 
@@ -94,6 +112,7 @@ class _Builder:
         self.ctx, self.spec, self.p, self.t = ctx, spec, p, t
         self.sched = Schedule.of(ctx.target, p, t)
         self.lx = Scratchpad(ctx, spec, p, t, self.sched)
+        self.plan = epilogue.plan(spec.epilogue) if spec.epilogue is not None else None
         self.g = CommandGraph()
         tasks, uses = self.sched.tasks, self.sched.uses
         steps = self.sched.geometry.steps
@@ -268,15 +287,17 @@ class _Builder:
         if len(radd):
             adds = self.sched.reduction.last_add[roots]
             self.g.depend(sfus, radd[np.maximum(adds, 0)], keep=adds >= 0)
-        if spec.bias is not None:
-            bias = self._bias_loads(roots, slot, key)
-            self.g.depend(sfus, bias)
-            self.g.depend(bias, sfus[np.maximum(prev2, 0)], keep=prev2 >= 0)  # its row was read
-        stores = self._stores(roots, slot, key)
-        self.g.depend(stores, sfus)
-        self.g.depend(sfus, stores[np.maximum(prev2, 0)], keep=prev2 >= 0)  # staging tile free
-        if len(mm):
-            self._pace(stores, roots, mm)
+        loads = [self._bias_loads(roots, slot, key)] if spec.bias is not None else []
+        loads += [self._epilogue_loads(roots, slot, key, i) for i in range(len(self.lx.epi_in))]
+        for ld in loads:
+            self.g.depend(sfus, ld)
+            self.g.depend(ld, sfus[np.maximum(prev2, 0)], keep=prev2 >= 0)  # its tile was read
+        for o in range(len(self.lx.outs)):
+            stores = self._stores(roots, slot, key, o)
+            self.g.depend(stores, sfus)
+            self.g.depend(sfus, stores[np.maximum(prev2, 0)], keep=prev2 >= 0)  # staging tile free
+            if len(mm):
+                self._pace(stores, roots, mm)
         return sfus
 
     def _pace(self, stores: Ops, roots: np.ndarray, mm: Ops) -> None:
@@ -309,14 +330,29 @@ class _Builder:
                                        self.lx.bias[slot], load=True)
         return self.g.add(cmds, key + BIAS, first, count)
 
-    def _stores(self, roots: np.ndarray, slot: np.ndarray, key: np.ndarray) -> Ops:
-        tasks, o, p = self.sched.tasks, self.spec.out, self.p
+    def _epilogue_loads(self, roots: np.ndarray, slot: np.ndarray, key: np.ndarray, i: int) -> Ops:
+        """Each root's tile (or row, when broadcast over the rows) of the epilogue's input `i`."""
+        tasks, v = self.sched.tasks, self.spec.epilogue.inputs[i]
+        pitch, e, offs = self.lx.epi_in[i]
+        base = v.offset + tasks.batch[roots] * v.strides[0] + tasks.row0[roots] * v.strides[1] \
+            + tasks.col0[roots] * v.strides[2]
+        rows = tasks.rows[roots] if self.plan.input_kinds[i] == TILE else np.ones_like(roots)
+        box = np.stack([rows, tasks.cols[roots]], axis=1)
+        pats = Patterns(self.ctx, v, (1, 2), box, pitch * e, e, base)
+        cmds, first, count = dma_block(pats, np.arange(roots.size), tasks.core[roots], self.ctx.slot(v.buf),
+                                       offs[slot], load=True)
+        return self.g.add(cmds, key + BIAS, first, count)
+
+    def _stores(self, roots: np.ndarray, slot: np.ndarray, key: np.ndarray, out: int = 0) -> Ops:
+        tasks = self.sched.tasks
+        o = self.spec.out if self.spec.epilogue is None else self.spec.epilogue.outputs[out]
+        pitch, e, stage = self.lx.outs[out]
         base = o.offset + tasks.batch[roots] * o.strides[0] + tasks.row0[roots] * o.strides[1] \
             + tasks.col0[roots] * o.strides[2]
         box = np.stack([tasks.rows[roots], tasks.cols[roots]], axis=1)
-        pats = Patterns(self.ctx, o, (1, 2), box, self.lx.s_pitch * p.e_out, p.e_out, base, writes=True)
+        pats = Patterns(self.ctx, o, (1, 2), box, pitch * e, e, base, writes=True)
         cmds, first, count = dma_block(pats, np.arange(roots.size), tasks.core[roots], self.ctx.slot(o.buf),
-                                       self.lx.stage[slot], load=False)
+                                       stage[slot], load=False)
         return self.g.add(cmds, key + STORE, first, count)
 
     def _epilogue_programs(self, slot: np.ndarray, rows: np.ndarray, cols: np.ndarray):
@@ -334,8 +370,15 @@ class _Builder:
             if spec.bias is not None:
                 ins.append((lib.SPY_SFU_ADD, 0, 0, 0, r, c, acc,
                             [acc, (OPND_COL, spec.bias_dtype, 0, 0, int(lx.bias[s_])), NONE]))
-            ins.append((lib.SPY_SFU_MOV, 0, 0, 0, r, c,
-                        (OPND_TILE, spec.out_dtype, 0, lx.s_pitch, int(lx.stage[s_])), [acc, NONE, NONE]))
+            if spec.epilogue is None:
+                ins.append((lib.SPY_SFU_MOV, 0, 0, 0, r, c,
+                            (OPND_TILE, spec.out_dtype, 0, lx.s_pitch, int(lx.stage[s_])), [acc, NONE, NONE]))
+            else:
+                ins += epilogue.program(
+                    spec.epilogue, self.plan, int(r), int(c),
+                    sfu_ops.Operand(TILE, "float32", lx.acc, lx.c_pitch), lx.temps, lx.c_pitch,
+                    [(int(offs[s_]), pitch) for pitch, _, offs in lx.epi_in],
+                    [(int(offs[s_]), pitch) for pitch, _, offs in lx.outs])
             programs.append(np.array(ins, dtype=INSTR))
         n = len(programs[0])
         begin = self.ctx.program.add_instrs(np.concatenate(programs))

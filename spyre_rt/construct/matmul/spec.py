@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import dtypes
-from ...kernels import View
+from ...kernels import Epilogue, View
 from ...native import lib
+from . import epilogue
 
 ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
 
@@ -22,6 +23,7 @@ class MatmulSpec:
     bias_dtype: int = 0
     alpha: float = 1.0
     beta: float = 1.0
+    epilogue: Epilogue | None = None  # its views in logical elements of the storages, as the others
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,38 @@ class Problem:
     trans_a: bool    # A is read with M contiguous (its K dimension is the strided one)
     trans_b: bool    # B is read with K contiguous (a weight used as W.t())
     fp32: bool       # fp32 operands: the systolic arrays run at a fraction of their rate
+    # a fused epilogue (see .epilogue): the element sizes of the tiles it stores (the
+    # product's when empty), of the tiles and rows it loads, its temporaries and instructions
+    stores: tuple[int, ...] = ()
+    epi_tiles: tuple[int, ...] = ()
+    epi_rows: tuple[int, ...] = ()
+    epi_temps: int = 0
+    epi_temp_e: int = 4
+    epi_instrs: int = 0
 
     @classmethod
     def of(cls, spec: MatmulSpec) -> Problem:
         batch, m, k = spec.a.sizes
+        extra = {}
+        if spec.epilogue is not None:
+            ep = spec.epilogue
+            pl = epilogue.plan(ep)
+            tiles = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind == "tile"]
+            rows = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind != "tile"]
+            extra = {"stores": tuple(dtypes.ITEMSIZE[d] for d in ep.output_dtypes),
+                     "epi_tiles": tuple(dtypes.ITEMSIZE[d] for d in tiles),
+                     "epi_rows": tuple(dtypes.ITEMSIZE[d] for d in rows),
+                     "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs}
         return cls(batch, m, spec.b.sizes[2], k, ITEMSIZE[spec.in_dtype], ITEMSIZE[spec.out_dtype],
                    ITEMSIZE.get(spec.bias_dtype, 4) if spec.bias is not None else 0,
                    transposed(spec.a, contiguous_inner=2, other=1),
                    transposed(spec.b, contiguous_inner=2, other=1),
-                   spec.in_dtype == lib.SPY_DT_F32)
+                   spec.in_dtype == lib.SPY_DT_F32, **extra)
+
+    @property
+    def e_stores(self) -> tuple[int, ...]:
+        """Element sizes of the tiles each output tile stores."""
+        return self.stores or (self.e_out,)
 
     @property
     def macs(self) -> int:
@@ -55,7 +80,8 @@ class Problem:
     @property
     def min_bytes(self) -> int:
         """Each operand read once and the output written once."""
-        return self.batch * ((self.m * self.k + self.k * self.n) * self.e_in + self.m * self.n * self.e_out)
+        return self.batch * ((self.m * self.k + self.k * self.n) * self.e_in
+                             + self.m * self.n * (sum(self.e_stores) + sum(self.epi_tiles)) + self.n * sum(self.epi_rows))
 
 
 def transposed(view: View, contiguous_inner: int, other: int) -> bool:

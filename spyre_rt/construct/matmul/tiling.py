@@ -116,16 +116,20 @@ def lx_bytes(target: Target, p: Problem, tm, tn, tk, pk, nbuf):
     """Scratchpad bytes a core needs (the layout :class:`.commands.Scratchpad` makes):
     operand buffers, the fp32 accumulator, the receive buffer of split-K, two staging tiles
     and two bias rows."""
-    si, so = target.stick_bytes // p.e_in, target.stick_bytes // p.e_out
+    si = target.stick_bytes // p.e_in
     depth = np.minimum(tk, max(p.k, 1))
     a = (depth * _round_up(tm, si) if p.trans_a else tm * _round_up(depth, si)) * p.e_in
     b = (tn * _round_up(depth, si) if p.trans_b else depth * _round_up(tn, si)) * p.e_in
     acc = tm * _round_up(tn, 32) * 4
-    stage = tm * _round_up(tn, so) * p.e_out
     bias = _round_up(tn, target.stick_bytes // p.e_bias) * p.e_bias if p.e_bias else np.zeros_like(tn)
     al = LX_ALIGN
+    # a fused epilogue's landing tiles and rows and its staging tiles (two of each), its temporaries
+    stages = sum(2 * _round_up(tm * _round_up(tn, target.stick_bytes // e) * e, al) for e in p.e_stores)
+    loads = sum(2 * _round_up(tm * _round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_tiles)
+    loads = loads + sum(2 * _round_up(_round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_rows)
+    temps = p.epi_temps * _round_up(tm * _round_up(tn, 32) * p.epi_temp_e, al)
     return (nbuf * (_round_up(a, al) + _round_up(b, al)) + _round_up(acc, al) * np.where(pk > 1, 2, 1)
-            + 2 * _round_up(stage, al) + 2 * _round_up(bias, al))
+            + stages + 2 * _round_up(bias, al) + loads + temps)
 
 
 def _tile_max(extent: int, tiles: np.ndarray, preferred: int) -> np.ndarray:
@@ -242,7 +246,8 @@ def _dram_bytes(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: 
     tm_avg, tn_avg = shape["tm_avg"], shape["tn_avg"]
     a_strip = _charged(target, k, tm_avg, p.e_in) if p.trans_a else _charged(target, tm_avg, k, p.e_in)
     b_strip = _charged(target, tn_avg, k, p.e_in) if p.trans_b else _charged(target, k, tn_avg, p.e_in)
-    per_block = pm * a_strip + pn * b_strip + pm * pn * _charged(target, tm_avg, tn_avg, p.e_out)
+    tile_bytes = sum(_charged(target, tm_avg, tn_avg, e) for e in (*p.e_stores, *p.epi_tiles))
+    per_block = pm * a_strip + pn * b_strip + pm * pn * tile_bytes
     sends = pm * (pn - 1) + pn * (pm - 1)
     cmds = shape["blocks"] * (shape["steps"] * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
     return {"per_block": per_block, "dram_bytes": shape["blocks"] * per_block, "cmds": cmds}
@@ -264,7 +269,7 @@ def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, 
     sfu = target.sfu_latency_ns + tm * tn / target.sfu_elems_per_ns
     acc_bytes = tm * _round_up(tn, 32) * 4
     t_reduce = np.ceil(np.log2(pk)) * (acc_bytes / target.ring_bytes_per_ns + target.ring_hop_ns + sfu)
-    t_epilogue = sfu * (2 if p.e_bias else 1)
+    t_epilogue = sfu * ((2 if p.e_bias else 1) + p.epi_instrs)
     t_wave = (np.maximum(t_steps, active * moved["per_block"] / target.dram_bytes_per_ns)
               + t_reduce + t_epilogue)
 
@@ -272,7 +277,7 @@ def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, 
     t_fill = np.where(steps > 0, step["t_fwd"] + t_load - np.maximum(0, t_load - target.dma_latency_ns - t_mm), 0)
     storing = np.minimum(target.core_dma_bytes_per_ns,
                          target.dram_bytes_per_ns / (active * cand["pm"] * cand["pn"]))
-    t_drain = target.dma_latency_ns + _charged(target, tm, tn, p.e_out) / storing
+    t_drain = target.dma_latency_ns + sum(_charged(target, tm, tn, e) for e in p.e_stores) / storing
     t_stream = moved["dram_bytes"] / target.dram_bytes_per_ns + 2 * target.dma_latency_ns + t_mm + t_epilogue
     ns = np.maximum(t_fill + shape["waves"] * t_wave + t_drain, t_stream)
     return step | {"t_steps": t_steps, "t_reduce": t_reduce, "t_epilogue": t_epilogue, "t_wave": t_wave,

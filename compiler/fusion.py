@@ -1,0 +1,238 @@
+"""Epilogue fusion: a pointwise loop kernel that reads a matmul's product, where nothing
+else reads it, becomes the matmul's epilogue (:class:`~spyre_rt.kernels.Epilogue`).
+
+The matmul then computes the loop kernel's body on each output tile while the tile is in
+its scratchpad, loading the body's other operands tile by tile, and stores what the loop
+kernel stored: the product never goes to DRAM and back (SiLU(gate) * up, a residual add,
+a scaling). The values are the same: the body starts from the product rounded to the
+matmul's output dtype, as the loop kernel loaded it, and computes as the loop kernel's
+construction does.
+
+A fusion moves the loop kernel's work back to the matmul's place in the step, so nothing
+in between may write what it reads or touch what it writes. The loop kernel's iteration
+space must be the product's elements: its canonical variables are regrouped (split where
+one spans two dimensions) into the product's (batch, M, N), and every access it makes
+must then be a (batch, M, N) view with the columns contiguous (or broadcast over rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spyre_rt.construct.sfu import BINARY, COMPARE, UNARY
+from spyre_rt.kernels import Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
+
+# what an epilogue computes: the elementwise operations of loop construction's SFU stages
+COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}) | frozenset(UNARY) \
+    | frozenset(BINARY) | frozenset(COMPARE)
+
+
+def fuse_epilogues(step: StepDesc) -> StepDesc:
+    """The step with every pointwise loop kernel that can be a matmul's epilogue folded
+    into it (kernels named as before; the loop kernels and the products' buffers gone)."""
+    kernels = dict(step.kernels)
+    seq = list(step.sequence)
+    buffers = dict(step.buffers)
+    i = 0
+    while i < len(seq):
+        kind, name = seq[i]
+        if kind == "run" and isinstance(kernels.get(name), LoopKernel):
+            found = _fusion(step, kernels, seq, i)
+            if found is not None:
+                j, fused = found
+                product = kernels[seq[j][1]].out[0]
+                kernels[fused.name] = fused
+                del kernels[name]
+                del seq[i]
+                buffers.pop(product, None)
+                continue
+        i += 1
+    if len(seq) == len(step.sequence):
+        return step
+    return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq), buffers=buffers)
+
+
+# ---- which buffers a step's items touch ---------------------------------------------------
+
+def _base(step: StepDesc, name: str) -> str:
+    seen = set()
+    while name in step.aliases and name not in seen:
+        seen.add(name)
+        name = step.aliases[name][0]
+    return name
+
+
+def _touches(step: StepDesc, kernels: dict, item) -> set[str]:
+    kind, x = item
+    if kind == "run":
+        return {_base(step, b.name) for b in kernels[x].buffers}
+    if kind == "cpu":
+        return {_base(step, n) for n in x.buffer_names()}
+    src, _, out = x
+    return {_base(step, src), _base(step, out)}
+
+
+def _writes(step: StepDesc, kernels: dict, item) -> set[str]:
+    kind, x = item
+    if kind == "run":
+        k = kernels[x]
+        if isinstance(k, LoopKernel):
+            return {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
+        if isinstance(k, MatmulKernel):
+            views = k.epilogue.outputs if k.epilogue is not None else (k.out,)
+            return {_base(step, v[0]) for v in views}
+        if getattr(k, "kind", "") == "attention":
+            return {_base(step, k.out[0])}
+    return _touches(step, kernels, item)  # everything it touches, to be safe
+
+
+# ---- the search -----------------------------------------------------------------------------
+
+def _fusion(step: StepDesc, kernels: dict, seq: list, i: int) -> tuple[int, MatmulKernel] | None:
+    """(position of the matmul, the matmul with the loop kernel at `i` as its epilogue),
+    or None when the loop kernel cannot be one."""
+    k: LoopKernel = kernels[seq[i][1]]
+    if k.reduce or k.shape != "pointwise" or not _simple(k):
+        return None
+    loaded = {_base(step, o.access.buf) for o in k.ops if o.op == "load"}
+    stored = {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
+    if loaded & stored:
+        return None
+    # the latest matmul before it whose product it reads
+    for j in range(i - 1, -1, -1):
+        kind, x = seq[j]
+        mm = kernels.get(x) if kind == "run" else None
+        if isinstance(mm, MatmulKernel) and mm.epilogue is None and _base(step, mm.out[0]) in loaded:
+            break
+    else:
+        return None
+    product = mm.out[0]
+    if not _private(step, kernels, seq, product, (i, j)):
+        return None
+    if stored & {_base(step, v[0]) for v in (mm.a, mm.b, mm.bias) if v is not None}:
+        return None
+    for t in range(j + 1, i):  # the loop kernel's work moves back to the matmul's place
+        if _writes(step, kernels, seq[t]) & loaded or _touches(step, kernels, seq[t]) & stored:
+            return None
+    epilogue = _epilogue(k, mm)
+    if epilogue is None:
+        return None
+    bufs = {b.name: b for b in (*mm.buffers, *k.buffers) if b.name != product}
+    return j, dataclasses.replace(mm, epilogue=epilogue, buffers=tuple(bufs.values()),
+                                  origins=tuple(sorted({*mm.origins, *k.origins})))
+
+
+def _simple(k: LoopKernel) -> bool:
+    for op in k.ops:
+        if op.op in ("load", "store"):
+            if op.access.ind or op.access.domain or not op.access.buf:
+                return False
+        elif op.op not in COMPUTES:
+            return False
+    return True
+
+
+def _private(step: StepDesc, kernels: dict, seq: list, product: str, users: tuple[int, int]) -> bool:
+    """Nothing but the matmul and the loop kernel ever sees the product's buffer."""
+    if product not in step.buffers or product in step.aliases:
+        return False
+    if any(v[0] == product for v in step.aliases.values()):
+        return False
+    if any(isinstance(o, (tuple, list)) and o and o[0] == product for o in step.outputs):
+        return False
+    return not any(product in _touches(step, kernels, item) for t, item in enumerate(seq) if t not in users)
+
+
+# ---- the loop kernel over the product's elements --------------------------------------------
+
+def _parts(k: LoopKernel, coeffs, out) -> list[tuple[int, int, int, int, int]] | None:
+    """The loop kernel's variables regrouped into the product's dimensions: parts
+    (variable, weight of the part in the variable, size, dimension, weight of the part in
+    the dimension), when the product's load visits each of its elements once."""
+    _, _, osz, ost = out
+    dims = [d for d in (2, 1, 0) if osz[d] > 1]
+    loop_vars = sorted((coeffs[v], v, n) for v, n in enumerate(k.sizes) if n > 1)
+    parts = []
+    di, pos = 0, 1
+    for c, v, n in loop_vars:
+        w = 1
+        while n > 1:
+            if di >= len(dims):
+                return None
+            d = dims[di]
+            if c * w != ost[d] * pos:
+                return None
+            rem = osz[d] // pos
+            if n <= rem:
+                if rem % n:
+                    return None
+                take = n
+            elif n % rem:
+                return None
+            else:
+                take = rem
+            parts.append((v, w, take, d, pos))
+            w, n, pos = w * take, n // take, pos * take
+            if pos == osz[d]:
+                di, pos = di + 1, 1
+    return parts if di == len(dims) else None
+
+
+def _view(acc, parts, out) -> tuple | None:
+    """The access as a view over (batch, M, N), or None if it is not affine in them."""
+    _, _, osz, _ = out
+    strides = [0, 0, 0]
+    for v, w, _, d, pos in sorted(parts, key=lambda p: p[4]):
+        s = acc.coeffs[v] * w
+        if pos == 1:
+            strides[d] = s
+        elif s != strides[d] * pos:
+            return None
+    return (acc.buf, acc.const, tuple(osz), tuple(strides))
+
+
+def _epilogue(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
+    product = mm.out[0]
+    first = next(o for o in k.ops if o.op == "load" and o.access.buf == product)
+    if first.access.const != mm.out[1]:
+        return None
+    parts = _parts(k, first.access.coeffs, mm.out)
+    if parts is None:
+        return None
+    covered = {v for v, *_ in parts}
+    if any(n > 1 and v not in covered for v, n in enumerate(k.sizes)):
+        return None
+    _, _, (nb, nm, nn), _ = mm.out
+    dtype = {b.name: b.dtype for b in k.buffers}
+    inputs, input_dtypes, outputs, output_dtypes, ops = [], [], [], [], []
+    for op in k.ops:
+        if op.op not in ("load", "store"):
+            ops.append(dataclasses.replace(op, access=None))
+            continue
+        view = _view(op.access, parts, mm.out)
+        if view is None:
+            return None
+        _, _, _, (sb, sm, sn) = view
+        if nn > 1 and sn != 1:
+            return None  # the columns are contiguous in every tile the epilogue moves
+        if op.op == "load" and op.access.buf == product:
+            if view != tuple(mm.out[:2]) + (tuple(mm.out[2]), tuple(
+                    s if n > 1 else 0 for s, n in zip(mm.out[3], mm.out[2], strict=True))):
+                return None
+            ops.append(Op(op.id, "product", dtype=mm.out_dtype))
+        elif op.op == "load":
+            if (nb > 1 and sb == 0) or (nn == 1 and nm > 1 and sm == 0):
+                return None  # broadcast over batches, or along a single column
+            if view not in inputs:
+                inputs.append(view)
+                input_dtypes.append(dtype[op.access.buf])
+            ops.append(Op(op.id, "load", dtype=dtype[op.access.buf], attrs={"input": inputs.index(view)}))
+        else:
+            if (nb > 1 and sb == 0) or (nm > 1 and sm == 0) or view in outputs:
+                return None  # a store must write each element once
+            outputs.append(view)
+            output_dtypes.append(dtype[op.access.buf])
+            ops.append(Op(op.id, "store", op.args, dtype[op.access.buf], attrs={"output": len(outputs) - 1}))
+    if not outputs:
+        return None
+    return Epilogue(tuple(ops), tuple(inputs), tuple(input_dtypes), tuple(outputs), tuple(output_dtypes), k.name)

@@ -1,0 +1,125 @@
+"""A matmul's fused epilogue (:class:`~spyre_rt.kernels.Epilogue`): the storage of its
+values and its SFU program over one output tile.
+
+Values are computed as loop construction computes them (:mod:`..loops.stages`): floats in
+fp32, rounded only at explicit conversions and stores; ``product`` is the accumulator
+rounded to the matmul's output dtype, as the loop kernel the epilogue came from loaded it.
+Every computed value is a whole tile in one of a few temporaries (reused once a value is
+dead); loads land in double-buffered tiles (a row, for an operand broadcast over the
+rows), and each store's value moves into a double-buffered staging tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ...kernels import Epilogue
+from ...native import lib
+from ..loops.analysis import _dtype
+from ..sfu import BINARY, COL, COMPARE, FLOATS, ITEMSIZE, NONE, SCALAR, TILE, UNARY, Operand, parse_constant
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each value of an epilogue lives (all per core, per tile)."""
+
+    dtypes: dict          # value id -> storage dtype
+    temp: dict            # computed value id -> temporary index
+    ntemps: int
+    temp_itemsize: int    # bytes per element of a temporary
+    input_kinds: tuple    # TILE, or COL for an input broadcast over the rows
+    instrs: int           # SFU instructions of the epilogue's body (stores' moves included)
+
+
+def plan(ep: Epilogue) -> Plan:
+    kinds = tuple(COL if view[3][1] == 0 and view[2][1] > 1 else TILE for view in ep.inputs)
+    dtypes: dict[str, str] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(ep.ops):
+        for a in op.args:
+            last[a] = i
+    temp: dict[str, int] = {}
+    free: list[int] = []
+    live: list[str] = []
+    ntemps, instrs = 0, 0
+    for i, op in enumerate(ep.ops):
+        for v in list(live):  # a temporary is free once its value's last reader ran
+            if last.get(v, -1) < i:
+                live.remove(v)
+                free.append(temp[v])
+        if op.op == "load":
+            dtypes[op.id] = ep.input_dtypes[op.attrs["input"]]
+            continue
+        if op.op == "store":
+            instrs += 1
+            continue
+        if op.op == "product":
+            dtypes[op.id] = op.dtype
+        elif op.op == "constant":
+            dtypes[op.id] = _dtype(op, [], {})
+            continue
+        else:
+            dtypes[op.id] = _dtype(op, [SimpleNamespace(dtype=dtypes[a]) for a in op.args], {})
+        instrs += 1
+        if free:
+            temp[op.id] = free.pop(0)
+        else:
+            temp[op.id] = ntemps
+            ntemps += 1
+        live.append(op.id)
+    itemsize = max([ITEMSIZE[dtypes[v]] for v in temp] + [4])
+    return Plan(dtypes, temp, ntemps, itemsize, kinds, instrs)
+
+
+def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: list[int], temp_pitch: int,
+            inputs: list[tuple[int, int]], stages: list[tuple[int, int]]) -> list[tuple]:
+    """The body's instructions for one tile: `temps` are the temporaries' offsets, `inputs`
+    each input's landing (offset, pitch), `stages` each output's staging (offset, pitch)."""
+    rows_ = []
+
+    def emit(op, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
+        enc = [s.encode() for s in srcs] + [NONE] * (3 - len(srcs))
+        rows_.append((op, aux, 0, 0, rows, cols, dst.encode(), enc))
+
+    operands: dict[str, Operand] = {}
+    for op in ep.ops:
+        name = op.op
+        if name == "load":
+            i = op.attrs["input"]
+            off, pitch = inputs[i]
+            operands[op.id] = Operand(p.input_kinds[i], p.dtypes[op.id], off, pitch)
+            continue
+        if name == "constant":
+            dt = p.dtypes[op.id]
+            operands[op.id] = Operand(SCALAR, dt, imm=parse_constant(op.attrs.get("value"), dt))
+            continue
+        if name == "store":
+            off, pitch = stages[op.attrs["output"]]
+            emit(lib.SPY_SFU_MOV, Operand(TILE, ep.output_dtypes[op.attrs["output"]], off, pitch),
+                 operands[op.args[0]])
+            continue
+        dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch)
+        args = [operands[a] for a in op.args]
+        if name == "product":
+            emit(lib.SPY_SFU_MOV, dst, acc)
+        elif name == "to_dtype":
+            emit(lib.SPY_SFU_MOV, dst, args[0])
+        elif name in COMPARE:
+            emit(lib.SPY_SFU_CMP, dst, *args, aux=COMPARE[name])
+        elif name == "where":
+            emit(lib.SPY_SFU_SELECT, dst, *args)
+        elif name == "relu":
+            emit(lib.SPY_SFU_MAX, dst, args[0], Operand(SCALAR, dst.dtype, imm=0.0 if dst.dtype in FLOATS else 0))
+        elif name == "square":
+            emit(lib.SPY_SFU_MUL, dst, args[0], args[0])
+        elif name == "exp2":
+            emit(lib.SPY_SFU_POW, dst, Operand(SCALAR, "float32", imm=2.0), args[0])
+        elif name in UNARY:
+            emit(UNARY[name], dst, *args)
+        elif name in BINARY:
+            emit(BINARY[name], dst, *args)
+        else:
+            raise ValueError(f"an epilogue cannot compute {name}")
+        operands[op.id] = dst
+    return rows_

@@ -1,0 +1,282 @@
+"""Epilogue fusion: a pointwise kernel that reads a matmul's product, where nothing else
+does, runs as the matmul's epilogue (compiler/fusion.py, construct/matmul/epilogue.py).
+
+Compiled functions give the same bits fused as unfused in every dispatch mode (fp16 and
+fp32, shapes off the 64 grid, a batched matmul, a decode-shaped M = 1), and the fused
+kernel is in the step; a product that something else also reads (a graph output, another
+matmul) stays stored. The builder's epilogue equals torch exactly on small integers under
+random tilings (split-K, batches, broadcast rows), with no scratchpad races; and the pass
+refuses to move a kernel past a write of what it reads, or to fuse a shifted view."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scratchpad_races import races
+from spyre_rt.compiler.fusion import fuse_epilogues
+from test_matmul_build import DTYPES, download, operand, tilings, upload
+
+from spyre_rt import dtypes, executor, jobs
+from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.kernels import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
+
+MODES = ("construct", "prebuilt-transfer", "prebuilt")
+
+
+def swiglu_residual(x, wg, wu, r):
+    return F.silu(x @ wg.t()) * (x @ wu.t()) + r
+
+
+def scaled_bmm(a, b, r):
+    return torch.bmm(a, b) * 0.25 + r
+
+
+def product_also_returned(x, w, r):
+    y = x @ w
+    return y, y + r
+
+
+def product_also_multiplied(x, w, w2, r):
+    y = x @ w
+    return y @ w2, y * 2 + r
+
+
+def _compile_and_run(fn, args, fuse: bool):
+    """{mode: outputs on the CPU}, and the step's description."""
+    torch._dynamo.reset()
+    before = set(executor.live_steps())
+    compiled = torch.compile(fn, backend="spyre_rt", dynamic=False, options={"fuse_epilogues": fuse})
+    out = {}
+    for mode in MODES:
+        with dispatch_mode(mode):
+            res = compiled(*(a.to("spyre") for a in args))
+        out[mode] = [t.cpu() for t in (res if isinstance(res, tuple) else (res,))]
+    (step,) = set(executor.live_steps()) - before
+    return out, step.desc
+
+
+def _fused(desc: StepDesc) -> list[MatmulKernel]:
+    return [k for k in desc.kernels.values() if isinstance(k, MatmulKernel) and k.epilogue is not None]
+
+
+def _loops(desc: StepDesc) -> list[LoopKernel]:
+    return [k for k in desc.kernels.values() if isinstance(k, LoopKernel)]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.float32
+                                                                      else a.view(torch.int32),
+                                                                      b.view(torch.uint8) if b.dtype != torch.float32
+                                                                      else b.view(torch.int32))
+
+
+CASES = {
+    "swiglu_residual": (swiglu_residual, lambda dt, g: (torch.randn(100, 72, dtype=dt, generator=g),
+                                                        torch.randn(130, 72, dtype=dt, generator=g),
+                                                        torch.randn(130, 72, dtype=dt, generator=g),
+                                                        torch.randn(100, 130, dtype=dt, generator=g))),
+    "decode_row": (swiglu_residual, lambda dt, g: (torch.randn(1, 72, dtype=dt, generator=g),
+                                                   torch.randn(130, 72, dtype=dt, generator=g),
+                                                   torch.randn(130, 72, dtype=dt, generator=g),
+                                                   torch.randn(1, 130, dtype=dt, generator=g))),
+    "scaled_bmm": (scaled_bmm, lambda dt, g: (torch.randn(3, 33, 40, dtype=dt, generator=g),
+                                              torch.randn(3, 40, 70, dtype=dt, generator=g),
+                                              torch.randn(3, 33, 70, dtype=dt, generator=g))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pointwise_consumer_runs_as_the_matmuls_epilogue(case, dtype):
+    fn, make = CASES[case]
+    args = make(dtype, torch.Generator().manual_seed(7))
+    fused, desc = _compile_and_run(fn, args, fuse=True)
+    plain, plain_desc = _compile_and_run(fn, args, fuse=False)
+    assert len(_fused(desc)) == 1 and not _loops(desc), "the pointwise kernel was not folded into a matmul"
+    assert _loops(plain_desc) and not _fused(plain_desc)
+    assert len(desc.kernels) == len(plain_desc.kernels) - 1
+    for mode in MODES:
+        for a, b in zip(fused[mode], plain["prebuilt"], strict=True):
+            assert _same_bits(a, b), f"{case} {mode}: fused and unfused results differ"
+    want = fn(*(a.double() for a in args))
+    got = fused["prebuilt"][0].double()
+    tol = 0.05 if dtype == torch.float16 else 1e-4
+    assert (got - want).abs().max().item() <= tol * (1 + want.abs().max().item())
+
+
+@pytest.mark.parametrize("fn", [product_also_returned, product_also_multiplied])
+def test_a_product_something_else_reads_is_not_fused_away(fn):
+    g = torch.Generator().manual_seed(3)
+    x, w, r = torch.randn(40, 72, generator=g), torch.randn(72, 66, generator=g), torch.randn(40, 66, generator=g)
+    args = (x, w, r) if fn is product_also_returned else (x, w, torch.randn(66, 20, generator=g), r)
+    out, desc = _compile_and_run(fn, args, fuse=True)
+    assert not _fused(desc) and _loops(desc)
+    want = fn(*args)
+    for mode in MODES:
+        for a, b in zip(out[mode], want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---- the pass on hand-made steps ------------------------------------------------------------
+
+M, N, K = 20, 30, 8
+
+
+def _buf(name, dtype="float32", shape=(M, N)):
+    return Buffer(name, dtype, shape, (shape[1], 1) if len(shape) == 2 else (1,))
+
+
+def _matmul(name="mm", out="p"):
+    return MatmulKernel(name, ("a", 0, (1, M, K), (0, K, 1)), ("b", 0, (1, K, N), (0, N, 1)),
+                        (out, 0, (1, M, N), (0, N, 1)), "float32", "float32",
+                        buffers=(_buf("a", shape=(M, K)), _buf("b", shape=(K, N)), _buf(out)))
+
+
+def _add(name, x, y, out, y_const=0):
+    """out = x + y over (M, N) (y read from `y_const` on)."""
+    acc = lambda buf, c=0: Access(buf, c, (N, 1))  # noqa: E731
+    return LoopKernel(name, (M, N), 1, False, (
+        Op("0", "load", (), "float32", acc(x)), Op("1", "load", (), "float32", acc(y, y_const)),
+        Op("2", "add", ("0", "1")), Op("3", "store", ("2",), "float32", acc(out))),
+        (_buf(x), _buf(y), _buf(out)))
+
+
+def _step(kernels, order, outputs=("o",)):
+    bufs = {n: _buf(n) for n in ("p", "r", "o", "q")}
+    return StepDesc(inputs=((_buf("a", shape=(M, K)), False), (_buf("b", shape=(K, N)), False), (_buf("s"), False)),
+                    outputs=tuple((o, 0, (M, N), (N, 1)) for o in outputs), buffers=bufs, aliases={}, constants={},
+                    kernels={k.name: k for k in kernels}, sequence=tuple(("run", n) for n in order))
+
+
+def test_the_pass_folds_a_residual_add_and_keeps_plain_data():
+    step = _step([_matmul(), _add("add", "p", "s", "o")], ["mm", "add"])
+    fused = fuse_epilogues(step)
+    assert fused.sequence == (("run", "mm"),) and "p" not in fused.buffers
+    ep = fused.kernels["mm"].epilogue
+    assert [o.op for o in ep.ops] == ["product", "load", "add", "store"]
+    assert ep.inputs == (("s", 0, (1, M, N), (0, N, 1)),) and ep.outputs == (("o", 0, (1, M, N), (0, N, 1)),)
+    from spyre_rt.kernels import from_json, to_json
+    assert from_json(to_json(fused)) == fused
+
+
+def test_the_pass_does_not_move_a_kernel_past_a_write_of_what_it_reads():
+    # r is written between the matmul and the add that reads it: the add cannot run earlier
+    step = _step([_matmul(), _add("w", "s", "s", "r"), _add("add", "p", "r", "o")], ["mm", "w", "add"])
+    assert fuse_epilogues(step) == step
+    # the same kernels with r written before the matmul fuse
+    step = _step([_matmul(), _add("w", "s", "s", "r"), _add("add", "p", "r", "o")], ["w", "mm", "add"])
+    assert fuse_epilogues(step).sequence == (("run", "w"), ("run", "mm"))
+
+
+def test_the_pass_refuses_a_shifted_view_of_the_product_and_a_product_read_elsewhere():
+    shifted = LoopKernel("add", (M, N - 1), 1, False, (
+        Op("0", "load", (), "float32", Access("p", 1, (N, 1))), Op("1", "load", (), "float32", Access("s", 0, (N, 1))),
+        Op("2", "add", ("0", "1")), Op("3", "store", ("2",), "float32", Access("o", 0, (N, 1)))),
+        (_buf("p"), _buf("s"), _buf("o")))
+    step = _step([_matmul(), shifted], ["mm", "add"])
+    assert fuse_epilogues(step) == step
+    step = _step([_matmul(), _add("add", "p", "s", "o"), _add("again", "p", "s", "q")], ["mm", "add", "again"],
+                 outputs=("o", "q"))
+    assert fuse_epilogues(step) == step
+
+
+# ---- the builder's epilogue against torch -------------------------------------------------
+
+def _epilogue(out_dtype: str, dtype: str) -> Epilogue:
+    """o1 = (product + r) * row, o2 = float32(product) - r."""
+    return Epilogue((
+        Op("p", "product", dtype=out_dtype), Op("f", "to_dtype", ("p",), "float32"),
+        Op("r", "load", (), dtype, attrs={"input": 0}), Op("w", "load", (), dtype, attrs={"input": 1}),
+        Op("s", "add", ("f", "r")), Op("t", "mul", ("s", "w")), Op("u", "sub", ("f", "r")),
+        Op("o1", "store", ("t",), dtype, attrs={"output": 0}),
+        Op("o2", "store", ("u",), "float32", attrs={"output": 1})),
+        (), (dtype, dtype), (), (dtype, "float32"))
+
+
+@st.composite
+def epilogue_cases(draw):
+    batch = draw(st.sampled_from([1, 1, 2]))
+    m = draw(st.sampled_from([1, 7, 65, 130]))
+    n = draw(st.sampled_from([1, 5, 100, 130]))
+    k = draw(st.sampled_from([0, 3, 100, 300]))
+    return batch, m, n, k, draw(st.sampled_from(DTYPES)), draw(tilings(batch, m, n, k)), draw(st.integers(0, 999))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(epilogue_cases())
+def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
+    batch, m, n, k, dtype, tiling, seed = case
+    card, g = functional_card, torch.Generator().manual_seed(seed)
+    a = operand("a", dtype, batch, m, k, gen=g)
+    b = operand("b", dtype, batch, k, n, gen=g, transposed=True)
+    p = operand("p", dtype, batch, m, n, gen=g)
+    r = operand("r", dtype, batch, m, n, gen=g, col0=3)
+    w = operand("w", dtype, 1, 1, n, gen=g)
+    o1 = operand("o1", dtype, batch, m, n, gen=g, pad=5)
+    o2 = operand("o2", torch.float32, batch, m, n, gen=g)
+    w_view = View("w", w.view.offset, (batch, m, n), (0, 0, 1))
+    name = dtypes.of(dtype).name
+    ep = dataclasses.replace(_epilogue(name, name), inputs=(r.view, w_view), outputs=(o1.view, o2.view))
+    ops = {"a": a, "b": b, "p": p, "r": r, "w": w, "o1": o1, "o2": o2}
+    code = dtypes.of(dtype).code
+    spec = MatmulSpec(a.view, b.view, p.view, code, code, epilogue=ep)
+    ctx = BuildContext(Target.from_profile(card.profile), {x: o.layout for x, o in ops.items()})
+    tiling = build(ctx, spec, tiling)
+    blob = ctx.encode()
+    assert races(blob) == [], f"scratchpad races under {tiling}"
+    addrs = {x: upload(card, o) for x, o in ops.items()}
+    try:
+        if ctx.program.ncmds:
+            prog = jobs.ResidentProgram(card, blob, "matmul")
+            prog.launch([addrs[x] for x in ctx.buffers()])
+            card.synchronize()
+            prog.free()
+        got = {x: download(card, addrs[x], ops[x]) for x in ("p", "o1", "o2")}
+    finally:
+        for addr in addrs.values():
+            card.free(addr)
+    prod = (a.tensor().double() @ b.tensor().double()).to(dtype).double()
+    want1 = o1.values.clone()
+    want2 = o2.values.clone()
+    torch.as_strided(want1, o1.view.sizes, o1.view.strides, o1.view.offset).copy_(
+        ((prod + r.tensor().double()) * torch.as_strided(w.values, (batch, m, n), (0, 0, 1), w.view.offset).double())
+        .to(dtype))
+    torch.as_strided(want2, o2.view.sizes, o2.view.strides, o2.view.offset).copy_(prod - r.tensor().double())
+    assert torch.equal(got["o1"], want1), f"{tiling}: first output off"
+    assert torch.equal(got["o2"], want2), f"{tiling}: second output off"
+    assert torch.equal(got["p"], p.values), "the product was stored"
+
+
+# ---- one load per tile ------------------------------------------------------------------------
+
+def rms_norm_residual(x, r, w):
+    h = x + r
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w, h * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_a_kernel_loads_each_tile_once(dtype):
+    """The kernel's nodes (the sum of squares, the scaling, the scaled residual) each load
+    x and r: one load of each."""
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(37, 200, dtype=dtype, generator=g), torch.randn(37, 200, dtype=dtype, generator=g),
+            torch.randn(200, dtype=dtype, generator=g))
+    out, desc = _compile_and_run(rms_norm_residual, args, fuse=True)
+    (k,) = _loops(desc)
+    loads = [(o.access, o.dtype) for o in k.ops if o.op == "load"]
+    assert len(loads) == len(set(loads)) == 3
+    want = rms_norm_residual(*(a.float() for a in args))
+    tol = 1e-2 if dtype == torch.float16 else 1e-5
+    for mode in MODES:
+        for a, b in zip(out[mode], want, strict=True):
+            torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
+        assert all(_same_bits(a, b) for a, b in zip(out[mode], out["prebuilt"], strict=True))

@@ -57,8 +57,8 @@ def run_suite(source: Path, installed: Path, out: Path, select: str | None, work
 def compare(base: dict[str, list[float]], head: dict[str, list[float]], threshold: float):
     rows, worse = [], []
     for name in sorted(set(base) | set(head)):
-        if name not in base or name not in head:
-            rows.append((name, base.get(name), head.get(name), None))
+        if name not in base or name not in head:  # listed with its median, not compared
+            rows.append((name, *(statistics.median(x[name]) if name in x else None for x in (base, head)), None))
             continue
         b, h = statistics.median(base[name]), statistics.median(head[name])
         ratio = h / b if b else float("inf")

@@ -20,6 +20,8 @@ def test_compare_flags_only_what_grew_past_the_threshold():
     assert by_name["a"][3] == pytest.approx(1.05)
     assert by_name["b"][3] == pytest.approx(1.25)
     assert by_name["gone"][3] is None and by_name["new"][3] is None
+    assert by_name["gone"][1:3] == (1.0, None) and by_name["new"][1:3] == (None, 1.0)  # medians, for the report
+    regress.report(rows, 0.10, "base")  # a benchmark on one side only is listed, not compared
 
 
 def test_faster_is_never_a_failure():

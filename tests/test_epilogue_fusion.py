@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scratchpad_races import races
 from spyre_rt.compiler.fusion import fuse_epilogues
-from test_matmul_build import DTYPES, download, operand, tilings, upload
+from test_matmul_build import DTYPES, launch_built, operand, tilings
 
-from spyre_rt import dtypes, executor, jobs
+from spyre_rt import dtypes, executor
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.construct.matmul import MatmulSpec, View, build
 from spyre_rt.dispatch import dispatch_mode
@@ -233,17 +233,7 @@ def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
     tiling = build(ctx, spec, tiling)
     blob = ctx.encode()
     assert races(blob) == [], f"scratchpad races under {tiling}"
-    addrs = {x: upload(card, o) for x, o in ops.items()}
-    try:
-        if ctx.program.ncmds:
-            prog = jobs.ResidentProgram(card, blob, "matmul")
-            prog.launch([addrs[x] for x in ctx.buffers()])
-            card.synchronize()
-            prog.free()
-        got = {x: download(card, addrs[x], ops[x]) for x in ("p", "o1", "o2")}
-    finally:
-        for addr in addrs.values():
-            card.free(addr)
+    got = launch_built(card, ctx, blob, ops, ["p", "o1", "o2"])
     prod = (a.tensor().double() @ b.tensor().double()).to(dtype).double()
     want1 = o1.values.clone()
     want2 = o2.values.clone()

@@ -96,6 +96,12 @@ def run(card, a: Operand, b: Operand, out: Operand, bias: Operand | None = None,
     ctx = BuildContext(Target.from_profile(card.profile), {n: o.layout for n, o in ops.items()})
     tiling = build(ctx, spec, tiling)
     blob = ctx.encode()
+    return launch_built(card, ctx, blob, ops, ["o"])["o"], tiling, blob
+
+
+def launch_built(card, ctx: BuildContext, blob: np.ndarray, ops: dict, read: list[str]) -> dict[str, torch.Tensor]:
+    """Upload the operands, launch the built program (an empty one launches nothing) and
+    read back the storages named in `read`."""
     addrs = {n: upload(card, o) for n, o in ops.items()}
     try:
         if ctx.program.ncmds:
@@ -103,7 +109,7 @@ def run(card, a: Operand, b: Operand, out: Operand, bias: Operand | None = None,
             prog.launch([addrs[n] for n in ctx.buffers()])
             card.synchronize()
             prog.free()
-        return download(card, addrs["o"], out), tiling, blob
+        return {n: download(card, addrs[n], ops[n]) for n in read}
     finally:
         for addr in addrs.values():
             card.free(addr)

@@ -60,15 +60,21 @@ class Decoder:
     def host_ns_per_step(self, steps: int) -> tuple[float, float]:
         """Host time (simulator arithmetic and waits for the card excluded) and native calls
         per step, from the card's clock and counters."""
+        host, counted = self.card_cost(self.step, steps)
+        return host, counted["native_calls"]
+
+    def card_cost(self, call, times: int) -> tuple[float, dict[str, float]]:
+        """Host ns per call of `call` (simulator arithmetic and waits for the card excluded)
+        and the card's counters per call."""
         card = self.card
         card.synchronize()
         c0, h0 = card.counters(), card.host_clock_ns()
-        for _ in range(steps):
-            self.step()
+        for _ in range(times):
+            call()
         card.synchronize()
         c1, h1 = card.counters(), card.host_clock_ns()
         host = (h1 - h0) - (c1["wait_ns"] - c0["wait_ns"])
-        return host / steps, (c1["native_calls"] - c0["native_calls"]) / steps
+        return host / times, {k: (c1[k] - c0[k]) / times for k in c1}
 
 
 @pytest.fixture(scope="session")

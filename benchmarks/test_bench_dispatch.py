@@ -101,16 +101,8 @@ def test_dynamo_floor_cpu_40_layers(benchmark, cpu_floor):
 
 def _replay_host(decoder, g, replays: int) -> tuple[float, float, float]:
     """Host µs, native calls and jobs per replay, from the card's clock and counters."""
-    card = decoder.card
-    card.synchronize()
-    c0, h0 = card.counters(), card.host_clock_ns()
-    for _ in range(replays):
-        g.replay()
-    card.synchronize()
-    c1, h1 = card.counters(), card.host_clock_ns()
-    host = (h1 - h0) - (c1["wait_ns"] - c0["wait_ns"])
-    return (host / replays / 1e3, (c1["native_calls"] - c0["native_calls"]) / replays,
-            (c1["jobs"] - c0["jobs"]) / replays)
+    host, counted = decoder.card_cost(g.replay, replays)
+    return host / 1e3, counted["native_calls"], counted["jobs"]
 
 
 @pytest.mark.parametrize("layers", [2, pytest.param(10, marks=pytest.mark.slow),

@@ -75,13 +75,10 @@ def register() -> None:
         _registered = True
 
 
-def _inner_compile(gm, example_inputs, *, spyre_options: dict, **kwargs):
+def _inner_compile(gm, example_inputs, *, patch: dict, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     from . import options as opts
-
-    patch = spyre_options
-
     from .inductor.lowering import decomposition_table
 
     # The decomposition table handed to compile_fx reaches here and into Inductor's cache
@@ -136,7 +133,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
     use_card_attention(gm)  # before AOT would decompose it into its math
 
-    inner = functools.partial(_inner_compile, spyre_options=patch)
+    inner = functools.partial(_inner_compile, patch=patch)
     try:
         # inside a graph capture, what compiling does on the card is not the step's work
         with opts.patch(patch), spyre_rt.graphs.compiling():

@@ -28,6 +28,7 @@ from .record import (
     fx_origins,
     module_of,
     node_origins,
+    on_cpu,
     stored_buffer,
     stored_view,
     view_of,
@@ -73,18 +74,6 @@ def _batched(view, nd: int):
 
 _original: dict = {}
 _installed = False
-
-
-def _on_cpu(result) -> bool:
-    """A lowering's result (a tensor or a sequence of them) computed on the CPU."""
-    results = result if isinstance(result, (list, tuple)) else [result]
-    devices = set()
-    for r in results:
-        try:
-            devices.add(r.get_device().type)
-        except Exception:
-            return False
-    return devices == {"cpu"}
 
 
 def _on_spyre(*xs) -> bool:
@@ -183,7 +172,7 @@ def _checked(op, lowering):
             return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
         result = lowering(*args, **kwargs)
         if not _on_spyre(*args, *kwargs.values()):
-            if options.compiler_version and not op.is_view and _on_cpu(result):
+            if options.compiler_version and not op.is_view and on_cpu(result):
                 # Work on a CPU tensor (a 0-d tensor a model passes, say) inside a graph
                 # compiled for the card: a step has no C++ kernels, so aten runs it.
                 return handler(*args, **kwargs)

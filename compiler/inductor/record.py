@@ -223,6 +223,19 @@ def view_of(x) -> tuple:
     return (b.name, b.offset, b.sizes, b.strides)
 
 
+def on_cpu(x) -> bool:
+    """An IR node, or every node of a sequence, on the CPU device (work on CPU tensors that
+    the graph was given or made, as eager does it)."""
+    nodes = x if isinstance(x, (list, tuple)) else [x]
+    devices = set()
+    for n in nodes:
+        try:
+            devices.add(n.get_device().type)
+        except Exception:
+            return False
+    return devices == {"cpu"}
+
+
 def node_origins(node) -> tuple[str, ...]:
     return tuple(sorted(str(o.target) for o in getattr(node, "origins", ()) if o.op == "call_function"))
 

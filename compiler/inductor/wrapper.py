@@ -32,7 +32,7 @@ from ..describe import RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
 from . import STATIC_INPUTS
-from .record import buffer_info, dtype_name, stored_buffer, stored_view, view_of
+from .record import buffer_info, dtype_name, on_cpu, stored_buffer, stored_view, view_of
 
 
 @dataclasses.dataclass
@@ -138,7 +138,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
             kwargs={k: enc(v) for k, v in {**kwargs, **(node.kwargs or {})}.items()},
             outputs=tuple(outputs), mutated=tuple(node.mutation_names), source=source_of([node]),
-            host=_on_host(node),
+            host=on_cpu(node),
         )
 
     # -- the step -----------------------------------------------------------------------
@@ -295,15 +295,6 @@ def _origin_of(name: str) -> list:
     """The IR node of a buffer (for an error that names the op it came from)."""
     node = V.graph.get_buffer(name)
     return [node] if node is not None else []
-
-
-def _on_host(node) -> bool:
-    """The op works on CPU tensors (what the graph was given or made on the CPU)."""
-    try:
-        device = node.get_device()
-    except Exception:
-        return False
-    return device is not None and device.type == "cpu"
 
 
 def _check_unused(read_back: list, step: StepDesc) -> None:

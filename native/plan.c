@@ -23,6 +23,7 @@ struct spy_plan {
     uint64_t epoch;           /* the device's reset epoch when the plan was created */
     uint8_t *binding_written; /* per binding: some job writes through it */
     uint8_t **binding_host;   /* host memory behind each binding of the last launch */
+    spy_layout *layout;       /* per binding: the stick layout its storage must record */
     /* The bindings of the last launch whose checks all passed, and the device's reset epoch
      * and allocator changes then: a launch with the same bindings and no change since (a
      * graph replay, a step bound as before) skips the checks and keeps binding_host. */
@@ -70,12 +71,13 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
                         h->njobs, h->nrelocs, h->nbindings, (unsigned long long)h->total_bytes,
                         (unsigned long long)len);
     uint64_t tables = sizeof *h + (uint64_t)h->njobs * sizeof(spy_plan_job) +
-                      (uint64_t)h->nrelocs * sizeof(spy_reloc);
+                      (uint64_t)h->nrelocs * sizeof(spy_reloc) + (uint64_t)h->nbindings * sizeof(spy_layout);
     if (tables > len)
         return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan tables (%llu bytes) exceed the block (%llu)",
                         (unsigned long long)tables, (unsigned long long)len);
     const spy_plan_job *pj = (const spy_plan_job *)(const void *)((const uint8_t *)blob + sizeof *h);
     const spy_reloc *rl = (const spy_reloc *)(const void *)(pj + h->njobs);
+    const spy_layout *lay = (const spy_layout *)(const void *)(rl + h->nrelocs);
     for (uint32_t j = 0; j < h->njobs; j++) {
         uint64_t end;
         if (pj[j].prog_off < tables || pj[j].prog_off % 8 || pj[j].prog_len < sizeof(spy_job_header) ||
@@ -91,6 +93,12 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         if (rl[r].binding >= h->nbindings)
             return spy_fail(SPY_E_BAD_PROGRAM, -1, "relocation %u names binding %u of %u", r,
                             rl[r].binding, h->nbindings);
+    for (uint32_t b = 0; b < h->nbindings; b++) {
+        uint64_t bytes;
+        if (lay[b].itemsize && (lay[b].stick_bytes != d->prof.stick_bytes || spy_layout_bytes(&lay[b], &bytes)))
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan binding %u: a malformed layout, or one of %u-byte "
+                            "sticks on a device of %u", b, lay[b].stick_bytes, d->prof.stick_bytes);
+    }
 
     spy_plan *p = calloc(1, sizeof *p);
     if (!p)
@@ -105,10 +113,12 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->binding_written = calloc((size_t)h->nbindings + 1, 1);
     p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
     p->checked = calloc((size_t)h->nbindings + 1, sizeof *p->checked);
+    p->layout = malloc(((size_t)h->nbindings + 1) * sizeof *p->layout);
     if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host ||
-        !p->checked)
+        !p->checked || !p->layout)
         return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
+    memcpy(p->layout, lay, (size_t)h->nbindings * sizeof *lay);
 
     spy_lock(d);
     d->counters.native_calls++;
@@ -198,6 +208,7 @@ void spy_plan_destroy(spy_plan *p)
     free(p->extent);
     free(p->binding_used);
     free(p->binding_written);
+    free(p->layout);
     free(p->binding_host);
     free(p->checked);
     free(p);
@@ -241,6 +252,15 @@ static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t 
                             b, (unsigned long long)bindings[b], (unsigned long long)p->extent[b]);
         if ((blk->prog || blk->plan_owned) && p->binding_written[b])
             return spy_fail(SPY_E_BAD_ADDRESS, -1, "plan binding %u would overwrite a program", b);
+        const spy_layout *want = &p->layout[b];
+        if (want->itemsize && (blk->addr != bindings[b] || blk->layout.rows != want->rows ||
+                               blk->layout.row_len != want->row_len || blk->layout.itemsize != want->itemsize ||
+                               blk->layout.stick_bytes != want->stick_bytes))
+            return spy_fail(SPY_E_LAYOUT, -1, "plan binding %u: the plan was built for a storage of %llu x %llu "
+                            "elements of %u bytes; the storage bound records %llu x %llu of %u",
+                            b, (unsigned long long)want->rows, (unsigned long long)want->row_len, want->itemsize,
+                            (unsigned long long)blk->layout.rows, (unsigned long long)blk->layout.row_len,
+                            blk->layout.itemsize);
         p->binding_host[b] = blk->backing ? blk->backing + (bindings[b] - blk->addr) : NULL;
     }
     if (!same) {

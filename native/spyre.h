@@ -85,7 +85,8 @@ typedef enum spy_status {
     SPY_E_COMMAND_FAULT = 11,/* a compute engine reported an error (fault injection) */
     SPY_E_DEVICE_LOST = 12,  /* the device is lost; only spy_device_reset helps */
     SPY_E_HOST_NOMEM = 13,   /* host memory for the runtime's own bookkeeping ran out */
-    SPY_E_NOT_COMMITTED = 14 /* launch of a program that was not committed (validated) */
+    SPY_E_NOT_COMMITTED = 14,/* launch of a program that was not committed (validated) */
+    SPY_E_LAYOUT = 15        /* a plan binding whose storage records another stick layout */
 } spy_status;
 
 /* The message of the calling thread's last failure ("" if none). */
@@ -565,16 +566,21 @@ spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t 
 
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
- *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][program blocks...]
+ *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][spy_layout * nbindings]
+ *   [program blocks...]
  * Each job names its program block (offset/length inside the plan block) and its slot
  * relocations [reloc_begin, +nslots): slot address = bindings[reloc.binding] + reloc.offset.
  * Plans bind device memory only: every slot of every job must be a DRAM slot (a plan job
  * with a HOST slot is refused with SPY_E_BAD_PROGRAM), and every binding a job uses is a
  * device address checked against the card's allocations at each launch.
+ * The programs address a binding's storage through the stick layout it was built for: a
+ * binding with a layout (itemsize != 0) must be the start of an allocation that records
+ * that layout (SPY_E_LAYOUT otherwise, before any job runs); a zero layout is not checked
+ * (an arena of intermediates, which records none).
  * spy_plan_create validates the whole block, uploads and commits every program. */
 
 #define SPY_PLAN_MAGIC 0x4E4C5053u /* "SPLN" */
-#define SPY_PLAN_VERSION 1u
+#define SPY_PLAN_VERSION 2u
 
 typedef struct spy_plan_header {
     uint32_t magic;

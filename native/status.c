@@ -58,6 +58,7 @@ const char *spy_status_name(spy_status s)
     case SPY_E_DEVICE_LOST: return "SPY_E_DEVICE_LOST";
     case SPY_E_HOST_NOMEM: return "SPY_E_HOST_NOMEM";
     case SPY_E_NOT_COMMITTED: return "SPY_E_NOT_COMMITTED";
+    case SPY_E_LAYOUT: return "SPY_E_LAYOUT";
     }
     return "SPY_E_UNKNOWN";
 }

@@ -58,6 +58,7 @@ from .errors import (  # noqa: E402
     SpyreGraphError,
     SpyreIndexError,
     SpyreInvalidCommandError,
+    SpyreLayoutError,
     SpyreNoDataError,
     SpyreOutOfMemoryError,
     SpyrePlanCacheError,
@@ -68,6 +69,6 @@ from .fallback import SpyreFallbackWarning  # noqa: E402
 __all__ = [
     "register", "configure", "configured", "reset_device", "SpyreError", "SpyreCompileError", "SpyreDeviceError",
     "SpyreDeviceLostError", "SpyreDMAError", "SpyreGraphError", "SpyreIndexError", "SpyreInvalidCommandError",
-    "SpyreNoDataError", "SpyreOutOfMemoryError", "SpyrePlanCacheError", "SpyreProfileError",
+    "SpyreLayoutError", "SpyreNoDataError", "SpyreOutOfMemoryError", "SpyrePlanCacheError", "SpyreProfileError",
     "SpyreFallbackWarning",
 ]

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import config
 from .errors import SpyreError, SpyreOutOfMemoryError
+from .layout import StickLayout
 from .native import check, error_for, ffi, lib
 from .profile import DeviceProfile
 from .profile import load as load_profile
@@ -70,9 +71,15 @@ class Card:
         return self.sim_mode == "functional"
 
     # ---- memory ----
-    def malloc(self, nbytes: int, kind: int = MEM_DATA) -> int:
+    def malloc(self, nbytes: int, kind: int = MEM_DATA, layout: StickLayout | None = None) -> int:
+        """A new allocation; with a `layout`, the card records it as the stick layout of the
+        tensor storage it holds (:meth:`layout_of`), and forgets it when it is freed."""
         out = ffi.new("uint64_t *")
-        status = lib.spy_malloc(self.handle, nbytes, kind, out)
+        if layout is None:
+            status = lib.spy_malloc(self.handle, nbytes, kind, out)
+        else:
+            record = ffi.new("spy_layout *", (layout.rows, layout.row_len, layout.itemsize, layout.stick_bytes))
+            status = lib.spy_malloc_layout(self.handle, nbytes, kind, record, out)
         if status == lib.SPY_E_OOM:
             free = self.mem_stats()["free"]
             err = error_for(status, f"spyre:{self.index}")
@@ -84,6 +91,14 @@ class Card:
             )
         check(status, f"allocating {nbytes} bytes on spyre:{self.index}")
         return int(out[0])
+
+    def layout_of(self, addr: int) -> StickLayout | None:
+        """The stick layout recorded for the allocation starting at `addr`, or None (no
+        allocation starts there, or it records no layout)."""
+        out = ffi.new("spy_layout *")
+        if lib.spy_layout_of(self.handle, addr, out) != lib.SPY_OK:
+            return None
+        return StickLayout(out.rows, out.row_len, out.itemsize, out.stick_bytes)
 
     def free(self, addr: int, epoch: int | None = None) -> None:
         """Free an allocation. With the `epoch` it was made in (:attr:`epoch` read before

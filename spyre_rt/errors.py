@@ -72,6 +72,11 @@ class SpyrePlanCacheError(SpyreError):
     """A plan cache file is corrupt, truncated, of another version or not a plan file."""
 
 
+class SpyreLayoutError(SpyreError):
+    """A graph plan was bound to a storage of another stick layout than it was built for
+    (the card checks every binding against the layout its allocation records)."""
+
+
 class SpyreGraphError(SpyreError):
     """A graph capture or replay was refused: eager work inside a capture, a replay after
     the card was reset or after a static input was pointed at other memory."""

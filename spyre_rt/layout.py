@@ -1,4 +1,4 @@
-"""The stick layout of device tensors, and dtype mappings.
+"""The stick layout of device tensors.
 
 A device storage holds ``rows x row_len`` elements (``row_len`` is the size of the
 innermost dimension of the tensor that created it). The innermost dimension is cut into
@@ -8,14 +8,13 @@ innermost dimension of the tensor that created it). The innermost dimension is c
 
 Torch sees ordinary strided tensors over a flat storage of ``rows * row_len`` logical
 elements; every piece of code that touches device memory maps logical element offsets
-to physical bytes with :meth:`StickLayout.phys`. The layout of each live storage is kept
-in a registry keyed by its base address: every card opened in the process has its own
-address window, so an address names one storage of one card (:func:`spyre_rt.card.owner`).
+to physical bytes with :meth:`StickLayout.phys`. The card records the layout of each
+storage with its allocation (``spy_malloc_layout``; :meth:`spyre_rt.card.Card.layout_of`
+reads it back), and forgets it when the allocation is freed.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -74,30 +73,3 @@ def layout_for(sizes, strides, storage_numel: int, itemsize: int, stick_bytes: i
     if row_len <= 0 or storage_numel % row_len:
         row_len = max(1, storage_numel)
     return StickLayout(storage_numel // row_len, row_len, itemsize, stick_bytes)
-
-
-class LayoutRegistry:
-    """Device base address -> StickLayout of the storage allocated there. Addresses are
-    unique among all the cards of the process (each has its own address window), so two
-    card sets never share an entry."""
-
-    def __init__(self) -> None:
-        self._map: dict[int, StickLayout] = {}
-        self._lock = threading.Lock()
-
-    def register(self, addr: int, layout: StickLayout) -> None:
-        with self._lock:
-            self._map[addr] = layout
-
-    def get(self, addr: int) -> StickLayout | None:
-        return self._map.get(addr)
-
-    def forget(self, addr: int) -> None:
-        with self._lock:
-            self._map.pop(addr, None)
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-
-registry = LayoutRegistry()

@@ -10,6 +10,7 @@ from .errors import (
     SpyreError,
     SpyreIndexError,
     SpyreInvalidCommandError,
+    SpyreLayoutError,
     SpyreOutOfMemoryError,
     SpyreProfileError,
 )
@@ -55,6 +56,8 @@ def _typed_error(status: int, context: str) -> SpyreError:
         return SpyreDeviceLostError(text, name, command)
     if status == lib.SPY_E_COMMAND_FAULT:
         return SpyreDeviceError(text, name, command)
+    if status == lib.SPY_E_LAYOUT:
+        return SpyreLayoutError(f"{text} [{name}]")
     if status == lib.SPY_E_PROFILE:
         return SpyreProfileError(text)
     return SpyreError(f"{text} [{name}]")

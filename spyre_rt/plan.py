@@ -2,9 +2,11 @@
 
 A plan block holds every job's program and a relocation table: each slot of each job is
 ``binding + offset``, where the bindings are the few addresses a step call provides (the
-arena of intermediates, the inputs, the outputs). The card validates the block and every
-program once when the plan is created; a launch checks each binding's extent, patches the
-table and runs the jobs back to back.
+arena of intermediates, the inputs, the outputs), and the stick layout each binding's
+storage must have (the programs address it through that layout). The card validates the
+block and every program once when the plan is created; a launch checks each binding's
+extent and layout against the card's own allocation records, patches the table and runs
+the jobs back to back.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 
 from . import torch_ranges
 from .card import Card
+from .layout import StickLayout
 from .native import check, ffi, lib
-from .program import PLAN_HEADER, PLAN_JOB, RELOC
+from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, RELOC
 
 
 class PlanJob(NamedTuple):
@@ -25,10 +28,13 @@ class PlanJob(NamedTuple):
     name: str
 
 
-def encode(jobs: list[PlanJob], nbindings: int, names) -> np.ndarray:
-    """The plan block of `jobs` (names: a function from job name to trace id)."""
-    nrelocs = sum(len(j.relocs) for j in jobs)
-    head = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize + nrelocs * RELOC.itemsize
+def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.ndarray:
+    """The plan block of `jobs` over one binding per entry of `layouts`: the stick layout
+    a launch must bind there, or None for memory that records none (an arena). `names`
+    is a function from job name to trace id."""
+    nrelocs, nbindings = sum(len(j.relocs) for j in jobs), len(layouts)
+    tables = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize + nrelocs * RELOC.itemsize
+    head = tables + nbindings * LAYOUT.itemsize
     offsets, pos = [], (head + 7) & ~7
     for j in jobs:
         offsets.append(pos)
@@ -53,7 +59,25 @@ def encode(jobs: list[PlanJob], nbindings: int, names) -> np.ndarray:
         buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
     start = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize
     buf[start: start + rel.nbytes] = rel.view(np.uint8)
+    buf[tables: head] = layout_table(layouts).view(np.uint8)
     return buf
+
+
+def layout_table(layouts: list[StickLayout | None]) -> np.ndarray:
+    """The binding layout table of a plan block (a zero row: a binding not checked)."""
+    table = np.zeros(len(layouts), dtype=LAYOUT)
+    for b, layout in enumerate(layouts):
+        if layout is not None:
+            table[b] = (layout.rows, layout.row_len, layout.itemsize, layout.stick_bytes)
+    return table
+
+
+def binding_layouts(block: np.ndarray) -> np.ndarray:
+    """The binding layout table of a plan block the card accepted."""
+    hdr = block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)
+    start = (PLAN_HEADER.itemsize + int(hdr["njobs"][0]) * PLAN_JOB.itemsize
+             + int(hdr["nrelocs"][0]) * RELOC.itemsize)
+    return block[start: start + int(hdr["nbindings"][0]) * LAYOUT.itemsize].view(LAYOUT)
 
 
 def job_names(block: np.ndarray) -> int:

@@ -79,6 +79,7 @@ PLAN_HEADER = np.dtype([
 PLAN_JOB = np.dtype([("prog_off", "u8"), ("prog_len", "u8"), ("reloc_begin", "u4"), ("nslots", "u4"),
                      ("name", "u4"), ("reserved", "u4")])
 RELOC = np.dtype([("binding", "u4"), ("reserved", "u4"), ("offset", "u8")])
+LAYOUT = np.dtype([("rows", "u8"), ("row_len", "u8"), ("itemsize", "u4"), ("stick_bytes", "u4")])
 
 OPND_NONE, OPND_TILE, OPND_ROW, OPND_COL, OPND_SCALAR, OPND_IMM = 0, 1, 2, 3, 4, 5
 

@@ -2,9 +2,10 @@
 
 A spyre tensor is a plain ``torch.Tensor`` on ``spyre:N`` whose storage is a device
 allocation: the DLPack import hands torch the device address and a deleter that frees the
-allocation when the last view dies. Torch sees logical strided storage; the stick layout
-behind it lives in :data:`spyre_rt.layout.registry`. Every copy between host and device
-goes through the transfer path (:mod:`spyre_rt.transfer`).
+allocation (and the stick layout the card records with it) when the last view dies. Torch
+sees logical strided storage; the stick layout behind it is the card's record of the
+allocation (:meth:`spyre_rt.card.Card.layout_of`). Every copy between host and device goes
+through the transfer path (:mod:`spyre_rt.transfer`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from . import card as cards
 from . import config, dispatch, dtypes, graphs
 from .errors import SpyreError, SpyreGraphError, SpyreOutOfMemoryError
-from .layout import StickLayout, layout_for, registry, storage_numel
+from .layout import StickLayout, layout_for, storage_numel
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
 
@@ -67,8 +68,7 @@ def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None,
 
 def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
     epoch = card.epoch  # before the allocation: a reset in between makes it stale
-    addr = card.malloc(layout.nbytes)
-    registry.register(addr, layout)
+    addr = card.malloc(layout.nbytes, layout=layout)
     ndim = len(sizes)
     shape = ffi.new("int64_t[]", sizes or [0])
     stride = ffi.new("int64_t[]", strides or [0])
@@ -126,7 +126,6 @@ def empty_many(card, specs) -> list[torch.Tensor]:
     result = []
     try:
         for i in range(n):
-            registry.register(int(addrs[i]), made[i])
             capsule = _capsule_new(int(ffi.cast("uintptr_t", out[i])), b"dltensor", None)
             result.append(torch._C._from_dlpack(capsule))
             out[i] = ffi.NULL  # the tensor owns it from here: its deleter frees the allocation
@@ -141,9 +140,9 @@ def geometry(t: torch.Tensor) -> tuple[cards.Card, ViewGeometry, int]:
     """The card, view geometry and storage base address of a spyre tensor. The card is
     the one that allocated the storage, whichever card set it belongs to."""
     base = t.untyped_storage().data_ptr()
-    layout = registry.get(base)
     card = cards.owner(base)
-    if layout is None or card is None:
+    layout = card.layout_of(base) if card is not None else None
+    if layout is None:
         raise SpyreError(
             f"spyre tensor at 0x{base:x} has no known layout; it was not allocated by spyre_rt"
         )
@@ -291,7 +290,7 @@ def copy_plan(dst: torch.Tensor, src: torch.Tensor):
     copies.build(ctx, [copies.Copy("src", 0, "dst", 0, layout.nbytes)])
     relocs = tuple((0 if name == "src" else 1, 0) for name in ctx.buffers())
     name = f"graph copy {tuple(dst.shape)}"
-    plan = GraphPlan(card, encode([PlanJob(ctx.encode(), relocs, name)], 2, card.intern), name)
+    plan = GraphPlan(card, encode([PlanJob(ctx.encode(), relocs, name)], [layout, layout], card.intern), name)
     return card, plan, ffi.new("uint64_t[]", [base_s, base_d])
 
 

@@ -128,8 +128,8 @@ def test_the_first_prebuilt_call_from_many_threads_makes_the_plans_once():
 
 
 # ---- two cards ---------------------------------------------------------------------------
-# In a fresh process: the two-card set's spyre:0 would otherwise share the layout registry's
-# keys with the session's spyre:0 (see test_a_tensor_keeps_its_layout_when_another_card_set_reuses_its_address).
+# In a fresh process, so that the two-card set's cards are the first the process opens (see
+# test_a_tensor_keeps_its_layout_when_another_card_set_reuses_its_address for cards of two sets).
 
 TWO_CARDS = textwrap.dedent(r"""
     import json, sys, threading

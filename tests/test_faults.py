@@ -172,7 +172,7 @@ def test_raw_program_on_a_lost_card_every_call_fails_until_reset(card):
         "malloc": lambda: card.malloc(128),
         "upload a program": lambda: jobs.ResidentProgram(card, copy_program(n)),
         "synchronize": card.synchronize,
-        "create a plan": lambda: GraphPlan(card, encode_plan([PlanJob(matmul_program(), (), "mm")], 0, card.intern)),
+        "create a plan": lambda: GraphPlan(card, encode_plan([PlanJob(matmul_program(), (), "mm")], [], card.intern)),
     }
     for what, call in refused.items():
         with pytest.raises(SpyreDeviceLostError, match="device 1 is lost; reset it"):
@@ -419,7 +419,7 @@ def test_a_compiled_step_works_after_reset_and_touches_only_its_own_memory(card,
 
 
 def test_a_plan_made_before_a_reset_frees_nothing_after_it(card):
-    plan = GraphPlan(card, encode_plan([PlanJob(matmul_program(), (), "mm")], 0, card.intern))
+    plan = GraphPlan(card, encode_plan([PlanJob(matmul_program(), (), "mm")], [], card.intern))
     card.reset()
     mine = card.malloc(256)  # a new allocation at the plan program's old address
     del plan

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from spyre_rt import SpyreInvalidCommandError, SpyrePlanCacheError, plan_cache
+from spyre_rt import SpyreInvalidCommandError, SpyreLayoutError, SpyrePlanCacheError, plan_cache
 from spyre_rt import card as cards
 from spyre_rt import executor as step_mod
 from spyre_rt.dispatch import dispatch_mode
-from spyre_rt.plan import GraphPlan, PlanJob
+from spyre_rt.native import lib
+from spyre_rt.plan import GraphPlan, PlanJob, binding_layouts
 from spyre_rt.plan import encode as encode_plan
 from spyre_rt.program import (
     CMD_DMA,
@@ -187,7 +188,9 @@ MUTATIONS = {
     "nrelocs max": (lambda b: set_(header(b), "nrelocs", 0xFFFFFFFF), "SPY_E_BAD_PROGRAM"),
     "total bytes": (lambda b: set_(header(b), "total_bytes", b.size + 8), "SPY_E_BAD_PROGRAM"),
     "plan magic": (lambda b: set_(header(b), "magic", 0x4E4C5054), "SPY_E_BAD_PROGRAM"),
-    "plan version": (lambda b: set_(header(b), "version", 2), "SPY_E_BAD_PROGRAM"),
+    "plan version": (lambda b: set_(header(b), "version", lib.SPY_PLAN_VERSION + 1), "SPY_E_BAD_PROGRAM"),
+    "binding layout of other sticks": (lambda b: set_(binding_layouts(b)[1:2], "stick_bytes", 64), "SPY_E_BAD_PROGRAM"),
+    "binding layout malformed": (lambda b: set_(binding_layouts(b)[1:2], "itemsize", 3), "SPY_E_BAD_PROGRAM"),
     "program past the end": (lambda b: set_(job_table(b)[-1:], "prog_off", b.size), "SPY_E_BAD_PROGRAM"),
     "program misaligned": (lambda b: set_(job_table(b)[-1:], "prog_off", int(job_table(b)["prog_off"][-1]) + 4),
                            "SPY_E_BAD_PROGRAM"),
@@ -279,6 +282,16 @@ def test_a_plan_file_with_another_binding_count_is_rebuilt(step):
     assert plan_cache.stats.corrupt == corrupt + 1
 
 
+def _bind_like_a_call(card, exe, layout_of=None):
+    """Allocations a call of the step binds: the arena (no layout), then every input,
+    constant and output storage with its stick layout (`layout_of` may change one)."""
+    layouts = [None] + [exe.layouts[n] for n in exe.binding_names[1:]]
+    if layout_of:
+        layouts = [layout_of(b, x) for b, x in enumerate(layouts)]
+    sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
+    return [card.malloc(max(n, 1), layout=x) for n, x in zip(sizes, layouts, strict=True)]
+
+
 # Plans the card accepts but whose bindings need more memory than the step's buffers: the
 # card refuses every launch before any command runs, so a step rejects such a plan file
 # when it loads it and rebuilds.
@@ -295,8 +308,7 @@ def test_an_oversized_plan_is_refused_before_any_command_runs(step, name):
     OVERSIZED[name](block)
     plan = GraphPlan(card, block)  # accepted: extents are checked against each launch's memory
     (exe,) = step.step.executables()
-    sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
-    bufs = [card.malloc(max(n, 1)) for n in sizes]  # what a call of the step binds
+    bufs = _bind_like_a_call(card, exe)
     before = card.counters()
     try:
         with pytest.raises(SpyreInvalidCommandError, match="not inside a live allocation"):
@@ -322,6 +334,49 @@ def test_an_oversized_plan_file_is_rebuilt(step, name, caplog):
     assert np.array_equal(rebuilt.blocks[0], step.block)
     assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)  # the rebuilt file loads
     assert plan_cache.stats.corrupt == corrupt + 1
+
+
+def test_a_plan_bound_to_a_storage_of_another_layout_is_refused_before_any_command_runs(step):
+    """The programs address each storage through the stick layout they were built for: the
+    card refuses a binding whose allocation records another (here a storage of the same
+    bytes, cut into twice the rows of half the length), before any job runs."""
+    card = cards.get(0)
+    plan = GraphPlan(card, step.block)
+    (exe,) = step.step.executables()
+
+    def halve_rows(b, layout):
+        return layout._replace(rows=layout.rows * 2, row_len=layout.row_len // 2) if b == 1 else layout
+
+    assert exe.layouts[exe.binding_names[1]].row_len % 2 == 0
+    for layout_of, refused in ((None, False), (halve_rows, True)):
+        bufs = _bind_like_a_call(card, exe, layout_of)
+        before = card.counters()
+        try:
+            if refused:
+                with pytest.raises(SpyreLayoutError, match="plan binding 1: the plan was built for a storage of"):
+                    plan.launch(bufs)
+                assert card.counters()["jobs"] == before["jobs"]
+            else:
+                plan.launch(bufs)
+                assert card.counters()["jobs"] > before["jobs"]
+        finally:
+            for addr in bufs:
+                card.free(addr)
+
+
+def test_a_plan_file_for_storages_of_other_layouts_is_rebuilt(step, caplog):
+    block = step.block.copy()
+    table = binding_layouts(block)
+    table[1:2]["rows"], table[1:2]["row_len"] = table["rows"][1] * 2, table["row_len"][1] // 2
+    step.install(block)
+    corrupt, loaded = plan_cache.stats.corrupt, step_mod.stats["plans_loaded"]
+    with caplog.at_level("WARNING", logger="spyre_rt.plan_cache"):
+        assert torch.allclose(step.run_fresh().cpu(), REF, rtol=1e-4, atol=1e-6)
+    assert plan_cache.stats.corrupt == corrupt + 1
+    assert step_mod.stats["plans_loaded"] == loaded
+    assert any("other stick layouts" in r.getMessage() for r in caplog.records)
+    rebuilt = plan_cache.decode(step.cache.path(step.key).read_bytes(), step.key)
+    assert np.array_equal(rebuilt.blocks[0], step.block)
 
 
 def test_plan_errors_name_the_job_and_the_command(step):
@@ -370,7 +425,7 @@ def test_a_plan_file_with_a_host_slot_is_rejected_without_a_crash(step):
     b.add(d2h)
     nbindings = int(header(step.block)["nbindings"][0])
     # the host slot takes binding 0 (the step binds its arena there), the DRAM slot an input
-    block = encode_plan([PlanJob(b.encode(), ((1, 0), (0, 0)), "evil")], nbindings, card.intern)
+    block = encode_plan([PlanJob(b.encode(), ((1, 0), (0, 0)), "evil")], [None] * nbindings, card.intern)
     step.install(block, names=[["evil"]])
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", HOST_SLOT, str(step.cache.dir), step.key],
                          capture_output=True, text=True, timeout=300)

@@ -28,6 +28,7 @@ MIRRORS = {
     "PLAN_HEADER": ("spy_plan_header", None, {}),
     "PLAN_JOB": ("spy_plan_job", None, {}),
     "RELOC": ("spy_reloc", None, {}),
+    "LAYOUT": ("spy_layout", None, {}),
 }
 _C_SCALAR = {"uint8_t": ("u", 1), "uint16_t": ("u", 2), "uint32_t": ("u", 4), "uint64_t": ("u", 8),
              "int32_t": ("i", 4), "int64_t": ("i", 8), "double": ("f", 8)}

@@ -656,7 +656,8 @@ static void test_plan(void)
     uint64_t plen;
     uint8_t *job = encode(&p, &plen);
     /* plan: job0 copies binding0 -> arena+0, job1 copies arena+0 -> binding1 */
-    uint64_t total = sizeof(spy_plan_header) + 2 * sizeof(spy_plan_job) + 4 * sizeof(spy_reloc);
+    uint64_t total = sizeof(spy_plan_header) + 2 * sizeof(spy_plan_job) + 4 * sizeof(spy_reloc) +
+                     3 * sizeof(spy_layout);
     uint64_t off0 = total, off1 = total + plen;
     total += 2 * plen;
     uint8_t *blob = aligned_alloc(8, total);
@@ -667,6 +668,9 @@ static void test_plan(void)
     memcpy(blob + sizeof h, jobs, sizeof jobs);
     spy_reloc rel[4] = {{0, 0, 0}, {2, 0, 512}, {2, 0, 512}, {1, 0, 0}};
     memcpy(blob + sizeof h + sizeof jobs, rel, sizeof rel);
+    /* binding 0 must be a storage of 2 rows of 32 floats; the others are not checked */
+    spy_layout lay[3] = {{2, 32, 4, pr.stick_bytes}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+    memcpy(blob + sizeof h + sizeof jobs + sizeof rel, lay, sizeof lay);
     memcpy(blob + off0, job, plen);
     memcpy(blob + off1, job, plen);
     spy_plan *plan;
@@ -675,7 +679,7 @@ static void test_plan(void)
     CHECK_OK(spy_plan_binding_extent(plan, 2, &ext));
     CHECK(ext == 768);
     uint64_t in, out, arena;
-    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &in));
+    CHECK_OK(spy_malloc_layout(d, 256, SPY_MEM_DATA, &lay[0], &in));
     CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &out));
     CHECK_OK(spy_malloc(d, 1024, SPY_MEM_DATA, &arena));
     uint8_t data[256], back[256];
@@ -696,7 +700,30 @@ static void test_plan(void)
     CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &small));
     bind[2] = small;
     CHECK(spy_plan_launch(plan, bind, 3, 0, NULL) == SPY_E_BAD_ADDRESS);
+    bind[2] = arena;
+    /* a storage of the same bytes in another layout, or none, is refused before any job */
+    spy_layout other = {1, 64, 4, pr.stick_bytes};
+    uint64_t in2, in3;
+    CHECK_OK(spy_malloc_layout(d, 256, SPY_MEM_DATA, &other, &in2));
+    CHECK_OK(spy_malloc(d, 256, SPY_MEM_DATA, &in3));
+    spy_counters_get(d, &c0);
+    bind[0] = in2;
+    CHECK(spy_plan_launch(plan, bind, 3, 0, NULL) == SPY_E_LAYOUT);
+    CHECK(strstr(spy_last_error(), "plan binding 0") != NULL);
+    bind[0] = in3;
+    CHECK(spy_plan_launch(plan, bind, 3, 0, NULL) == SPY_E_LAYOUT);
+    spy_counters_get(d, &c1);
+    CHECK(c1.jobs == c0.jobs);
+    bind[0] = in;
+    CHECK_OK(spy_plan_launch(plan, bind, 3, 0, NULL));
     spy_plan_destroy(plan);
+    /* a malformed binding layout is refused when the plan is made */
+    spy_layout *pl = (spy_layout *)(void *)(blob + sizeof h + sizeof jobs + sizeof rel);
+    pl[1].itemsize = 3;
+    pl[1].rows = pl[1].row_len = 1;
+    pl[1].stick_bytes = pr.stick_bytes;
+    CHECK(spy_plan_create(d, blob, total, &plan) == SPY_E_BAD_PROGRAM);
+    pl[1] = (spy_layout){0, 0, 0, 0};
     /* hostile plan blocks */
     spy_plan_header *hh = (spy_plan_header *)(void *)blob;
     hh->nrelocs = 1u << 30;

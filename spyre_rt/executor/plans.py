@@ -3,19 +3,20 @@
 A plan file holds one plan block per device segment, keyed by everything that changes
 their commands (:func:`cache_key`). A file that does not fit this executable (another
 count of segments or bindings, jobs it does not name, extents beyond the memory a call
-binds) is rejected and rebuilt.
+binds, bindings of other stick layouts) is rejected and rebuilt.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .. import __version__, kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
-from ..plan import GraphPlan, PlanJob, set_job_names
+from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, set_job_names
 from ..plan import encode as encode_plan
 from ..version import runtime_version
 from .stats import stats
@@ -75,6 +76,9 @@ def _from_entry(exe, entry, segments) -> list[GraphPlan]:
     if any(p.nbindings != len(exe.binding_names) for p in plans):
         raise SpyreError("plans bind a different number of buffers")
     _check_extents(exe, plans)
+    want = layout_table(binding_layouts_of(exe))
+    if any(not np.array_equal(binding_layouts(p.block), want) for p in plans):
+        raise SpyreError("plans bind storages of other stick layouts than this step's")
     infos = entry.header.get("kernel_info")
     if isinstance(infos, dict):  # a warm start builds nothing: what the kernels compute comes from the file
         for job, info in infos.items():
@@ -103,4 +107,10 @@ def build_block(exe, segment):
     for name in segment.kernels:
         blob, bufs = exe.build(name)
         jobs.append(PlanJob(blob, tuple(exe.relocs[b] for b in bufs), exe.job_name(name)))
-    return encode_plan(jobs, len(exe.binding_names), exe.card.intern)
+    return encode_plan(jobs, binding_layouts_of(exe), exe.card.intern)
+
+
+def binding_layouts_of(exe) -> list:
+    """The stick layout a call binds at each binding: none for the arena (binding 0, which
+    records none), the storage's for every input, constant and output."""
+    return [None] + [exe.layouts[n] for n in exe.binding_names[1:]]

@@ -3,7 +3,9 @@
 Per input geometry (the card, the stick layouts and storage offsets of the inputs) it keeps
 an :class:`~spyre_rt.executor.executable.Executable`. A call that repeats the last geometry
 takes a fast path: static inputs (parameters, static caches) are checked by identity, the
-others by layout, offset and card.
+others by offset and card here and by stick layout on the card (a plan launch checks each
+binding against the layout its allocation records), so the fast path's one native call is
+the launch.
 
 Outputs come from memory the executable pools (its slots), reused only once the caller has
 let go of them, so a later call never overwrites what an earlier one returned and is still
@@ -22,9 +24,8 @@ import torch
 from .. import aten, config, graphs, tensors
 from .. import card as cards
 from ..dispatch import override
-from ..errors import SpyreError, SpyreGraphError
+from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
 from ..kernels import StepDesc, from_json, to_json
-from ..layout import registry
 from . import memory
 from .executable import Executable
 
@@ -118,12 +119,12 @@ class CompiledStep:
             if t.device != device:
                 raise SpyreError(f"compiled step inputs are on {device} and {t.device}; use one card")
             base = t.untyped_storage().data_ptr()
-            layout = registry.get(base)
-            if layout is None:
-                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
             if cards.owner(base) is not card:
                 raise SpyreError(f"compiled step inputs are on two different {device} cards (of two card "
                                  "sets, spyre_rt.configure); use one card")
+            layout = card.layout_of(base)
+            if layout is None:
+                raise SpyreError("an input of a compiled step was not allocated by spyre_rt")
             geometry.append((layout, t.storage_offset()))
         return card, geometry
 
@@ -160,7 +161,9 @@ class CompiledStep:
 class _FastPath:
     """The last input geometry of a step, to skip the full checks when a call repeats it:
     static inputs are checked by identity (and a global count of storage swaps), the others
-    by storage layout, offset and address window."""
+    by storage offset and address window, and by stick layout: on the card, when the call is
+    one plan launch (the launch refuses a binding whose allocation records another layout
+    before any job runs), else here with the card's records."""
 
     def __init__(self, step: CompiledStep, exe: Executable, inputs: list, geometry: list):
         static = set(step.desc.static_inputs)
@@ -175,7 +178,8 @@ class _FastPath:
         self.statics = tuple(inputs[i] for i in static_idx)
         self.pick = _picker(static_idx)
         self.swaps = aten.storage_swaps
-        self.dynamic = [(i, geometry[i]) for i in range(len(inputs)) if i not in static]
+        self.dynamic = [(i, geometry[i][1]) for i in range(len(inputs)) if i not in static]
+        self.layouts = [geometry[i][0] for i in range(len(inputs)) if i not in static]
         # every input's address at this call: the static ones stay (Executable.run binds
         # them once per slot), the dynamic ones are replaced at each call
         self.bases = [t.untyped_storage().data_ptr() for t in inputs]
@@ -187,15 +191,23 @@ class _FastPath:
             return None
         dynamic = []
         window = self.window
-        for i, geo in self.dynamic:
+        for i, offset in self.dynamic:
             t = inputs[i]
             if t.device != self.device:
                 return None
             base = t.untyped_storage().data_ptr()
-            if (registry.get(base), t.storage_offset()) != geo or cards.window_of(base) != window:
+            if t.storage_offset() != offset or cards.window_of(base) != window:
                 return None
             dynamic.append((i, base))
-        return self.exe.run(inputs, mode, binding=self, dynamic=dynamic)
+        exe = self.exe
+        if not exe.one_plan(mode):
+            layout_of = exe.card.layout_of
+            if any(layout_of(base) != layout for (_, base), layout in zip(dynamic, self.layouts, strict=True)):
+                return None
+        try:
+            return exe.run(inputs, mode, binding=self, dynamic=dynamic)
+        except SpyreLayoutError:
+            return None  # an input's storage was made again with another layout: the full checks
 
 
 def _picker(idx: list[int]):

@@ -17,6 +17,7 @@ from spyre_rt.program import (
     DESC,
     INSTR,
     JOB_HEADER,
+    LAYOUT,
     OP_GATHER,
     OP_MATMUL,
     OP_RING,
@@ -93,11 +94,13 @@ def plan_sections(buf: np.ndarray) -> dict | None:
     njobs, nrelocs = int(h["njobs"]), int(h["nrelocs"])
     jobs_at = PLAN_HEADER.itemsize
     relocs_at = jobs_at + njobs * PLAN_JOB.itemsize
-    if relocs_at + nrelocs * RELOC.itemsize > buf.size:
+    layouts_at, nbindings = relocs_at + nrelocs * RELOC.itemsize, int(h["nbindings"])
+    if layouts_at + nbindings * LAYOUT.itemsize > buf.size:
         return None
     table = buf[jobs_at: relocs_at].view(PLAN_JOB)
     programs = [(int(j["prog_off"]), int(j["prog_len"])) for j in table]
-    return {"jobs": (jobs_at, njobs), "relocs": (relocs_at, nrelocs), "programs": programs}
+    return {"jobs": (jobs_at, njobs), "relocs": (relocs_at, nrelocs), "layouts": (layouts_at, nbindings),
+            "programs": programs}
 
 
 def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
@@ -122,6 +125,9 @@ def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
     rpos, nrelocs = sec["relocs"]
     if r < 0.45 and nrelocs:
         return "relocation " + mutate_record(rng, buf, rpos + rng.randrange(nrelocs) * RELOC.itemsize, RELOC)
+    lpos, nbindings = sec["layouts"]
+    if r < 0.52 and nbindings:
+        return "binding layout " + mutate_record(rng, buf, lpos + rng.randrange(nbindings) * LAYOUT.itemsize, LAYOUT)
     inside = [(o, n) for o, n in sec["programs"] if 0 <= o and o + n <= buf.size]
     if inside:
         o, n = rng.choice(inside)

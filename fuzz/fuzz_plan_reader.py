@@ -8,7 +8,7 @@ splices) that the checksum must catch. ``decode`` must accept or raise
 ``SpyrePlanCacheError``; every block of an accepted file must be created as a plan or
 rejected with a typed error (a plan job with a host slot is one: plans bind device memory
 only); a plan the card accepts is launched with every binding it uses bound to device
-memory of its declared extent (what a caller must provide).
+memory of its declared extent and stick layout (what a caller must provide).
 
     python fuzz/fuzz_plan_reader.py --seconds 600 [--seed N] [--runs N] [--asan]
 """
@@ -29,7 +29,8 @@ from harness import aligned, arguments, mutate_bytes, mutate_record, run, stage 
 
 from spyre_rt import jobs, plan_cache, profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
-from spyre_rt.plan import GraphPlan  # noqa: E402
+from spyre_rt.layout import StickLayout  # noqa: E402
+from spyre_rt.plan import GraphPlan, binding_layouts  # noqa: E402
 from spyre_rt.program import PLAN_JOB, RELOC, SLOT  # noqa: E402
 
 PREFIX = np.dtype([("magic", "u8"), ("format", "u4"), ("nhead", "u4"), ("npay", "u8")])
@@ -52,8 +53,9 @@ def target(data: bytes) -> None:
             launch(plan, bindings)
 
 
-def binding_kinds(block: np.ndarray, plan: GraphPlan) -> list[tuple[int, int]] | None:
-    """(kind, extent) per binding of an accepted plan, or None when it is too big to run."""
+def binding_kinds(block: np.ndarray, plan: GraphPlan) -> list[tuple[int, int, StickLayout | None]] | None:
+    """(kind, extent, layout) per binding of an accepted plan, or None when it is too big
+    to run."""
     kinds = {}
     work = dict.fromkeys(WORK_LIMITS, 0)
     sec = plan_sections(block)
@@ -70,20 +72,21 @@ def binding_kinds(block: np.ndarray, plan: GraphPlan) -> list[tuple[int, int]] |
             binding = int(block[rpos + (first + k) * RELOC.itemsize: rpos + (first + k + 1) * RELOC.itemsize]
                           .view(RELOC)["binding"][0])
             kinds[binding] = int(slot["kind"])
-    extents = [plan.extent(b) for b in range(plan.nbindings)]
+    layouts = [StickLayout(*(int(x) for x in row)) if row["itemsize"] else None for row in binding_layouts(block)]
+    extents = [max(plan.extent(b), layouts[b].nbytes if layouts[b] else 0) for b in range(plan.nbindings)]
     if any(work[k] > v for k, v in WORK_LIMITS.items()) or sum(extents) > MAX_BINDING_BYTES:
         return None
-    return [(kinds.get(b, -1), extents[b]) for b in range(plan.nbindings)]
+    return [(kinds.get(b, -1), extents[b], layouts[b]) for b in range(plan.nbindings)]
 
 
-def launch(plan: GraphPlan, bindings: list[tuple[int, int]]) -> None:
+def launch(plan: GraphPlan, bindings: list[tuple[int, int, StickLayout | None]]) -> None:
     addrs, device = [], []
     try:
-        for kind, extent in bindings:
+        for kind, extent, layout in bindings:
             if kind < 0:
                 addrs.append(0)  # a binding no job uses
             else:
-                device.append(stage("bind", card.malloc, max(extent, 1)))
+                device.append(stage("bind", lambda n, x: card.malloc(n, layout=x), max(extent, 1), layout))
                 addrs.append(device[-1])
         stage("launch", plan.launch, addrs)
     finally:

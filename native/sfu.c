@@ -623,10 +623,26 @@ spy_status spy_sfu_run(const spy_instr *ins, uint8_t *lx, spy_sfu_rows *rb)
     return SPY_OK;
 }
 
+/* Whether an instruction runs at the fp32 rate: its destination or a source it reads is an
+ * fp32 operand in the scratchpad. A mixed instruction runs at the rate of its widest
+ * element; an immediate is one constant, not a stream of elements, and sources past the
+ * op's arity are unused (a zeroed one would read as SPY_DT_F32). */
+static bool runs_fp32(const spy_sfu_op *op, const spy_instr *ins)
+{
+    if (ins->dst.dtype == SPY_DT_F32)
+        return true;
+    uint32_t reads = op && op->kind != SPY_SFU_KIND_IOTA ? op->arity : 0;
+    for (uint32_t k = 0; k < reads; k++)
+        if (ins->src[k].kind != SPY_OPND_IMM && ins->src[k].dtype == SPY_DT_F32)
+            return true;
+    return false;
+}
+
 double spy_sfu_cycles(const spy_profile *p, const spy_instr *ins)
 {
     const spy_sfu_op *op = spy_sfu_op_find(ins->op);
     double elems = (double)ins->rows * ins->cols;
     double per = op && op->cost == SPY_SFU_COST_TRANSCENDENTAL ? p->sfu_transcendental_cycles : 1.0;
-    return elems * per / p->sfu_elems_per_cycle;
+    double rate = p->sfu_elems_per_cycle * (runs_fp32(op, ins) ? p->sfu_fp32_ratio : 1.0);
+    return elems * per / rate;
 }

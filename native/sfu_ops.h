@@ -12,7 +12,8 @@
  *   aux     what the instruction's aux byte holds: NONE (ignored), CMP (a SPY_CMP_* code,
  *           checked), FORM (GELU: 0 the erf form, otherwise the tanh form)
  *   cost    SIMPLE (one pass per element) or TRANSCENDENTAL (the profile's
- *           sfu_transcendental_cycles per element)
+ *           sfu_transcendental_cycles per element); either at sfu_fp32_ratio of the
+ *           rate when an operand in the scratchpad is fp32 (spy_sfu_cycles)
  *   kind    how sfu.c runs it; "domain" is whether arithmetic is fp32 (float) or int64:
  *           MAP     elementwise; the destination's dtype picks the domain
  *           CAST    MAP, except that a float source into an integer destination

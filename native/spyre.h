@@ -103,8 +103,7 @@ const char *spy_status_name(spy_status s);
  * Every figure the cost model uses, declared once, in SPY_PROFILE_FIGURES: it makes the
  * fields of spy_profile, the ranges spy_device_open accepts (spy_profile_check) and the
  * table the Python layer loads profiles/devices TOML files with (spy_profile_figures).
- * Adding a figure: a row here, the figure with its source in the TOML files, its use in
- * the cost model.
+ * Adding a figure: the recipe "Add a device figure" of docs/ARCHITECTURE.md.
  *
  * X(type, field, key, unit, scale, sign, max)
  *   type   U32, U64 or F64: the C type of the field
@@ -132,6 +131,7 @@ const char *spy_status_name(spy_status s);
     X(F64, pt_latency_ns,             "pt_latency_ns",             "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* issue + drain per matmul */ \
     X(F64, sfu_elems_per_cycle,       "sfu_elems_per_cycle",       "elements/cycle/core", 1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* SFU, simple ops */ \
     X(F64, sfu_transcendental_cycles, "sfu_transcendental_cycles", "cycles/element",      1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* multiplier for exp/log/... */ \
+    X(F64, sfu_fp32_ratio,            "sfu_fp32_ratio",            "ratio",               1,         POSITIVE,    1)     /* fp32 rate relative to fp16; at most 1: a wider element is never faster on the same lanes */ \
     X(F64, sfu_latency_ns,            "sfu_latency_ns",            "ns",                  1,         NONNEGATIVE, SPY_FIGURE_UNBOUNDED) /* per instruction */ \
     X(F64, dram_bytes_per_ns,         "dram_bandwidth_gbps",       "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* sustained, shared by the cores */ \
     X(F64, core_dma_bytes_per_ns,     "core_dma_gbps",             "GB/s",                1,         POSITIVE,    SPY_FIGURE_UNBOUNDED) /* one core's DMA port */ \

@@ -43,6 +43,7 @@ static spy_profile test_profile(void)
     p.pt_latency_ns = 50;
     p.sfu_elems_per_cycle = 128;
     p.sfu_transcendental_cycles = 4;
+    p.sfu_fp32_ratio = 1;
     p.sfu_latency_ns = 20;
     p.dram_bytes_per_ns = 150;
     p.core_dma_bytes_per_ns = 48;
@@ -888,6 +889,50 @@ static void test_sfu_table(void)
     spy_device_close(d);
 }
 
+/* An SFU instruction with an fp32 destination or source in the scratchpad runs at
+ * sfu_fp32_ratio of the element rate; one on fp16 operands (an fp32 immediate included)
+ * at the full rate. */
+static void test_sfu_fp32_rate(void)
+{
+    current = "sfu fp32 rate";
+    spy_profile pr = test_profile();
+    pr.sfu_fp32_ratio = 0.5;
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    spy_operand h = {SPY_OPND_TILE, SPY_DT_F16, 0, 16, {.off = 0}};
+    spy_operand f = {SPY_OPND_TILE, SPY_DT_F32, 0, 16, {.off = 4096}};
+    spy_operand imm = {SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 2.0}};
+    struct {
+        uint8_t op;
+        spy_operand dst, src0, src1;
+        double per, ratio;
+    } cases[] = {
+        {SPY_SFU_EXP, h, h, {0}, 4, 1},     /* fp16 throughout */
+        {SPY_SFU_EXP, f, f, {0}, 4, 0.5},   /* fp32 throughout */
+        {SPY_SFU_EXP, f, h, {0}, 4, 0.5},   /* widening: the destination is fp32 */
+        {SPY_SFU_EXP, h, f, {0}, 4, 0.5},   /* narrowing: a source is fp32 */
+        {SPY_SFU_ADD, h, h, imm, 1, 1},     /* an fp32 immediate is no stream of elements */
+        {SPY_SFU_ADD, h, h, f, 1, 0.5},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        prog p;
+        memset(&p, 0, sizeof p);
+        spy_instr *ins = &p.instrs[0];
+        p.ninstrs = 1;
+        ins->op = cases[i].op;
+        ins->rows = 4;
+        ins->cols = 16;
+        ins->dst = cases[i].dst;
+        ins->src[0] = cases[i].src0;
+        ins->src[1] = cases[i].src1;
+        cmd(&p, SPY_OP_SFU, 0)->u.sfu.ninstrs = 1;
+        double t = one_job_busy(d, &p, NULL);
+        double rate = pr.sfu_elems_per_cycle * cases[i].ratio;
+        CHECK(NEAR(t, pr.sfu_latency_ns + 64 * cases[i].per / rate / pr.clock_ghz, 1e-9));
+    }
+    spy_device_close(d);
+}
+
 static void set_figure(spy_profile *p, const spy_figure *f, double v)
 {
     char *at = (char *)p + f->offset;
@@ -1094,6 +1139,7 @@ int main(void)
     test_plan();
     test_sfu();
     test_sfu_table();
+    test_sfu_fp32_rate();
     test_profile_figures();
     test_layouts();
     if (failures) {

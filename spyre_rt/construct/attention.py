@@ -256,7 +256,8 @@ def block_costs(shape: Shape, target: Target, rows: int, keys: int, share: int =
     gm, gn = target.gran_m, target.gran_n
     padded = round_up(r, gm) * (round_up(keys, gn) * shape.dim + round_up(shape.v_dim, gn) * keys)
     arrays = padded / rate + 2 * target.pt_latency_ns
-    sfu = (r * keys * SFU_PASSES + r * shape.v_dim) / target.sfu_elems_per_ns + SFU_INSTRS * target.sfu_latency_ns
+    sfu_rate = target.sfu_elems_per_ns * target.sfu_fp32_ratio  # S, O and the row state are fp32
+    sfu = (r * keys * SFU_PASSES + r * shape.v_dim) / sfu_rate + SFU_INSTRS * target.sfu_latency_ns
     moved = keys * (shape.dim + shape.v_dim) * shape.e_in / share
     if shape.mask:
         moved += shape.mask_heads * rows * keys * dtypes.ITEMSIZE[shape.mask_dtype]

@@ -32,7 +32,8 @@ class Target:
     dram_burst_bytes: int      # a DRAM run is charged in whole bursts
     ring_bytes_per_ns: float   # one core's ring port, per direction
     ring_hop_ns: float
-    sfu_elems_per_ns: float
+    sfu_elems_per_ns: float    # the SFU's element rate on fp16 operands
+    sfu_fp32_ratio: float      # its rate on fp32 operands (a scratchpad destination or source), relative
     sfu_latency_ns: float      # per SFU instruction
     job_launch_ns: float       # the command processor's fixed cost of a job
 
@@ -54,6 +55,7 @@ class Target:
             ring_bytes_per_ns=p["ring_bytes_per_cycle"] * p["clock_ghz"],
             ring_hop_ns=p["ring_hop_ns"],
             sfu_elems_per_ns=p["sfu_elems_per_cycle"] * p["clock_ghz"],
+            sfu_fp32_ratio=p["sfu_fp32_ratio"],
             sfu_latency_ns=p["sfu_latency_ns"],
             job_launch_ns=p["job_launch_ns"],
         )

@@ -266,7 +266,8 @@ def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, 
     last = _step_terms(target, p, cand, tiles, np.maximum(shape["tail"], 1), active)
     t_steps = np.where(steps > 0, (steps - 1) * step["t_step"] + last["t_step"], 0)
 
-    sfu = target.sfu_latency_ns + tm * tn / target.sfu_elems_per_ns
+    # the reduction's adds and the epilogue work on the fp32 accumulator
+    sfu = target.sfu_latency_ns + tm * tn / (target.sfu_elems_per_ns * target.sfu_fp32_ratio)
     acc_bytes = tm * _round_up(tn, 32) * 4
     t_reduce = np.ceil(np.log2(pk)) * (acc_bytes / target.ring_bytes_per_ns + target.ring_hop_ns + sfu)
     t_epilogue = sfu * ((2 if p.e_bias else 1) + p.epi_instrs)

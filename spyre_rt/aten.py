@@ -11,23 +11,12 @@ from __future__ import annotations
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from . import tensors
+from . import capture, tensors
 from .layout import storage_numel
 
 aten = torch.ops.aten
 _CPU = DispatchKeySet(DispatchKey.CPU)
 _KERNELS: dict[str, object] = {}
-
-# Bumped whenever a spyre tensor is pointed at another storage (`.data =`, `set_`, a growing
-# `resize_`). Compiled steps bind the memory of their static inputs once and re-check it
-# only when this changes, instead of asking every parameter for its address on every call.
-storage_swaps = 0
-
-
-def _swapped() -> None:
-    global storage_swaps
-    storage_swaps += 1
-
 
 def _kernel(*names: str):
     def deco(fn):
@@ -117,7 +106,7 @@ def _resize(self, size, memory_format=None):
     aten.set_.source_Storage_storage_offset.redispatch(
         _CPU, self, fresh.untyped_storage(), self.storage_offset(), size, strides
     )
-    _swapped()
+    capture.swapped()
     return self
 
 
@@ -132,7 +121,7 @@ def _redispatch(name: str, swaps: bool = False):
 
     def kernel(*args, **kwargs):
         if swaps:
-            _swapped()
+            capture.swapped()
         return op.redispatch(_CPU, *args, **kwargs)
 
     kernel.__name__ = "spyre_" + name.replace(".", "_")
@@ -148,7 +137,7 @@ for _name in _STORAGE_SWAPS:
 @_kernel("_has_compatible_shallow_copy_type")
 def _compatible_shallow_copy(self, from_):
     # `tensor.data = other` asks this before swapping the storage: note the swap.
-    _swapped()
+    capture.swapped()
     return self.device.type == from_.device.type
 
 

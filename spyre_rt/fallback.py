@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from . import graphs, tensors
+from . import capture, tensors
 
 aten = torch.ops.aten
 
@@ -27,6 +27,7 @@ class SpyreFallbackWarning(UserWarning):
 calls: Counter[str] = Counter()     # eager calls that ran on the CPU, by op
 in_steps: Counter[str] = Counter()  # CPU ops run inside compiled steps, by op (compiler.step)
 _warned: set[str] = set()
+_warned_once: set[tuple[str, str]] = set()  # (op, what) of warn_once
 _lock = threading.Lock()
 
 
@@ -155,9 +156,17 @@ def forget_warnings(op: str) -> None:
     """Warn again about ops whose name contains `op` (each warns once per process)."""
     with _lock:
         _warned.difference_update({w for w in _warned if op in w})
-    from .executor import cpu_ops
+        _warned_once.difference_update({w for w in _warned_once if op in w[0]})
 
-    cpu_ops.forget_warnings(op)
+
+def warn_once(op: str, what: str, category=UserWarning) -> None:
+    """Warn ``spyre: {op} {what}`` once per process (until :func:`forget_warnings`), for
+    the code that called the caller."""
+    with _lock:
+        first = (op, what) not in _warned_once
+        _warned_once.add((op, what))
+    if first:
+        warnings.warn(f"spyre: {op} {what}", category, stacklevel=4)
 
 
 def _note(name: str) -> None:
@@ -182,8 +191,8 @@ def run_on_cpu(op, *args, **kwargs):
         if view is not None:
             _note(sc.name)
             return view
-    if graphs.capturing:
-        graphs.refuse(f"{sc.name} (no device kernel: it runs on the CPU)")
+    if capture.capturing:
+        capture.refuse(f"{sc.name} (no device kernel: it runs on the CPU)")
     _note(sc.name)
     device = _device_of(args, kwargs)
     call = _Call(device)  # on a timing-mode card the inputs read as zeros

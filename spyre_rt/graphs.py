@@ -30,56 +30,20 @@ output is overwritten by every replay (hold a copy to keep a value), as with CUD
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 import torch
 
-from . import aten, torch_ranges
+from . import capture, torch_ranges
 from .errors import SpyreGraphError
 from .native import error_for, ffi, lib
-
-capturing = 0  # threads capturing now: the hot paths test this int before anything else
-_lock = threading.Lock()
-_local = threading.local()
-
-
-def current() -> SpyreGraph | None:
-    """The graph this thread is capturing into, if any."""
-    return getattr(_local, "graph", None) if capturing else None
-
-
-def recording() -> SpyreGraph | None:
-    """The graph this thread is capturing into, outside the capture's own work."""
-    g = current()
-    return None if g is None or getattr(_local, "inside", False) else g
-
-
-def refuse(what: str) -> None:
-    """Raise if this thread is capturing: `what` is eager work a replay cannot repeat."""
-    g = current()
-    if g is not None and not getattr(_local, "inside", False):
-        g._failed = True
-        raise SpyreGraphError(
-            f"{what} inside a spyre graph capture: a capture records compiled steps and device-to-device "
-            "copies only (do eager work before or after it)")
-
-
-@contextlib.contextmanager
-def _inside() -> Iterator[None]:
-    """The capture's own work (running a step it records): not eager work."""
-    previous = getattr(_local, "inside", False)
-    _local.inside = True
-    try:
-        yield
-    finally:
-        _local.inside = previous
+from .tensors import copy_plan
 
 
 def compiling():
     """A block of compile-time work (the backend compiling a graph, which may touch the
     card once), neither recorded by a capture under way nor refused by it."""
-    return _inside()
+    return capture.inside()
 
 
 class _Launch:
@@ -112,29 +76,22 @@ class SpyreGraph:
 
     # ---- capture ----
     def capture_begin(self) -> None:
-        global capturing
         if self._state != "empty":
             raise SpyreGraphError("this graph was captured already; reset() it to capture again")
-        if current() is not None:
+        if capture.current() is not None:
             raise SpyreGraphError("a capture is already under way on this thread")
         self._state = "capturing"
-        _local.graph = self
-        with _lock:
-            capturing += 1
+        capture.begin(self)
 
     def capture_end(self) -> None:
-        global capturing
-        if self._state != "capturing" or getattr(_local, "graph", None) is not self:
+        if self._state != "capturing" or not capture.end(self):
             raise SpyreGraphError("capture_end() without capture_begin() on this thread")
-        _local.graph = None
-        with _lock:
-            capturing -= 1
         if self._failed:
             self._reset_state()
             self._state = "failed"
             return
         self._state = "captured"
-        self._swaps = aten.storage_swaps
+        self._swaps = capture.storage_swaps
         if self._launches:
             n = len(self._launches)
             plans = ffi.new("spy_plan *[]", [x.plan.handle for x in self._launches])
@@ -156,10 +113,8 @@ class SpyreGraph:
     def record_step(self, exe, inputs: list, bases: list[int]) -> list:
         """Run a compiled step's executable once in ``prebuilt`` dispatch with memory the
         graph keeps, and record its launches."""
-        from .executor.segments import DeviceSegment
-
         try:
-            cpu = [s for s in exe.segments if not isinstance(s, DeviceSegment)]
+            cpu = exe.host_segments()
             if cpu:
                 raise SpyreGraphError(
                     f"a compiled step runs {', '.join(_op_name(s) for s in cpu)} on the CPU and cannot be "
@@ -167,7 +122,7 @@ class SpyreGraph:
             card = exe.card
             epoch = card.epoch
             self._bind(card, epoch, [t for t in inputs if isinstance(t, torch.Tensor)])
-            with _inside():
+            with capture.inside():
                 slot = exe.new_slot(epoch)
                 outs = exe.run(inputs, "prebuilt", bases, slot=slot)
                 plans = exe.plans(epoch)
@@ -181,12 +136,10 @@ class SpyreGraph:
 
     def record_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """A device-to-device copy inside a capture: run now and at every replay."""
-        from .tensors import copy_plan
-
         try:
             card, plan, table = copy_plan(dst, src)
             self._bind(card, card.epoch, [dst, src])
-            with _inside():
+            with capture.inside():
                 plan.launch(table)
         except BaseException:
             self._failed = True
@@ -205,7 +158,7 @@ class SpyreGraph:
             raise SpyreGraphError(f"replay() of a graph that is {self._state} (capture it first)"
                                   if self._state != "failed" else
                                   "replay() of a graph whose capture failed (reset() it and capture again)")
-        if aten.storage_swaps != self._swaps:
+        if capture.storage_swaps != self._swaps:
             self._check_bound()
         if self._card.epoch != self._epoch:
             raise SpyreGraphError(f"{self._card!r} was reset after this graph was captured: its memory and plans "
@@ -238,7 +191,7 @@ class SpyreGraph:
                     f"a tensor this graph reads or writes (bound tensor {i}, {tuple(t.shape)} {t.dtype}) was pointed "
                     "at other memory since the capture (set_, .data =, resize_); copy_() new values into it "
                     "instead, or capture again")
-        self._swaps = aten.storage_swaps
+        self._swaps = capture.storage_swaps
 
     def stale(self) -> bool:
         """Whether replay() would refuse to run: nothing captured, the card reset since, or

@@ -16,8 +16,8 @@ import warnings
 
 import torch
 
+from . import capture, config, dispatch, dtypes
 from . import card as cards
-from . import config, dispatch, dtypes, graphs
 from .errors import SpyreError, SpyreGraphError, SpyreOutOfMemoryError
 from .layout import StickLayout, layout_for, storage_numel
 from .native import error_for, ffi, lib
@@ -55,8 +55,8 @@ def device_index(device) -> int:
 def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None, card=None) -> torch.Tensor:
     """A new device tensor with the given geometry (uninitialised), on `card` if given (a
     card of any card set) or else on `device` of the current card set."""
-    if graphs.capturing:
-        graphs.refuse("allocating a spyre tensor")
+    if capture.capturing:
+        capture.refuse("allocating a spyre tensor")
     dtype = dtype or torch.get_default_dtype()
     dtypes.of(dtype)  # rejects unsupported dtypes with a clear error
     if card is None:
@@ -182,8 +182,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     A timing-mode card keeps no data: the transfer is still made (and timed) and the
     values are zeros, with a one-time SpyreTimingModeWarning."""
     global _warned_timing
-    if graphs.capturing:
-        graphs.refuse("reading a spyre tensor on the host")
+    if capture.capturing:
+        capture.refuse("reading a spyre tensor on the host")
     card, view, base = geometry(t)
     if view.layout.itemsize != t.element_size():
         out = _reinterpreted(t, _storage_to_host(card, view.layout, base)).clone()
@@ -201,8 +201,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def upload(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy a CPU tensor into a spyre tensor (broadcasting and converting like copy_)."""
-    if graphs.capturing:
-        graphs.refuse("copying host data to a spyre tensor")
+    if capture.capturing:
+        capture.refuse("copying host data to a spyre tensor")
     card, view, base = geometry(dst)
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
@@ -239,7 +239,7 @@ def _reinterpreted(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` where at least one side is on spyre."""
-    if graphs.capturing and (g := graphs.recording()) is not None:
+    if capture.capturing and (g := capture.recording()) is not None:
         return g.record_copy(dst, src)
     src_spyre, dst_spyre = src.device.type == "spyre", dst.device.type == "spyre"
     if src_spyre and dst_spyre:

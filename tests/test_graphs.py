@@ -151,9 +151,9 @@ def test_eager_work_inside_a_capture_is_a_clear_error(compiled, work):
 
 
 def graphs_idle():
-    from spyre_rt import graphs
+    from spyre_rt import capture
 
-    return graphs.capturing == 0 and graphs.current() is None
+    return capture.capturing == 0 and capture.current() is None
 
 
 def test_a_step_with_a_cpu_op_cannot_be_captured():

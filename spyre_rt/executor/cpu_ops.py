@@ -7,8 +7,6 @@ from). Their transfers follow the step's dispatch mode.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .. import fallback
@@ -19,19 +17,6 @@ from ..transfer import ViewGeometry, from_device, to_device
 # The torch constants a CPU op's arguments may name (never getattr on a name read from disk).
 _TORCH_CONSTANTS = {str(c).removeprefix("torch."): c for c in (
     torch.strided, torch.sparse_coo, torch.contiguous_format, torch.channels_last, torch.preserve_format)}
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_once(op: str, what: str, category=UserWarning) -> None:
-    if (op, what) not in _warned:
-        _warned.add((op, what))
-        warnings.warn(f"spyre: {op} {what}", category, stacklevel=4)
-
-
-def forget_warnings(op: str) -> None:
-    _warned.difference_update({w for w in _warned if op in w[0]})
-
 
 def resolve(name: str):
     """``"aten.cumsum.default"`` -> ``torch.ops.aten.cumsum.default``."""
@@ -60,10 +45,10 @@ class CpuOps:
     def run(self, op: CpuOp, table, mode: str):
         exe = self.exe
         if not exe.card.functional:
-            _warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
+            fallback.warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
         if not op.host:  # work eager does on the CPU too is no fallback
             fallback.in_steps[op.op] += 1
-            _warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
+            fallback.warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
         prebuilt = mode != "construct"
 
         def fetch(ref, as_dtype: str | None):

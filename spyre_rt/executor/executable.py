@@ -149,6 +149,10 @@ class Executable:
     def device_segments(self) -> list[DeviceSegment]:
         return [s for s in self.segments if isinstance(s, DeviceSegment)]
 
+    def host_segments(self) -> list:
+        """The segments that run on the host (CPU ops and their picks)."""
+        return [s for s in self.segments if not isinstance(s, DeviceSegment)]
+
     # ---- construction ----
     def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
         """Construct one kernel's program: the work the dispatch modes move."""

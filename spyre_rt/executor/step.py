@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from .. import aten, config, graphs, tensors
+from .. import capture, config, tensors
 from .. import card as cards
 from ..dispatch import override
 from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
@@ -82,7 +82,7 @@ class CompiledStep:
         args.clear()  # boxed calling convention: drop the caller's references early
         if self.desc.constants:
             inputs += [module_globals[name] for name in self.desc.constants]
-        if graphs.capturing and (g := graphs.recording()) is not None:
+        if capture.capturing and (g := capture.recording()) is not None:
             return self._capture(g, inputs)
         fast = self._fast
         if fast is not None:
@@ -174,10 +174,10 @@ class _FastPath:
         self.n = len(inputs)
         static_idx = [i for i in range(len(inputs)) if i in static]
         # Holding the static tensors keeps their storages alive (and their ids unique): the
-        # same objects with no storage swap since (aten.storage_swaps) have the same memory.
+        # same objects with no storage swap since (capture.storage_swaps) have the same memory.
         self.statics = tuple(inputs[i] for i in static_idx)
         self.pick = _picker(static_idx)
-        self.swaps = aten.storage_swaps
+        self.swaps = capture.storage_swaps
         self.dynamic = [(i, geometry[i][1]) for i in range(len(inputs)) if i not in static]
         self.layouts = [geometry[i][0] for i in range(len(inputs)) if i not in static]
         # every input's address at this call: the static ones stay (Executable.run binds
@@ -185,7 +185,7 @@ class _FastPath:
         self.bases = [t.untyped_storage().data_ptr() for t in inputs]
 
     def run(self, inputs: list, mode: str):
-        if id(cards.card_set()) != self.card_set or len(inputs) != self.n or aten.storage_swaps != self.swaps:
+        if id(cards.card_set()) != self.card_set or len(inputs) != self.n or capture.storage_swaps != self.swaps:
             return None
         if not all(map(operator.is_, self.pick(inputs), self.statics)):
             return None

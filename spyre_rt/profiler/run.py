@@ -33,14 +33,14 @@ import torch
 
 from .. import card as cards
 from .. import trace as trace_format
+from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
 
-DISPATCH = ("construct", "prebuilt-transfer", "prebuilt")  # the three dispatch modes
-# and "replay": the prebuilt plans driven by captured graphs (torch.spyre.graph), prefill and
-# decode each one replay
+# The dispatch modes (DISPATCH, from spyre_rt.dispatch's table), and "replay": the prebuilt
+# plans driven by captured graphs (torch.spyre.graph), prefill and decode each one replay
 MODES = (*DISPATCH, "replay")
 PHASES = ("prefill", "decode")
 FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
@@ -385,12 +385,18 @@ def speedups_of(results: dict) -> dict:
 def compute_share_of(results: dict) -> dict:
     """The share of the whole gain (construct -> prebuilt) made by moving construction off
     the compute path (prebuilt-transfer -> prebuilt)."""
-    if not all(m in results for m in DISPATCH):
+    return _share_of(results, "prebuilt-transfer", "prebuilt")
+
+
+def _share_of(results: dict, start: str, end: str) -> dict:
+    """Per phase, the share of the whole gain (construct -> prebuilt) made by going from
+    mode `start` to mode `end`: (start - end) / (construct - prebuilt), in latencies."""
+    if not all(m in results for m in ("construct", "prebuilt", start, end)):
         return {}
     out = {}
     for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
-        c, t, p = (results[m][key] for m in DISPATCH)
-        out[phase] = (t - p) / (c - p) if c != p else float("nan")
+        c, p = results["construct"][key], results["prebuilt"][key]
+        out[phase] = (results[start][key] - results[end][key]) / (c - p) if c != p else float("nan")
     return out
 
 
@@ -648,7 +654,7 @@ def _gains_table(out: dict):
     for col in ("figure", "measured", f"spread, {n} runs", "published", "difference"):
         t.add_column(col, justify="left" if col == "figure" else "right")
     rows = []
-    for mode in ("prebuilt-transfer", "prebuilt", "replay"):
+    for mode in MODES[1:]:
         for phase in PHASES:
             if mode in sp:
                 pub = ref["speedups"].get(mode, {}).get(phase) if ref else None

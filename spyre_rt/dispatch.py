@@ -10,6 +10,7 @@ mode                   data transfers                kernels
 =====================  ============================  ===================================
 ``construct``          built every launch            built every launch
 ``prebuilt-transfer``  prebuilt (cached per view)    built every launch
+``prebuilt-compute``   built every launch            a graph plan per step, built once
 ``prebuilt``           prebuilt (cached per view)    a graph plan per step, built once
 =====================  ============================  ===================================
 
@@ -47,6 +48,8 @@ MODES: dict[str, DispatchMode] = {m.name: m for m in (
                  summary="every kernel's job and every transfer graph built at its launch"),
     DispatchMode("prebuilt-transfer", prebuilt_transfers=True, plans=False,
                  summary="kernels built at their launch; transfer graphs prebuilt"),
+    DispatchMode("prebuilt-compute", prebuilt_transfers=False, plans=True,
+                 summary="kernels from prebuilt graph plans; transfer graphs built per launch"),
     DispatchMode("prebuilt", prebuilt_transfers=True, plans=True,
                  summary="kernels from prebuilt graph plans; transfer graphs prebuilt"),
 )}

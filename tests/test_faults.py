@@ -27,6 +27,7 @@ from spyre_rt import (
     SpyreDeviceLostError,
     SpyreDMAError,
     SpyrePlanCacheError,
+    dispatch,
     jobs,
     plan_cache,
 )
@@ -50,7 +51,7 @@ from spyre_rt.program import (
     empty_cmds,
 )
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 DMA_OPS = (OP_H2D, OP_D2H, OP_LOAD, OP_STORE, OP_GATHER, OP_SCATTER)
 FAULTS = {
     "command": (SpyreDeviceError, "SPY_E_COMMAND_FAULT"),

@@ -388,6 +388,17 @@ def compute_share_of(results: dict) -> dict:
     return _share_of(results, "prebuilt-transfer", "prebuilt")
 
 
+def path_shares_of(results: dict) -> dict:
+    """Per phase, the share of the whole gain (construct -> prebuilt) each path gives on
+    its own: ``transfer`` construct -> prebuilt-transfer, ``compute`` construct ->
+    prebuilt-compute. Near 1 together when the two gains add up."""
+    out: dict = {}
+    for path, mode in (("transfer", "prebuilt-transfer"), ("compute", "prebuilt-compute")):
+        for phase, share in _share_of(results, "construct", mode).items():
+            out.setdefault(phase, {})[path] = share
+    return out
+
+
 def _share_of(results: dict, start: str, end: str) -> dict:
     """Per phase, the share of the whole gain (construct -> prebuilt) made by going from
     mode `start` to mode `end`: (start - end) / (construct - prebuilt), in latencies."""
@@ -547,6 +558,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "speedups": speedups_of(results),
         "spread": spread_of(samples),
         "compute_share": compute_share_of(results),
+        "path_shares": path_shares_of(results),
         "efficiency": efficiency_of(session, opts, results, census),
         "reference": reference,
         "kernels": kernels,
@@ -663,6 +675,9 @@ def _gains_table(out: dict):
         if phase in share:
             pub = ref["compute_share"].get(phase) if ref else None
             rows.append((f"{phase}: share of the gain from the compute path", share[phase], None, pub, "%"))
+    for phase, by_path in out.get("path_shares", {}).items():
+        for path, value in by_path.items():
+            rows.append((f"{phase}: share of the gain, {path} path alone", value, None, None, "%"))
     for name, mine, mm, pub, unit in rows:
         fmt = (lambda v: f"{v * 100:.0f} %") if unit == "%" else (lambda v: f"{v:.2f}x")
         diff = "" if pub is None or not math.isfinite(mine) else f"{(mine - pub) / pub * 100:+.0f} %"

@@ -205,9 +205,10 @@ class Executable:
         return made[1]
 
     # ---- running ----
-    def one_plan(self, mode: str) -> bool:
-        """Whether a call in `mode` is one plan launch (and nothing else)."""
-        return self._one_plan and mode == "prebuilt"
+    def one_plan(self, mode: str | DispatchMode) -> bool:
+        """Whether a call in `mode` (a dispatch mode or its name) is one plan launch (and
+        nothing else)."""
+        return self._one_plan and named(mode).plans
 
     def new_slot(self, epoch: int) -> _Slot:
         """The memory of one call, made in the card's reset epoch `epoch`: the arena, the

@@ -12,10 +12,11 @@ backend (guards on), and report how far above it the step is.
 import pytest
 import torch
 
+from spyre_rt import dispatch
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.trace import gc_paused
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 def _host_us(decoder, mode: str, steps: int) -> tuple[float, float]:

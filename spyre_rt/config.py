@@ -11,7 +11,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-DISPATCH_MODES = ("construct", "prebuilt-transfer", "prebuilt")
+from .dispatch import NAMES as DISPATCH_MODES  # noqa: F401  (the modes by name; their table: dispatch.MODES)
+from .dispatch import check as _check_dispatch
+
 SIM_MODES = ("functional", "timing")
 
 
@@ -24,7 +26,7 @@ def _default_cache_dir() -> str:
 class Settings:
     device_profile: str = "spyre"          # a name in profiles/devices or a path to a TOML file
     sim_mode: str = "functional"           # functional | timing
-    dispatch: str = "prebuilt"             # construct | prebuilt-transfer | prebuilt
+    dispatch: str = "prebuilt"             # a name in spyre_rt.dispatch.MODES
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
     cache_enabled: bool = True
     cache_max_bytes: int = 2 << 30
@@ -64,8 +66,7 @@ _ENV = {
 def validate(s: Settings) -> Settings:
     if s.sim_mode not in SIM_MODES:
         raise ValueError(f"sim_mode must be one of {SIM_MODES}, not {s.sim_mode!r}")
-    if s.dispatch not in DISPATCH_MODES:
-        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, not {s.dispatch!r}")
+    _check_dispatch(s.dispatch, "dispatch")
     if s.compute_dtype not in ("auto", "float16", "float32"):
         raise ValueError(f"compute_dtype must be auto, float16 or float32, not {s.compute_dtype!r}")
     if s.cache_max_bytes <= 0:

@@ -166,7 +166,7 @@ def to_card(src: torch.Tensor, card: cards.Card) -> torch.Tensor:
 def _prebuilt_transfers() -> bool:
     """Whether eager copies use cached transfer graphs: in the dispatch mode of the
     enclosing :func:`~spyre_rt.dispatch.dispatch_mode` block, else the configured one."""
-    return (dispatch.override() or config.settings().dispatch) != "construct"
+    return dispatch.named(dispatch.override() or config.settings().dispatch).prebuilt_transfers
 
 
 class SpyreTimingModeWarning(UserWarning):

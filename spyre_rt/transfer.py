@@ -5,10 +5,10 @@ strided device view to or from a contiguous host staging buffer laid out in the 
 memory order, converting between the host's row-major layout and the device's stick
 layout on the way. Building one costs host time proportional to the sticks it moves.
 
-In ``construct`` dispatch every copy builds, validates and submits its graph. With
-prebuilt transfer graphs (``prebuilt-transfer`` and ``prebuilt``) a graph is built once
-per (card, direction, layout, view geometry) and kept: a copy then only binds the two
-addresses and submits.
+In a dispatch mode without prebuilt transfers (``construct``, ``prebuilt-compute``) every
+copy builds, validates and submits its graph. With prebuilt transfer graphs
+(``prebuilt-transfer`` and ``prebuilt``) a graph is built once per (card, direction,
+layout, view geometry) and kept: a copy then only binds the two addresses and submits.
 """
 
 from __future__ import annotations

@@ -25,14 +25,14 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from spyre_rt import card as cards
-from spyre_rt import dtypes, executor, fallback, jobs, profile
+from spyre_rt import dispatch, dtypes, executor, fallback, jobs, profile
 from spyre_rt.construct import attention as A
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.kernels import AttentionKernel, LoopKernel
 from spyre_rt.layout import StickLayout
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 F32, F16 = torch.float32, torch.float16
 # fp32: both sides sum in fp32 in other orders (see SUMS in test_ops); fp16: two ulps
 TOL = {F32: (1e-5, 2e-5), F16: (2e-3, 2e-3)}
@@ -153,7 +153,7 @@ def test_attention_matches_cpu_eager_in_every_dispatch_mode(case, dtype):
     assert len(attention_kernels(step)) == 1
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(outs["prebuilt"], want, rtol=rtol, atol=atol)
-    for mode in MODES[:-1]:
+    for mode in (m for m in MODES if m != "prebuilt"):
         assert torch.equal(outs[mode].view(torch.uint8), outs["prebuilt"].view(torch.uint8)), mode
 
 

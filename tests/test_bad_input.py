@@ -9,9 +9,10 @@ import torch
 
 import spyre_rt
 from spyre_rt import card as cards
+from spyre_rt import dispatch
 from spyre_rt.dispatch import dispatch_mode
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
+from spyre_rt import dispatch, fallback, profile
 from spyre_rt import executor as step_mod
-from spyre_rt import fallback, profile
 from spyre_rt.construct import loops
 from spyre_rt.construct import matmul as mm
 from spyre_rt.construct.access import NotAffine, pattern
@@ -30,7 +30,7 @@ from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.executor import plans
 from spyre_rt.layout import StickLayout
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import torch
 from small_profiles import small_profile_text
 
 from spyre_rt import card as cards
+from spyre_rt import dispatch, plan_cache
 from spyre_rt import executor as step_mod
-from spyre_rt import plan_cache
 from spyre_rt.dispatch import dispatch_mode
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 def mlp(x, w1, w2):
@@ -104,7 +104,7 @@ def test_threads_in_every_dispatch_mode_at_once_give_the_single_threaded_numbers
 
     assert run_threads(worker, 6) == []
     for k, outs in got.items():
-        assert all(torch.equal(a, b) for a, b in zip(outs, alone, strict=True)), f"thread {k} ({MODES[k % 3]})"
+        assert all(torch.equal(a, b) for a, b in zip(outs, alone, strict=True)), f"thread {k} ({MODES[k % len(MODES)]})"
 
 
 def test_the_first_prebuilt_call_from_many_threads_makes_the_plans_once():

@@ -84,13 +84,15 @@ def test_round_trip_in_both_transfer_modes(monkeypatch, mode):
         config.reload()
 
 
-@pytest.mark.parametrize("configured, block", [("prebuilt", "construct"), ("construct", "prebuilt")])
+@pytest.mark.parametrize("configured, block", [("prebuilt", "construct"), ("construct", "prebuilt"),
+                                               ("prebuilt", "prebuilt-compute")])
 def test_eager_copies_follow_the_dispatch_mode_block(monkeypatch, configured, block):
     """Inside ``dispatch_mode(m)``, copies build their transfer graphs as mode m does
-    (construct: a new graph every copy; the prebuilt modes: one cached graph per view),
+    (construct and prebuilt-compute: a new graph every copy; prebuilt-transfer and
+    prebuilt: one cached graph per view),
     whatever mode the process is configured with."""
     from spyre_rt import card as cards
-    from spyre_rt import config
+    from spyre_rt import config, dispatch
     from spyre_rt.dispatch import dispatch_mode
 
     monkeypatch.setenv("SPYRE_RT_DISPATCH", configured)
@@ -103,7 +105,7 @@ def test_eager_copies_follow_the_dispatch_mode_block(monkeypatch, configured, bl
             for _ in range(3):
                 assert _same_bits(x.to("spyre").cpu(), x)
             used_cache = (transfers.hits, transfers.misses) != before
-        assert used_cache == (block != "construct")
+        assert used_cache == dispatch.named(block).prebuilt_transfers
     finally:
         monkeypatch.delenv("SPYRE_RT_DISPATCH")
         config.reload()

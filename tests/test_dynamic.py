@@ -14,10 +14,10 @@ from spyre_rt.compiler import specialize
 from torch._dynamo.utils import counters
 
 from spyre_rt import card as cards
-from spyre_rt import executor, plan_cache
+from spyre_rt import dispatch, executor, plan_cache
 from spyre_rt.dispatch import dispatch_mode
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 @pytest.fixture(autouse=True)

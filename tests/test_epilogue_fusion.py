@@ -21,13 +21,13 @@ from scratchpad_races import races
 from spyre_rt.compiler.fusion import fuse_epilogues
 from test_matmul_build import DTYPES, launch_built, operand, tilings
 
-from spyre_rt import dtypes, executor
+from spyre_rt import dispatch, dtypes, executor
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.construct.matmul import MatmulSpec, View, build
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.kernels import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 def swiglu_residual(x, wg, wu, r):

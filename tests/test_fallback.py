@@ -64,7 +64,7 @@ def test_work_on_cpu_tensors_inside_a_compiled_graph_runs_and_stays_on_the_cpu(d
     """A model may pass 0-d CPU tensors, or make CPU tensors, inside a graph compiled for the
     card: aten runs that work (a step has no C++ kernels), and what eager leaves on the CPU
     comes back on the CPU."""
-    from spyre_rt.dispatch import dispatch_mode
+    from spyre_rt.dispatch import NAMES, dispatch_mode
 
     def f(x, s):
         t = s.to(torch.float32) * 2  # computed on the CPU, read by a card kernel, returned
@@ -76,7 +76,7 @@ def test_work_on_cpu_tensors_inside_a_compiled_graph_runs_and_stays_on_the_cpu(d
     torch._dynamo.reset()
     fast = torch.compile(f, backend="spyre_rt", dynamic=dynamic)
     fallback.in_steps.clear()
-    for mode in ("construct", "prebuilt-transfer", "prebuilt"):
+    for mode in NAMES:  # every dispatch mode: prebuilt-compute reads and writes a CPU op's values
         with dispatch_mode(mode), warnings.catch_warnings():
             warnings.simplefilter("error", spyre_rt.SpyreFallbackWarning)  # eager's CPU work is no fallback
             got = fast(x.to("spyre"), s)

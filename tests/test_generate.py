@@ -15,6 +15,8 @@ from transformers import GraniteConfig, GraniteForCausalLM, StaticCache
 from spyre_rt import card as cards
 from spyre_rt.dispatch import dispatch_mode
 
+# Not every mode of the table: each is a generate() run per parameter, and prebuilt-compute
+# runs the plans prebuilt runs (the model-parity tests run Granite in every mode).
 MODES = ("construct", "prebuilt-transfer", "prebuilt")
 NEW_TOKENS = 24
 

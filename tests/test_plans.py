@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from spyre_rt import card as cards
+from spyre_rt import dispatch, plan_cache
 from spyre_rt import executor as step_mod
-from spyre_rt import plan_cache
 from spyre_rt.card import EV_CMD, EV_JOB
 from spyre_rt.dispatch import dispatch_mode
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
+MODES = dispatch.NAMES  # every dispatch mode, from the table
 
 
 def mlp(x, w1, w2, w3):
@@ -66,6 +66,50 @@ def test_modes_give_identical_results_and_device_work():
         assert results[m][1] == results["construct"][1], f"{m} ran other device commands"
     # three matmuls (the SiLU·mul as the second's epilogue) and the softmax
     assert len(results["construct"][1]) >= 4
+
+
+def test_each_mode_builds_on_the_paths_its_record_says():
+    """In the steady state of a step fed host data and read back, a mode with plans launches
+    them and builds no kernel (the others build every kernel and launch no plan); a mode
+    with prebuilt transfers takes every transfer graph from the card's cache (the others
+    build one per copy, the constructed kernels' program uploads included). prebuilt-compute
+    is plans with transfers built per launch."""
+    from spyre_rt.executor.stats import stats
+
+    assert dispatch.named("prebuilt-compute") == dispatch.DispatchMode(
+        "prebuilt-compute", prebuilt_transfers=False, plans=True, summary=dispatch.MODES["prebuilt-compute"].summary)
+    card = cards.get(0)
+    f = torch.compile(mlp, backend="spyre_rt", dynamic=False)
+    args, ref = _args(), None
+    for mode in dispatch.MODES.values():
+        with dispatch_mode(mode.name):
+            f(*[a.to("spyre") for a in args]).cpu()  # warm: plans and cached transfer graphs exist
+            cache, built, c0 = card.transfers, stats["kernels_built"], card.counters()
+            looked_up = cache.hits + cache.misses
+            out = f(*[a.to("spyre") for a in args]).cpu()
+            c1 = card.counters()
+        ref = out if ref is None else ref
+        assert torch.equal(out, ref), mode.name
+        assert (c1["plan_launches"] > c0["plan_launches"]) == mode.plans, mode.name
+        assert (stats["kernels_built"] > built) == (not mode.plans), mode.name
+        assert (cache.hits + cache.misses > looked_up) == mode.prebuilt_transfers, mode.name
+
+
+def test_an_unknown_dispatch_mode_is_a_clear_error(monkeypatch):
+    from spyre_rt import config
+
+    every = ", ".join(dispatch.NAMES)
+    assert "prebuilt-compute" in every
+    with pytest.raises(ValueError, match=f"dispatch mode must be one of {every}, not 'prebuilt_compute'"):
+        with dispatch_mode("prebuilt_compute"):
+            pass
+    with pytest.raises(ValueError, match=f"dispatch must be one of {every}, not 'fast'"):
+        config.with_options({"dispatch": "fast"})
+    monkeypatch.setenv("SPYRE_RT_DISPATCH", "fast")
+    with pytest.raises(ValueError, match=f"dispatch must be one of {every}, not 'fast'"):
+        config.from_environment()
+    with pytest.raises(ValueError, match=f"unknown dispatch mode 'fast'; the modes are {every}"):
+        dispatch.named("fast")
 
 
 def _native_calls(card, fn, args, mode) -> int:

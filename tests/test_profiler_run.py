@@ -54,7 +54,7 @@ def test_run_succeeds_and_the_json_carries_every_figure_of_the_table(cli_run):
     code, out, _ = cli_run
     assert code == 0
     for key in ("model", "batch", "seq", "decode_steps", "layers", "dtype", "sim_mode", "device_profile",
-                "results", "speedups", "compute_share", "timings"):
+                "results", "speedups", "compute_share", "path_shares", "timings"):
         assert key in out
     assert out["repeats"] == 2
     assert set(out["results"]) == set(runmod.MODES)
@@ -67,7 +67,7 @@ def test_run_succeeds_and_the_json_carries_every_figure_of_the_table(cli_run):
                 assert key in f, (mode, phase, key)
             # latency is host work plus waiting for the card, never less than either
             assert f["latency_ms"] >= f["host_ms"] - 1e-6
-    for mode in ("prebuilt-transfer", "prebuilt"):
+    for mode in ("prebuilt-transfer", "prebuilt-compute", "prebuilt"):
         for phase in PHASES:
             assert out["speedups"][mode][phase] > 0
     # the prebuilt step is one native launch, whatever its kernel count
@@ -89,6 +89,8 @@ def test_every_mode_runs_the_same_device_commands(cli_run):
         # both construct modes upload each kernel's program before running it (a job each);
         # a plan's programs are resident, so it runs the kernels alone
         assert jobs["construct"] == jobs["prebuilt-transfer"] > jobs["prebuilt"]
+        # prebuilt-compute runs the same plans: its transfers are built per launch, not more jobs
+        assert jobs["prebuilt-compute"] == jobs["prebuilt"]
     # a replay runs the prebuilt plans; its prefill uploads the prompt alone (the positions
     # stay on the card), the compiled call uploads both
     decode = {mode: out["results"][mode]["phases"]["decode"]["jobs"] for mode in runmod.MODES}
@@ -101,9 +103,50 @@ def test_the_decode_loop_keeps_the_token_on_the_card(cli_run):
     """Prebuilt and replay decode steps are one native call each (the phase's closing
     synchronize is the one more): no upload of the token, no download of the logits."""
     _, out, _ = cli_run
-    for mode in ("prebuilt", "replay"):
+    for mode in ("prebuilt", "prebuilt-compute", "replay"):
         f = out["results"][mode]["phases"]["decode"]
         assert f["native_calls"] == f["steps"] + 1, mode
+
+
+def test_prebuilt_compute_builds_the_prefills_uploads_and_launches_plans(cli_run):
+    """prebuilt-compute is prebuilt's plan launches with a transfer graph built for each
+    upload of the prefill (the prompt and its positions): more native calls than prebuilt,
+    far fewer than prebuilt-transfer, which builds every kernel."""
+    _, out, _ = cli_run
+    calls = {m: out["results"][m]["phases"]["prefill"]["native_calls"] for m in runmod.MODES}
+    assert calls["prebuilt"] < calls["prebuilt-compute"] < calls["prebuilt-transfer"]
+
+
+def test_the_report_has_a_row_per_mode_and_the_share_of_each_path_alone(cli_run):
+    _, out, _ = cli_run
+    for phase in PHASES:
+        assert set(out["path_shares"][phase]) == {"transfer", "compute"}
+    text = io.StringIO()
+    reference = runmod.load_reference("granite-3.3-8b", 1, 1024)  # published for two of the modes
+    runmod.render(Console(file=text, width=160), {**out, "reference": reference})
+    lines = text.getvalue().splitlines()
+    assert any(line.startswith("prebuilt-compute ") and line.rstrip().endswith("x") for line in lines)
+    gains = {line.split("│")[1].strip(): line for line in lines if line.count("│") >= 5}
+    for phase in PHASES:
+        for path in ("transfer", "compute"):
+            assert f"{phase}: share of the gain, {path} path alone" in gains
+        # the published speedups are of prebuilt-transfer and prebuilt: prebuilt-compute has none
+        assert gains[f"{phase} speedup, prebuilt-compute"].split("│")[4].strip() == "—"
+        assert gains[f"{phase} speedup, prebuilt"].split("│")[4].strip().endswith("x")
+
+
+def test_the_share_of_each_path_alone_is_its_mode_against_construct_and_prebuilt():
+    def r(prefill, decode):
+        return {"prefill_ms": prefill, "decode_ms_per_token": decode}
+
+    results = {"construct": r(100.0, 50.0), "prebuilt-transfer": r(80.0, 45.0),
+               "prebuilt-compute": r(30.0, 10.0), "prebuilt": r(10.0, 5.0)}
+    shares = runmod.path_shares_of(results)
+    assert shares["prefill"] == pytest.approx({"transfer": 20 / 90, "compute": 70 / 90})
+    assert shares["decode"] == pytest.approx({"transfer": 5 / 45, "compute": 40 / 45})
+    assert runmod.compute_share_of(results)["prefill"] == pytest.approx(70 / 90)
+    del results["prebuilt-compute"]
+    assert runmod.path_shares_of(results) == {"prefill": {"transfer": 20 / 90}, "decode": {"transfer": 5 / 45}}
 
 
 def test_replay_picks_the_tokens_the_compiled_calls_pick():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import fallback
+from ..dispatch import DispatchMode
 from ..dtypes import torch_dtype
 from ..kernels import CpuOp
 from ..transfer import ViewGeometry, from_device, to_device
@@ -42,14 +43,14 @@ class CpuOps:
         _, voff, sizes, strides = view
         return ViewGeometry(exe.layouts[base], exe.offsets[name] + voff, tuple(sizes), tuple(strides)), (b_idx, off)
 
-    def run(self, op: CpuOp, table, mode: str):
+    def run(self, op: CpuOp, table, mode: DispatchMode):
         exe = self.exe
         if not exe.card.functional:
             fallback.warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
         if not op.host:  # work eager does on the CPU too is no fallback
             fallback.in_steps[op.op] += 1
             fallback.warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
-        prebuilt = mode != "construct"
+        prebuilt = mode.prebuilt_transfers
 
         def fetch(ref, as_dtype: str | None):
             name, _, sizes, strides = ref
@@ -85,7 +86,7 @@ class CpuOps:
             self.upload(out.name, value, table, mode)
         return result
 
-    def upload(self, name: str, value: torch.Tensor, table, mode: str) -> None:
+    def upload(self, name: str, value: torch.Tensor, table, mode: DispatchMode) -> None:
         geo, (b, o) = self._geometry(name)
         value = value.to(torch_dtype(self.exe.buffer(name).dtype)).expand(geo.sizes)
-        to_device(self.exe.card, value, geo, table[b] + o, mode != "construct")
+        to_device(self.exe.card, value, geo, table[b] + o, mode.prebuilt_transfers)

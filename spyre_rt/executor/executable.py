@@ -32,6 +32,7 @@ from .. import construct, jobs, kernel_info, tensors
 from ..construct import copy
 from ..construct.context import BuildContext, Target
 from ..construct.facts import kernel_facts, program_facts
+from ..dispatch import DispatchMode, named
 from ..dtypes import torch_dtype
 from ..errors import SpyreError
 from ..kernels import Buffer
@@ -173,8 +174,9 @@ class Executable:
                 kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 
-    def construct_and_run(self, kernels, table, mode: str) -> None:
-        """The construct modes: build each kernel's program at its launch, upload, run."""
+    def construct_and_run(self, kernels, table, mode: DispatchMode) -> None:
+        """The modes without plans: build each kernel's program at its launch, upload (a
+        transfer graph built per upload unless `mode` has prebuilt transfers), run."""
         card = self.card
         tracing = card.tracing
         for position, name in enumerate(kernels):
@@ -184,7 +186,7 @@ class Executable:
                 card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
             slots = [table[b] + off for b, off in (self.relocs[n] for n in bufs)]
             try:
-                jobs.run_once(card, blob, slots, self.job_name(name), prebuilt_transfer=mode != "construct")
+                jobs.run_once(card, blob, slots, self.job_name(name), prebuilt_transfer=mode.prebuilt_transfers)
             except SpyreError as e:
                 e.job = position  # as a plan launch names its failing job
                 raise
@@ -207,9 +209,10 @@ class Executable:
         return made[1]
 
     # ---- running ----
-    def one_plan(self, mode: str) -> bool:
-        """Whether a call in `mode` is one plan launch (and nothing else)."""
-        return self._one_plan and mode == "prebuilt"
+    def one_plan(self, mode: str | DispatchMode) -> bool:
+        """Whether a call in `mode` (a dispatch mode or its name) is one plan launch (and
+        nothing else)."""
+        return self._one_plan and named(mode).plans
 
     def new_slot(self, epoch: int) -> _Slot:
         """The memory of one call, made in the card's reset epoch `epoch`: the arena, the
@@ -264,7 +267,7 @@ class Executable:
             if len(self._slots) > POOLED:
                 self._slots.pop(0)
 
-    def run(self, inputs: list[torch.Tensor], mode: str, bases: list[int] | None = None,
+    def run(self, inputs: list[torch.Tensor], mode: str | DispatchMode, bases: list[int] | None = None,
             slot: _Slot | None = None, binding=None, dynamic=()) -> list[torch.Tensor]:
         """One call: binds `inputs` and the memory of a slot, runs the segments and returns
         the outputs. The inputs' storage addresses are `bases` when the caller has them;
@@ -272,7 +275,8 @@ class Executable:
         of its calls, static inputs included) with the (index, address) of the inputs that
         change per call in `dynamic`: a slot last bound by the same `binding` only has those
         written. With a `slot` given (a graph capture), that slot is used and kept by the
-        caller."""
+        caller. `mode` is a dispatch mode or its name."""
+        mode = named(mode)
         epoch = self.card.epoch
         pooled = slot is None
         if pooled:
@@ -291,8 +295,8 @@ class Executable:
                 for i, base in dynamic:
                     table[1 + i] = base
             made = self._plans
-            if self._one_plan and mode == "prebuilt" and made is not None and made[0] == epoch:
-                self._launch_one(made[1][0], table)
+            if self._one_plan and mode.plans and made is not None and made[0] == epoch:
+                self._launch_one(made[1][0], table, mode)
             else:
                 self._run_segments(Call(self, table, mode, epoch))
             # made before the slot goes back: the references in it mark the outputs held
@@ -315,7 +319,7 @@ class Executable:
                 result[i] = torch.as_strided(t, sizes, strides, delta + t.storage_offset())
         return result
 
-    def _launch_one(self, plan, table) -> None:
+    def _launch_one(self, plan, table, mode: DispatchMode) -> None:
         """The whole step as one plan launch (a step of one device segment whose plan
         exists): what `_run_segments` does for it, without its bookkeeping."""
         try:
@@ -324,7 +328,7 @@ class Executable:
             named = self.segments[0].named(self, e)
             # job 0 is the snapshot: a failure after it restores the mutated inputs
             if self.snapshots and named.job > 0:
-                self._restore(table, "prebuilt")
+                self._restore(table, mode)
             if named is e:
                 raise
             raise named from None
@@ -344,11 +348,11 @@ class Executable:
                 self._restore(call.table, call.mode)
             raise
 
-    def _restore(self, table, mode: str) -> None:
+    def _restore(self, table, mode: str | DispatchMode) -> None:
         """Copy the snapshots back into the mutated inputs after a failed call. On a lost
         card there is nothing to restore: the caller gets the original error."""
         try:
-            self.construct_and_run((RESTORE,), table, mode)
+            self.construct_and_run((RESTORE,), table, named(mode))
         except SpyreError:
             pass
 

@@ -1,7 +1,7 @@
 """The pieces a step's sequence is cut into, each of which knows how to run itself.
 
-A :class:`DeviceSegment` is a run of card kernels: one graph plan in ``prebuilt`` mode, one
-job built and launched per kernel in the construct modes. A :class:`CpuSegment` is an op
+A :class:`DeviceSegment` is a run of card kernels: one graph plan in the modes with plans
+(``prebuilt``, ``prebuilt-compute``), one job built and launched per kernel in the others. A :class:`CpuSegment` is an op
 the card cannot run, run on the host inside the step; a :class:`PickSegment` uploads one
 element of a CPU op's tuple result into a buffer.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dispatch import DispatchMode
 from ..errors import SpyreError, SpyreIndexError
 from ..kernels import CpuOp
 
@@ -21,7 +22,7 @@ class Call:
 
     exe: Any
     table: Any             # uint64_t[] bindings: arena, inputs, constants, outputs
-    mode: str
+    mode: DispatchMode
     epoch: int
     cpu_values: dict = field(default_factory=dict)
 
@@ -34,7 +35,7 @@ class DeviceSegment:
     def run(self, call: Call) -> None:
         exe = call.exe
         try:
-            if call.mode == "prebuilt":
+            if call.mode.plans:
                 exe.plans(call.epoch)[self.index].launch(call.table)
             else:
                 exe.construct_and_run(self.kernels, call.table, call.mode)

@@ -203,6 +203,8 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
+    from .run import MODES as RUN_MODES
+
     p.add_argument("model", metavar="MODEL",
                    help="a model profile name (granite-3.3-8b, granite-3.3-2b, granite-tiny) or a TOML path")
     p.add_argument("--batch", type=positive_int, default=1, metavar="N", help="batch size (default 1)")
@@ -213,7 +215,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured runs per mode, interleaved across modes; medians are reported (default 2)")
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
                    help="modes to compare: the dispatch modes and replay, the prebuilt plans driven by "
-                        "captured graphs (default: construct,prebuilt-transfer,prebuilt,replay)")
+                        f"captured graphs (default: {','.join(RUN_MODES)})")
     sim = p.add_mutually_exclusive_group()
     sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
                      help="compute every value on the card (slow for full-size models)")
@@ -291,7 +293,7 @@ def _models_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", type=_choices(list(DTYPES), "dtypes"), default=tuple(DTYPES), metavar="LIST",
                    help="dtypes to compare (default: fp32,fp16)")
     p.add_argument("--modes", type=_choices(MODES, "modes"), default=MODES, metavar="LIST",
-                   help="dispatch modes to run each compiled model in (default: construct,prebuilt-transfer,prebuilt)")
+                   help=f"dispatch modes to run each compiled model in (default: {','.join(MODES)})")
     p.add_argument("--json", metavar="FILE", help="write every row of the matrix as JSON")
 
 

@@ -7,7 +7,8 @@ A result file is the JSON ``spyre-profile run --json`` writes, in any of its for
                         "device_ms": ..., "device_wait_host_ms": ...,
                         "phases": {PHASE: {"latency_ms": ..., ...}}}},
      "speedups": {MODE: {PHASE: ...}}, "spread": {"speedups": {MODE: {PHASE: {"min", "max"}}}},
-     "compute_share": {...}, "efficiency": {PHASE: {...}}, "implied": {MODE: {PHASE: {...}}}}
+     "compute_share": {...}, "path_shares": {PHASE: {"transfer", "compute"}},
+     "efficiency": {PHASE: {...}}, "implied": {MODE: {PHASE: {...}}}}
 
 (format 1 had only the five figures per mode and the speedups). Nested figures are
 compared by their dotted path (``phases.decode.latency_ms``); text figures (a bound) are
@@ -36,6 +37,7 @@ RUN_KEYS = ("model", "layers", "batch", "seq", "decode_steps", "repeats", "sim_m
 # Sections of a result file compared figure by figure: title, and the figures shown (None: all).
 SECTIONS = {
     "compute_share": ("share of the gain from the compute path", None),
+    "path_shares": ("share of the gain from each path alone (prebuilt-transfer, prebuilt-compute)", None),
     "efficiency": ("device efficiency (per prefill, per decode token)",
                    ("device_ms", "roofline_ms", "fraction", "analytic.roofline_ms", "bound")),
     "implied": ("construction per kernel: implied by the published speedups, and ours",
@@ -135,7 +137,7 @@ def validate_results(obj: Any, where: str = "results") -> dict[str, Any]:
         if not isinstance(figures, dict):
             raise ValueError(f"{where}: results[{mode!r}] must be an object of figures")
         _check_figures(figures, f"results[{mode!r}]", where)
-    for key in ("speedups", "spread", "compute_share", "efficiency", "implied"):
+    for key in ("speedups", "spread", "compute_share", "path_shares", "efficiency", "implied"):
         if not isinstance(obj.get(key, {}), dict):
             raise ValueError(f"{where}: {key!r} must be an object")
     return obj

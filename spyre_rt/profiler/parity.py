@@ -23,11 +23,11 @@ import torch
 
 from .. import card as cards
 from .. import fallback
+from ..dispatch import NAMES as MODES  # every dispatch mode: their outputs must be the same bits
 from ..dispatch import dispatch_mode
 from .efficiency import kernel_names
 from .models import DECODER, Family
 
-MODES = ("construct", "prebuilt-transfer", "prebuilt")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 PROMPT_LEN = 8

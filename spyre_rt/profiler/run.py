@@ -33,14 +33,14 @@ import torch
 
 from .. import card as cards
 from .. import trace as trace_format
+from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
 
-DISPATCH = ("construct", "prebuilt-transfer", "prebuilt")  # the three dispatch modes
-# and "replay": the prebuilt plans driven by captured graphs (torch.spyre.graph), prefill and
-# decode each one replay
+# The dispatch modes (DISPATCH, from spyre_rt.dispatch's table), and "replay": the prebuilt
+# plans driven by captured graphs (torch.spyre.graph), prefill and decode each one replay
 MODES = (*DISPATCH, "replay")
 PHASES = ("prefill", "decode")
 FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
@@ -385,12 +385,29 @@ def speedups_of(results: dict) -> dict:
 def compute_share_of(results: dict) -> dict:
     """The share of the whole gain (construct -> prebuilt) made by moving construction off
     the compute path (prebuilt-transfer -> prebuilt)."""
-    if not all(m in results for m in DISPATCH):
+    return _share_of(results, "prebuilt-transfer", "prebuilt")
+
+
+def path_shares_of(results: dict) -> dict:
+    """Per phase, the share of the whole gain (construct -> prebuilt) each path gives on
+    its own: ``transfer`` construct -> prebuilt-transfer, ``compute`` construct ->
+    prebuilt-compute. Near 1 together when the two gains add up."""
+    out: dict = {}
+    for path, mode in (("transfer", "prebuilt-transfer"), ("compute", "prebuilt-compute")):
+        for phase, share in _share_of(results, "construct", mode).items():
+            out.setdefault(phase, {})[path] = share
+    return out
+
+
+def _share_of(results: dict, start: str, end: str) -> dict:
+    """Per phase, the share of the whole gain (construct -> prebuilt) made by going from
+    mode `start` to mode `end`: (start - end) / (construct - prebuilt), in latencies."""
+    if not all(m in results for m in ("construct", "prebuilt", start, end)):
         return {}
     out = {}
     for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
-        c, t, p = (results[m][key] for m in DISPATCH)
-        out[phase] = (t - p) / (c - p) if c != p else float("nan")
+        c, p = results["construct"][key], results["prebuilt"][key]
+        out[phase] = (results[start][key] - results[end][key]) / (c - p) if c != p else float("nan")
     return out
 
 
@@ -541,6 +558,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "speedups": speedups_of(results),
         "spread": spread_of(samples),
         "compute_share": compute_share_of(results),
+        "path_shares": path_shares_of(results),
         "efficiency": efficiency_of(session, opts, results, census),
         "reference": reference,
         "kernels": kernels,
@@ -648,7 +666,7 @@ def _gains_table(out: dict):
     for col in ("figure", "measured", f"spread, {n} runs", "published", "difference"):
         t.add_column(col, justify="left" if col == "figure" else "right")
     rows = []
-    for mode in ("prebuilt-transfer", "prebuilt", "replay"):
+    for mode in MODES[1:]:
         for phase in PHASES:
             if mode in sp:
                 pub = ref["speedups"].get(mode, {}).get(phase) if ref else None
@@ -657,6 +675,9 @@ def _gains_table(out: dict):
         if phase in share:
             pub = ref["compute_share"].get(phase) if ref else None
             rows.append((f"{phase}: share of the gain from the compute path", share[phase], None, pub, "%"))
+    for phase, by_path in out.get("path_shares", {}).items():
+        for path, value in by_path.items():
+            rows.append((f"{phase}: share of the gain, {path} path alone", value, None, None, "%"))
     for name, mine, mm, pub, unit in rows:
         fmt = (lambda v: f"{v * 100:.0f} %") if unit == "%" else (lambda v: f"{v:.2f}x")
         diff = "" if pub is None or not math.isfinite(mine) else f"{(mine - pub) / pub * 100:+.0f} %"

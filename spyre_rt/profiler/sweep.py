@@ -40,19 +40,20 @@ def sweep(opts: runmod.Options, sizes: list[tuple[int, int]], console, plot_path
 
 
 def render(console, points: list[dict]) -> None:
-    t = Table(title="speedup of prebuilt plans against construct, by size", title_justify="left")
-    for col in ("batch", "seq", "prefill (prebuilt-transfer)", "prefill (prebuilt)", "decode (prebuilt-transfer)",
-                "decode (prebuilt)"):
+    t = Table(title="speedup of the dispatch modes against construct, by size", title_justify="left")
+    # every dispatch mode but construct (the base) that some point measured
+    modes = [m for m in runmod.DISPATCH[1:] if any(m in p["speedups"] for p in points)]
+    columns = [(phase, mode) for phase in runmod.PHASES for mode in modes]
+    for col in ("batch", "seq", *(f"{phase} ({mode})" for phase, mode in columns)):
         t.add_column(col, justify="right")
+
     def cell(speedups, mode, phase):
         v = speedups.get(mode, {}).get(phase)
         return f"{v:.2f}x" if v is not None and math.isfinite(v) else "—"
 
     for p in points:
         sp = p["speedups"]
-        t.add_row(str(p["batch"]), str(p["seq"]), cell(sp, "prebuilt-transfer", "prefill"),
-                  cell(sp, "prebuilt", "prefill"), cell(sp, "prebuilt-transfer", "decode"),
-                  cell(sp, "prebuilt", "decode"))
+        t.add_row(str(p["batch"]), str(p["seq"]), *(cell(sp, mode, phase) for phase, mode in columns))
     console.print(t)
 
 

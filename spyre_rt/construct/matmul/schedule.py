@@ -145,10 +145,10 @@ def _seq_on_core(core: np.ndarray) -> np.ndarray:
 def prev_alike(key: np.ndarray) -> np.ndarray:
     """For items in order: the previous item with the same key (-1: none)."""
     order = np.argsort(key, kind="stable")
-    prev_sorted = np.r_[-1, order[:-1]]
-    same = np.r_[False, key[order][1:] == key[order][:-1]]
+    k = key[order]
+    same = k[1:] == k[:-1]
     prev = np.full(key.size, -1, dtype=np.int64)
-    prev[order] = np.where(same, prev_sorted, -1)
+    prev[order[1:][same]] = order[:-1][same]
     return prev
 
 
@@ -161,10 +161,9 @@ def _tasks(p: Problem, t: Tiling, geo: Geometry) -> Tasks:
     mb, nb = np.divmod(rest, wn)
     wave, group = np.divmod(block, t.groups)
     # tasks of a block: (s, i, j) with j fastest, so that a grid row sits on neighbouring cores
-    s, i, j = (x.ravel() for x in np.meshgrid(np.arange(t.pk), np.arange(t.pm), np.arange(t.pn), indexing="ij"))
-    per = s.size
-    rep = np.repeat(np.arange(nblocks), per)
-    s, i, j = np.tile(s, nblocks), np.tile(i, nblocks), np.tile(j, nblocks)
+    rep, local = np.divmod(np.arange(nblocks * t.pk * t.pm * t.pn), t.pk * t.pm * t.pn)
+    s, local = np.divmod(local, t.pm * t.pn)
+    i, j = np.divmod(local, t.pn)
     mt, nt = mb[rep] * t.pm + i, nb[rep] * t.pn + j
     core = ((group[rep] * t.pk + s) * t.pm + i) * t.pn + j
     nuses = geo.slice_len[s]
@@ -189,10 +188,12 @@ def _share(tasks: Tasks, uses: Uses, t: Tiling, along: np.ndarray, across: np.nd
     block = np.arange(tasks.core.size) // t.group_cores  # a block's tasks follow each other
     steps = int(uses.step.max(initial=0)) + 1
     key = ((block[tk] * t.pk + tasks.s[tk]) * max(t.pm, t.pn) + across[tk]) * steps + uses.step
-    chunk_ids, chunk = np.unique(key, return_inverse=True)
-    chunk = chunk.ravel()
+    # the rank of each key among the distinct keys (np.unique's inverse, without its sort:
+    # keys are small non-negative integers)
+    rank = np.cumsum(np.bincount(key) > 0) - 1
+    chunk = rank[key]
     loads = along[tk] == (across[tk] + uses.step + tasks.wave[tk] + offset) % width
-    loader_use = np.empty(chunk_ids.size, dtype=np.int64)
+    loader_use = np.empty(int(rank[-1]) + 1 if rank.size else 0, dtype=np.int64)
     loader_use[chunk[loads]] = np.flatnonzero(loads)
     return Sharing(chunk, loads, loader_use)
 

@@ -19,6 +19,8 @@ task of slice 0, the *root*, runs the epilogue and stores the tile.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,13 +125,34 @@ class Schedule:
 
     @classmethod
     def of(cls, target: Target, p: Problem, t: Tiling) -> Schedule:
-        geo = Geometry.of(target, p, t)
-        tasks = _tasks(p, t, geo)
-        uses = _uses(tasks, geo, t)
-        a = _share(tasks, uses, t, along=tasks.j, across=tasks.i, width=t.pn, offset=0)
-        b = _share(tasks, uses, t, along=tasks.i, across=tasks.j, width=t.pm, offset=1)
-        roots = np.flatnonzero(tasks.s == 0)
-        return cls(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]))
+        return _schedule(target, p, t)
+
+
+# Who does what depends on the shape and the tiling alone (no buffer, layout or address):
+# like the tiling (tiling.choose), it is decided once per (target, problem, tiling), the
+# work a compiler does once at compile time. Every launch still builds all the commands
+# from it. Its arrays are read-only, shared by every build of that matmul.
+@functools.lru_cache(maxsize=512)
+def _schedule(target: Target, p: Problem, t: Tiling) -> Schedule:
+    geo = Geometry.of(target, p, t)
+    tasks = _tasks(p, t, geo)
+    uses = _uses(tasks, geo, t)
+    a = _share(tasks, uses, t, along=tasks.j, across=tasks.i, width=t.pn, offset=0)
+    b = _share(tasks, uses, t, along=tasks.i, across=tasks.j, width=t.pm, offset=1)
+    roots = np.flatnonzero(tasks.s == 0)
+    sched = Schedule(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]))
+    _freeze(sched)
+    return sched
+
+
+def _freeze(x) -> None:
+    """Make every array of a schedule (and of its parts) read-only."""
+    for f in dataclasses.fields(x):
+        v = getattr(x, f.name)
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+        elif dataclasses.is_dataclass(v):
+            _freeze(v)
 
 
 def _seq_on_core(core: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -572,7 +573,7 @@ class Moves:
             p = pattern(self.layout, base, counts, self.strides, lxs)
         except NotAffine:
             return None
-        spills = p.bytes != int(np.prod(counts)) * self.layout.itemsize
+        spills = p.bytes != math.prod(counts) * self.layout.itemsize
         if not self.load and spills and (base + counts[-1]) % self.layout.row_len:
             return None  # whole sticks would overwrite the columns after the box
         return p

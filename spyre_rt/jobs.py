@@ -55,8 +55,9 @@ class ResidentProgram:
     def _launch(self, bindings) -> float:
         end = ffi.new("double *")
         arr = ffi.new("uint64_t[]", list(bindings)) if self.nslots else ffi.NULL
-        check(lib.spy_launch(self.card.handle, self.addr, arr, self.nslots, self.name, end),
-              "launching " + (self.card.name_of(self.name) or "a program"))
+        status = lib.spy_launch(self.card.handle, self.addr, arr, self.nslots, self.name, end)
+        if status != lib.SPY_OK:  # the job's name is looked up for the message only
+            check(status, "launching " + (self.card.name_of(self.name) or "a program"))
         return end[0]
 
     def free(self) -> None:

@@ -50,12 +50,10 @@ class StickLayout(NamedTuple):
 
     def phys(self, logical):
         """Physical byte offset of logical element offset(s) (int or numpy array)."""
-        s = self.stick_elems
-        if isinstance(logical, int):
-            r, c = divmod(logical, self.row_len)
-        else:
-            r, c = np.divmod(logical, self.row_len)
-        return (c // s) * self.stick_stride + r * self.stick_bytes + (c % s) * self.itemsize
+        rows, row_len, itemsize, stick_bytes = self
+        r, c = divmod(logical, row_len)  # np.divmod for an array
+        q, m = divmod(c, stick_bytes // itemsize)
+        return q * (max(1, rows) * stick_bytes) + r * stick_bytes + m * itemsize
 
 
 def storage_numel(sizes, strides, offset: int = 0) -> int:

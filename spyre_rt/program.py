@@ -151,41 +151,16 @@ class ProgramBuilder:
 
     def encode(self) -> np.ndarray:
         """The program block, as an 8-byte aligned uint8 array."""
-        slots = np.zeros(len(self.slots), dtype=SLOT)
-        if self.slots:
-            s = np.array(self.slots, dtype=np.uint64)
-            slots["kind"] = s[:, 0]
-            slots["extent"] = s[:, 1]
-        deps_bytes = (self.ndeps * 4 + 7) & ~7
-        sizes = [JOB_HEADER.itemsize, slots.nbytes, self.ncmds * CMD_DMA.itemsize, deps_bytes,
-                 self.ninstrs * INSTR.itemsize, self.ndescs * DESC.itemsize]
-        total = sum(sizes)
-        buf = np.zeros((total + 7) // 8, dtype=np.uint64).view(np.uint8)[:total]
-        hdr = buf[: JOB_HEADER.itemsize].view(JOB_HEADER)
-        hdr["magic"] = lib.SPY_JOB_MAGIC
-        hdr["version"] = lib.SPY_JOB_VERSION
-        hdr["ncmds"] = self.ncmds
-        hdr["ndeps"] = self.ndeps
-        hdr["ninstrs"] = self.ninstrs
-        hdr["nslots"] = len(self.slots)
-        hdr["ndescs"] = self.ndescs
-        hdr["total_bytes"] = total
-        off = JOB_HEADER.itemsize
-
-        def put(arrays: list[np.ndarray], nbytes: int) -> None:
-            nonlocal off
-            pos = off
-            for a in arrays:
-                raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-                buf[pos: pos + raw.size] = raw
-                pos += raw.size
-            off += nbytes
-
-        put([slots], sizes[1])
-        put(self._cmds, sizes[2])
-        put(self._deps, sizes[3])
-        put(self._instrs, sizes[4])
-        put(self._descs, sizes[5])
+        slots = np.array([(kind, 0, extent) for kind, extent in self.slots], dtype=SLOT)
+        deps_pad = (-self.ndeps * 4) % 8
+        total = (JOB_HEADER.itemsize + slots.nbytes + self.ncmds * CMD_DMA.itemsize + self.ndeps * 4 + deps_pad
+                 + self.ninstrs * INSTR.itemsize + self.ndescs * DESC.itemsize)
+        hdr = np.array([(lib.SPY_JOB_MAGIC, lib.SPY_JOB_VERSION, self.ncmds, self.ndeps, self.ninstrs,
+                         len(self.slots), self.ndescs, 0, total, 0)], dtype=JOB_HEADER)
+        parts = [hdr, slots, *self._cmds, *self._deps, np.zeros(deps_pad, dtype=np.uint8), *self._instrs,
+                 *self._descs]
+        buf = np.empty((total + 7) // 8, dtype=np.uint64).view(np.uint8)[:total]  # the 8-byte alignment
+        np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in parts], out=buf)
         return buf
 
 

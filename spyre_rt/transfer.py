@@ -13,6 +13,7 @@ layout, view geometry) and kept: a copy then only binds the two addresses and su
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class TransferGraph:
         self.card = card
         self.direction = direction
         host, dev, nbytes = stick_descriptors(view)
-        numel = int(np.prod(view.sizes)) if view.sizes else 1
+        numel = int(math.prod(view.sizes))
         self.host_nbytes = numel * view.layout.itemsize
         self.ndescs = int(nbytes.size)
         descs = np.zeros(self.ndescs, dtype=DESC)

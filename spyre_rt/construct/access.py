@@ -179,7 +179,7 @@ def descriptor_runs(layout: StickLayout, base: int, counts, strides, lx_base: in
     for c, s in zip(counts, lx_strides, strict=True):
         lx = (lx[:, None] + np.arange(c, dtype=np.int64) * s).ravel()
     e = layout.itemsize
-    brk = np.r_[True, (np.diff(phys) != e) | (np.diff(lx) != e)]
+    brk = np.concatenate(([True], (np.diff(phys) != e) | (np.diff(lx) != e)))
     starts = np.flatnonzero(brk)
-    lengths = np.diff(np.r_[starts, phys.size]) * e
+    lengths = np.diff(starts, append=phys.size) * e
     return phys[starts], lx[starts], lengths

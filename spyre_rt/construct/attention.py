@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,7 @@ from ..program import (
 )
 from .access import NotAffine, descriptor_runs, pattern
 from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, round_up
+from .matmul.graph import unique_rows
 from .sfu import COL, ROW, SCALAR, TILE, Operand, Program
 
 # ---- the problem ------------------------------------------------------------------------
@@ -559,13 +561,10 @@ class Moves:
         self.layout = layout = ctx.layouts[buf]
         self.bases, self.counts, self.lx_strides = bases, counts, lx_strides
         column = bases % layout.row_len if layout.rows > 1 else np.zeros_like(bases)
-        keys = np.column_stack([counts, lx_strides, column])
-        uniq, kind = np.unique(keys, axis=0, return_inverse=True)
-        self.kind = kind.ravel()
-        firsts = [int(np.flatnonzero(self.kind == u)[0]) for u in range(len(uniq))]
-        self.patterns = [self._pattern(i) for i in firsts]
-        origin = np.array([layout.phys(int(bases[i])) for i in firsts], dtype=np.int64)
-        self.shift = layout.phys(bases) - origin[self.kind]
+        firsts, self.kind = unique_rows(np.column_stack([counts, lx_strides, column]))
+        self.patterns = [self._pattern(int(i)) for i in firsts]
+        phys = layout.phys(bases)
+        self.shift = phys - phys[firsts][self.kind]
         self.count = np.array([len(p.bases) if p else 1 for p in self.patterns], dtype=np.int64)[self.kind]
 
     def _pattern(self, i: int):
@@ -575,7 +574,7 @@ class Moves:
             p = pattern(self.layout, base, counts, self.strides, lxs)
         except NotAffine:
             return None
-        spills = p.bytes != int(np.prod(counts)) * self.layout.itemsize
+        spills = p.bytes != math.prod(counts) * self.layout.itemsize
         if not self.load and spills and (base + counts[-1]) % self.layout.row_len:
             return None  # whole sticks would overwrite the columns after the box
         return p
@@ -634,10 +633,13 @@ class Links:
         self.on: list[np.ndarray] = []
 
     def add(self, first, count, on_first, on_count=1) -> None:
-        first, count, on_first, on_count = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in
-                                                                   (first, count, on_first, on_count)))
+        args = (first, count, on_first, on_count)
+        n = max(np.size(a) for a in args)  # scalars are broadcast
+        first, count, on_first, on_count = (np.full(n, a, dtype=np.int64) if np.ndim(a) == 0
+                                            else np.asarray(a, dtype=np.int64) for a in args)
         keep = (on_first >= 0) & (count > 0) & (on_count > 0)
-        first, count, on_first, on_count = first[keep], count[keep], on_first[keep], on_count[keep]
+        if not keep.all():
+            first, count, on_first, on_count = first[keep], count[keep], on_first[keep], on_count[keep]
         pairs = count * on_count
         group = np.repeat(np.arange(len(first)), pairs)
         k = _ranks(pairs)
@@ -676,8 +678,9 @@ class Commands:
         n = len(self.task)
         self.core = t[self.task, CORE]
         self.g = np.arange(n) - np.searchsorted(self.core, self.core)  # the block's place on its core
-        self.first = np.r_[True, self.task[1:] != self.task[:-1]]
-        self.last = np.r_[self.task[1:] != self.task[:-1], True]
+        starts = self.task[1:] != self.task[:-1]
+        self.first = np.concatenate(([True], starts))
+        self.last = np.concatenate((starts, [True]))
         self.prev1 = np.where(self.g >= 1, np.arange(n) - 1, -1)
         self.prev2 = np.where(self.g >= 2, np.arange(n) - 2, -1)
         self.first_block, self.last_block = np.flatnonzero(self.first), np.flatnonzero(self.last)
@@ -749,9 +752,9 @@ class Commands:
         self.no[self.storing] = self.mo.count
         size_a = self.nq0 + self.nq1 + self.nk + self.nm + self.nv + 2 * self.nsend + 1
         size_b = 2 + np.where(self.last, 1 + self.no[self.task], 0)
-        sizes = np.r_[size_a, size_b]
-        cores = np.r_[self.core, self.core]
-        order = np.lexsort((np.r_[2 * self.g, 2 * self.g + 3], cores))  # A_i before B_{i-1}: see the class
+        sizes = np.concatenate((size_a, size_b))
+        cores = np.concatenate((self.core, self.core))
+        order = np.lexsort((np.concatenate((2 * self.g, 2 * self.g + 3)), cores))  # A_i before B_{i-1}: see the class
         start = np.empty(2 * n, dtype=np.int64)
         start[order] = np.cumsum(sizes[order]) - sizes[order]
         self.core_of_row = np.repeat(cores[order], sizes[order])

@@ -362,9 +362,8 @@ class _Builder:
         acc = (OPND_TILE, lib.SPY_DT_F32, 0, lx.c_pitch, lx.acc)
         zero = (OPND_IMM, lib.SPY_DT_F32, 0, 0, 0)  # 0.0 as the immediate's bits
         first, inv = unique_rows(np.stack([slot, rows, cols], axis=1))
-        programs = []
+        ins = []  # the programs one after the other, all of one length
         for s_, r, c in zip(slot[first], rows[first], cols[first], strict=True):
-            ins = []
             if self.p.k == 0:
                 ins.append((lib.SPY_SFU_MOV, 0, 0, 0, r, c, acc, [zero, NONE, NONE]))
             if spec.bias is not None:
@@ -379,9 +378,8 @@ class _Builder:
                     sfu_ops.Operand(TILE, "float32", lx.acc, lx.c_pitch), lx.temps, lx.c_pitch,
                     [(int(offs[s_]), pitch) for pitch, _, offs in lx.epi_in],
                     [(int(offs[s_]), pitch) for pitch, _, offs in lx.outs])
-            programs.append(np.array(ins, dtype=INSTR))
-        n = len(programs[0])
-        begin = self.ctx.program.add_instrs(np.concatenate(programs))
+        n = len(ins) // len(first)
+        begin = self.ctx.program.add_instrs(np.array(ins, dtype=INSTR))
         return n, begin + n * inv
 
     def _accumulator_reuse(self, mm: Ops, rsend: Ops, radd: Ops, sfu: Ops) -> None:

@@ -40,9 +40,9 @@ class Patterns:
             if writes and p is not None and self._overruns(p, key, itemsize):
                 p = None
             self.patterns.append(p)
-        origin = layout.phys(bases[first])
+        phys = layout.phys(bases)
         # device byte offset of each tile relative to its pattern's first base
-        self.start = layout.phys(bases) - origin[self.pid]
+        self.start = phys - phys[first][self.pid]
         self.nbases = np.array([len(p.bases) if p else 1 for p in self.patterns], dtype=np.int64)[self.pid]
 
     def _keys(self) -> np.ndarray:

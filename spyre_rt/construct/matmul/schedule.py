@@ -19,6 +19,8 @@ task of slice 0, the *root*, runs the epilogue and stores the tile.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,13 +125,34 @@ class Schedule:
 
     @classmethod
     def of(cls, target: Target, p: Problem, t: Tiling) -> Schedule:
-        geo = Geometry.of(target, p, t)
-        tasks = _tasks(p, t, geo)
-        uses = _uses(tasks, geo, t)
-        a = _share(tasks, uses, t, along=tasks.j, across=tasks.i, width=t.pn, offset=0)
-        b = _share(tasks, uses, t, along=tasks.i, across=tasks.j, width=t.pm, offset=1)
-        roots = np.flatnonzero(tasks.s == 0)
-        return cls(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]))
+        return _schedule(target, p, t)
+
+
+# Who does what depends on the shape and the tiling alone (no buffer, layout or address):
+# like the tiling (tiling.choose), it is decided once per (target, problem, tiling), the
+# work a compiler does once at compile time. Every launch still builds all the commands
+# from it. Its arrays are read-only, shared by every build of that matmul.
+@functools.lru_cache(maxsize=512)
+def _schedule(target: Target, p: Problem, t: Tiling) -> Schedule:
+    geo = Geometry.of(target, p, t)
+    tasks = _tasks(p, t, geo)
+    uses = _uses(tasks, geo, t)
+    a = _share(tasks, uses, t, along=tasks.j, across=tasks.i, width=t.pn, offset=0)
+    b = _share(tasks, uses, t, along=tasks.i, across=tasks.j, width=t.pm, offset=1)
+    roots = np.flatnonzero(tasks.s == 0)
+    sched = Schedule(geo, tasks, uses, a, b, _reduction(tasks, t), roots, _seq_on_core(tasks.core[roots]))
+    _freeze(sched)
+    return sched
+
+
+def _freeze(x) -> None:
+    """Make every array of a schedule (and of its parts) read-only."""
+    for f in dataclasses.fields(x):
+        v = getattr(x, f.name)
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+        elif dataclasses.is_dataclass(v):
+            _freeze(v)
 
 
 def _seq_on_core(core: np.ndarray) -> np.ndarray:
@@ -145,10 +168,10 @@ def _seq_on_core(core: np.ndarray) -> np.ndarray:
 def prev_alike(key: np.ndarray) -> np.ndarray:
     """For items in order: the previous item with the same key (-1: none)."""
     order = np.argsort(key, kind="stable")
-    prev_sorted = np.r_[-1, order[:-1]]
-    same = np.r_[False, key[order][1:] == key[order][:-1]]
+    k = key[order]
+    same = k[1:] == k[:-1]
     prev = np.full(key.size, -1, dtype=np.int64)
-    prev[order] = np.where(same, prev_sorted, -1)
+    prev[order[1:][same]] = order[:-1][same]
     return prev
 
 
@@ -161,10 +184,9 @@ def _tasks(p: Problem, t: Tiling, geo: Geometry) -> Tasks:
     mb, nb = np.divmod(rest, wn)
     wave, group = np.divmod(block, t.groups)
     # tasks of a block: (s, i, j) with j fastest, so that a grid row sits on neighbouring cores
-    s, i, j = (x.ravel() for x in np.meshgrid(np.arange(t.pk), np.arange(t.pm), np.arange(t.pn), indexing="ij"))
-    per = s.size
-    rep = np.repeat(np.arange(nblocks), per)
-    s, i, j = np.tile(s, nblocks), np.tile(i, nblocks), np.tile(j, nblocks)
+    rep, local = np.divmod(np.arange(nblocks * t.pk * t.pm * t.pn), t.pk * t.pm * t.pn)
+    s, local = np.divmod(local, t.pm * t.pn)
+    i, j = np.divmod(local, t.pn)
     mt, nt = mb[rep] * t.pm + i, nb[rep] * t.pn + j
     core = ((group[rep] * t.pk + s) * t.pm + i) * t.pn + j
     nuses = geo.slice_len[s]
@@ -189,10 +211,12 @@ def _share(tasks: Tasks, uses: Uses, t: Tiling, along: np.ndarray, across: np.nd
     block = np.arange(tasks.core.size) // t.group_cores  # a block's tasks follow each other
     steps = int(uses.step.max(initial=0)) + 1
     key = ((block[tk] * t.pk + tasks.s[tk]) * max(t.pm, t.pn) + across[tk]) * steps + uses.step
-    chunk_ids, chunk = np.unique(key, return_inverse=True)
-    chunk = chunk.ravel()
+    # the rank of each key among the distinct keys (np.unique's inverse, without its sort:
+    # keys are small non-negative integers)
+    rank = np.cumsum(np.bincount(key) > 0) - 1
+    chunk = rank[key]
     loads = along[tk] == (across[tk] + uses.step + tasks.wave[tk] + offset) % width
-    loader_use = np.empty(chunk_ids.size, dtype=np.int64)
+    loader_use = np.empty(int(rank[-1]) + 1 if rank.size else 0, dtype=np.int64)
     loader_use[chunk[loads]] = np.flatnonzero(loads)
     return Sharing(chunk, loads, loader_use)
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 
 class StickLayout(NamedTuple):
     rows: int

@@ -13,10 +13,11 @@ layout, view geometry) and kept: a copy then only binds the two addresses and su
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,9 +40,9 @@ H2D = "h2d"
 D2H = "d2h"
 
 
-@dataclass(frozen=True)
-class ViewGeometry:
-    """A strided view of a device storage, in logical elements."""
+class ViewGeometry(NamedTuple):
+    """A strided view of a device storage, in logical elements (a tuple: it keys the
+    transfer cache on every copy, and tuples are cheap to make and hash)."""
 
     layout: StickLayout
     offset: int
@@ -49,9 +50,15 @@ class ViewGeometry:
     strides: tuple[int, ...]
 
 
-def memory_order(sizes, strides) -> tuple[int, ...]:
-    """Dimensions from outermost to innermost in device memory (size-1 dims first)."""
+@functools.lru_cache(maxsize=1024)
+def memory_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Dimensions from outermost to innermost in device memory (size-1 dims first). Every
+    copy asks (views repeat, so the answers are kept); `sizes` and `strides` are tuples."""
     return tuple(sorted(range(len(sizes)), key=lambda i: (sizes[i] > 1, -strides[i])))
+
+
+def _identity(order: tuple[int, ...]) -> bool:
+    return all(i == d for i, d in enumerate(order))
 
 
 def _collapse(sizes: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
@@ -195,7 +202,7 @@ def to_device(card, src: torch.Tensor, view: ViewGeometry, dev_base: int, prebui
     """Copy a CPU tensor (already of the destination dtype and shape) into a device view."""
     if not view.sizes or 0 not in view.sizes:
         order = memory_order(view.sizes, view.strides)
-        staged = src.permute(order) if order else src
+        staged = src if _identity(order) else src.permute(order)
         if not staged.is_contiguous():
             staged = staged.contiguous()
         graph_for(card, H2D, view, prebuilt).run(staged.data_ptr(), dev_base)
@@ -207,7 +214,9 @@ def from_device(card, view: ViewGeometry, dev_base: int, dtype: torch.dtype, pre
     if staging.numel():
         graph_for(card, D2H, view, prebuilt).run(staging.data_ptr(), dev_base)
         card.synchronize()
+    if _identity(order):
+        return staging
     inverse = [0] * len(order)
     for i, d in enumerate(order):
         inverse[d] = i
-    return staging.permute(inverse) if order else staging
+    return staging.permute(inverse)

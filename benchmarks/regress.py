@@ -70,6 +70,7 @@ def compare(base: dict[str, list[float]], head: dict[str, list[float]], threshol
 
 def report(rows, threshold: float, base_rev: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"working tree against {base_rev} (median of per-round medians)", title_justify="left")
@@ -85,7 +86,7 @@ def report(rows, threshold: float, base_rev: str) -> None:
         else:
             style = "red" if ratio > 1 + threshold else "green" if ratio < 1 - threshold else ""
             cell = f"[{style}]{ratio:.3f}[/]" if style else f"{ratio:.3f}"
-        t.add_row(name, fmt(b), fmt(h), cell)
+        t.add_row(escape(name), fmt(b), fmt(h), cell)  # a parametrized name's [id] is not markup
     Console().print(t)
 
 

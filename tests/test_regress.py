@@ -32,3 +32,10 @@ def test_faster_is_never_a_failure():
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         regress.main(["--rounds", "0"])
+
+
+def test_the_report_names_parametrized_benchmarks_whole(capsys):
+    """A parametrized benchmark's id in brackets is part of its name, not console markup."""
+    rows, _ = regress.compare({"test_step[construct]": [1.0]}, {"test_step[construct]": [1.0]}, 0.10)
+    regress.report(rows, 0.10, "base")
+    assert "test_step[construct]" in capsys.readouterr().out

@@ -176,11 +176,12 @@ class SpyreTimingModeWarning(UserWarning):
 _warned_timing = False
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
+def to_host(t: torch.Tensor, leaves_card: bool = True) -> torch.Tensor:
     """The values of a spyre tensor as a new CPU tensor of the same shape and dtype.
 
     A timing-mode card keeps no data: the transfer is still made (and timed) and the
-    values are zeros, with a one-time SpyreTimingModeWarning."""
+    values are zeros, with a one-time SpyreTimingModeWarning when they leave the card
+    (not for a device-to-device copy staged through the host: its values stay there)."""
     global _warned_timing
     if capture.capturing:
         capture.refuse("reading a spyre tensor on the host")
@@ -190,7 +191,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     else:
         out = from_device(card, view, base, t.dtype, _prebuilt_transfers())
     if not card.functional:
-        if not _warned_timing:
+        if leaves_card and not _warned_timing:
             _warned_timing = True
             warnings.warn(f"{card!r} runs in timing mode and keeps no tensor data: values read from it "
                           "are zeros (use a functional-mode card for numbers)", SpyreTimingModeWarning,
@@ -244,7 +245,7 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     src_spyre, dst_spyre = src.device.type == "spyre", dst.device.type == "spyre"
     if src_spyre and dst_spyre:
         # Device to device: through host staging, which also makes overlapping views safe.
-        upload(to_host(src), dst)
+        upload(to_host(src, leaves_card=False), dst)
     elif dst_spyre:
         upload(src, dst)
     else:

@@ -109,3 +109,23 @@ def test_eager_copies_follow_the_dispatch_mode_block(monkeypatch, configured, bl
     finally:
         monkeypatch.delenv("SPYRE_RT_DISPATCH")
         config.reload()
+
+
+def test_a_timing_card_warns_when_values_leave_it_not_on_a_copy_within_it(monkeypatch):
+    """A timing-mode card keeps no data: reading values on the host warns (once), while a
+    device-to-device copy (staged through the host, its values stay on the card) does not,
+    which is what Inductor's compile-time clone of a constant does."""
+    import warnings
+
+    from spyre_rt import card as cards
+    from spyre_rt import tensors
+
+    monkeypatch.setattr(tensors, "_warned_timing", False)
+    with cards.configured(None, "timing"):
+        a = torch.ones(4, 8).to("spyre")
+        b = torch.empty(8, 4, device="spyre").t()  # another layout: the copy is staged
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tensors.SpyreTimingModeWarning)
+            b.copy_(a)
+        with pytest.warns(tensors.SpyreTimingModeWarning, match="keeps no tensor data"):
+            assert torch.equal(b.cpu(), torch.zeros(4, 8))

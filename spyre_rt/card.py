@@ -81,16 +81,18 @@ class Card:
             record = ffi.new("spy_layout *", (layout.rows, layout.row_len, layout.itemsize, layout.stick_bytes))
             status = lib.spy_malloc_layout(self.handle, nbytes, kind, record, out)
         if status == lib.SPY_E_OOM:
-            free = self.mem_stats()["free"]
-            err = error_for(status, f"spyre:{self.index}")
-            raise SpyreOutOfMemoryError(
-                f"{err} (requested {nbytes} bytes, {free} bytes free on spyre:{self.index}; "
-                "free tensors or call torch.spyre.empty_cache())",
-                requested=nbytes,
-                free=free,
-            )
+            raise self.out_of_memory(status, nbytes, f"{nbytes} bytes")
         check(status, f"allocating {nbytes} bytes on spyre:{self.index}")
         return int(out[0])
+
+    def out_of_memory(self, status: int, requested: int, what: str) -> SpyreOutOfMemoryError:
+        """The error for an allocation of `requested` bytes (`what`, in words) that did not
+        fit: what was asked, what is free, and what to do."""
+        err = error_for(status, f"spyre:{self.index}")
+        free = self.mem_stats()["free"]
+        return SpyreOutOfMemoryError(
+            f"{err} (requested {what}, {free} bytes free on spyre:{self.index}; free tensors or call "
+            "torch.spyre.empty_cache())", requested=requested, free=free)
 
     def layout_of(self, addr: int) -> StickLayout | None:
         """The stick layout recorded for the allocation starting at `addr`, or None (no

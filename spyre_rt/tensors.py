@@ -18,7 +18,7 @@ import torch
 
 from . import capture, config, dispatch, dtypes
 from . import card as cards
-from .errors import SpyreError, SpyreGraphError, SpyreOutOfMemoryError
+from .errors import SpyreError, SpyreGraphError
 from .layout import StickLayout, layout_for, storage_numel
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
@@ -66,20 +66,44 @@ def empty_strided(sizes, strides, dtype: torch.dtype | None = None, device=None,
     return wrap_allocation(card, layout, sizes, strides, dtype)
 
 
+MAX_DIMS = 64  # DLPack's and the card's limit
+
+
+class _Call(threading.local):
+    """One allocation's arguments to ``spy_dlpack_new_many``, made once per thread: every
+    eager op allocates, and fresh cffi buffers per call were a tenth of its cost."""
+
+    def __init__(self) -> None:
+        self.layout = ffi.new("spy_layout[1]")
+        self.desc = ffi.new("spy_dlpack_tensor[1]")
+        self.shape = ffi.new("int64_t[]", MAX_DIMS)
+        self.strides = ffi.new("int64_t[]", MAX_DIMS)
+        self.desc[0].shape, self.desc[0].strides = self.shape, self.strides
+        self.addr = ffi.new("uint64_t[1]")
+        self.out = ffi.new("void *[1]")
+
+
+_call = _Call()
+
+
 def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
-    epoch = card.epoch  # before the allocation: a reset in between makes it stale
-    addr = card.malloc(layout.nbytes, layout=layout)
+    """A tensor over a new allocation of `layout` on `card`: the allocation, its layout
+    record and its DLPack wrapper in one native call (all or nothing)."""
     ndim = len(sizes)
-    shape = ffi.new("int64_t[]", sizes or [0])
-    stride = ffi.new("int64_t[]", strides or [0])
-    out = ffi.new("void **")
-    code, bits = dtypes.of(dtype).dlpack
-    status = lib.spy_dlpack_wrap(card.handle, addr, ndim, shape, stride, code, bits, KDL_EXT_DEV, out)
+    if ndim > MAX_DIMS:
+        raise SpyreError(f"a spyre tensor has at most {MAX_DIMS} dimensions, not {ndim}")
+    c = _call
+    rec, desc = c.layout[0], c.desc[0]
+    rec.rows, rec.row_len, rec.itemsize, rec.stick_bytes = layout
+    c.shape[0:ndim], c.strides[0:ndim] = sizes, strides
+    desc.ndim = ndim
+    desc.code, desc.bits = dtypes.of(dtype).dlpack
+    status = lib.spy_dlpack_new_many(card.handle, 1, c.layout, c.desc, KDL_EXT_DEV, c.addr, c.out)
+    if status == lib.SPY_E_OOM:
+        raise card.out_of_memory(status, layout.nbytes, f"{layout.nbytes} bytes")
     if status != lib.SPY_OK:
-        err = error_for(status, "wrapping a device allocation")  # before free() clears the error
-        card.free(addr, epoch)
-        raise err
-    managed = out[0]
+        raise error_for(status, f"allocating {layout.nbytes} bytes on spyre:{card.index}")
+    managed = c.out[0]
     try:
         capsule = _capsule_new(int(ffi.cast("uintptr_t", managed)), b"dltensor", None)
         return torch._C._from_dlpack(capsule)
@@ -115,12 +139,8 @@ def empty_many(card, specs) -> list[torch.Tensor]:
     out = ffi.new("void *[]", n)
     status = lib.spy_dlpack_new_many(card.handle, n, layouts, descs, KDL_EXT_DEV, addrs, out)
     if status == lib.SPY_E_OOM:
-        free = card.mem_stats()["free"]
         need = sum(layout.nbytes for layout in made)
-        raise SpyreOutOfMemoryError(
-            f"{error_for(status, f'spyre:{card.index}')} (requested {need} bytes in {n} tensors, {free} bytes "
-            f"free on spyre:{card.index}; free tensors or call torch.spyre.empty_cache())",
-            requested=need, free=free)
+        raise card.out_of_memory(status, need, f"{need} bytes in {n} tensors")
     if status != lib.SPY_OK:
         raise error_for(status, f"allocating {n} tensors on spyre:{card.index}")
     result = []

@@ -22,5 +22,6 @@ def test_small_host_to_device_copy(benchmark):
 def test_large_host_to_device_copy(benchmark):
     src = torch.randn(2048, 2048)
     dst = torch.empty(2048, 2048, device="spyre")
-    benchmark.pedantic(dst.copy_, args=(src,), rounds=5, iterations=1, warmup_rounds=1)
+    # 25 rounds: at 5 its median moved by ±10 % from run to run on a shared machine
+    benchmark.pedantic(dst.copy_, args=(src,), rounds=25, iterations=1, warmup_rounds=2)
     benchmark.extra_info["bytes"] = src.numel() * 4

@@ -1,8 +1,31 @@
-"""Typed errors. Every native status becomes one of these, naming what was wrong."""
+"""Typed errors (every native status becomes one of these, naming what was wrong), and the
+warnings spyre_rt gives once per process."""
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import torch
+
+_warned: set[tuple[str, str]] = set()  # (subject, what) of warn_once
+_warned_lock = threading.Lock()
+
+
+def warn_once(subject: str, what: str, category=UserWarning, stacklevel: int = 3) -> None:
+    """Warn ``spyre: {subject} {what}`` once per process (until :func:`forget_warnings`);
+    `stacklevel` as ``warnings.warn``'s, counted from the caller."""
+    with _warned_lock:
+        first = (subject, what) not in _warned
+        _warned.add((subject, what))
+    if first:
+        warnings.warn(f"spyre: {subject} {what}", category, stacklevel=stacklevel + 1)
+
+
+def forget_warnings(subject: str) -> None:
+    """Warn again about every subject that contains `subject`."""
+    with _warned_lock:
+        _warned.difference_update({w for w in _warned if subject in w[0]})
 
 
 class SpyreError(RuntimeError):

@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from . import capture, tensors
+from . import capture, errors, tensors
 
 aten = torch.ops.aten
 
@@ -27,7 +27,6 @@ class SpyreFallbackWarning(UserWarning):
 calls: Counter[str] = Counter()     # eager calls that ran on the CPU, by op
 in_steps: Counter[str] = Counter()  # CPU ops run inside compiled steps, by op (compiler.step)
 _warned: set[str] = set()
-_warned_once: set[tuple[str, str]] = set()  # (op, what) of warn_once
 _lock = threading.Lock()
 
 
@@ -156,17 +155,7 @@ def forget_warnings(op: str) -> None:
     """Warn again about ops whose name contains `op` (each warns once per process)."""
     with _lock:
         _warned.difference_update({w for w in _warned if op in w})
-        _warned_once.difference_update({w for w in _warned_once if op in w[0]})
-
-
-def warn_once(op: str, what: str, category=UserWarning) -> None:
-    """Warn ``spyre: {op} {what}`` once per process (until :func:`forget_warnings`), for
-    the code that called the caller."""
-    with _lock:
-        first = (op, what) not in _warned_once
-        _warned_once.add((op, what))
-    if first:
-        warnings.warn(f"spyre: {op} {what}", category, stacklevel=4)
+    errors.forget_warnings(op)  # and the warnings of CPU ops inside compiled steps
 
 
 def _note(name: str) -> None:

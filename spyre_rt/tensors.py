@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import warnings
 
 import torch
 
 from . import capture, config, dispatch, dtypes
 from . import card as cards
-from .errors import SpyreError, SpyreGraphError
+from .errors import SpyreError, SpyreGraphError, warn_once
 from .layout import StickLayout, layout_for, storage_numel
 from .native import error_for, ffi, lib
 from .transfer import ViewGeometry, from_device, to_device
@@ -193,8 +192,6 @@ class SpyreTimingModeWarning(UserWarning):
     """Values were read from a timing-mode card, which keeps no data: they are zeros."""
 
 
-_warned_timing = False
-
 
 def to_host(t: torch.Tensor, leaves_card: bool = True) -> torch.Tensor:
     """The values of a spyre tensor as a new CPU tensor of the same shape and dtype.
@@ -202,7 +199,6 @@ def to_host(t: torch.Tensor, leaves_card: bool = True) -> torch.Tensor:
     A timing-mode card keeps no data: the transfer is still made (and timed) and the
     values are zeros, with a one-time SpyreTimingModeWarning when they leave the card
     (not for a device-to-device copy staged through the host: its values stay there)."""
-    global _warned_timing
     if capture.capturing:
         capture.refuse("reading a spyre tensor on the host")
     card, view, base = geometry(t)
@@ -211,11 +207,9 @@ def to_host(t: torch.Tensor, leaves_card: bool = True) -> torch.Tensor:
     else:
         out = from_device(card, view, base, t.dtype, _prebuilt_transfers())
     if not card.functional:
-        if leaves_card and not _warned_timing:
-            _warned_timing = True
-            warnings.warn(f"{card!r} runs in timing mode and keeps no tensor data: values read from it "
-                          "are zeros (use a functional-mode card for numbers)", SpyreTimingModeWarning,
-                          stacklevel=3)
+        if leaves_card:
+            warn_once(f"{card!r}", "runs in timing mode and keeps no tensor data: values read from it are "
+                      "zeros (use a functional-mode card for numbers)", SpyreTimingModeWarning)
         out.zero_()
     return out
 

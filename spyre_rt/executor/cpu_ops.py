@@ -12,6 +12,7 @@ import torch
 from .. import fallback
 from ..dispatch import DispatchMode
 from ..dtypes import torch_dtype
+from ..errors import warn_once
 from ..kernels import CpuOp
 from ..transfer import ViewGeometry, from_device, to_device
 
@@ -46,10 +47,10 @@ class CpuOps:
     def run(self, op: CpuOp, table, mode: DispatchMode):
         exe = self.exe
         if not exe.card.functional:
-            fallback.warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
+            warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
         if not op.host:  # work eager does on the CPU too is no fallback
             fallback.in_steps[op.op] += 1
-            fallback.warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
+            warn_once(op.op, f"runs on the CPU inside a compiled step ({op.source})", fallback.SpyreFallbackWarning)
         prebuilt = mode.prebuilt_transfers
 
         def fetch(ref, as_dtype: str | None):

@@ -104,31 +104,32 @@ def wrap_allocation(card, layout: StickLayout, sizes, strides, dtype: torch.dtyp
         raise error_for(status, f"allocating {layout.nbytes} bytes on spyre:{card.index}")
     managed = c.out[0]
     try:
-        capsule = _capsule_new(int(ffi.cast("uintptr_t", managed)), b"dltensor", None)
-        return torch._C._from_dlpack(capsule)
+        return _adopt(managed)
     except BaseException:
         lib.spy_dlpack_release(managed)
         raise
 
 
+def _adopt(managed) -> torch.Tensor:
+    """The torch tensor of a DLPack managed tensor the card made: torch owns it from here
+    (its deleter frees the allocation and its layout record)."""
+    return torch._C._from_dlpack(_capsule_new(int(ffi.cast("uintptr_t", managed)), b"dltensor", None))
+
+
 def empty_many(card, specs) -> list[torch.Tensor]:
-    """New device tensors on `card`, one per (sizes, strides, dtype) of `specs`, with one
-    native call (``spy_dlpack_new_many``: allocations, layout records and DLPack wrappers
-    together, all or nothing). The storage of each has the layout :func:`empty_strided`
-    would give it."""
+    """New device tensors on `card`, one per (layout, sizes, strides, dtype) of `specs`: a
+    storage of that stick layout seen with those sizes and strides, with one native call
+    (``spy_dlpack_new_many``: allocations, layout records and DLPack wrappers together, all
+    or nothing)."""
     n = len(specs)
     if not n:
         return []
-    stick = card.profile.stick_bytes
     layouts = ffi.new("spy_layout[]", n)
     descs = ffi.new("spy_dlpack_tensor[]", n)
-    keep, made = [], []
-    for i, (sizes, strides, dtype) in enumerate(specs):
+    keep = []
+    for i, (layout, sizes, strides, dtype) in enumerate(specs):
         sizes, strides = [int(x) for x in sizes], [int(x) for x in strides]
-        layout = layout_for(sizes, strides, storage_numel(sizes, strides), dtype.itemsize, stick)
-        made.append(layout)
-        layouts[i].rows, layouts[i].row_len = layout.rows, layout.row_len
-        layouts[i].itemsize, layouts[i].stick_bytes = layout.itemsize, layout.stick_bytes
+        layouts[i].rows, layouts[i].row_len, layouts[i].itemsize, layouts[i].stick_bytes = layout
         shape, stride = ffi.new("int64_t[]", sizes or [0]), ffi.new("int64_t[]", strides or [0])
         keep += (shape, stride)
         code, bits = dtypes.of(dtype).dlpack
@@ -138,15 +139,14 @@ def empty_many(card, specs) -> list[torch.Tensor]:
     out = ffi.new("void *[]", n)
     status = lib.spy_dlpack_new_many(card.handle, n, layouts, descs, KDL_EXT_DEV, addrs, out)
     if status == lib.SPY_E_OOM:
-        need = sum(layout.nbytes for layout in made)
+        need = sum(spec[0].nbytes for spec in specs)
         raise card.out_of_memory(status, need, f"{need} bytes in {n} tensors")
     if status != lib.SPY_OK:
         raise error_for(status, f"allocating {n} tensors on spyre:{card.index}")
     result = []
     try:
         for i in range(n):
-            capsule = _capsule_new(int(ffi.cast("uintptr_t", out[i])), b"dltensor", None)
-            result.append(torch._C._from_dlpack(capsule))
+            result.append(_adopt(out[i]))
             out[i] = ffi.NULL  # the tensor owns it from here: its deleter frees the allocation
     finally:
         for i in range(n):
@@ -190,7 +190,6 @@ def _prebuilt_transfers() -> bool:
 
 class SpyreTimingModeWarning(UserWarning):
     """Values were read from a timing-mode card, which keeps no data: they are zeros."""
-
 
 
 def to_host(t: torch.Tensor, leaves_card: bool = True) -> torch.Tensor:

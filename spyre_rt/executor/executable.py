@@ -78,8 +78,9 @@ class Executable:
         self._named = self._buffers_by_name()
         self.cpu = CpuOps(self)
         self._outputs = self._output_sources(names_in)
-        self._out_specs = [(desc.buffers[n].sizes, desc.buffers[n].strides, torch_dtype_of(desc.buffers[n]))
-                           for n in mem.output_bases]
+        # each output storage with the layout the memory plan gave it, which its plans declare
+        self._out_specs = [(mem.layouts[n], desc.buffers[n].sizes, desc.buffers[n].strides,
+                            torch_dtype_of(desc.buffers[n])) for n in mem.output_bases]
         # tile choices per kernel: decided at the first construction (compile time), not
         # again at every launch; what construct mode repeats is building the job graph
         self._tilings: dict[str, object] = {}

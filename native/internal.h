@@ -259,6 +259,10 @@ static inline uint64_t spy_host_clock_locked(const spy_device *d)
 
 /* ---- memory.c: the device's memory entry points ---------------------------------------- */
 
+/* A layout the device can record for an allocation of nbytes (UINT64_MAX: of any size):
+ * well-formed, in the device's stick size, fitting nbytes. SPY_E_INVALID_ARG otherwise. */
+spy_status spy_layout_check(const spy_device *dev, const spy_layout *layout, uint64_t nbytes);
+
 /* spy_malloc_many on a locked device (dlpack.c allocates a step's outputs with it). */
 spy_status spy_mem_alloc_many_locked(spy_device *dev, uint32_t n, const uint64_t *nbytes,
                                      const spy_layout *layouts, uint64_t *addrs);

@@ -25,8 +25,7 @@ spy_status spy_layout_bytes(const spy_layout *l, uint64_t *nbytes)
     return SPY_OK;
 }
 
-/* A layout the device can record for an allocation of nbytes. */
-static spy_status check_layout(const spy_device *d, const spy_layout *l, uint64_t nbytes)
+spy_status spy_layout_check(const spy_device *d, const spy_layout *l, uint64_t nbytes)
 {
     uint64_t need;
     spy_status s = spy_layout_bytes(l, &need);
@@ -48,7 +47,7 @@ static spy_status malloc_locked(spy_device *d, uint64_t nbytes, uint32_t kind, c
         return spy_fail(SPY_E_INVALID_ARG, -1, "bad output pointer or memory kind %u", kind);
     if (layout && kind != SPY_MEM_DATA)
         return spy_fail(SPY_E_INVALID_ARG, -1, "a layout is recorded for DATA allocations only");
-    spy_status s = layout ? check_layout(d, layout, nbytes) : SPY_OK;
+    spy_status s = layout ? spy_layout_check(d, layout, nbytes) : SPY_OK;
     if (s != SPY_OK)
         return s;
     bool backed = kind == SPY_MEM_CONTROL || d->mode == SPY_MODE_FUNCTIONAL;
@@ -78,7 +77,7 @@ spy_status spy_mem_alloc_many_locked(spy_device *d, uint32_t n, const uint64_t *
         uint64_t size = nbytes ? nbytes[i] : 0;
         spy_status s = nbytes ? SPY_OK : spy_layout_bytes(&layouts[i], &size);
         if (s == SPY_OK && layouts)
-            s = check_layout(d, &layouts[i], size);
+            s = spy_layout_check(d, &layouts[i], size);
         if (s != SPY_OK)
             return spy_fail(s, -1, "allocation %u of %u: %s", i, n, spy_last_error());
     }

@@ -93,12 +93,9 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         if (rl[r].binding >= h->nbindings)
             return spy_fail(SPY_E_BAD_PROGRAM, -1, "relocation %u names binding %u of %u", r,
                             rl[r].binding, h->nbindings);
-    for (uint32_t b = 0; b < h->nbindings; b++) {
-        uint64_t bytes;
-        if (lay[b].itemsize && (lay[b].stick_bytes != d->prof.stick_bytes || spy_layout_bytes(&lay[b], &bytes)))
-            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan binding %u: a malformed layout, or one of %u-byte "
-                            "sticks on a device of %u", b, lay[b].stick_bytes, d->prof.stick_bytes);
-    }
+    for (uint32_t b = 0; b < h->nbindings; b++)
+        if (lay[b].itemsize && spy_layout_check(d, &lay[b], UINT64_MAX) != SPY_OK)
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan binding %u: %s", b, spy_last_error());
 
     spy_plan *p = calloc(1, sizeof *p);
     if (!p)

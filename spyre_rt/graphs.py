@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from . import capture, torch_ranges
+from .dispatch import MODES
 from .errors import SpyreGraphError
 from .native import error_for, ffi, lib
 from .tensors import copy_plan
@@ -181,7 +182,7 @@ class SpyreGraph:
         exe = launch.exe
         # the failing step's mutated inputs, unless it failed inside its snapshot job
         if exe is not None and exe.snapshots and not (launch.first and getattr(err, "job", -1) == 0):
-            exe._restore(launch.table, "prebuilt")
+            exe._restore(launch.table, MODES["prebuilt"])
         raise err
 
     def _check_bound(self) -> None:

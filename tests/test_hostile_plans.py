@@ -17,6 +17,7 @@ from spyre_rt import SpyreInvalidCommandError, SpyreLayoutError, SpyrePlanCacheE
 from spyre_rt import card as cards
 from spyre_rt import executor as step_mod
 from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.executor.plans import binding_layouts_of
 from spyre_rt.native import lib
 from spyre_rt.plan import GraphPlan, PlanJob, binding_layouts
 from spyre_rt.plan import encode as encode_plan
@@ -285,7 +286,7 @@ def test_a_plan_file_with_another_binding_count_is_rebuilt(step):
 def _bind_like_a_call(card, exe, layout_of=None):
     """Allocations a call of the step binds: the arena (no layout), then every input,
     constant and output storage with its stick layout (`layout_of` may change one)."""
-    layouts = [None] + [exe.layouts[n] for n in exe.binding_names[1:]]
+    layouts = binding_layouts_of(exe)
     if layout_of:
         layouts = [layout_of(b, x) for b, x in enumerate(layouts)]
     sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]

@@ -210,10 +210,9 @@ class Executable:
         return made[1]
 
     # ---- running ----
-    def one_plan(self, mode: str | DispatchMode) -> bool:
-        """Whether a call in `mode` (a dispatch mode or its name) is one plan launch (and
-        nothing else)."""
-        return self._one_plan and named(mode).plans
+    def one_plan(self, mode: DispatchMode) -> bool:
+        """Whether a call in `mode` is one plan launch (and nothing else)."""
+        return self._one_plan and mode.plans
 
     def new_slot(self, epoch: int) -> _Slot:
         """The memory of one call, made in the card's reset epoch `epoch`: the arena, the
@@ -296,7 +295,7 @@ class Executable:
                 for i, base in dynamic:
                     table[1 + i] = base
             made = self._plans
-            if self._one_plan and mode.plans and made is not None and made[0] == epoch:
+            if self.one_plan(mode) and made is not None and made[0] == epoch:
                 self._launch_one(made[1][0], table, mode)
             else:
                 self._run_segments(Call(self, table, mode, epoch))
@@ -326,13 +325,13 @@ class Executable:
         try:
             plan.launch(table)
         except SpyreError as e:
-            named = self.segments[0].named(self, e)
+            err = self.segments[0].named(self, e)
             # job 0 is the snapshot: a failure after it restores the mutated inputs
-            if self.snapshots and named.job > 0:
+            if self.snapshots and err.job > 0:
                 self._restore(table, mode)
-            if named is e:
+            if err is e:
                 raise
-            raise named from None
+            raise err from None
 
     def _run_segments(self, call: Call) -> None:
         saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
@@ -349,11 +348,11 @@ class Executable:
                 self._restore(call.table, call.mode)
             raise
 
-    def _restore(self, table, mode: str | DispatchMode) -> None:
+    def _restore(self, table, mode: DispatchMode) -> None:
         """Copy the snapshots back into the mutated inputs after a failed call. On a lost
         card there is nothing to restore: the caller gets the original error."""
         try:
-            self.construct_and_run((RESTORE,), table, named(mode))
+            self.construct_and_run((RESTORE,), table, mode)
         except SpyreError:
             pass
 

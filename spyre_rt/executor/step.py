@@ -23,7 +23,7 @@ import torch
 
 from .. import capture, config, tensors
 from .. import card as cards
-from ..dispatch import override
+from ..dispatch import named, override
 from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
 from ..kernels import StepDesc, from_json, to_json
 from . import memory
@@ -199,7 +199,7 @@ class _FastPath:
             if t.storage_offset() != offset or cards.window_of(base) != window:
                 return None
             dynamic.append((i, base))
-        exe = self.exe
+        exe, mode = self.exe, named(mode)
         if not exe.one_plan(mode):
             layout_of = exe.card.layout_of
             if any(layout_of(base) != layout for (_, base), layout in zip(dynamic, self.layouts, strict=True)):

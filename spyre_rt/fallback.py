@@ -37,7 +37,7 @@ def _is_spyre(x) -> bool:
 class _Schema:
     """What the fallback needs from an op's schema, computed once per overload."""
 
-    __slots__ = ("name", "is_view", "arg_names", "written", "kw_out")
+    __slots__ = ("name", "is_view", "arg_names", "written", "kw_out", "tensor_args")
 
     def __init__(self, op):
         s = op._schema
@@ -47,6 +47,25 @@ class _Schema:
         self.written = [a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
         self.kw_out = {a.name for a in s.arguments
                        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+        # (position, name) of the Tensor and Tensor? parameters: where a wrapped number may come
+        self.tensor_args = tuple((i, a.name) for i, a in enumerate(s.arguments) if _is_tensor_type(a.type))
+
+    def number_for_tensor(self, args, kwargs) -> bool:
+        """Whether a Tensor parameter holds a Python number. A scalar the caller passed
+        reaches a Tensor overload as a *wrapped number* (``x % 4`` is remainder.Scalar, which
+        calls remainder.Tensor with 4 wrapped), and the boxed fallback receives it as a
+        plain number, which the Tensor overload then refuses."""
+        for i, name in self.tensor_args:
+            v = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(v, (bool, int, float, complex)):
+                return True
+        return False
+
+
+def _is_tensor_type(t) -> bool:
+    if isinstance(t, torch._C.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch._C.TensorType)
 
 
 _schemas: dict = {}
@@ -188,7 +207,12 @@ def run_on_cpu(op, *args, **kwargs):
     read_ids = {id(a) for a in args}
     host_args = [call.down(a) for a in args]
     host_kwargs = {k: (call.down_out(v, read_ids) if k in sc.kw_out else call.down(v)) for k, v in kwargs.items()}
-    result = op(*host_args, **host_kwargs)
+    if sc.number_for_tensor(host_args, host_kwargs):
+        # The op's overload packet picks the overload that takes the number as a Scalar,
+        # which on the CPU wraps it again: the same promotion as the caller's own call.
+        result = op.overloadpacket(*host_args, **host_kwargs)
+    else:
+        result = op(*host_args, **host_kwargs)
     bound = dict(zip(sc.arg_names, args, strict=False)) | kwargs
     host_bound = dict(zip(sc.arg_names, host_args, strict=False)) | host_kwargs
     for name in sc.written:

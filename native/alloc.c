@@ -230,6 +230,8 @@ spy_status spy_alloc_get(spy_allocator *a, uint64_t nbytes, uint32_t kind, bool 
         a->peak = a->allocated;
     if (a->allocated - a->control > a->data_peak)
         a->data_peak = a->allocated - a->control;
+    if (a->allocated + a->cached > a->reserved_peak)
+        a->reserved_peak = a->allocated + a->cached;
     a->total_allocs++;
     *addr = b.addr;
     return SPY_OK;
@@ -307,6 +309,7 @@ void spy_alloc_stats(const spy_allocator *a, spy_mem_stats *out)
     out->allocated = a->allocated;
     out->peak_allocated = a->peak;
     out->reserved = a->allocated + a->cached;
+    out->peak_reserved = a->reserved_peak;
     out->control = a->control;
     out->data_allocated = a->allocated - a->control;
     out->data_peak = a->data_peak;

@@ -144,17 +144,48 @@ double spy_device_finish_ns(spy_device *d)
     return finish;
 }
 
-spy_status spy_synchronize(spy_device *d)
+/* The host waits until the device timeline reaches t (no further than its finish). */
+static void wait_until_locked(spy_device *d, double t)
 {
-    SPY_ENTER(d);
+    if (t > d->device_free)
+        t = d->device_free;
     uint64_t now = spy_host_clock_locked(d);
-    if (d->device_free > (double)now) {
-        uint64_t wait = (uint64_t)ceil(d->device_free) - now;
+    if (t > (double)now) {
+        uint64_t wait = (uint64_t)ceil(t) - now;
         d->waited_ns += wait;
         d->counters.wait_ns += wait;
     }
+}
+
+spy_status spy_synchronize(spy_device *d)
+{
+    SPY_ENTER(d);
+    wait_until_locked(d, d->device_free);
     SPY_REFUSE_IF_LOST(d);
     SPY_LEAVE(d, SPY_OK);
+}
+
+spy_status spy_synchronize_until(spy_device *d, double t_ns)
+{
+    SPY_ENTER(d);
+    if (isnan(t_ns))
+        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "synchronize until NaN"));
+    wait_until_locked(d, t_ns);
+    SPY_REFUSE_IF_LOST(d);
+    SPY_LEAVE(d, SPY_OK);
+}
+
+spy_status spy_clock_read(spy_device *d, spy_clock *out)
+{
+    spy_clear_error();
+    if (!d || !out)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "null argument");
+    spy_lock(d); /* one instant: a getter, not counted as a native call */
+    out->host_ns = spy_host_clock_locked(d);
+    out->finish_ns = d->device_free;
+    out->work_ns = d->device_work;
+    spy_unlock(d);
+    return SPY_OK;
 }
 
 /* ---- counters ---- */

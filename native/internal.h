@@ -139,7 +139,7 @@ typedef struct spy_allocator {
     size_t nfree, capfree;
     spy_block *cache;     /* freed blocks kept for reuse (backing kept) */
     size_t ncache, capcache;
-    uint64_t allocated, peak, cached, control, data_peak;
+    uint64_t allocated, peak, cached, control, data_peak, reserved_peak;
     uint64_t total_allocs, total_frees, ooms;
     /* One more at every free and every program committed into a block: while it stays the
      * same, every address that lay inside a live block still does, in a block of the same
@@ -201,6 +201,7 @@ struct spy_device {
     uint64_t excluded_ns;      /* simulator time excluded from the host clock */
     uint64_t waited_ns;        /* host clock moved forward by synchronize */
     double device_free;        /* end of the last job */
+    double device_work;        /* the device's own time (spy_clock.work_ns) */
     uint64_t job_seq;
     spy_counters counters;
     spy_trace trace;

@@ -146,7 +146,8 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
 {
     /* The command processor needs job_launch_ns from a job becoming runnable (launched by
      * the host, or the previous job of a plan ending) to its first command, in every mode. */
-    double start = (d->device_free > not_before ? d->device_free : not_before) + d->prof.job_launch_ns;
+    double runnable = d->device_free > not_before ? d->device_free : not_before;
+    double start = runnable + d->prof.job_launch_ns;
     if (not_before > d->device_free)
         d->counters.device_idle_host_ns += not_before - d->device_free;
     uint64_t t0 = spy_now_ns();
@@ -167,6 +168,7 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
     d->counters.sim_ns += spent;
     *end = start + duration;
     d->device_free = *end;
+    d->device_work += *end - runnable;
     d->counters.device_busy_ns += duration;
     d->counters.jobs++;
     d->counters.commands += g->hdr->ncmds;

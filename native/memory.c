@@ -82,7 +82,7 @@ spy_status spy_mem_alloc_many_locked(spy_device *d, uint32_t n, const uint64_t *
             return spy_fail(s, -1, "allocation %u of %u: %s", i, n, spy_last_error());
     }
     /* A failed call leaves the statistics as they were, but for the out-of-memory count. */
-    uint64_t peak = d->mem.peak, data_peak = d->mem.data_peak;
+    uint64_t peak = d->mem.peak, data_peak = d->mem.data_peak, reserved_peak = d->mem.reserved_peak;
     uint64_t total_allocs = d->mem.total_allocs, total_frees = d->mem.total_frees;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t size = nbytes ? nbytes[i] : 0;
@@ -97,6 +97,7 @@ spy_status spy_mem_alloc_many_locked(spy_device *d, uint32_t n, const uint64_t *
                 (void)spy_alloc_put(&d->mem, addrs[k]);
             d->mem.peak = peak;
             d->mem.data_peak = data_peak;
+            d->mem.reserved_peak = reserved_peak;
             d->mem.total_allocs = total_allocs;
             d->mem.total_frees = total_frees;
             return s;
@@ -172,6 +173,16 @@ spy_status spy_mem_reset_peak(spy_device *d)
     SPY_ENTER(d);
     d->mem.peak = d->mem.allocated;
     d->mem.data_peak = d->mem.allocated - d->mem.control;
+    d->mem.reserved_peak = d->mem.allocated + d->mem.cached;
+    SPY_LEAVE(d, SPY_OK);
+}
+
+spy_status spy_mem_reset_accumulated(spy_device *d)
+{
+    SPY_ENTER(d);
+    d->mem.total_allocs = 0;
+    d->mem.total_frees = 0;
+    d->mem.ooms = 0;
     SPY_LEAVE(d, SPY_OK);
 }
 

@@ -185,6 +185,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     double now = (double)spy_host_clock_locked(d);
     double start = d->device_free > now ? d->device_free : now;
     d->device_free = start + d->prof.pcie_latency_ns + (double)p->upload_bytes / d->prof.pcie_bytes_per_ns;
+    d->device_work += d->device_free - start;
     d->counters.bytes_h2d += p->upload_bytes;
     spy_unlock(d);
     *out = p;

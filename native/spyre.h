@@ -215,6 +215,23 @@ uint64_t spy_host_clock_ns(spy_device *dev);
 double spy_device_finish_ns(spy_device *dev);
 /* Move the host clock to the device's finish (host waits for the device). */
 spy_status spy_synchronize(spy_device *dev);
+/* Move the host clock to t_ns, or to the device's finish if that is earlier, when the host
+ * clock is behind it: the host waits until the device timeline reaches t_ns (an event
+ * recorded there completes) and no longer. */
+spy_status spy_synchronize_until(spy_device *dev, double t_ns);
+
+/* The device's clocks, read at one instant (what an event records). */
+typedef struct spy_clock {
+    uint64_t host_ns;  /* spy_host_clock_ns */
+    double finish_ns;  /* spy_device_finish_ns: where work launched now would queue */
+    double work_ns;    /* the device's own time since it was opened: the timeline less the
+                          stretches the device sat idle because the host had not launched
+                          work yet (each job's launch latency and run, each plan upload).
+                          It does not depend on the host's speed; never reset. */
+} spy_clock; /* 24 bytes */
+SPY_ABI_SIZE(spy_clock, 24)
+
+spy_status spy_clock_read(spy_device *dev, spy_clock *out);
 
 /* ---- memory (memory.c) ------------------------------------------------------------- */
 
@@ -226,15 +243,17 @@ typedef struct spy_mem_stats {
     uint64_t allocated;        /* bytes in live allocations (rounded to sticks) */
     uint64_t peak_allocated;
     uint64_t reserved;         /* allocated + free blocks kept in the cache */
+    uint64_t peak_reserved;
     uint64_t control;          /* bytes of CONTROL allocations (part of allocated) */
     uint64_t data_allocated;   /* bytes of DATA allocations: what tensors hold */
     uint64_t data_peak;
     uint64_t free;             /* capacity - reserved */
     uint64_t largest_free;     /* largest block the address space can still give */
     uint64_t num_allocs;       /* live allocations */
-    uint64_t total_allocs;     /* spy_malloc calls that succeeded */
-    uint64_t total_frees;
-    uint64_t num_ooms;
+    uint64_t total_allocs;     /* spy_malloc calls that succeeded (accumulated: counts since
+                                  the device opened or spy_mem_reset_accumulated) */
+    uint64_t total_frees;      /* accumulated */
+    uint64_t num_ooms;         /* accumulated */
     double fragmentation;      /* 1 - largest_free / free, 0 when free == 0 */
 } spy_mem_stats;
 
@@ -247,7 +266,10 @@ spy_status spy_free_epoch(spy_device *dev, uint64_t addr, uint64_t epoch);
 /* Release cached free blocks back to the address space. */
 spy_status spy_empty_cache(spy_device *dev);
 spy_status spy_mem_stats_get(spy_device *dev, spy_mem_stats *out);
+/* Peaks (peak_allocated, data_peak, peak_reserved) start again from the current values. */
 spy_status spy_mem_reset_peak(spy_device *dev);
+/* The accumulated counts (total_allocs, total_frees, num_ooms) start again from zero. */
+spy_status spy_mem_reset_accumulated(spy_device *dev);
 /* ---- stick layouts (memory.c) ----------------------------------------------------------
  * A DATA allocation may record the stick layout of the tensor storage it holds, so the
  * layers above find a storage's layout from its address. A layout: the storage holds

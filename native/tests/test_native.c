@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "spyre.h"
 
@@ -189,6 +190,14 @@ static void test_allocator(void)
     CHECK_OK(spy_empty_cache(d));
     CHECK_OK(spy_mem_stats_get(d, &st));
     CHECK(st.reserved == 0 && st.largest_free == pr.dram_bytes && st.fragmentation == 0);
+    /* peaks outlive what they measured until reset; accumulated counts until reset */
+    CHECK(st.peak_reserved == 128 + 1024 && st.peak_allocated == 128 + 1024);
+    CHECK(st.total_allocs == 2 && st.total_frees == 2 && st.num_ooms == 1);
+    CHECK_OK(spy_mem_reset_peak(d));
+    CHECK_OK(spy_mem_reset_accumulated(d));
+    CHECK_OK(spy_mem_stats_get(d, &st));
+    CHECK(st.peak_reserved == 0 && st.peak_allocated == 0 && st.data_peak == 0);
+    CHECK(st.total_allocs == 0 && st.total_frees == 0 && st.num_ooms == 0);
     /* the whole card can be allocated once the cache is empty */
     CHECK_OK(spy_malloc(d, pr.dram_bytes, SPY_MEM_DATA, &c));
     CHECK_OK(spy_free(d, c));
@@ -532,6 +541,56 @@ static void test_cost_model(void)
     uint64_t bind[2] = {(uint64_t)(uintptr_t)host, big};
     t = one_job_busy(d, &p, bind);
     CHECK(NEAR(t, 1000 + 2 + (4u << 20) / 50.0, 0.01));
+    spy_device_close(d);
+}
+
+/* The device's own clock (spy_clock.work_ns) counts each job's launch latency and run and
+ * nothing of the time the device sits idle waiting for the host; spy_synchronize_until
+ * waits for a point of the timeline, never past the device's finish. */
+static void test_clocks(void)
+{
+    current = "clocks";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    uint64_t big;
+    CHECK_OK(spy_malloc(d, 32u << 20, SPY_MEM_DATA, &big));
+    prog p;
+    memset(&p, 0, sizeof p);
+    uint32_t s0 = slot(&p, SPY_SLOT_DRAM, 32u << 20);
+    for (uint16_t c = 0; c < 32; c++)
+        dma(&p, SPY_OP_LOAD, c, s0, (uint64_t)c << 20, 0, 0, 1u << 20);
+    double job = pr.job_launch_ns + 500 + 32.0 * (1u << 20) / 150.0;
+    spy_clock c0, c1, c2;
+    CHECK_OK(spy_clock_read(d, &c0));
+    CHECK(c0.work_ns == 0 && c0.finish_ns == 0);
+    CHECK_OK(run(d, &p, &big, NULL));
+    CHECK_OK(spy_clock_read(d, &c1));
+    CHECK(NEAR(c1.work_ns - c0.work_ns, job, 1e-9));
+    CHECK(c1.finish_ns >= c1.work_ns);
+    /* the host idles for 2 ms: the timeline grows by that much more, the work clock not */
+    struct timespec nap = {0, 2000000};
+    nanosleep(&nap, NULL);
+    CHECK_OK(run(d, &p, &big, NULL));
+    CHECK_OK(spy_clock_read(d, &c2));
+    CHECK(NEAR(c2.work_ns - c1.work_ns, job, 1e-9));
+    CHECK(c2.finish_ns - (double)c1.host_ns >= job + 2e6);
+    CHECK(c2.host_ns >= c1.host_ns + 2000000);
+    /* waiting for a point the device passed long ago costs nothing */
+    spy_counters k0, k1;
+    CHECK_OK(spy_counters_get(d, &k0));
+    CHECK_OK(spy_synchronize_until(d, c1.finish_ns));
+    CHECK_OK(spy_counters_get(d, &k1));
+    CHECK(k1.wait_ns == k0.wait_ns);
+    /* waiting for a point beyond the finish waits for the finish only */
+    CHECK_OK(spy_synchronize_until(d, c2.finish_ns + 1e12));
+    CHECK_OK(spy_clock_read(d, &c1));
+    CHECK(c1.host_ns >= (uint64_t)c2.finish_ns);
+    CHECK_OK(spy_counters_get(d, &k1));
+    CHECK(k1.wait_ns - k0.wait_ns <= (uint64_t)ceil(c2.finish_ns));
+    CHECK(spy_synchronize_until(d, NAN) == SPY_E_INVALID_ARG);
+    CHECK(spy_clock_read(d, NULL) == SPY_E_INVALID_ARG);
+    CHECK(spy_clock_read(NULL, &c1) == SPY_E_INVALID_ARG);
     spy_device_close(d);
 }
 
@@ -1135,6 +1194,7 @@ int main(void)
     test_functional();
     test_cost_model();
     test_timing_reuses_a_jobs_duration();
+    test_clocks();
     test_gather_and_faults();
     test_plan();
     test_sfu();

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib.resources
 import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -87,21 +88,44 @@ class DeviceProfile:
         return int(self["stick_bytes"])
 
 
-def _source_text(name_or_path: str) -> tuple[str, str]:
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
+def is_path(name_or_path: str | os.PathLike[str]) -> bool:
+    """Whether a profile argument names a file: a path object, or a string with a directory
+    separator or the ``.toml`` suffix. Anything else is the name of a profile shipped in the
+    package (``profiles/<kind>/<name>.toml``), whatever the working directory holds: a
+    directory called ``spyre`` there is not the ``spyre`` profile."""
+    if isinstance(name_or_path, os.PathLike):
+        return True
+    s = str(name_or_path)
+    return s.endswith(".toml") or os.sep in s or (os.altsep is not None and os.altsep in s)
+
+
+def read_profile(name_or_path: str | os.PathLike[str], kind: str) -> tuple[str, str] | None:
+    """(path, text) of a `kind` profile ("devices", "models") named or given by path; None
+    when no shipped profile has that name. A path that is not a file is an error."""
+    if is_path(name_or_path):
+        p = Path(name_or_path).expanduser()
         if not p.is_file():
-            raise SpyreProfileError(f"device profile file {name_or_path!r} does not exist")
+            raise SpyreProfileError(f"{kind.removesuffix('s')} profile file {str(name_or_path)!r} does not exist")
         return str(p), p.read_text(encoding="utf-8")
-    res = importlib.resources.files("spyre_rt.profiles").joinpath("devices", f"{name_or_path}.toml")
+    res = importlib.resources.files("spyre_rt.profiles").joinpath(kind, f"{name_or_path}.toml")
     if not res.is_file():
-        known = sorted(
-            f.name.removesuffix(".toml")
-            for f in importlib.resources.files("spyre_rt.profiles").joinpath("devices").iterdir()
-            if f.name.endswith(".toml")
-        )
-        raise SpyreProfileError(f"no device profile named {name_or_path!r}; known: {known}")
+        return None
     return str(res), res.read_text(encoding="utf-8")
+
+
+def known(kind: str) -> list[str]:
+    """The names of the shipped `kind` profiles."""
+    d = importlib.resources.files("spyre_rt.profiles").joinpath(kind)
+    return sorted(f.name.removesuffix(".toml") for f in d.iterdir() if f.name.endswith(".toml"))
+
+
+def _source_text(name_or_path: str) -> tuple[str, str]:
+    found = read_profile(name_or_path, "devices")
+    if found is None:
+        raise SpyreProfileError(
+            f"no device profile named {name_or_path!r}; known: {known('devices')} (a file is "
+            "given by a path with a directory separator or a .toml suffix, e.g. ./mine.toml)")
+    return found
 
 
 def parse(text: str, path: str = "<string>") -> DeviceProfile:

@@ -58,6 +58,34 @@ def test_unknown_profile_name_lists_known_ones():
         profile.load("no-such-card")
 
 
+def test_a_name_is_looked_up_in_the_package_whatever_the_working_directory_holds(tmp_path, monkeypatch):
+    """A directory (or file) called ``spyre`` in the working directory is not the profile."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spyre").mkdir()
+    (tmp_path / "granite-3.3-8b").write_text("not a profile")
+    p = profile.load("spyre")
+    assert p.name and p.path != str(tmp_path / "spyre") and p.path.endswith("spyre.toml")
+    from spyre_rt.profiler import run
+
+    assert run.load_model("granite-3.3-8b").path.endswith("granite-3.3-8b.toml")
+
+
+def test_a_path_is_a_path_when_it_looks_like_one(tmp_path, monkeypatch):
+    text = profile._source_text("spyre")[1]
+    (tmp_path / "mine.toml").write_text(text)
+    (tmp_path / "plain").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert profile.load("mine.toml").path == "mine.toml"  # the suffix makes it a path
+    assert profile.load(str(tmp_path / "plain")).path == str(tmp_path / "plain")  # a separator too
+    assert profile.load(tmp_path / "plain").digest == profile.load("spyre").digest  # a path object
+    with pytest.raises(SpyreProfileError, match="no device profile named 'plain'.*directory separator"):
+        profile.load("plain")  # a bare name is a shipped profile's name
+    with pytest.raises(SpyreProfileError, match="device profile file 'gone.toml' does not exist"):
+        profile.load("gone.toml")
+    with pytest.raises(SpyreProfileError, match="does not exist"):
+        profile.load(f"{tmp_path}{'/'}")  # a directory is not a profile file
+
+
 def test_several_cards(tmp_path):
     text = profile._source_text("spyre")[1].replace("count = 1", "count = 3")
     path = tmp_path / "three.toml"

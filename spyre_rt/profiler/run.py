@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import importlib.resources
 import math
 import os
 import shutil
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import card as cards
+from .. import profile as profiles
 from .. import trace as trace_format
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
@@ -74,25 +74,12 @@ _CONFIG_KEYS = {
 }
 
 
-def _profile_text(name_or_path: str, kind: str) -> tuple[str, str] | None:
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
-        if not p.is_file():
-            raise SpyreProfileError(f"{kind} profile file {name_or_path!r} does not exist")
-        return str(p), p.read_text(encoding="utf-8")
-    res = importlib.resources.files("spyre_rt.profiles").joinpath(kind, f"{name_or_path}.toml")
-    if not res.is_file():
-        return None
-    return str(res), res.read_text(encoding="utf-8")
-
-
 def known_models() -> list[str]:
-    d = importlib.resources.files("spyre_rt.profiles").joinpath("models")
-    return sorted(f.name.removesuffix(".toml") for f in d.iterdir() if f.name.endswith(".toml"))
+    return profiles.known("models")
 
 
 def load_model(name_or_path: str) -> ModelProfile:
-    found = _profile_text(name_or_path, "models")
+    found = profiles.read_profile(name_or_path, "models")
     if found is None:
         raise SpyreProfileError(f"no model profile named {name_or_path!r}; known: {known_models()}")
     path, text = found
@@ -120,7 +107,7 @@ def load_model(name_or_path: str) -> ModelProfile:
 
 def load_reference(model: str, batch: int, seq: int) -> dict | None:
     """Published figures for this model and size, if the profiles carry them."""
-    found = _profile_text(model, "reference")
+    found = None if profiles.is_path(model) else profiles.read_profile(model, "reference")
     if found is None:
         return None
     doc = tomllib.loads(found[1])

@@ -67,6 +67,17 @@ def _copy_from_and_resize(self, dst):
     return tensors.copy(dst, self)
 
 
+@_kernel("_to_copy")
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    # A copy off the card has completed when the call returns, so non_blocking changes
+    # nothing; torch would give a non-blocking copy to the host a pinned result, which a
+    # Python backend cannot allocate (no pinned allocator: spyre_rt/accelerator.py).
+    return aten._to_copy.default.redispatch(_CPU, self, dtype=dtype, layout=layout, device=device,
+                                            pin_memory=pin_memory, non_blocking=False,
+                                            memory_format=memory_format)
+
+
 @_kernel("_local_scalar_dense")
 def _local_scalar_dense(self):
     return tensors.to_host(self).item()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,14 @@ ADDRESS_BASE = int(lib.SPY_ADDRESS_BASE)
 WINDOW_SHIFT = int(lib.SPY_ADDRESS_WINDOW_SHIFT)
 
 _by_instance: dict = {}  # instance number (address window) -> Card, for every card opened
+
+
+class Clock(NamedTuple):
+    """A card's clocks at one instant, in ns (spy_clock in spyre.h)."""
+
+    host_ns: int      # the host clock: real host time, the simulator's own time left out
+    finish_ns: float  # end of the last job on the device timeline: where new work queues
+    work_ns: float    # the card's own time: the timeline less its idle waits for the host
 
 
 class Card:
@@ -127,7 +136,7 @@ class Card:
         return {
             name: getattr(st, name)
             for name in (
-                "capacity", "allocated", "peak_allocated", "reserved", "control", "data_allocated",
+                "capacity", "allocated", "peak_allocated", "reserved", "peak_reserved", "control", "data_allocated",
                 "data_peak", "free",
                 "largest_free", "num_allocs", "total_allocs", "total_frees", "num_ooms",
                 "fragmentation",
@@ -135,7 +144,12 @@ class Card:
         }
 
     def reset_peak(self) -> None:
+        """Peaks (``peak_allocated``, ``data_peak``, ``peak_reserved``) start again from now."""
         check(lib.spy_mem_reset_peak(self.handle))
+
+    def reset_accumulated(self) -> None:
+        """The accumulated counts (``total_allocs``, ``total_frees``, ``num_ooms``) start again."""
+        check(lib.spy_mem_reset_accumulated(self.handle))
 
     def read(self, addr: int, nbytes: int) -> bytes:
         buf = ffi.new("uint8_t[]", nbytes)
@@ -154,6 +168,16 @@ class Card:
 
     def synchronize(self) -> None:
         check(lib.spy_synchronize(self.handle), f"synchronizing spyre:{self.index}")
+
+    def synchronize_until(self, t_ns: float) -> None:
+        """The host waits until the device timeline reaches `t_ns` (no further than its finish)."""
+        check(lib.spy_synchronize_until(self.handle, t_ns), f"synchronizing spyre:{self.index}")
+
+    def clock(self) -> Clock:
+        """The card's clocks, read at one instant (see :class:`Clock`)."""
+        out = ffi.new("spy_clock *")
+        check(lib.spy_clock_read(self.handle, out), f"reading the clocks of spyre:{self.index}")
+        return Clock(int(out.host_ns), float(out.finish_ns), float(out.work_ns))
 
     # ---- counters and trace ----
     def counters(self) -> dict[str, float]:
@@ -242,6 +266,11 @@ def card_set() -> CardSet:
             if _current is None:
                 _current = _open_default()
     return _current
+
+
+def is_open() -> bool:
+    """Whether the current set of cards has been opened (:func:`card_set` opens it)."""
+    return _current is not None
 
 
 def open_set(device_profile: str | None = None, sim_mode: str | None = None) -> CardSet:

@@ -20,6 +20,7 @@ import torch
 from . import card as cards
 from . import fallback, tensors
 from .graphs import GraphedCallable, SpyreGraph, graph, make_graphed_callables  # noqa: F401
+from .streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: F401
 
 _DeviceProperties = namedtuple(
     "_DeviceProperties",
@@ -107,27 +108,73 @@ def memory_allocated(device=None) -> int:
 
 
 def max_memory_allocated(device=None) -> int:
+    """The peak of :func:`memory_allocated` since the card opened or the last
+    :func:`reset_peak_memory_stats`."""
     return int(_card(device).mem_stats()["data_peak"])
 
 
 def memory_reserved(device=None) -> int:
-    """Bytes the allocator holds: live allocations plus freed blocks kept for reuse."""
+    """Bytes the allocator holds: live allocations (tensors and the card's programs) plus
+    freed blocks kept for reuse."""
     return int(_card(device).mem_stats()["reserved"])
 
 
+def max_memory_reserved(device=None) -> int:
+    """The peak of :func:`memory_reserved` since the card opened or the last
+    :func:`reset_peak_memory_stats`."""
+    return int(_card(device).mem_stats()["peak_reserved"])
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the card's DRAM; free leaves out what the allocator reserves."""
+    st = _card(device).mem_stats()
+    return int(st["free"]), int(st["capacity"])
+
+
 def reset_peak_memory_stats(device=None) -> None:
+    """The peaks (allocated and reserved) start again from the current figures."""
     _card(device).reset_peak()
 
 
+def reset_accumulated_memory_stats(device=None) -> None:
+    """The accumulated counts (allocations, frees, out-of-memory errors) start again at 0."""
+    _card(device).reset_accumulated()
+
+
 def empty_cache() -> None:
+    """Give the freed blocks every card's allocator keeps for reuse back to its DRAM."""
     for c in cards.card_set().cards:
         c.empty_cache()
 
 
+def _allocator_stats(device=None) -> dict:
+    """The allocator's figures under torch.cuda's names, nested as the C++ allocators give
+    them to ``torch.accelerator.memory_stats``. Only figures that mean what CUDA's do: the
+    card's allocator has one pool (so ``all`` only) and no segments or splits."""
+    st = _card(device).mem_stats()
+    return {
+        "allocated_bytes": {"all": {"current": int(st["data_allocated"]), "peak": int(st["data_peak"])}},
+        "reserved_bytes": {"all": {"current": int(st["reserved"]), "peak": int(st["peak_reserved"])}},
+        "num_ooms": int(st["num_ooms"]),
+    }
+
+
+def _flat(prefix: str, value) -> dict:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out = {}
+    for k, v in value.items():
+        out.update(_flat(f"{prefix}.{k}" if prefix else k, v))
+    return out
+
+
 def memory_stats(device=None) -> dict:
-    """Allocator figures plus runtime counters (launches, native calls, CPU fallbacks)."""
+    """The allocator's figures under torch.cuda's names (``allocated_bytes.all.current``,
+    ``reserved_bytes.all.peak``, ``num_ooms``...), all of the card's allocator figures
+    (``memory.*``) and runtime counters (launches, native calls, CPU fallbacks)."""
     c = _card(device)
-    st = {f"memory.{k}": v for k, v in c.mem_stats().items()}
+    st = _flat("", _allocator_stats(device))
+    st.update({f"memory.{k}": v for k, v in c.mem_stats().items()})
     st.update({f"runtime.{k}": v for k, v in c.counters().items()})
     st["cpu_fallback.calls"] = sum(fallback.calls.values())
     st.update({f"cpu_fallback.{op}": n for op, n in fallback.calls.items()})

@@ -6,12 +6,18 @@ import torch
 from torch._dynamo.device_interface import DeviceInterface
 from torch._inductor.codegen.common import DeviceOpOverrides
 
+from spyre_rt import streams
+
 
 def _props(device=None):
     return torch.spyre.get_device_properties(device)
 
 
 class SpyreInterface(DeviceInterface):
+    # the card's streams and events: torch.Stream / torch.Event subclasses, as Dynamo asks
+    Event = streams.Event
+    Stream = streams.Stream
+
     class Worker:
         @staticmethod
         def set_device(device: int) -> None:
@@ -54,6 +60,22 @@ class SpyreInterface(DeviceInterface):
     @staticmethod
     def synchronize(device=None) -> None:
         torch.spyre.synchronize(device)
+
+    @staticmethod
+    def stream(stream):
+        return streams.stream(stream)
+
+    @staticmethod
+    def current_stream():
+        return streams.current_stream()
+
+    @staticmethod
+    def set_stream(stream) -> None:
+        streams.set_stream(stream)
+
+    @staticmethod
+    def _set_stream_by_id(stream_id: int, device_index: int, device_type: int) -> None:
+        streams.set_stream(streams.Stream(device_index, stream_id=stream_id))
 
     @staticmethod
     def get_raw_stream(device_idx: int) -> int:

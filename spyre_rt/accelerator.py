@@ -29,6 +29,8 @@ This module answers them at the narrowest points torch calls through:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch._C import DispatchKey
 
@@ -36,6 +38,7 @@ from . import card as cards
 from . import device_module, dtypes, streams, tensors
 
 _C = torch._C
+_log = logging.getLogger("spyre_rt.accelerator")
 _get_accelerator = _C._accelerator_getAccelerator
 
 
@@ -50,7 +53,8 @@ class Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
         try:
             return cards.count() > 0
-        except Exception:  # called from C++: a bad profile means "not available", not a crash
+        except Exception as e:  # called from C++: a bad profile means "not available", not a crash
+            _log.warning("spyre: the card is not available: %s", e)
             return False
 
     def has_primary_context(self, dev_id) -> bool:

@@ -24,7 +24,7 @@ def _default_cache_dir() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    device_profile: str = "spyre"          # a name in profiles/devices or a path to a TOML file
+    device_profile: str = "spyre"          # a name in profiles/devices, or a path (a separator or .toml)
     sim_mode: str = "functional"           # functional | timing
     dispatch: str = "prebuilt"             # a name in spyre_rt.dispatch.MODES
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)

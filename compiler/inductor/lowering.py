@@ -170,6 +170,7 @@ def _checked(op, lowering):
 
         if node is not None and node.name in options.cpu_nodes and _on_spyre(*args, *kwargs.values()):
             return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
+        made = len(V.graph.operations)
         result = lowering(*args, **kwargs)
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
@@ -177,6 +178,10 @@ def _checked(op, lowering):
                 # compiled for the card: a step has no C++ kernels, so aten runs it.
                 return handler(*args, **kwargs)
             return result
+        if _unrunnable_externs(V.graph.operations[made:]):
+            # An extern kernel that is a Python function of Inductor's, not a torch op
+            # (``_weight_int8pack_mm``'s): the step runs the op itself on the CPU instead.
+            return handler(*args, **kwargs)
         missing = missing_operations(result, args)
         if not missing:
             return result
@@ -186,6 +191,14 @@ def _checked(op, lowering):
         return handler(*args, **kwargs)
 
     return checked
+
+
+def _unrunnable_externs(operations) -> list:
+    """The extern nodes among `operations` that neither the card runs (a node of ours, with
+    ``spyre_kernel``) nor a CPU op can call (they name no torch op)."""
+    return [op for op in operations if isinstance(op, (ir.ExternKernelOut, ir.ExternKernelAlloc))
+            and not isinstance(op, (ir.FallbackKernel, ir.DeviceCopy)) and not hasattr(op, "spyre_kernel")
+            and not isinstance(getattr(op, "op_overload", None), torch._ops.OpOverload)]
 
 
 def _install_card_check() -> None:

@@ -81,6 +81,16 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op(f"{NS}::no_fake", mutates_args=())
+def no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+_lib = torch.library.Library(NS, "FRAGMENT")
+_lib.define("no_meta(Tensor x) -> Tensor")
+_lib.impl("no_meta", lambda x: x * 3, "CPU")
+
+
 # ---- running a case ---------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
@@ -301,3 +311,29 @@ def test_a_card_error_after_a_cpu_op_leaves_its_input_as_it_was(mode):
         fast(dx, torch.tensor([1, 12, 3]).to("spyre"), table.to("spyre"))
     assert torch.equal(dx.cpu(), x), "the failed call left the input written"
 
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op, register", [(no_fake, "@no_fake.register_fake"),
+                                          (torch.ops.spyre_cpu_ops_test.no_meta,
+                                           'torch.library.register_fake("spyre_cpu_ops_test::no_meta")')])
+def test_a_custom_op_without_a_fake_is_a_compile_error_naming_it_and_what_to_register(op, register):
+    """A graph handed to the backend (here traced without Dynamo, which would stop at the
+    op itself) that holds a custom op with no fake implementation: the error names the op,
+    the model line and what to register, before AOT traces anything."""
+    from spyre_rt.compiler.backend import spyre_rt_backend
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return op(x + 1) * 2  # the line the error names
+
+    tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = True  # the model lines, as Dynamo records them
+    model = Model()
+    gm = torch.fx.GraphModule(model, tracer.trace(model))
+    with pytest.raises(spyre_rt.SpyreCompileError) as info:
+        spyre_rt_backend(gm, [torch.ones(4, 64).to("spyre")])
+    message = str(info.value)
+    assert "no fake (meta) implementation" in message and register in message, message
+    assert "spyre_cpu_ops_test::no_" in message and f"{__file__}" in message, message

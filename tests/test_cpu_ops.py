@@ -91,6 +91,23 @@ _lib.define("no_meta(Tensor x) -> Tensor")
 _lib.impl("no_meta", lambda x: x * 3, "CPU")
 
 
+# an op whose arguments are of every kind a schema has (SymInt, SymInt[], float, bool, str,
+# ScalarType, Device, Layout, MemoryFormat, Tensor[], Tensor?, Scalar)
+_lib.define("kinds(Tensor x, SymInt n, SymInt[] sizes, float f, bool b, str s, ScalarType dt, Device dev, "
+            "Layout layout, MemoryFormat fmt, Tensor[] xs, Tensor? maybe, Tensor? none, Scalar k) -> Tensor")
+
+
+def _kinds(x, n, sizes, f, b, s, dt, dev, layout, fmt, xs, maybe, none, k):
+    assert dev.type == "cpu" and layout == torch.strided and fmt == torch.contiguous_format and none is None
+    out = (x[:n] * f + xs[0][:n] - xs[1][:n] * maybe[:n] + k).reshape(sizes).to(dt)
+    out = -out if b else out
+    return out * 2 if s == "twice" else out
+
+
+_lib.impl("kinds", _kinds, "CPU")
+torch.library.register_fake(f"{NS}::kinds", lambda x, n, sizes, *rest: x.new_empty(sizes, dtype=rest[3]), lib=_lib)
+
+
 # ---- running a case ---------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
@@ -280,6 +297,29 @@ def test_a_static_kv_cache_updated_by_a_cpu_op_over_decode_steps():
         else:
             assert all(torch.equal(a, b) for a, b in zip(got + caches, first, strict=True)), f"{mode} differs"
     assert eager_k[0, :, 3:].abs().sum() == 0 and eager_k[0, :, :3].abs().sum() > 0
+
+
+# ---- any argument ------------------------------------------------------------------------------
+
+def test_a_cpu_op_takes_arguments_of_every_kind_with_symbolic_sizes():
+    """SymInts and lists of them (the first call at a new size evaluates them), floats,
+    bools, strings, dtypes, devices, layouts, memory formats, tensor lists and optional
+    tensors, present and None, and scalars: each reaches the CPU op as the value it was."""
+    def f(x, y, z):
+        n = x.shape[0] - 1
+        return torch.ops.spyre_cpu_ops_test.kinds(x * 2, n, [n, x.shape[1]], 0.5, True, "twice", torch.float32,
+                                                  x.device, torch.strided, torch.contiguous_format, [y, z], z.exp(),
+                                                  None, 3) + 1
+
+    g = torch.Generator().manual_seed(22)
+    fast = torch.compile(f, backend="spyre_rt", dynamic=True)
+    for rows in (4, 7):
+        args = [torch.randn(rows, 70, generator=g) for _ in range(3)]
+        want = f(*args)
+        for mode in MODES:
+            with dispatch_mode(mode):
+                got = fast(*[a.to("spyre") for a in args])
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6, msg=f"{rows} rows, {mode}")
 
 
 # ---- failure -------------------------------------------------------------------------------------

@@ -160,14 +160,11 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         outputs = []
         if isinstance(node.layout, ir.Layout) and not isinstance(node, ir.ExternKernelOut):
             outputs = [stored_buffer(buffer_info(node.get_name()))]  # the op's result is this buffer
-        arg_refs = enc(list(args))
-        kw_refs = {k: enc(v) for k, v in kwargs.items()}
-        refs = CpuOp("", "", tuple(arg_refs), kw_refs, (), (), "").tensor_args()
-        return CpuOp(
-            name=node.get_name(), op=str(op), args=tuple(arg_refs), kwargs=kw_refs, outputs=tuple(outputs),
-            mutated=tuple(sorted({r["buf"][0] for r in refs if r.get("write")})), source=source_of([node]),
-            host=host,
-        )
+        cpu_op = CpuOp(name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
+                       kwargs={k: enc(v) for k, v in kwargs.items()}, outputs=tuple(outputs), mutated=(),
+                       source=source_of([node]), host=host)
+        written_bufs = sorted({ref["buf"][0] for ref in cpu_op.tensor_args() if ref.get("write")})
+        return dataclasses.replace(cpu_op, mutated=tuple(written_bufs))
 
     def _note_returned_args(self, node, schema, bound) -> None:
         """Results that are an argument the op wrote (``index_add_`` returns ``self``, an

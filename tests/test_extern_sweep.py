@@ -387,3 +387,15 @@ def test_a_dimension_marked_dynamic_reaches_a_cpu_op_as_a_size_argument(function
         _close(f(xd, w.to("spyre")), fn(x, w), 1e-4)
     assert counters["stats"]["unique_graphs"] == 1
 
+
+
+def test_with_cpu_fallback_off_an_extern_kernel_is_an_error_naming_the_op_and_the_model_line(functional):
+    import spyre_rt
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: F.conv2d(x, w) + 1,  # the line the error names
+                      backend="spyre_rt", dynamic=False, options={"cpu_fallback": False})
+    with pytest.raises(spyre_rt.SpyreCompileError) as info:
+        f(torch.randn(1, 3, 8, 8).to("spyre"), torch.randn(4, 3, 3, 3).to("spyre"))
+    message = str(info.value)
+    assert "aten.convolution.default" in message and __file__ in message and "CPU fallback is off" in message

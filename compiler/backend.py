@@ -117,6 +117,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
     from . import options as opts
     from .inductor.attention import use_card_attention
+    from .inductor.custom_ops import check_fake_kernels
     from .inductor.lowering import decompositions
 
     options = dict(options or {})
@@ -131,6 +132,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "compiler_version": compiler_version(),
     }
 
+    check_fake_kernels(gm)  # AOT traces every op with fake tensors
     use_card_attention(gm)  # before AOT would decompose it into its math
 
     inner = functools.partial(_inner_compile, patch=patch)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
 from torch._dynamo.exc import ShortenTraceback
 
 from spyre_rt.errors import SpyreCompileError
@@ -13,6 +16,9 @@ class CompileFailed(SpyreCompileError, ShortenTraceback):
 
     def __init__(self, message: str):
         ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_of(nodes) -> str:
@@ -27,7 +33,10 @@ def source_of(nodes) -> str:
             target = getattr(origin, "target", origin)
             if trace:
                 lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-                where = next((ln for ln in reversed(lines) if ln.startswith("File ")), lines[-1] if lines else "")
+                files = [ln for ln in lines if ln.startswith("File ")]
+                # the innermost frame of the model: a trace made without Dynamo ends in torch's own
+                model = [ln for ln in files if not ln.startswith(f'File "{_TORCH}')]
+                where = (model or files or lines or [""])[-1]
                 return f"{target} ({where})"
             return str(target)
     return "unknown op"

@@ -83,6 +83,8 @@ def _writes(step: StepDesc, kernels: dict, item) -> set[str]:
             return {_base(step, v[0]) for v in views}
         if getattr(k, "kind", "") == "attention":
             return {_base(step, k.out[0])}
+    if kind == "cpu":  # its results and the arguments its schema marks written
+        return {_base(step, n) for n in x.written_names()}
     return _touches(step, kernels, item)  # everything it touches, to be safe
 
 

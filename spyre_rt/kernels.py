@@ -212,12 +212,20 @@ class AttentionKernel:
 @description
 @dataclass(frozen=True)
 class CpuOp:
-    """An op that runs on the host inside a compiled step (CPU fallback).
+    """An op that runs on the host inside a compiled step (CPU fallback), called as its
+    schema says: ``op`` names a ``torch.ops`` overload (``aten.cumsum.default``,
+    ``aten.convolution.default``, ``aten.mm.out``, a custom op's ``ns.name.default``).
 
-    ``args``/``kwargs`` hold buffer references as ``{"buf": view}``, dtypes as
-    ``{"dtype": name}``, devices as ``{"device": type}``; ``outputs`` are the buffers it
-    produces. ``host`` marks work the graph does on CPU tensors, as eager does: it runs the
-    same way but is no fallback (no warning, not counted)."""
+    ``args``/``kwargs`` hold a tensor argument as ``{"buf": view, "as": dtype}`` (the dtype
+    it is read as: a view may reinterpret its buffer's bits), with ``"write": True`` when
+    the op's schema marks it written (in-place, ``mutates_args``, ``out=``; the step copies
+    it back into that view) and ``"out": True`` when it is an ``out=`` argument (only
+    written: nothing is read from it); dtypes as ``{"dtype": name}``, devices as
+    ``{"device": type}``, layouts and memory formats as ``{"torch": name}``, sizes that
+    depend on size symbols as Sym text until a concrete step is made. ``outputs`` are the
+    buffers its results are copied into; ``mutated`` the buffers it writes in place.
+    ``host`` marks work the graph does on CPU tensors, as eager does: it runs the same way
+    but is no fallback (no warning, not counted)."""
 
     name: str
     op: str
@@ -229,19 +237,32 @@ class CpuOp:
     host: bool = False
 
     def buffer_refs(self) -> list[View]:
-        return _buffer_refs(self.args) + _buffer_refs(self.kwargs)
+        return [tuple(ref["buf"]) for ref in self.tensor_args()]
+
+    def tensor_args(self) -> list[dict]:
+        """Every tensor argument (``{"buf": view, ...}``), in call order."""
+        return _tensor_args(self.args) + _tensor_args(self.kwargs)
 
     def buffer_names(self) -> set[str]:
         return {o.name for o in self.outputs} | {ref[0] for ref in self.buffer_refs()}
 
+    def written_names(self) -> set[str]:
+        """The buffers the op writes: its outputs and the arguments it writes in place."""
+        return {o.name for o in self.outputs} | {ref["buf"][0] for ref in self.tensor_args() if ref.get("write")}
 
-def _buffer_refs(a) -> list:
+
+# The torch layouts and memory formats a CpuOp's arguments may name ({"torch": name}).
+TORCH_CONSTANT_NAMES = ("strided", "sparse_coo", "_mkldnn", "contiguous_format", "channels_last",
+                        "channels_last_3d", "preserve_format")
+
+
+def _tensor_args(a) -> list:
     if isinstance(a, dict) and "buf" in a:
-        return [tuple(a["buf"])]
+        return [a]
     if isinstance(a, (list, tuple)):
-        return [r for x in a for r in _buffer_refs(x)]
+        return [r for x in a for r in _tensor_args(x)]
     if isinstance(a, dict):
-        return [r for x in a.values() for r in _buffer_refs(x)]
+        return [r for x in a.values() for r in _tensor_args(x)]
     return []
 
 

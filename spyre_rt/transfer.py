@@ -214,6 +214,17 @@ def from_device(card, view: ViewGeometry, dev_base: int, dtype: torch.dtype, pre
     if staging.numel():
         graph_for(card, D2H, view, prebuilt).run(staging.data_ptr(), dev_base)
         card.synchronize()
+    return _in_view_order(staging, order)
+
+
+def empty_host(view: ViewGeometry, dtype: torch.dtype) -> torch.Tensor:
+    """A new, unfilled CPU tensor shaped as `view`, its memory in the view's memory order:
+    what :func:`from_device` returns, for a tensor that is only to be written."""
+    order, staging = staging_for(view, dtype)
+    return _in_view_order(staging, order)
+
+
+def _in_view_order(staging: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     if _identity(order):
         return staging
     inverse = [0] * len(order)

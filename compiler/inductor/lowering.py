@@ -104,13 +104,14 @@ def _matmul_operand(x):
     return x if ok else ir.ExternKernel.require_contiguous(x)
 
 
-def _matmul(a, b, bias=None):
+def _matmul(a, b, bias=None, out_dtype=None):
     *batch, m, k = a.get_size()
     size = [*batch, m, b.get_size()[-1]]
+    out_dtype = out_dtype or a.get_dtype()
     if any(_known(s, 0) for s in size):  # an empty result: nothing to compute
-        return L.full(size, 0, dtype=a.get_dtype(), device=a.get_device())
+        return L.full(size, 0, dtype=out_dtype, device=a.get_device())
     a, b = _matmul_operand(a), _matmul_operand(b)
-    layout = ir.FixedLayout(a.get_device(), a.get_dtype(), size)
+    layout = ir.FixedLayout(a.get_device(), out_dtype, size)
     inputs = [a, b] + ([ir.ExternKernel.realize_input(bias)] if bias is not None else [])
     node = SpyreMatmul(layout, inputs, python_kernel_name="spyre_rt.matmul")
     return ir.TensorBox.create(node)
@@ -119,6 +120,12 @@ def _matmul(a, b, bias=None):
 def _arrays_take(*operands) -> bool:
     """The systolic arrays multiply these dtypes (others, int8 say, run on the CPU)."""
     return all(dtype_name(x.get_dtype()) in dtypes.MATMUL for x in operands)
+
+
+def _arrays_give(out_dtype, *operands) -> bool:
+    """The arrays multiply the operands and store the product in `out_dtype` (they
+    accumulate in fp32: ``mm(a16, b16, out_dtype=float32)`` keeps the sums unrounded)."""
+    return _arrays_take(*operands) and dtype_name(out_dtype) in dtypes.MATMUL
 
 
 def _bias_broadcasts_over_rows(bias, n) -> bool:
@@ -170,6 +177,7 @@ def _checked(op, lowering):
 
         if node is not None and node.name in options.cpu_nodes and _on_spyre(*args, *kwargs.values()):
             return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
+        made = len(V.graph.operations)
         result = lowering(*args, **kwargs)
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
@@ -177,6 +185,10 @@ def _checked(op, lowering):
                 # compiled for the card: a step has no C++ kernels, so aten runs it.
                 return handler(*args, **kwargs)
             return result
+        if _unrunnable_externs(V.graph.operations[made:]):
+            # An extern kernel that is a Python function of Inductor's, not a torch op
+            # (``_weight_int8pack_mm``'s): the step runs the op itself on the CPU instead.
+            return handler(*args, **kwargs)
         missing = missing_operations(result, args)
         if not missing:
             return result
@@ -186,6 +198,14 @@ def _checked(op, lowering):
         return handler(*args, **kwargs)
 
     return checked
+
+
+def _unrunnable_externs(operations) -> list:
+    """The extern nodes among `operations` that neither the card runs (a node of ours, with
+    ``spyre_kernel``) nor a CPU op can call (they name no torch op)."""
+    return [op for op in operations if isinstance(op, (ir.ExternKernelOut, ir.ExternKernelAlloc))
+            and not isinstance(op, (ir.FallbackKernel, ir.DeviceCopy)) and not hasattr(op, "spyre_kernel")
+            and not isinstance(getattr(op, "op_overload", None), torch._ops.OpOverload)]
 
 
 def _install_card_check() -> None:
@@ -207,19 +227,34 @@ def install() -> None:
 
     @L.register_lowering(aten.mm.default, type_promotion_kind=None)
     def mm(a, b, out_dtype=None, *, layout=None):
-        if not _on_spyre(a, b) or out_dtype is not None:
+        if not _on_spyre(a, b) or (out_dtype is not None and not _arrays_give(out_dtype, a, b)):
             return _original[aten.mm.default](a, b, out_dtype, layout=layout)
         if not _arrays_take(a, b):
             return cpu_matmul[aten.mm.default](a, b)
-        return _matmul(a, b)
+        return _matmul(a, b, out_dtype=out_dtype)
 
     @L.register_lowering(aten.bmm.default, type_promotion_kind=None)
     def bmm(a, b, out_dtype=None, *, layout=None):
-        if not _on_spyre(a, b) or out_dtype is not None:
+        if not _on_spyre(a, b) or (out_dtype is not None and not _arrays_give(out_dtype, a, b)):
             return _original[aten.bmm.default](a, b, out_dtype, layout=layout)
         if not _arrays_take(a, b):
             return cpu_matmul[aten.bmm.default](a, b)
-        return _matmul(a, b)
+        return _matmul(a, b, out_dtype=out_dtype)
+
+    for op, same in ((aten.mm.dtype, aten.mm.default), (aten.bmm.dtype, aten.bmm.default)):
+        _original[op] = L.lowerings[op]
+
+        def matmul_to(a, b, out_dtype, *, layout=None, _op=op, _same=same):
+            """A product stored in another dtype than its operands' (fp16 operands, an fp32
+            product, the only other kind torch allows): the arrays accumulate in fp32 and
+            store it so. The CPU has no kernel for these overloads."""
+            if not _on_spyre(a, b):
+                return _original[_op](a, b, out_dtype, layout=layout)
+            if out_dtype == a.get_dtype():
+                return L.lowerings[_same](a, b)
+            return _matmul(a, b, out_dtype=out_dtype)
+
+        L.lowerings[op] = matmul_to
 
     @L.register_lowering(aten.addmm.default, type_promotion_kind=None)
     def addmm(inp, a, b, *, beta=1, alpha=1, layout=None):

@@ -26,9 +26,9 @@ from torch._inductor.utils import LineContext, ValueWithLineMap
 from torch._inductor.virtualized import V
 
 from spyre_rt import dtypes
-from spyre_rt.kernels import Buffer, CpuOp, StepDesc, to_json
+from spyre_rt.kernels import TORCH_CONSTANT_NAMES, Buffer, CpuOp, StepDesc, to_json
 
-from ..describe import RecordedKernel, Sym, copy_kernel, text
+from ..describe import NotSupported, RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
 from . import STATIC_INPUTS
@@ -48,6 +48,12 @@ class DeviceCopyLine(W.WrapperLine):
         code.writeline(f"{self.dst}.copy_({self.src})")
 
 
+# Lines of extern nodes: a kernel of the card (a node with ``spyre_kernel``) or an op the
+# step runs on the CPU. Inductor writes one of these for every extern node it makes.
+_EXTERN_LINES = (W.ExternKernelOutLine, W.ExternKernelAllocLine, W.ExternKernelMultiOutLine,
+                 W.ScatterFallbackLine, W.IndexPutFallbackLine)
+TORCH_CONSTANTS = frozenset(TORCH_CONSTANT_NAMES)
+
 # Wrapper lines that only render the reference Python or free what the plan never allocates.
 _NO_WORK = (W.CommentLine, LineContext, W.KernelDefinitionLine, W.FreeLine, W.FreeIfNotReusedLine, W.NullLine,
             W.EnterDeviceContextManagerLine, W.ExitDeviceContextManagerLine, W.AssertSizeStrideLine)
@@ -64,6 +70,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     def __init__(self):
         super().__init__()
         self.spyre_kernels: dict = {}
+        # (extern node, index path of a result) -> the view of the argument it returns
+        self._returned_args: dict[tuple[str, tuple], tuple] = {}
 
     def new_kernel_name(self) -> str:
         return f"k{len(self.spyre_kernels)}"
@@ -99,24 +107,37 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         self.spyre_kernels[kernel.name] = kernel
         return kernel
 
-    def _fallback(self, node) -> CpuOp:
+    def _cpu_op(self, node) -> CpuOp:
+        """An extern node the card does not run, as an op the step runs on the CPU: called
+        as Inductor's own wrapper would call it, with every argument its schema marks as
+        written copied back to the card (see :mod:`spyre_rt.executor.cpu_ops`)."""
         from .. import options
 
         op = getattr(node, "op_overload", None)
-        if op is None or not isinstance(node, ir.FallbackKernel):
-            raise compile_error(f"extern kernel {getattr(node, 'python_kernel_name', node)}", [node])
-        if not options.cpu_fallback:
+        kernel = getattr(node, "python_kernel_name", None) or type(node).__name__
+        if not isinstance(op, torch._ops.OpOverload):
+            raise compile_error(f"extern kernel {kernel} names no torch op to run it with on the CPU", [node])
+        host = on_cpu(node)
+        if not options.cpu_fallback and not host:
             raise compile_error(f"{op} has no kernel on the card and CPU fallback is off", [node])
-
-        class Ref:
-            def __init__(self, x):
-                self.x = x
-
-        args, kwargs = node.unflatten_args([Ref(x) for x in node.inputs], node.constant_args)
+        args, kwargs = _call_args(node)
+        schema = op._schema
+        written: dict[int, bool] = {}  # id of a written _Ref -> whether it is an out= argument
+        try:
+            bound = list(torch._library.utils.zip_schema(schema, args, kwargs))
+        except AssertionError as e:
+            raise compile_error(f"extern kernel {kernel}: its arguments do not fit {schema} ({e})", [node]) from None
+        for info, arg in bound:
+            if info.alias_info is not None and info.alias_info.is_write:
+                for ref in _refs_in(arg):
+                    written[id(ref)] = written.get(id(ref), True) and info.is_out
+        self._note_returned_args(node, schema, bound)
 
         def enc(a):
-            if isinstance(a, Ref):  # its dtype too: a view may reinterpret its buffer's bits
-                return {"buf": stored_view(view_of(a.x)), "as": dtype_name(a.x.get_dtype())}
+            if isinstance(a, ir.IRNode):
+                a = _Ref(a)
+            if isinstance(a, _Ref):
+                return _tensor_arg(a, written, node)
             if isinstance(a, (list, tuple)):
                 return [enc(x) for x in a]
             if isinstance(a, torch.dtype):
@@ -124,22 +145,40 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             if isinstance(a, torch.device):
                 return {"device": a.type}
             if isinstance(a, (torch.layout, torch.memory_format)):  # torch.strided, torch.contiguous_format
-                return {"torch": str(a).removeprefix("torch.")}
+                name = str(a).removeprefix("torch.")
+                if name not in TORCH_CONSTANTS:
+                    raise compile_error(f"CPU op argument {a} (the step names {', '.join(TORCH_CONSTANTS)})", [node])
+                return {"torch": name}
+            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                a = a.node.expr
             if isinstance(a, sympy.Basic):
-                return text(a)
+                return _scalar(a, node)
             if isinstance(a, (int, float, bool, str)) or a is None:
                 return a
-            raise compile_error(f"CPU fallback argument {a!r}", [node])
+            raise compile_error(f"CPU op argument {a!r} of type {type(a).__name__}", [node])
 
         outputs = []
-        if not isinstance(node.layout, ir.MultiOutputLayout):
-            outputs = [stored_buffer(buffer_info(node.get_name()))]
-        return CpuOp(
-            name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
-            kwargs={k: enc(v) for k, v in {**kwargs, **(node.kwargs or {})}.items()},
-            outputs=tuple(outputs), mutated=tuple(node.mutation_names), source=source_of([node]),
-            host=on_cpu(node),
-        )
+        if isinstance(node.layout, ir.Layout) and not isinstance(node, ir.ExternKernelOut):
+            outputs = [stored_buffer(buffer_info(node.get_name()))]  # the op's result is this buffer
+        cpu_op = CpuOp(name=node.get_name(), op=str(op), args=tuple(enc(list(args))),
+                       kwargs={k: enc(v) for k, v in kwargs.items()}, outputs=tuple(outputs), mutated=(),
+                       source=source_of([node]), host=host)
+        written_bufs = sorted({ref["buf"][0] for ref in cpu_op.tensor_args() if ref.get("write")})
+        return dataclasses.replace(cpu_op, mutated=tuple(written_bufs))
+
+    def _note_returned_args(self, node, schema, bound) -> None:
+        """Results that are an argument the op wrote (``index_add_`` returns ``self``, an
+        ``out=`` variant its ``out``): their buffers are that argument's view, not copies."""
+        returns = schema.returns
+        for i, r in enumerate(returns):
+            if r.alias_info is None or not r.alias_info.is_write:
+                continue
+            for info, arg in bound:
+                same = info.alias_info is not None and info.alias_info.is_write \
+                    and set(info.alias_info.after_set) & set(r.alias_info.after_set)
+                if same and isinstance(arg, _Ref):
+                    self._returned_args[(node.get_name(), () if len(returns) == 1 else (i,))] = view_of(arg.node)
+                    break
 
     # -- the step -----------------------------------------------------------------------
 
@@ -153,21 +192,29 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         for line in self.lines:
             if isinstance(line, W.KernelCallLine):
                 seq.append(("run", line.kernel_name))
-            elif isinstance(line, W.ExternKernelOutLine):
+            elif isinstance(line, _EXTERN_LINES):
                 node = line.node
-                if not hasattr(node, "spyre_kernel"):
-                    raise compile_error(f"extern kernel {node.python_kernel_name}", [node])
-                seq.append(("run", self._card_kernel(node).name))
-            elif isinstance(line, W.ExternKernelAllocLine):
-                op = self._fallback(line.node)
+                if hasattr(node, "spyre_kernel"):  # the card runs it
+                    seq.append(("run", self._card_kernel(node).name))
+                    continue
+                op = self._cpu_op(node)
                 seq.append(("cpu", op))
                 for o in op.outputs:
                     buffers[o.name] = o
             elif isinstance(line, W.MultiOutputLine):
+                index = tuple(i for _, i in line.indices)
+                written = self._returned_args.get((line.arg_name, index))
+                if written is not None:  # the op returned an argument it wrote: that view
+                    name, off, sizes, strides = written
+                    if name in placed:
+                        name, outer = placed[name]
+                        off = outer + off
+                    placed[line.result_name] = (name, off)
+                    aliases[line.result_name] = stored_view((name, off, sizes, strides))
+                    continue
                 out = stored_buffer(buffer_info(line.result_name))
                 buffers[out.name] = out
-                index = [i for _, i in line.indices]
-                seq.append(("pick", (line.arg_name, tuple(index), out.name)))
+                seq.append(("pick", (line.arg_name, index, out.name)))
             elif isinstance(line, DeviceCopyLine):
                 seq.append(("run", self._device_copy(line).name))
             elif isinstance(line, W.AllocateLine):
@@ -289,6 +336,82 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             "    return _step(args, globals())\n"
         )
         return ValueWithLineMap(src, []), ValueWithLineMap("", [])
+
+
+# ---- an extern node's call, as Inductor's Python wrapper makes it ------------------------
+
+
+class _Ref:
+    """A tensor argument of an extern node's call (an IR node), while the call is put
+    together: one object per argument, so written arguments are told apart by identity."""
+
+    def __init__(self, node):
+        self.node = node
+
+
+def _call_args(node) -> tuple[tuple, dict]:
+    """The positional and keyword arguments the extern node's op is called with."""
+    refs = [_Ref(x) for x in node.inputs]
+    if isinstance(node, ir.ScatterFallback):  # scatter_(x, dim, index, src[, reduce=])
+        x, index, *src = refs
+        names = {a.name for a in node.op_overload._schema.arguments}
+        kwargs = {k: v for k, v in node.kwargs.items() if k in names and v is not None}
+        return (x, node.constant_args[0], index, src[0] if node.src_is_tensor else node.constant_args[1]), kwargs
+    if isinstance(node, ir.IndexPutFallback):  # index_put_(x, indices, values, accumulate)
+        x, values, *given = refs
+        it = iter(given)
+        indices = [next(it) if i is not None else None for i in node.indices]
+        return (x, indices, values, node.constant_args[0]), {}
+    if hasattr(node, "unflatten_args"):  # a FallbackKernel: the op's own arguments
+        args, kwargs = node.unflatten_args(refs, node.constant_args)
+        kwargs = {**(node.kwargs or {}), **kwargs}
+        if isinstance(node, ir.ExternKernelMultiOut):
+            kwargs.update((name, _Ref(out)) for name, out in zip(node.out_arg_names, node.out_variant_output_nodes,
+                                                                 strict=True))
+        return tuple(args), kwargs
+    kwargs = dict(node.kwargs or {})
+    if isinstance(node, ir.ExternKernelOut):  # an out= variant writing the node's buffer
+        kwargs["out"] = _Ref(node.output_view or node)
+    return (*refs, *node.constant_args), kwargs
+
+
+def _refs_in(arg) -> list[_Ref]:
+    if isinstance(arg, _Ref):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [r for a in arg for r in _refs_in(a)]
+    return []
+
+
+def _tensor_arg(ref: _Ref, written: dict[int, bool], node):
+    """A tensor argument for the description: the view it is, the dtype it is read as,
+    and whether the op writes it (and only writes it: an out= argument)."""
+    x = ref.node
+    if isinstance(x, ir.NoneAsConstantBuffer):
+        return None
+    if isinstance(x, ir.ShapeAsConstantBuffer):
+        return _scalar(x.expr, node)
+    try:
+        arg = {"buf": stored_view(view_of(x)), "as": dtype_name(x.get_dtype())}
+    except NotSupported as e:
+        raise compile_error(f"CPU op argument {type(x).__name__} ({e})", [node]) from None
+    if id(ref) in written:
+        arg["write"] = True
+        if written[id(ref)]:
+            arg["out"] = True
+    return arg
+
+
+def _scalar(x: sympy.Basic, node):
+    """A scalar argument that sympy holds (a SymInt's expression, say): an int, float or
+    bool when it is known, else size-symbol text evaluated when the step's sizes are."""
+    if isinstance(x, (sympy.logic.boolalg.BooleanTrue, sympy.logic.boolalg.BooleanFalse)):
+        return bool(x)
+    if not x.free_symbols:
+        return int(x) if x.is_integer else float(x)
+    if x.is_integer:
+        return text(x)
+    raise compile_error(f"CPU op argument {x}: only integer sizes may depend on size symbols", [node])
 
 
 def _origin_of(name: str) -> list:

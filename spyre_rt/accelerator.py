@@ -258,6 +258,19 @@ def _by_device(torch_type: type, make_spyre) -> type:
 _installed = False
 
 
+def _invisible_to_dynamo(*entries) -> None:
+    """Dynamo calls ``torch.accelerator.current_stream()`` while it traces a frame, with its
+    frame hook on; torch's own entry points are C and never reach that hook, ours are Python
+    and would each be traced as a frame of their own (a frame compile per code object,
+    and in ``counters["frames"]``). Skip them and what they call, as for C. Set on the code
+    objects through the C module, so that importing spyre_rt need not import Dynamo."""
+    from torch._C._dynamo import eval_frame
+
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for entry in entries:
+        eval_frame.set_code_exec_strategy(entry.__code__, skip)
+
+
 def install() -> None:
     """Answer torch.accelerator's C++-bound calls for the card and rebind torch.Event and
     torch.Stream (idempotent)."""
@@ -267,6 +280,7 @@ def install() -> None:
     for name, ours in ANSWERS.items():
         setattr(_C, name, _answering(name, ours, getattr(_C, name)))
     _C._accelerator_setStream = _set_stream_entry(_C._accelerator_setStream)
+    _invisible_to_dynamo(*(getattr(_C, name) for name in ANSWERS), _C._accelerator_setStream)
     torch.Event = _by_device(_C.Event, _spyre_event)
     torch.Stream = _by_device(_C.Stream, _spyre_stream)
     global _library

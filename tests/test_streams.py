@@ -217,12 +217,12 @@ def test_events_around_an_eager_matmul_time_the_cards_work(quiet):
         c = cs.cards[0]
         a, b = torch.randn(256, 512).to("spyre"), torch.randn(512, 128).to("spyre")
         t0 = c.clock()
-        elapsed, card_ms, jobs = _timed(c, lambda: (a @ b, time.sleep(0.01)))
+        elapsed, card_ms, jobs = _timed(c, lambda: (time.sleep(0.01), a @ b))
         span_ms = (c.clock().finish_ns - t0.finish_ns) / 1e6
     # the matmul runs on the CPU: the card copies a and b down and the product up
     assert jobs == 3
     assert elapsed == pytest.approx(card_ms, rel=1e-9)
-    # the card sat idle while the host multiplied and slept: its timeline grew by more, the
+    # the card sat idle while the host slept and multiplied: its timeline grew by more, the
     # event pair did not count it
     assert span_ms >= elapsed + 10
 

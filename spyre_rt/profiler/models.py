@@ -102,7 +102,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family("phi3", DECODER, "Phi3ForCausalLM", "Phi3Config", {**_LLAMA_SHAPE, **_IDS},
             "fused qkv and gate/up projections, split"),
     _family("gemma2", DECODER, "Gemma2ForCausalLM", "Gemma2Config", {
-        **_LLAMA_SHAPE, "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32,
+        # query_pre_attn_scalar 8 (a scale of 1/sqrt(8), not 1/sqrt(head_dim)): attention
+        # sharp enough at random weights that the greedy tokens follow the context, not a
+        # token-to-token cycle that a cache written at the wrong position would not change
+        **_LLAMA_SHAPE, "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 8,
         "tie_word_embeddings": False},
         "GELU (tanh), (1 + w) RMSNorm, soft-capped attention and logits, sliding and global layers"),
     _family("gemma", DECODER, "GemmaForCausalLM", "GemmaConfig", {**_LLAMA_SHAPE, "head_dim": 32},

@@ -357,6 +357,8 @@ def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[
         name = type(node).__name__
         if name in ("FloorDiv", "ModularIndexing", "CleanDiv"):
             x, d = node.args[0], node.args[1]
+            while type(x).__name__ == "Identity":  # torch's marker around a masked body's index
+                x = x.args[0]
             if x in var_stride and d.is_Integer:
                 points.add(var_stride[x] * int(d))
                 if name == "ModularIndexing" and node.args[2].is_Integer:
@@ -480,6 +482,7 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
     out_ops: list[Op] = []
     stored: dict[tuple, str] = {}  # (buffer, access key) -> value id, for forwarding
     rename: dict[str, str] = {}
+    masked: list[tuple[str, list[str]]] = []  # (load, its masks)
 
     for (sizes, rsizes, syms, ops), var_stride in zip(recorded, flat, strict=True):
         # each node variable is a sum of canonical variables (a mixed-radix group)
@@ -535,8 +538,11 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
                 v = rec["value"]
                 attrs["value"] = v if not isinstance(v, float) or math.isfinite(v) else repr(v)
             out_ops.append(Op(rid, op, args, rec.get("dtype", ""), None, attrs))
-        for rid, masks in masks_of.items():
-            _restrict_masked_load(out_ops, rid, masks, canon, buffers)
+        masked += masks_of.items()
+    if rnumel <= 1:
+        ncols = _columns_for_gathers(out_ops, canon, ncols, buffers)
+    for rid, masks in masked:
+        _restrict_masked_load(out_ops, rid, masks, canon, buffers, ncols)
     out_ops = _one_load_per_access(out_ops)
     used = {a for o in out_ops for a in o.args} | {a.access.ind[i][0] for a in out_ops if a.access
                                                   for i in range(len(a.access.ind))}
@@ -582,16 +588,17 @@ def _prune(ops: list[Op]) -> list[Op]:
 
 
 def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list[int],
-                          buffers: dict[str, Buffer]) -> None:
+                          buffers: dict[str, Buffer], ncols: int = 0) -> None:
     """Give a masked load the box where all its masks can be true, if the whole box would
-    read outside its buffer. The masks must depend on loop indices only."""
+    read outside its buffer, or, for a gathered load, outside the rows it gathers. The
+    masks must depend on loop indices only."""
     pos = next(i for i, o in enumerate(ops) if o.id == rid)
     load = ops[pos]
     acc = load.access
     hi = acc.const + sum(c * (n - 1) for c, n in zip(acc.coeffs, canon, strict=True) if c > 0)
     lo = acc.const + sum(c * (n - 1) for c, n in zip(acc.coeffs, canon, strict=True) if c < 0)
     b = buffers[acc.buf]
-    if lo >= 0 and hi < storage_numel(b.sizes, b.strides, b.offset):
+    if lo >= 0 and hi < storage_numel(b.sizes, b.strides, b.offset) and not _leaves_its_row(acc, canon, ncols, b):
         return  # reading the full box is safe; the mask picks the values
     by_id = {o.id: o for o in ops}
     deps = set()
@@ -628,6 +635,42 @@ def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list
     if len(true_pts) != math.prod(h - lo_ for _, lo_, h in box):
         raise NotSupported("a mask that is not a box of loop indices")
     ops[pos] = Op(load.id, "load", (), load.dtype, Access(acc.buf, acc.const, acc.coeffs, acc.ind, tuple(box)))
+
+
+def _row_length(b: Buffer) -> int:
+    """The row of a buffer's stick layout: its stride-1 dimension (0 when it has none)."""
+    return next((n for n, s in zip(b.sizes, b.strides, strict=True) if s == 1 and n > 1), 0)
+
+
+def _columns_for_gathers(ops: list[Op], canon: list[int], ncols: int, buffers: dict[str, Buffer]) -> int:
+    """The columns of a pointwise kernel widened to every variable that moves inside a row
+    of a gathered or scattered buffer: construction moves a gather's columns within the
+    rows its index picks, so such a variable is a column (the cos and sin of an interleaved
+    rotary embedding are read at half the column of the output)."""
+    first = len(canon) - ncols
+    for o in ops:
+        acc = o.access
+        if acc is None or not acc.ind:
+            continue
+        row = _row_length(buffers[acc.buf])
+        first = next((j for j in range(first) if row > 1 and acc.coeffs[j] % row), first)
+    return len(canon) - first
+
+
+def _leaves_its_row(acc: Access, canon: list[int], ncols: int, b: Buffer) -> bool:
+    """Whether a gathered load's columns run outside the row its index picks (a rotary
+    embedding's ``sin`` half of a cos-sin row, read over all the columns of a ``cat`` and
+    masked to half of them, would run into the next row)."""
+    if not acc.ind or not ncols:
+        return False
+    row = _row_length(b)
+    if row <= 1 or any(c % row for _, c in acc.ind):
+        return False
+    first = acc.const % row
+    cols = range(len(canon) - ncols, len(canon))
+    lo = first + sum(min(0, acc.coeffs[j] * (canon[j] - 1)) for j in cols)
+    hi = first + sum(max(0, acc.coeffs[j] * (canon[j] - 1)) for j in cols)
+    return lo < 0 or hi >= row
 
 
 _MASK_OPS = {

@@ -22,8 +22,10 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_of(nodes) -> str:
-    """'op (file:line of the model code)' for the first node with a known origin (Inductor
-    IR nodes carry the FX nodes they came from; an FX node is its own origin)."""
+    """'op (file:line of the model code)' for the first origin whose model line is known,
+    else the first op (Inductor IR nodes carry the FX nodes they came from; an FX node is
+    its own origin)."""
+    first = None
     for n in nodes:
         node = getattr(n, "node", n)
         origins = [node] if hasattr(node, "meta") and hasattr(node, "target") else getattr(node, "origins", ())
@@ -38,8 +40,8 @@ def source_of(nodes) -> str:
                 model = [ln for ln in files if not ln.startswith(f'File "{_TORCH}')]
                 where = (model or files or lines or [""])[-1]
                 return f"{target} ({where})"
-            return str(target)
-    return "unknown op"
+            first = first or str(target)
+    return first or "unknown op"
 
 
 def compile_error(reason: str, nodes) -> CompileFailed:

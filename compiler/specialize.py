@@ -18,6 +18,7 @@ import threading
 from collections.abc import Mapping
 
 from spyre_rt.executor import CompiledStep
+from spyre_rt.executor.step import adopted
 from spyre_rt.kernels import StepDesc, from_json
 
 from .describe import RecordedKernel, Sym, describe, value
@@ -89,8 +90,11 @@ class SymbolicStep:
 
 def load_step(text: str):
     """The step a compiled module embeds as JSON: symbolic, or concrete as any static one."""
-    desc = from_json(text)
     digest = hashlib.sha256(text.encode()).hexdigest()
+    prepared = adopted(digest)  # made and prepared when the module was compiled
+    if prepared is not None:
+        return prepared
+    desc = from_json(text)
     if not desc.symbols and not _has_recorded(desc):
         return CompiledStep(desc, digest)
     return SymbolicStep(desc, digest)

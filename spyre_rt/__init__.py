@@ -64,6 +64,7 @@ from .errors import (  # noqa: E402
     SpyreOutOfMemoryError,
     SpyrePlanCacheError,
     SpyreProfileError,
+    SpyreRefusedError,
 )
 from .fallback import SpyreFallbackWarning  # noqa: E402
 
@@ -71,5 +72,5 @@ __all__ = [
     "register", "configure", "configured", "reset_device", "SpyreError", "SpyreCompileError", "SpyreDeviceError",
     "SpyreDeviceLostError", "SpyreDMAError", "SpyreGraphError", "SpyreIndexError", "SpyreInvalidCommandError",
     "SpyreLayoutError", "SpyreNoDataError", "SpyreOutOfMemoryError", "SpyrePlanCacheError", "SpyreProfileError",
-    "SpyreFallbackWarning",
+    "SpyreRefusedError", "SpyreFallbackWarning",
 ]

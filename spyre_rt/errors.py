@@ -91,6 +91,16 @@ class SpyreCompileError(SpyreError):
     """The compiler cannot place an op on the card and CPU fallback is off."""
 
 
+class SpyreRefusedError(SpyreCompileError):
+    """The card's construction refused kernels of a compiled step (a pattern it cannot
+    express, tiles that do not fit the scratchpad) and CPU fallback is off. ``kernels``
+    maps each refused kernel to what construction said."""
+
+    def __init__(self, message: str, kernels: dict[str, str] | None = None):
+        super().__init__(message)
+        self.kernels = dict(kernels or {})
+
+
 class SpyrePlanCacheError(SpyreError):
     """A plan cache file is corrupt, truncated, of another version or not a plan file."""
 

@@ -115,6 +115,7 @@ class SpyreGraph:
         """Run a compiled step's executable once in ``prebuilt`` dispatch with memory the
         graph keeps, and record its launches."""
         try:
+            exe.prepare(MODES["prebuilt"])  # what construction refuses runs on the host: known first
             cpu = exe.host_segments()
             if cpu:
                 raise SpyreGraphError(
@@ -216,6 +217,9 @@ class SpyreGraph:
 
 
 def _op_name(segment) -> str:
+    kernel = getattr(segment, "kernel", None)
+    if kernel is not None:  # a kernel construction refused
+        return f"kernel {kernel}"
     op = getattr(segment, "op", None)
     return getattr(op, "target", None) or getattr(op, "name", None) or "an op"
 

@@ -287,6 +287,9 @@ class StepDesc:
     # size symbols of a dynamic-shape step: (name, "int" | "size" | "stride", argument, dim)
     symbols: tuple[tuple[str, str, int, int], ...] = ()
     host_outputs: tuple[int, ...] = ()    # outputs the graph computes on the CPU device
+    # where each kernel came from, "ops (file:line of the model code)": what a warning names
+    # when the kernel runs on the CPU because construction refused it
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 for _cls in (Buffer, Access, Op):

@@ -165,6 +165,25 @@ def test_a_masked_load_that_would_read_past_its_buffer_gets_the_box_of_its_mask(
     assert ops[-1].access.domain == ((1, 0, 5),)
 
 
+def test_a_masked_gathered_load_whose_columns_leave_the_row_gets_the_box_of_its_mask():
+    """A rotary embedding's `sin`: columns 32 + c of the cos-sin row an index picks, over the
+    64 columns of a cat and masked to c < 32. The whole box is inside the (32, 64) table, but
+    columns 64..95 would be the next row's: the load is restricted to its mask's box."""
+    ops = [Op("p", "load", (), "int64", Access("pos", 0, (1, 0))),
+           Op("r", "indirect", ("p",), "int64", None, {"size": 32, "wrap_neg": True}),
+           Op("i", "index", (), "int64", Access("", 0, (0, 1))),
+           Op("c", "constant", (), "int64", None, {"value": 32}),
+           Op("m", "lt", ("i", "c")),
+           Op("l", "load", (), "float32", Access("cs", 32, (0, 1), (("r", 64),)))]
+    buffers = {"cs": Buffer("cs", "float32", (32, 64), (64, 1)), "pos": Buffer("pos", "int64", (5,), (1,))}
+    d._restrict_masked_load(ops, "l", ["m"], [5, 64], buffers, ncols=1)
+    assert ops[-1].access.domain == ((1, 0, 32),)
+    inside = Op("l", "load", (), "float32", Access("cs", 0, (0, 1), (("r", 64),)))
+    ops[-1] = inside  # columns 0..63 of the row: nothing to restrict
+    d._restrict_masked_load(ops, "l", ["m"], [5, 64], buffers, ncols=1)
+    assert ops[-1].access.domain == ()
+
+
 def test_a_masked_load_inside_its_buffer_keeps_its_whole_box():
     ops, buffers = _masked_load("lt", 5, storage_cols=8)
     d._restrict_masked_load(ops, "l", ["m"], [2, 8], buffers)

@@ -16,7 +16,8 @@ from torch._inductor.ops_handler import OpsHandler
 
 from spyre_rt import card as cards
 from spyre_rt import fallback
-from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.dispatch import NAMES, dispatch_mode
+from spyre_rt.errors import SpyreIndexError
 
 SHAPE = (5, 70)  # off the 64 grid
 sp = torch.special
@@ -230,3 +231,199 @@ def test_ops_the_card_lacks_are_rewritten_by_adapters_and_run_on_the_card(functi
     f = torch.compile(fn, backend="spyre_rt", dynamic=False)
     x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(11))
     assert _ran_on_cpu(lambda: _close(f(x.to("spyre")).cpu(), fn(x))) == set()
+
+
+# ---- vLLM's rotary embedding --------------------------------------------------------------
+#
+# RotaryEmbedding.forward_native as vLLM writes it (not imported): the cos and sin of each
+# token gathered from a cache of (max positions, rotary dim) by its position, applied to the
+# first rotary_dim of every head of q and k, which come from a fused qkv projection's output.
+# The gathered row's halves once failed the first launch: the `sin` half, read over all the
+# columns of the output's `cat` and masked to half of them, ran into the next row, and in
+# partial rotary (and fp16) its run crossed a stick boundary at an unaligned column.
+
+def _rotate(x, cos, sin, neox: bool):
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    if neox:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1) if neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def rotary_step(heads: int, kv_heads: int, head_size: int, rotary_dim: int, neox: bool):
+    def forward(positions, qkv, cos_sin_cache):
+        query, key, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+        positions = positions.flatten()
+        tokens = positions.shape[0]
+        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        out = []
+        for x in (query, key):
+            shape = x.shape
+            x = x.view(tokens, -1, head_size)
+            rotated = _rotate(x[..., :rotary_dim], cos, sin, neox)
+            out.append(torch.cat((rotated, x[..., rotary_dim:]), dim=-1).reshape(shape))
+        return tuple(out)
+    return forward
+
+
+def _rotary_case(head, dtype, rot, style, slow=False):
+    return pytest.param(head, dtype, rot, style, id=f"{style}-{dtype}-head{head}-rot{rot}",
+                        marks=[pytest.mark.slow] if slow else [])
+
+
+ROTARY = [
+    _rotary_case(32, "float32", 32, "neox"), _rotary_case(64, "float32", 64, "neox"),
+    _rotary_case(128, "float32", 128, "neox"), _rotary_case(128, "float32", 96, "neox"),
+    _rotary_case(64, "float16", 64, "neox"), _rotary_case(128, "float16", 128, "neox"),
+    _rotary_case(128, "float16", 96, "neox"), _rotary_case(64, "float16", 32, "neox"),
+    _rotary_case(32, "float32", 16, "gptj"), _rotary_case(64, "float32", 64, "gptj"),
+    _rotary_case(128, "float16", 128, "gptj"), _rotary_case(128, "float16", 64, "gptj"),
+    _rotary_case(32, "float16", 32, "neox", slow=True), _rotary_case(64, "float32", 48, "neox", slow=True),
+    _rotary_case(128, "float32", 128, "gptj", slow=True), _rotary_case(64, "float16", 64, "gptj", slow=True),
+    _rotary_case(128, "float32", 64, "gptj", slow=True),
+]
+
+
+def _card_calls(f, args, modes) -> dict:
+    """The outputs of `f` on the card in each mode (CPU tensors); fails if anything of it
+    ran on the CPU, eagerly or inside the step."""
+    before, in_steps = sum(fallback.calls.values()), dict(fallback.in_steps)
+    outs = {}
+    for mode in modes:
+        with dispatch_mode(mode):
+            outs[mode] = [o.cpu() for o in f(*[a.to("spyre") for a in args])]
+    assert sum(fallback.calls.values()) == before, "eager CPU ops ran"
+    assert dict(fallback.in_steps) == in_steps, f"ops ran on the CPU: {set(fallback.in_steps) - set(in_steps)}"
+    return outs
+
+
+@pytest.mark.parametrize(("head", "dtype", "rot", "style"), ROTARY)
+def test_vllm_rotary_embedding_runs_on_the_card(functional, head, dtype, rot, style):
+    """On the card in every dispatch mode (no CPU op), the modes bit for bit alike; fp32
+    within 1e-6 of CPU eager; fp16 within one fp16 rounding of CPU eager's fp32 arithmetic
+    on the same fp16 values (the card computes in fp32 and rounds once, eager fp16 rounds
+    after every op)."""
+    torch._dynamo.reset()
+    heads, kv_heads, tokens, positions = 4, 2, 5, 40
+    forward = rotary_step(heads, kv_heads, head, rot, style == "neox")
+    g = torch.Generator().manual_seed(head + rot)
+    dt = getattr(torch, dtype)
+    args = [torch.tensor([3, 0, 39, 7, 3]),
+            torch.randn(tokens, (heads + 2 * kv_heads) * head, generator=g).to(dt),
+            torch.randn(positions, rot, generator=g).to(dt)]
+    outs = _card_calls(torch.compile(forward, backend="spyre_rt", dynamic=False), args, NAMES)
+    for mode in NAMES:
+        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs["prebuilt"], strict=True)), mode
+    if dt == torch.float32:
+        for got, want in zip(outs["prebuilt"], forward(*args), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    else:
+        exact = forward(args[0], args[1].float(), args[2].float())
+        for got, want in zip(outs["prebuilt"], exact, strict=True):
+            torch.testing.assert_close(got.float(), want.to(dt).float(), rtol=2 ** -10, atol=2 ** -14)
+
+
+def test_vllm_rotary_embedding_with_dynamic_token_counts_runs_on_the_card(functional):
+    torch._dynamo.reset()
+    forward = rotary_step(4, 2, 64, 64, True)
+    f = torch.compile(forward, backend="spyre_rt", dynamic=True)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(300, 64, generator=g)
+    for tokens in (5, 9, 70):
+        args = [torch.randint(0, 300, (tokens,), generator=g), torch.randn(tokens, 8 * 64, generator=g), cache]
+        outs = _card_calls(f, args, NAMES)
+        for got, want in zip(outs["prebuilt"], forward(*args), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# ---- index_put and index with several index tensors ---------------------------------------
+#
+# On a (4, 5, 6) tensor: one index tensor, two, three; broadcasting index tensors; a slice
+# between them; an index on an inner dimension; negative indices; boolean masks; and
+# accumulate=True. Each runs on the card (an index that picks whole rows of the storage) or
+# on the CPU (an element index, an accumulation, a boolean mask), never a wrong value: a
+# CPU op's in-place update is written back (three index tensors once left the tensor as it
+# was), and two index tensors once failed with an untyped ValueError.
+
+_I = torch.tensor
+INDEXING = {  # name -> (indices, None for a slice; the values' shape, or "read"; accumulate; on the card?)
+    "one": ((_I([3, 0]),), (2, 5, 6), False, True),
+    "one-broadcast-values": ((_I([3, 0]),), (6,), False, True),
+    "two": ((_I([0, 1]), _I([2, 3])), (2, 6), False, True),
+    "three": ((_I([0, 1]), _I([2, 3]), _I([1, 4])), (2,), False, False),
+    "broadcasting-indices": ((_I([[0], [3]]), _I([[1, 2, 4]])), (2, 3, 6), False, True),
+    "slice-between": ((_I([0, 2]), None, _I([1, 5])), (2, 5), False, False),
+    "inner-dim": ((None, _I([4, 1])), (4, 2, 6), False, True),
+    "innermost-dim": ((None, None, _I([4, 1])), (4, 5, 2), False, False),
+    "negative": ((_I([-1, 0]), _I([-2, 3])), (2, 6), False, True),
+    "bool-rows": ((_I([True, False, True, False]),), (2, 5, 6), False, False),
+    "accumulate-one": ((_I([3, 3]),), (2, 5, 6), True, False),
+    "accumulate-three": ((_I([0, 0]), _I([2, 2]), _I([1, 1])), (2,), True, False),
+    "read-one": ((_I([3, 0, 3]),), "read", False, True),
+    "read-two": ((_I([0, 3]), _I([2, 1])), "read", False, True),
+    "read-three": ((_I([0, 3]), _I([2, 1]), _I([5, 0])), "read", False, False),
+    "read-slice-between": ((_I([0, 3]), None, _I([5, 0])), "read", False, False),
+    "read-inner-dim": ((None, _I([4, 0])), "read", False, True),
+    "read-negative": ((_I([-1, 0]), _I([-3, 1])), "read", False, True),
+    "read-broadcasting-indices": ((_I([[0], [3]]), _I([[1, 2, 4]])), "read", False, True),
+}
+
+
+def _indexing(indices, read: bool, accumulate: bool):
+    positions = [i for i, x in enumerate(indices) if x is not None]
+
+    def f(a, v, *index_tensors):
+        full = [slice(None)] * len(indices)
+        for p, t in zip(positions, index_tensors, strict=True):
+            full[p] = t
+        if read:
+            return a[tuple(full)] * 2
+        if all(isinstance(x, torch.Tensor) for x in full):
+            a.index_put_(tuple(full), v, accumulate=accumulate)
+        else:
+            a[tuple(full)] = v
+        return a * 1
+    return f, [indices[i] for i in positions]
+
+
+@pytest.mark.parametrize("name", sorted(INDEXING))
+def test_index_put_and_index_match_cpu_eager_in_every_mode(functional, name):
+    indices, values, accumulate, on_card = INDEXING[name]
+    f, index_tensors = _indexing(indices, values == "read", accumulate)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    a0 = torch.rand(4, 5, 6, generator=g)
+    v = torch.zeros(()) if values == "read" else torch.rand(values, generator=g)
+    want_a = a0.clone()
+    want = f(want_a, v, *index_tensors)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="spyre_rt", dynamic=False)
+    ran = set()
+    for mode in NAMES:
+        with dispatch_mode(mode):
+            a = a0.to("spyre")
+            ran |= _ran_on_cpu(lambda a=a: _close(compiled(a, v.to("spyre"), *[t.to("spyre") for t in index_tensors])
+                                                  .cpu(), want))
+            _close(a.cpu(), want_a)  # the tensor updated in place
+    assert (ran == set()) == on_card, ran
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_an_index_outside_an_inner_dimension_is_an_index_error_not_another_rows_element(functional, read):
+    """An index of dimension 1 of a (4, 5, 6) tensor at 5 addresses a row of the storage
+    that exists (the next slice's first): the card refuses it as CPU eager does, and an
+    update leaves the tensor as it was."""
+    f, index_tensors = _indexing((None, _I([5, 1])), read, False)
+    a0, v = torch.rand(4, 5, 6), torch.ones(4, 2, 6)
+    with pytest.raises(IndexError):
+        f(a0.clone(), v, *index_tensors)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="spyre_rt", dynamic=False)
+    for mode in NAMES:
+        with dispatch_mode(mode):
+            a = a0.to("spyre")
+            with pytest.raises(SpyreIndexError, match="aten.index"):
+                compiled(a, v.to("spyre"), *[t.to("spyre") for t in index_tensors])
+            assert torch.equal(a.cpu(), a0), mode

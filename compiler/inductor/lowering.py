@@ -77,7 +77,13 @@ _installed = False
 
 
 def _on_spyre(*xs) -> bool:
+    """Whether any of the arguments, or of the tensors in a list argument (cat's, stack's,
+    index_put's indices), is on the card."""
     for x in xs:
+        if isinstance(x, (list, tuple)):
+            if _on_spyre(*x):
+                return True
+            continue
         try:
             d = x.get_device()
         except Exception:

@@ -257,10 +257,11 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "expand", "unsqueeze", "
 
 
 def computing_origins(snodes) -> set[str]:
-    """The FX nodes a fused group computes (its view ops left out), by name."""
+    """The FX nodes a fused group (scheduler nodes) or an IR node computes (its view ops
+    left out), by name."""
     out = set()
     for sn in snodes:
-        for o in getattr(sn.node, "origins", ()):
+        for o in getattr(getattr(sn, "node", sn), "origins", ()):
             if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", str(o.target)) not in _VIEWS:
                 out.add(o.name)
     return out

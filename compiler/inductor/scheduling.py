@@ -53,7 +53,7 @@ class SpyreScheduling(SIMDScheduling):
             err = compile_error(str(e), nodes)
             err.fallback_nodes = computing_origins(nodes)  # what the backend may run on the CPU instead
             raise err from None
-        wrapper.define_spyre_kernel(recorded.stored() if example else kernel)
+        wrapper.define_spyre_kernel(recorded.stored() if example else kernel, nodes)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
         for n in nodes:
             n.mark_run()

@@ -31,8 +31,9 @@ from spyre_rt.kernels import TORCH_CONSTANT_NAMES, Buffer, CpuOp, StepDesc, to_j
 from ..describe import NotSupported, RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
+from ..prebuild import prebuild
 from . import STATIC_INPUTS
-from .record import buffer_info, dtype_name, on_cpu, stored_buffer, stored_view, view_of
+from .record import buffer_info, computing_origins, dtype_name, on_cpu, stored_buffer, stored_view, view_of
 
 
 @dataclasses.dataclass
@@ -72,13 +73,22 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         self.spyre_kernels: dict = {}
         # (extern node, index path of a result) -> the view of the argument it returns
         self._returned_args: dict[tuple[str, tuple], tuple] = {}
+        # per kernel: the FX nodes it computes (what the backend runs on the CPU when its
+        # construction is refused) and the op and model line it came from
+        self.kernel_nodes: dict[str, set[str]] = {}
+        self.kernel_sources: dict[str, str] = {}
 
     def new_kernel_name(self) -> str:
         return f"k{len(self.spyre_kernels)}"
 
-    def define_spyre_kernel(self, kernel) -> None:
+    def define_spyre_kernel(self, kernel, nodes=()) -> None:
         self.spyre_kernels[kernel.name] = kernel
+        self._remember(kernel.name, nodes)
         self.define_kernel(kernel.name, "None  # a spyre kernel description", gpu=False)
+
+    def _remember(self, name: str, nodes) -> None:
+        self.kernel_nodes[name] = computing_origins(nodes)
+        self.kernel_sources[name] = source_of(nodes) if nodes else ""
 
     def codegen_device_copy(self, src, dst, non_blocking) -> None:
         self.writeline(DeviceCopyLine(str(src), str(dst)))
@@ -94,6 +104,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         lowering that knows its description: see ``spyre_kernel``)."""
         kernel = node.spyre_kernel(self.new_kernel_name())
         self.spyre_kernels[kernel.name] = kernel
+        self._remember(kernel.name, [node])
         return kernel
 
     def _device_copy(self, line: DeviceCopyLine):
@@ -180,6 +191,26 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                     self._returned_args[(node.get_name(), () if len(returns) == 1 else (i,))] = view_of(arg.node)
                     break
 
+    def _index_put_fallback(self, line) -> CpuOp:
+        """Inductor's index_put fallback (boolean indices, say): ``x.index_put_`` on the CPU,
+        writing x back."""
+        from .. import options
+
+        node = line.node
+        if not options.cpu_fallback:
+            raise compile_error("index_put with these indices has no kernel on the card and CPU fallback is off",
+                                [node])
+        x, values = node.inputs[:2]
+
+        def ref(t, write=False):
+            arg = {"buf": stored_view(view_of(t)), "as": dtype_name(t.get_dtype())}
+            return {**arg, "write": True} if write else arg
+
+        return CpuOp(name=node.get_name(), op="aten.index_put_.default",
+                     args=(ref(x, write=True), [None if i is None else ref(i) for i in line.indices], ref(values),
+                           *node.constant_args),
+                     kwargs={}, outputs=(), mutated=(x.get_name(),), source=source_of([node]), host=on_cpu(node))
+
     # -- the step -----------------------------------------------------------------------
 
     def build_step(self) -> StepDesc:
@@ -201,6 +232,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 seq.append(("cpu", op))
                 for o in op.outputs:
                     buffers[o.name] = o
+            elif isinstance(line, W.IndexPutFallbackLine):
+                seq.append(("cpu", self._index_put_fallback(line)))
             elif isinstance(line, W.MultiOutputLine):
                 index = tuple(i for _, i in line.indices)
                 written = self._returned_args.get((line.arg_name, index))
@@ -254,6 +287,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             kernels=dict(self.spyre_kernels), sequence=tuple(seq), options=self._options(),
             static_inputs=tuple(g.module.meta.get(STATIC_INPUTS, ())), symbols=tuple(symbols),
             host_outputs=self._host_outputs(),
+            sources={k: v for k, v in self.kernel_sources.items() if v and k in self.spyre_kernels},
         )
         _check_unused(read_back, step)
         if step.options["fuse_epilogues"] and not _is_symbolic(step):
@@ -326,11 +360,15 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)
         step = self.build_step()
-        loader = "spyre_rt.compiler.specialize" if _is_symbolic(step) else "spyre_rt.executor"
+        symbolic = _is_symbolic(step)
+        loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
+        text = to_json(step)
+        # every kernel constructed now: what construction refuses is a compile-time event
+        prebuild(step, text, self.kernel_nodes, symbolic)
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"
-            f"_step = load_step({to_json(step)!r})\n"
+            f"_step = load_step({text!r})\n"
             "def call(args):\n"
             "    # constants are attached to this module after it is loaded\n"
             "    return _step(args, globals())\n"

@@ -8,7 +8,8 @@ card runs it (tiles over the cores, scratchpad regions, DMA patterns, commands).
 A kernel kind is a description type with a ``kind`` and a builder registered here: a
 function ``(context, kernel, tiling or None) -> tiling`` that fills the context's program
 and returns its tile choices, which a later build of the same kernel on the same target
-takes back instead of choosing again.
+takes back instead of choosing again. A builder that cannot build a kernel for the target
+raises :class:`Refused` (a limitation, not a bug): its ops then run on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import attention, loops, matmul
-from .context import BuildContext
+from .context import BuildContext, Refused
+
+__all__ = ["BUILDERS", "BuildContext", "Refused", "build"]
 
 BUILDERS: dict[str, Callable] = {
     "loop": loops.build,

@@ -54,7 +54,7 @@ from ..program import (
     OP_STORE,
 )
 from .access import NotAffine, descriptor_runs, pattern
-from .context import BuildContext, ScratchpadOverflow, ScratchpadPlan, Target, round_up
+from .context import BuildContext, Refused, ScratchpadOverflow, ScratchpadPlan, Target, round_up
 from .matmul.graph import unique_rows
 from .sfu import COL, ROW, SCALAR, TILE, Operand, Program
 
@@ -927,7 +927,7 @@ def build(ctx: BuildContext, kernel, tiling: Tiling | None = None) -> Tiling:
 
     for dt in (kernel.dtype,):
         if dt not in dtypes.MATMUL:
-            raise NotImplementedError(f"attention in {dt}")
+            raise Refused(f"attention in {dt}")
     views = {n: view(getattr(kernel, n)) for n in ("q", "k", "v", "out", "mask")}
     shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"])
     tiling = tiling or choose(shape, ctx.target)

@@ -76,8 +76,14 @@ class ScratchpadPlan:
         return off
 
 
-class ScratchpadOverflow(Exception):
-    pass
+class Refused(Exception):
+    """Construction cannot build this kernel for this card: a pattern it cannot express or
+    tiles that do not fit, a limitation rather than a bug. The compiler, or the executor
+    when it meets one first, runs the kernel's ops on the CPU instead."""
+
+
+class ScratchpadOverflow(Refused):
+    """The kernel's tiles do not fit one core's scratchpad."""
 
 
 @dataclass

@@ -14,6 +14,14 @@ the mutated inputs per call; the alternative, computing into step-owned shadows 
 committing them with a final copy, costs two, and a fault inside the commit copy would
 still leave an input half-written.
 
+Every kernel is constructed before the first call of an executable runs any
+(:meth:`Executable.prepare`): in the modes with plans by building them (or loading them
+from the plan cache), in the others by constructing each kernel once. A kernel that
+construction refuses for this card and geometry (a pattern it cannot express, tiles that
+do not fit) then runs on the host from its description (:mod:`.host_kernels`), warned
+once; the compiler has done the same at compile time for the geometry it foresaw, so this
+is the rare case of a geometry or a size it did not.
+
 Arenas and graph plans belong to the card's reset epoch they were made in: after a reset
 (:func:`spyre_rt.reset_device`) the next call drops them and makes new ones (plans from
 the plan cache when it has them), never touching the addresses the old ones had.
@@ -29,17 +37,18 @@ import torch
 
 from .. import card as cards
 from .. import construct, jobs, kernel_info, tensors
-from ..construct import copy
+from ..construct import Refused, copy
 from ..construct.context import BuildContext, Target
 from ..construct.facts import kernel_facts, program_facts
 from ..dispatch import DispatchMode, named
 from ..dtypes import torch_dtype
-from ..errors import SpyreError
+from ..errors import SpyreError, SpyreRefusedError
 from ..kernels import Buffer
 from ..layout import StickLayout
 from ..native import ffi
 from . import memory, plans
 from .cpu_ops import CpuOps
+from .host_kernels import HostKernels
 from .segments import Call, DeviceSegment, cut
 from .stats import stats
 
@@ -74,7 +83,8 @@ class Executable:
         self.snapshots = self._plan_snapshots()
         for name in desc.aliases:
             self.relocs[name] = self.relocs[self.base_of(name)]
-        self.segments = cut(desc.sequence, (SNAPSHOT,) if self.snapshots else ())
+        self.host = HostKernels(self)  # kernels construction refused, run on the host
+        self.segments = self.cut_for(())
         self._named = self._buffers_by_name()
         self.cpu = CpuOps(self)
         self._outputs = self._output_sources(names_in)
@@ -90,6 +100,7 @@ class Executable:
         self._all_fresh = all(isinstance(o, tuple) and o[0] for o in self._outputs)
         self._one_plan = len(self.segments) == 1 and isinstance(self.segments[0], DeviceSegment)
         self._plan_lock = threading.Lock()
+        self._prepared = False  # every kernel constructed once (see prepare)
 
     # ---- names ----
     def base_of(self, name: str) -> str:
@@ -148,6 +159,22 @@ class Executable:
             out.append(copy.Copy(b.name, lo, name, 0, hi - lo))
         return out
 
+    def cut_for(self, on_host) -> list:
+        """The step's segments with the kernels `on_host` run on the host."""
+        return cut(self.desc.sequence, (SNAPSHOT,) if self.snapshots else (), frozenset(on_host))
+
+    def run_on_host(self, refused: dict[str, str]) -> None:
+        """Run the kernels `refused` (name -> what construction said) on the host."""
+        for name, reason in refused.items():
+            self.host.add(name, reason)
+        self.segments = self.cut_for(self.host.reasons)
+        self._one_plan = len(self.segments) == 1 and isinstance(self.segments[0], DeviceSegment)
+
+    def card_kernels(self) -> list[str]:
+        """The step's kernels (not the snapshot), in order: each runs on the card unless
+        construction refused it."""
+        return [x for kind, x in self.desc.sequence if kind == "run"]
+
     def device_segments(self) -> list[DeviceSegment]:
         return [s for s in self.segments if isinstance(s, DeviceSegment)]
 
@@ -175,6 +202,49 @@ class Executable:
                 kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 
+    def construct_all(self, fallback: bool = True) -> dict[str, tuple[np.ndarray, list[str]]]:
+        """Construct every kernel of the device segments once: their programs by name. A
+        kernel construction refuses runs on the host from then on (with `fallback` false,
+        or CPU fallback off in the step's options, a SpyreRefusedError names them)."""
+        built, refused = {}, {}
+        for seg in self.device_segments():
+            for name in seg.kernels:
+                try:
+                    built[name] = self.build(name)
+                except Refused as e:
+                    refused[name] = str(e) or type(e).__name__
+        if refused:
+            if not fallback or not self.desc.options.get("cpu_fallback", True):
+                lines = "; ".join(f"{self.host_source(k)}: {why}" for k, why in refused.items())
+                raise SpyreRefusedError(f"the card's construction refused {len(refused)} kernel(s) of the step "
+                                        f"({lines}) and CPU fallback is off", refused)
+            self.run_on_host(refused)
+        return built
+
+    @property
+    def prepared(self) -> bool:
+        """Whether every kernel was constructed once (and which run on the host decided)."""
+        return self._prepared
+
+    def host_source(self, kernel_name: str) -> str:
+        """What a kernel came from: its ops and model line."""
+        return self.host.source_of(kernel_name)
+
+    def prepare(self, mode: DispatchMode, fallback: bool = True) -> None:
+        """Make every kernel's program before the first call runs any kernel: a mode with
+        plans builds them (or loads them from the plan cache), another constructs every
+        kernel once (each launch constructs it again, as that mode does). What construction
+        refuses runs on the host (see :meth:`construct_all`)."""
+        if self._prepared:
+            return
+        if mode.plans:
+            self.plans(fallback=fallback)
+            return
+        with self._plan_lock:
+            if not self._prepared:
+                self.construct_all(fallback)
+                self._prepared = True
+
     def construct_and_run(self, kernels, table, mode: DispatchMode) -> None:
         """The modes without plans: build each kernel's program at its launch, upload (a
         transfer graph built per upload unless `mode` has prebuilt transfers), run."""
@@ -196,16 +266,18 @@ class Executable:
     def cache_key(self) -> str:
         return plans.cache_key(self)
 
-    def plans(self, epoch: int | None = None) -> list:
+    def plans(self, epoch: int | None = None, fallback: bool = True) -> list:
         """The plans of the device segments, made in the card's current reset epoch (`epoch`
-        when the caller has read it): plans of an older epoch are gone from the card."""
+        when the caller has read it): plans of an older epoch are gone from the card.
+        Making the first ones prepares the executable (see :meth:`prepare`)."""
         if epoch is None:
             epoch = self.card.epoch
         made = self._plans
         if made is None or made[0] != epoch:
             with self._plan_lock:
                 if self._plans is None or self._plans[0] != epoch:
-                    self._plans = (epoch, plans.load_or_build(self))
+                    self._plans = (epoch, plans.load_or_build(self, fallback))
+                    self._prepared = True
                 made = self._plans
         return made[1]
 
@@ -298,6 +370,8 @@ class Executable:
             if self.one_plan(mode) and made is not None and made[0] == epoch:
                 self._launch_one(made[1][0], table, mode)
             else:
+                if not self._prepared:
+                    self.prepare(mode)
                 self._run_segments(Call(self, table, mode, epoch))
             # made before the slot goes back: the references in it mark the outputs held
             result = list(slot.results) if self._all_fresh else self._results(slot, inputs)

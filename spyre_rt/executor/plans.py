@@ -1,9 +1,11 @@
 """The graph plans of an executable: loaded from the plan cache, or built and cached.
 
 A plan file holds one plan block per device segment, keyed by everything that changes
-their commands (:func:`cache_key`). A file that does not fit this executable (another
-count of segments or bindings, jobs it does not name, extents beyond the memory a call
-binds, bindings of other stick layouts) is rejected and rebuilt.
+their commands (:func:`cache_key`), and names the kernels construction refused (which run
+on the host, and so cut the step into other segments). A file that does not fit this
+executable (another count of segments or bindings, jobs it does not name, refused kernels
+that are not the step's, extents beyond the memory a call binds, bindings of other stick
+layouts) is rejected and rebuilt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..native import lib
 from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, set_job_names
 from ..plan import encode as encode_plan
 from ..version import runtime_version
+from .segments import DeviceSegment
 from .stats import stats
 
 
@@ -34,26 +37,30 @@ def cache_key(exe) -> str:
                              exe.step.digest, geometry, memory, exe.desc.options)
 
 
-def load_or_build(exe) -> list[GraphPlan]:
+def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
     """The plan of every device segment, in order: from the plan cache, or built (and
-    written to it)."""
+    written to it). Building constructs every kernel first: what construction refuses runs
+    on the host (with `fallback` false, a SpyreRefusedError names it)."""
     cache = plan_cache.default()
     key = exe.cache_key()
-    segments = exe.device_segments()
     entry = cache.load(key) if cache else None
     if entry is not None:
         try:
-            plans = _from_entry(exe, entry, segments)
+            plans, host = _from_entry(exe, entry)
+            if host:
+                exe.run_on_host(host)
             stats["plans_loaded"] += len(plans)
             return plans
         except (SpyreError, ValueError) as e:
             cache.reject(key, str(e))
-    blocks = [build_block(exe, seg) for seg in segments]
+    built = exe.construct_all(fallback)
+    segments = exe.device_segments()
+    blocks = [build_block(exe, seg, built) for seg in segments]
     plans = [GraphPlan(exe.card, block) for block in blocks]
     stats["plans_built"] += len(plans)
     if cache:
         names = [list(seg.kernels) for seg in segments]
-        header = {"kernels": sum(len(n) for n in names), "names": names,
+        header = {"kernels": sum(len(n) for n in names), "names": names, "host_kernels": dict(exe.host.reasons),
                   "step": exe.step.family[0][:16], "sizes": exe.step.family[1],
                   "profile": exe.card.profile.name, "options": exe.desc.options,
                   "arena_bytes": exe.arena_bytes, "created": time.time(),
@@ -63,13 +70,18 @@ def load_or_build(exe) -> list[GraphPlan]:
     return plans
 
 
-def _from_entry(exe, entry, segments) -> list[GraphPlan]:
+def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
+    """The plans of a cache entry, and the kernels it runs on the host (name -> reason)."""
+    host = _host_kernels(exe, entry.header.get("host_kernels", {}))
+    segments = [s for s in exe.cut_for(host) if isinstance(s, DeviceSegment)]
     if len(entry.blocks) != len(segments):
         raise SpyreError(f"{len(entry.blocks)} plans for {len(segments)} segments")
     names = entry.header.get("names")
     if (not isinstance(names, list) or len(names) != len(entry.blocks)
             or not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names)):
         raise SpyreError("the plan file does not name its jobs")
+    if names != [list(seg.kernels) for seg in segments]:
+        raise SpyreError("the plan file names other jobs than this step's segments run")
     for block, segment_names in zip(entry.blocks, names, strict=True):
         set_job_names(block, [exe.job_name(n) for n in segment_names], exe.card.intern)
     plans = [GraphPlan(exe.card, block) for block in entry.blocks]
@@ -84,7 +96,20 @@ def _from_entry(exe, entry, segments) -> list[GraphPlan]:
         for job, info in infos.items():
             if isinstance(job, str) and isinstance(info, dict) and kernel_info.lookup(job) is None:
                 kernel_info.register(job, info)
-    return plans
+    return plans, host
+
+
+def _host_kernels(exe, host) -> dict[str, str]:
+    """The refused kernels a plan file names, checked: kernels of this step, and the ones
+    this executable already runs on the host when it has decided (after a reset)."""
+    if not isinstance(host, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in host.items()):
+        raise SpyreError("the plan file's refused kernels are not a table of names")
+    unknown = set(host) - set(exe.card_kernels())
+    if unknown:
+        raise SpyreError(f"the plan file runs kernels on the host that the step does not have ({sorted(unknown)[:3]})")
+    if exe.prepared and set(host) != set(exe.host.reasons):
+        raise SpyreError("the plan file runs other kernels on the host than this executable does")
+    return host
 
 
 def _check_extents(exe, plans: list[GraphPlan]) -> None:
@@ -101,11 +126,12 @@ def _check_extents(exe, plans: list[GraphPlan]) -> None:
                                  f"a call binds {limit}")
 
 
-def build_block(exe, segment):
-    """The plan block of one device segment, built from its kernels' descriptions."""
+def build_block(exe, segment, built: dict | None = None):
+    """The plan block of one device segment, built from its kernels' descriptions (or
+    from their programs in `built`, by name, when they were just constructed)."""
     jobs = []
     for name in segment.kernels:
-        blob, bufs = exe.build(name)
+        blob, bufs = built[name] if built and name in built else exe.build(name)
         jobs.append(PlanJob(blob, tuple(exe.relocs[b] for b in bufs), exe.job_name(name)))
     return encode_plan(jobs, binding_layouts_of(exe), exe.card.intern)
 

@@ -2,8 +2,9 @@
 
 A :class:`DeviceSegment` is a run of card kernels: one graph plan in the modes with plans
 (``prebuilt``, ``prebuilt-compute``), one job built and launched per kernel in the others. A :class:`CpuSegment` is an op
-the card cannot run, run on the host inside the step; a :class:`PickSegment` uploads one
-element of a CPU op's tuple result into a buffer.
+the card cannot run, run on the host inside the step; a :class:`HostKernelSegment` a
+kernel construction refused for this card, run on the host from its description; a
+:class:`PickSegment` uploads one element of a CPU op's tuple result into a buffer.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ class CpuSegment:
 
 
 @dataclass(frozen=True)
+class HostKernelSegment:
+    kernel: str
+
+    def run(self, call: Call) -> None:
+        call.exe.host.run(self.kernel, call.table, call.mode)
+
+
+@dataclass(frozen=True)
 class PickSegment:
     src: str
     path: tuple[int, ...]
@@ -83,9 +92,10 @@ class PickSegment:
         call.exe.cpu.upload(self.out, value, call.table, call.mode)
 
 
-def cut(sequence, first: tuple[str, ...] = ()) -> list:
+def cut(sequence, first: tuple[str, ...] = (), on_host=frozenset()) -> list:
     """The segments of a step's sequence; `first` are jobs that run before everything else
-    (in the first device segment, which is made for them if the step starts on the host)."""
+    (in the first device segment, which is made for them if the step starts on the host);
+    kernels `on_host` run on the host."""
     segs: list = []
     run: list[str] = list(first)
     ndevice = 0
@@ -98,8 +108,12 @@ def cut(sequence, first: tuple[str, ...] = ()) -> list:
             run = []
 
     for kind, x in sequence:
-        if kind == "run":
+        if kind == "run" and x not in on_host:
             run.append(x)
+            continue
+        if kind == "run":
+            close()
+            segs.append(HostKernelSegment(x))
             continue
         close()
         segs.append(CpuSegment(x) if kind == "cpu" else PickSegment(x[0], tuple(x[1]), x[2]))

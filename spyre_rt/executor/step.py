@@ -18,6 +18,7 @@ import hashlib
 import operator
 import threading
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -37,9 +38,35 @@ def live_steps() -> list[CompiledStep]:
     return list(_live)
 
 
+# Steps the compiler prepared for the module it is generating (see adopt), by the digest
+# of their JSON; a few at most: each is taken by the module's load right after.
+_adopted: OrderedDict[str, object] = OrderedDict()
+_ADOPTED = 8
+_adopted_lock = threading.Lock()
+
+
+def adopt(digest: str, step) -> None:
+    """Hand the step the compiler made (and prepared) from a module's JSON to that module's
+    load, so that its first call finds the work done."""
+    with _adopted_lock:
+        _adopted[digest] = step
+        while len(_adopted) > _ADOPTED:
+            _adopted.popitem(last=False)
+
+
+def adopted(digest: str):
+    """The step :func:`adopt` handed over for this digest, once; else None."""
+    with _adopted_lock:
+        return _adopted.pop(digest, None)
+
+
 def load_step(text: str) -> CompiledStep:
-    """The step a compiled module embeds as JSON."""
-    return CompiledStep(from_json(text), hashlib.sha256(text.encode()).hexdigest())
+    """The step a compiled module embeds as JSON (the one the compiler prepared, if any)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    step = adopted(digest)
+    if isinstance(step, CompiledStep):
+        return step
+    return CompiledStep(from_json(text), digest)
 
 
 class CompiledStep:

@@ -17,10 +17,11 @@ import math
 from dataclasses import dataclass
 
 from ...kernels import Buffer, LoopKernel, Op
+from ..context import Refused
 from ..sfu import BINARY, COL, COMPARE, DTYPE, FLOATS, ROW, SCALAR, TESTS, TILE, UNARY, compute_type
 
 
-class Unsupported(NotImplementedError):
+class Unsupported(Refused, NotImplementedError):
     """Construction cannot express this kernel; the compiler runs it another way."""
 
 

@@ -200,42 +200,44 @@ class TileTemplate:
     def gather(self, op: int, v: Value, tile: Tile, lx: Slots, data_off: int, idx_off: int,
                deps: list[int]) -> list[int]:
         """The GATHER (or SCATTER) commands moving the tile's rows of an indirect access:
-        one per compact pattern base, the buffer rows read from the index slot."""
+        one per piece of a row (see :func:`row_pieces`), the buffer rows read from the
+        index slot."""
         acc = v.op.access
         layout = self.ctx.layouts[acc.buf]
-        p = self._row_pattern(acc, v.kind, tile, layout, lx)
         e = layout.itemsize
         rows = tile.rows(self.tiling.inner_rows)
         pitch = (lx.pitch * e) if v.kind == TILE else e
-        count = tuple(d.count for d in p.dims) + (0,) * (2 - len(p.dims))
-        stride = tuple(d.src for d in p.dims) + (0,) * (2 - len(p.dims))
         table_slot = self.ctx.slot(acc.buf)
+        # the rows an index may pick: a row's columns can reach rows below it (a gathered
+        # (5, 6) block of a (4, 5, 6) tensor spans five rows of its layout)
+        limit = layout.rows - self._rows_below(acc, v.kind, tile, layout)
+        if limit < 1:
+            raise Unsupported("a gathered block taller than its table")
         out = []
-        for dram, lxb in p.bases:
+        for dram, lxb, run, dims in self._row_pieces(acc, v.kind, tile, layout):
+            count = tuple(d.count for d in dims) + (0,) * (2 - len(dims))
+            stride = tuple(d.src for d in dims) + (0,) * (2 - len(dims))
             out.append(self._push(CMD_GATHER, (op, 0, 0), (
-                table_slot, idx_off, lib.SPY_DT_I64, rows, dram, layout.stick_bytes, layout.rows, data_off + lxb,
-                pitch, p.run, len(p.dims), count, stride, _GATHER_RES, _PAD), deps))
+                table_slot, idx_off, lib.SPY_DT_I64, rows, dram, layout.stick_bytes, limit, data_off + lxb,
+                pitch, run, len(dims), count, stride, _GATHER_RES, _PAD), deps))
         return out
 
-    def _row_pattern(self, acc: Access, kind: str, tile: Tile, layout: StickLayout, lx: Slots) -> Pattern:
-        """The pattern of one gathered row's columns, packed in the scratchpad."""
-        c0 = (self.ctx.offset(acc.buf) + self.tiling.origin(acc, tile)) % layout.row_len
-        e = layout.itemsize
-        cols = self.tiling.tile_cols() if kind in (TILE, COL) else []
-        counts = [c for _, c, _ in cols] or [1]
-        strides = [acc.coeffs[j] for j, _, _ in cols] or [1]
-        key = ("gather", acc.buf, tuple(counts), tuple(strides), c0)
-        p = self.pattern_cache.get(key)
-        if p is None:
-            try:
-                p = pattern(layout, c0, counts, strides, [s * e for _, _, s in cols] or [e])
-            except NotAffine as err:
-                raise Unsupported(f"gather/scatter columns: {err}") from None
-            if len(p.dims) > 2 or any(d.dst != p.run * math.prod(x.count for x in p.dims[:i])
-                                      for i, d in enumerate(p.dims)):
-                raise Unsupported("gather/scatter rows that are not packed in the scratchpad")
-            self.pattern_cache[key] = p
-        return p
+    def _rows_below(self, acc: Access, kind: str, tile: Tile, layout: StickLayout) -> int:
+        """The rows of its table a gathered row's columns reach below the row its index picks."""
+        shift, cols = self.tiling.gathered_columns(acc, kind)
+        c0 = (self.ctx.offset(acc.buf) + self.tiling.origin(acc, tile) + shift) % layout.row_len
+        last = c0 + sum(max(0, acc.coeffs[j] * (n - 1)) for j, n, _, _ in cols)
+        return last // layout.row_len
+
+    def _row_pieces(self, acc: Access, kind: str, tile: Tile, layout: StickLayout) -> tuple:
+        """The pieces of one gathered row's columns, packed in the scratchpad."""
+        shift, cols = self.tiling.gathered_columns(acc, kind)
+        c0 = (self.ctx.offset(acc.buf) + self.tiling.origin(acc, tile) + shift) % layout.row_len
+        key = ("gather", acc.buf, cols, c0)
+        pieces = self.pattern_cache.get(key)
+        if pieces is None:
+            pieces = self.pattern_cache[key] = row_pieces(layout, c0, acc, cols)
+        return pieces
 
     def commands(self) -> np.ndarray:
         cmds = np.zeros(self.n, dtype=CMD_DMA)
@@ -243,6 +245,63 @@ class TileTemplate:
             if records:
                 cmds.view(fmt)[np.array(self.positions[fmt])] = np.array(records, dtype=fmt)
         return cmds
+
+
+def row_pieces(layout: StickLayout, c0: int, acc: Access, cols: tuple) -> tuple:
+    """The patterns of the commands moving one gathered row's columns, each (DRAM offset
+    from the row's start, scratchpad offset from the row's, run bytes, outer dimensions),
+    its scratchpad side packed: one compact pattern where the stick layout allows it, else
+    the columns cut where they cross a stick boundary (a contiguous run that starts at an
+    unaligned column, as the ``sin`` half of an fp16 rotary row of 96 does at column 48),
+    into as few pieces as the patterns allow."""
+    e = layout.itemsize
+    counts = [c for _, c, _, _ in cols] or [1]
+    strides = [acc.coeffs[j] for j, _, _, _ in cols] or [1]
+    lx_strides = [s * e for _, _, s, _ in cols] or [e]
+    lx0 = sum(lo * s * e for _, _, s, lo in cols)
+    if any(n <= 0 for n in counts):
+        return ()
+    return tuple(_pieces(layout, c0, counts, strides, lx_strides, lx0))
+
+
+def _packed(layout: StickLayout, c0: int, counts, strides, lx_strides) -> Pattern | None:
+    """The pattern of a box of a row if it is one whose scratchpad side is packed."""
+    try:
+        p = pattern(layout, c0, counts, strides, lx_strides)
+    except NotAffine:
+        return None
+    if len(p.dims) > 2 or any(d.dst != p.run * math.prod(x.count for x in p.dims[:i]) for i, d in enumerate(p.dims)):
+        return None
+    return p
+
+
+def _pieces(layout: StickLayout, c0: int, counts: list[int], strides: list[int], lx_strides: list[int],
+            lx0: int) -> list[tuple]:
+    p = _packed(layout, c0, counts, strides, lx_strides)
+    if p is not None:
+        return [(dram, lx0 + lxb, p.run, p.dims) for dram, lxb in p.bases]
+    outer = next((k for k, n in enumerate(counts) if n > 1), None)
+    if outer is None:
+        raise Unsupported("gather/scatter columns that leave the row their index picks")
+    # cut the outermost dimension: first where its steps cross a stick boundary
+    n, st, lst = counts[outer], strides[outer], lx_strides[outer]
+    s = layout.stick_elems
+    cuts = sorted({m for m in range(1, n) if (c0 + m * st) % s == 0} | {n})
+    out: list[tuple] = []
+    i = 0
+    while i < n:
+        for b in reversed([m for m in cuts if m > i]):
+            sub = counts[:outer] + [b - i] + counts[outer + 1:]
+            p = _packed(layout, c0 + i * st, sub, strides, lx_strides)
+            if p is not None:
+                out += [(dram, lx0 + i * lst + lxb, p.run, p.dims) for dram, lxb in p.bases]
+                i = b
+                break
+        else:  # not even up to the next boundary: one step of it, cut further inside
+            one = counts[:outer] + [1] + counts[outer + 1:]
+            out += _pieces(layout, c0 + i * st, one, strides, lx_strides, lx0 + i * lst)
+            i += 1
+    return out
 
 
 def _dims_tuples(p: Pattern, load: bool):

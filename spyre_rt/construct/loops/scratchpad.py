@@ -76,7 +76,7 @@ def scratch_needs(a: Analysis) -> frozenset[ScratchNeed]:
             if op.attrs.get("kind") == "m2":
                 needs.add(("f32", 1))
         if op.op in ("load", "store") and op.access.ind:
-            needs |= {("i64", 0), ("row", 0)}
+            needs |= {("i64", 0), ("row", 0), ("row", 1)}  # ("row", 1): the index range check
     return frozenset(needs)
 
 

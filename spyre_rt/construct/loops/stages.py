@@ -181,21 +181,43 @@ class StagePrograms:
             prog.emit(lib.SPY_SFU_MOV, r, c, dst, tmp)
 
     def _buffer_rows(self, prog: Program, v: Value, slot: int, rows: int, size: int) -> None:
-        """The buffer row each tile row of a gather or scatter reads or writes."""
+        """The buffer row each tile row of a gather or scatter reads or writes: the row of
+        its first element plus, per index tensor, the index times the rows it steps. An
+        index outside its dimension that the table's bounds would not catch (a second
+        index, or one of a dimension inside the table's rows) makes the row -1, which the
+        card refuses (SpyreIndexError), rather than an element of another row."""
         acc = v.op.access
-        row_len = self.ctx.layouts[acc.buf].row_len
-        (idx, coef), = acc.ind
+        table = self.ctx.layouts[acc.buf]
+        row_len = table.row_len
         row_coeffs = [0] * self.analysis.n_vars
         for j in range(self.analysis.n_row_vars):
             if acc.coeffs[j] % row_len:
                 raise Unsupported("a gather/scatter whose rows are not whole rows of its buffer")
             row_coeffs[j] = acc.coeffs[j] // row_len
+        if any(coef % row_len for _, coef in acc.ind):
+            raise Unsupported("a gather/scatter index that moves inside a row of its buffer (an element scatter)")
         dst = self.layout.index_slots[v.op.id].operand(slot)
         base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "rowbase")])
         self._affine(prog, rows, size, row_coeffs, dst, base, ROW)
         tmp = Operand(ROW, "int64", self.layout.scratch[("row", 0)], 1)
-        prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // row_len, "int64"))
-        prog.emit(lib.SPY_SFU_ADD, rows, 1, dst, dst, tmp)
+        for idx, coef in acc.ind:
+            prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // row_len, "int64"))
+            prog.emit(lib.SPY_SFU_ADD, rows, 1, dst, dst, tmp)
+        ok = Operand(ROW, "bool", self.layout.scratch[("row", 1)], 1)
+        for idx, coef in acc.ind:
+            extent = self._index_extent(idx)
+            if extent is None or (len(acc.ind) == 1 and extent * (coef // row_len) >= table.rows):
+                continue  # the table's bounds catch an index past its dimension
+            x = self.layout.operand(idx, slot)
+            prog.emit(lib.SPY_SFU_MIN, rows, 1, tmp, x, _imm(extent - 1, "int64"))
+            prog.emit(lib.SPY_SFU_MAX, rows, 1, tmp, tmp, _imm(0, "int64"))
+            prog.emit(lib.SPY_SFU_CMP, rows, 1, ok, tmp, x, aux=lib.SPY_CMP_EQ)
+            prog.emit(lib.SPY_SFU_SELECT, rows, 1, dst, ok, dst, _imm(-1, "int64"))
+
+    def _index_extent(self, vid: str) -> int | None:
+        """The size of the dimension an index value indexes, if it is an indirect index."""
+        op = self.analysis.values[vid].op
+        return int(op.attrs["size"]) if op.op == "indirect" and "size" in op.attrs else None
 
     # ---- the prologue ------------------------------------------------------------------
     def prologue(self, tile: Tile) -> Program | None:
@@ -212,11 +234,13 @@ class StagePrograms:
     def _tile_const(self, const: tuple[str, str], tile: Tile) -> int:
         """The tile's origin in index terms, or the first buffer row of a gather/scatter."""
         vid, what = const
-        acc = self.analysis.values[vid].op.access
+        v = self.analysis.values[vid]
+        acc = v.op.access
         origin = self.tiling.origin(acc, tile)
         if what == "index":
             return int(origin)
-        return int((origin + self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len)
+        shift, _ = self.tiling.gathered_columns(acc, v.kind)
+        return int((origin + shift + self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len)
 
     def tile_consts(self, fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Every tile's constants at once: tiles x constants (see :meth:`prologue`)."""
@@ -224,7 +248,10 @@ class StagePrograms:
 
     def _tile_const_column(self, const: tuple[str, str], fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
         vid, what = const
-        acc: Access = self.analysis.values[vid].op.access
+        v = self.analysis.values[vid]
+        acc: Access = v.op.access
         if what == "index":
             return self.tiling.origins(acc, fixed, start)
-        return self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len
+        shift, _ = self.tiling.gathered_columns(acc, v.kind)
+        return (self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf) + shift)
+                // self.ctx.layouts[acc.buf].row_len)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...kernels import Access
 from ..context import ScratchpadOverflow, Target
+from ..sfu import COL, TILE
 from .analysis import Analysis
 from .scratchpad import ScratchNeed, lay_out, scratch_needs
 
@@ -68,6 +69,20 @@ class Tiling:
             out.append((j, sizes[j], stride))
             stride *= sizes[j]
         return out[::-1]
+
+    def gathered_columns(self, acc: Access, kind: str) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
+        """The columns a gathered or scattered access of value kind `kind` moves per row:
+        how far its mask's box moves its first element, and per column variable
+        (variable, count, stride in tile columns, first index)."""
+        if kind not in (TILE, COL):
+            return 0, ()
+        dom = {j: (lo, hi) for j, lo, hi in acc.domain}
+        shift, cols = 0, []
+        for j, count, stride in self.tile_cols():
+            lo, hi = dom.get(j, (0, count))
+            shift += acc.coeffs[j] * lo
+            cols.append((j, hi - lo, stride, lo))
+        return shift, tuple(cols)
 
     def origin(self, acc: Access, tile: Tile) -> int:
         """The element `acc` reads at the tile's first row and column, from the start of

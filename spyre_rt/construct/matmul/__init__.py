@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ... import dtypes
-from ..context import BuildContext
+from ..context import BuildContext, Refused
 from . import commands
 from .spec import ITEMSIZE, MatmulSpec, Problem, View
 from .tiling import Tiling, choose
@@ -48,7 +48,7 @@ def build_kernel(ctx: BuildContext, k, tiling: Tiling | None = None) -> Tiling:
 
     for dt in (k.in_dtype, k.out_dtype):
         if dt not in dtypes.MATMUL:
-            raise NotImplementedError(f"matmul in {dt}")
+            raise Refused(f"matmul in {dt}")
     ep = k.epilogue
     if ep is not None:
         ep = dataclasses.replace(ep, inputs=tuple(view(v) for v in ep.inputs),

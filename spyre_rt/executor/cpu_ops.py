@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fallback
+from .. import fallback, host_ops
 from ..dispatch import DispatchMode
 from ..dtypes import torch_dtype
 from ..errors import warn_once
@@ -183,7 +183,7 @@ class CpuOps:
 
         fn = self._ops.get(op.op)
         if fn is None:
-            fn = self._ops[op.op] = resolve(op.op)
+            fn = self._ops[op.op] = host_ops.cpu_kernel(resolve(op.op))
         result = fn(*decode(op.args), **{k: decode(v) for k, v in op.kwargs.items()})
         for src, host in zip(plan.sources, copies, strict=True):
             if src.written:  # the op wrote it in place: back into the view it came from

@@ -11,6 +11,7 @@ address names its card (:func:`owner`) even when several sets have a ``spyre:0``
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,9 @@ MEM_CONTROL = 1
 TRACE_EVENT = np.dtype([("kind", "u4"), ("core", "u2"), ("engine", "u2"), ("start_ns", "f8"),
                         ("end_ns", "f8"), ("job", "u8"), ("a", "u8"), ("b", "u8")])
 EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH = 1, 2, 3, 4
+# The name prefix of a traced host span in which the CPU does the card's work (an op with no
+# card kernel, eagerly or inside a step; a kernel run on the host): a step's CPU share.
+CPU_SPAN = "cpu "
 ENGINE_NAMES = ("load", "store", "pt", "sfu", "ring")
 CARD_ENGINE_NAMES = ("pcie-h2d", "pcie-d2h", "ctrl")
 CORE_CARD = 0xFFFF
@@ -162,6 +166,13 @@ class Card:
     # ---- clocks ----
     def host_clock_ns(self) -> int:
         return int(lib.spy_host_clock_ns(self.handle))
+
+    def host_work_start_ns(self) -> int:
+        """When host work on the card's results can start: now by the host clock, or the
+        card's finish if that is later (the copy down waits for it). A host span of CPU
+        work starts here, so that it does not count the card's time again."""
+        c = self.clock()
+        return max(c.host_ns, math.ceil(c.finish_ns))
 
     def device_finish_ns(self) -> float:
         return float(lib.spy_device_finish_ns(self.handle))

@@ -15,7 +15,8 @@ from collections import Counter
 
 import torch
 
-from . import capture, errors, tensors
+from . import capture, errors, host_ops, tensors
+from . import card as cards
 
 aten = torch.ops.aten
 
@@ -203,6 +204,17 @@ def run_on_cpu(op, *args, **kwargs):
         capture.refuse(f"{sc.name} (no device kernel: it runs on the CPU)")
     _note(sc.name)
     device = _device_of(args, kwargs)
+    card = cards.get(tensors.device_index(device))
+    if not card.tracing:
+        return _run_on_cpu(sc, op, device, args, kwargs)
+    t0 = card.host_work_start_ns()  # the copies and the op: the CPU's share of the card's work
+    try:
+        return _run_on_cpu(sc, op, device, args, kwargs)
+    finally:
+        card.trace_host_span(f"{cards.CPU_SPAN}{sc.name}", t0, card.host_clock_ns())
+
+
+def _run_on_cpu(sc: _Schema, op, device: torch.device, args, kwargs):
     call = _Call(device)  # on a timing-mode card the inputs read as zeros
     read_ids = {id(a) for a in args}
     host_args = [call.down(a) for a in args]
@@ -212,7 +224,7 @@ def run_on_cpu(op, *args, **kwargs):
         # which on the CPU wraps it again: the same promotion as the caller's own call.
         result = op.overloadpacket(*host_args, **host_kwargs)
     else:
-        result = op(*host_args, **host_kwargs)
+        result = host_ops.cpu_kernel(op)(*host_args, **host_kwargs)
     bound = dict(zip(sc.arg_names, args, strict=False)) | kwargs
     host_bound = dict(zip(sc.arg_names, host_args, strict=False)) | host_kwargs
     for name in sc.written:

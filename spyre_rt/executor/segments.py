@@ -14,6 +14,7 @@ from typing import Any
 
 from ..dispatch import DispatchMode
 from ..errors import SpyreError, SpyreIndexError
+from ..card import CPU_SPAN
 from ..kernels import CpuOp
 
 
@@ -68,7 +69,13 @@ class CpuSegment:
     op: CpuOp
 
     def run(self, call: Call) -> None:
+        card = call.exe.card
+        if not card.tracing:
+            call.cpu_values[self.op.name] = call.exe.cpu.run(self.op, call.table, call.mode)
+            return
+        t0 = card.host_work_start_ns()
         call.cpu_values[self.op.name] = call.exe.cpu.run(self.op, call.table, call.mode)
+        card.trace_host_span(f"{CPU_SPAN}{self.op.op}", t0, card.host_clock_ns())
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,13 @@ class HostKernelSegment:
     kernel: str
 
     def run(self, call: Call) -> None:
+        card = call.exe.card
+        if not card.tracing:
+            call.exe.host.run(self.kernel, call.table, call.mode)
+            return
+        t0 = card.host_work_start_ns()
         call.exe.host.run(self.kernel, call.table, call.mode)
+        card.trace_host_span(f"{CPU_SPAN}kernel {self.kernel}", t0, card.host_clock_ns())
 
 
 @dataclass(frozen=True)

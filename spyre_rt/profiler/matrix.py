@@ -3,7 +3,8 @@
 Each row is one family (:mod:`.models`) run by :mod:`.parity` in each dtype, compiled once
 and run in each dispatch mode: its status (``ok``; ``falls back``: some ops ran on the CPU;
 ``fails``: a compile error, an error at run time, dispatch modes that disagree, or outputs
-beyond the tolerance), the kernels of a step, the ops run on the CPU per step, the largest
+beyond the tolerance), the kernels of a step, the ops run on the CPU per step and their share
+of the step's time, the largest
 difference from CPU eager in fp32 per dtype, and the compile time. ``spyre-profile
 models`` prints it; the README carries its output.
 """
@@ -48,6 +49,7 @@ class Row:
     reason: str = ""                                   # why it fails: the first line of the error
     kernels: dict[str, int] = field(default_factory=dict)             # phase -> kernels per step
     cpu_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> op -> CPU calls per step
+    cpu_share: dict[str, float] = field(default_factory=dict)  # phase -> the CPU's share of its time
     error: dict[str, float] = field(default_factory=dict)       # dtype -> worst difference from fp32 CPU eager
     tolerance: dict[str, float] = field(default_factory=dict)   # dtype -> its tolerance
     compile_s: dict[str, float] = field(default_factory=dict)   # dtype -> compile time of its graphs
@@ -90,6 +92,8 @@ def _measure(row: Row, fam: Family, dtypes: tuple[str, ...], modes: tuple[str, .
             _fail(row, f"{dname}: {first_line(e)}")
             continue
         row.kernels = row.kernels or c.census.kernels
+        for phase, share in c.census.cpu_share.items():
+            row.cpu_share[phase] = max(row.cpu_share.get(phase, 0.0), share)
         for phase, ops in c.census.cpu_ops.items():
             mine = row.cpu_ops.setdefault(phase, {})
             for op, n in ops.items():
@@ -175,6 +179,12 @@ def _kernels_cell(row: Row) -> str:
     return "/".join(str(k[p]) for p in ("prefill", "decode", "forward") if p in k)
 
 
+def _cpu_share_cell(row: Row) -> str:
+    """The CPU's share of a step's time, prefill/decode (encoders: forward), in percent."""
+    shares = [row.cpu_share[p] for p in ("prefill", "decode", "forward") if p in row.cpu_share]
+    return "/".join(f"{100 * x:.0f}" for x in shares) + " %" if shares else ""
+
+
 def _error_cell(dname: str) -> Callable[[Row], str]:
     def cell(row: Row) -> str:
         e = row.error.get(dname)
@@ -197,7 +207,8 @@ def _status_cell(notes: dict[str, int]) -> Callable[[Row], str]:
 def columns(dtypes: tuple[str, ...], notes: dict[str, int]) -> list[Column]:
     cols = [Column("status", _status_cell(notes), 10),
             Column("kernels\nper step", _kernels_cell, 8),
-            Column("on the CPU\n(per step)", _cpu_ops_cell, 9)]
+            Column("on the CPU\n(per step)", _cpu_ops_cell, 9),
+            Column("CPU share\nof a step", _cpu_share_cell, 8)]
     cols += [Column(f"{d} max\n|Δ|", _error_cell(d), 7) for d in dtypes]
     cols += [Column(f"{d}\ntolerance", lambda r, d=d: f"{r.tolerance[d]:.1e}" if d in r.tolerance else "", 4)
              for d in dtypes if d != "fp32"]
@@ -240,7 +251,9 @@ def caption(dtypes: tuple[str, ...], modes: tuple[str, ...], host_line: str) -> 
         what += (f"; fp16: {FP16_SLACK:g}× CPU eager fp16's own |Δ| + {FP16_FLOOR:g}× the largest fp32 "
                  "output")
     return (what + "). kernels per step: prefill/decode (encoders: forward). compile: Dynamo, AOT and "
-            "Inductor seconds of the family's prefill and decode graphs (the slower dtype's). " + host_line)
+            "Inductor seconds of the family's prefill and decode graphs (the slower dtype's). CPU share: of a "
+            "step's time (prefill/decode), the share spent on the CPU running ops the card has no kernel for "
+            "(the op and its copies, host clock) against that plus the card's jobs. " + host_line)
 
 
 def host_line(h: dict) -> str:

@@ -181,6 +181,11 @@ class Census:
 
     kernels: dict[str, int] = field(default_factory=dict)         # phase -> kernels
     cpu_ops: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> op -> calls on the CPU
+    cpu_share: dict[str, float] = field(default_factory=dict)     # phase -> the CPU's share of its time
+
+    def cpu_share_of_decode(self) -> float:
+        """The CPU's share of a decode step's time (an encoder: of its forward)."""
+        return self.cpu_share.get("decode", self.cpu_share.get("forward", 0.0))
 
 
 @dataclass
@@ -256,6 +261,18 @@ def _compile_seconds() -> float:
     return sum(m.entire_frame_compile_time_s or 0.0 for m in get_compilation_metrics())
 
 
+def cpu_share(card, ev) -> float:
+    """Of the time a phase's work took, the share the CPU did: its host spans for ops with
+    no card kernel (the op and its copies, by the card's host clock) against those plus the
+    card's jobs (their run and launch latency, on the card's timeline)."""
+    is_job = ev["kind"] == cards.EV_JOB
+    job_ns = float((ev["end_ns"][is_job] - ev["start_ns"][is_job]).sum()) + int(is_job.sum()) * card.profile["job_launch_ns"]
+    host = ev[ev["kind"] == cards.EV_HOST]
+    on_cpu = [card.name_of(int(a)).startswith(cards.CPU_SPAN) for a in host["a"].tolist()]
+    cpu_ns = float((host["end_ns"][on_cpu] - host["start_ns"][on_cpu]).sum()) if any(on_cpu) else 0.0
+    return cpu_ns / (cpu_ns + job_ns) if cpu_ns + job_ns > 0 else 0.0
+
+
 def census(r: Decoder | Encoder) -> Census:
     """The kernels the card runs, and the ops that run on the CPU, in a prefill and in one
     decode step (an encoder: its forward), from a traced run of them."""
@@ -268,8 +285,10 @@ def census(r: Decoder | Encoder) -> Census:
         with torch.no_grad():
             fn()
         ev = card.trace_events(first)
-        jobs = [card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
+        is_job = ev["kind"] == cards.EV_JOB
+        jobs = [card.name_of(int(a)) for a in ev["a"][is_job].tolist()]
         out.kernels[name] = len(kernel_names(jobs))
+        out.cpu_share[name] = cpu_share(card, ev)
         ops = (Counter(fallback.calls) - eager) + (Counter(fallback.in_steps) - in_steps)
         out.cpu_ops[name] = dict(ops)
 

@@ -22,6 +22,7 @@ from spyre_rt.kernels import MatmulKernel
 from ..describe import ADAPTERS
 from ..errors import compile_error
 from . import attention
+from .grouped import grouped_decompositions
 from .record import (
     buffer_info,
     dtype_name,
@@ -339,6 +340,7 @@ def decompositions() -> dict:
     table.pop(aten.roll.default, None)  # lowered as two slices (see install)
     # baddbmm = beta * input + alpha * bmm: the bmm becomes a matmul kernel, the rest fuses
     table.update(get_decompositions([aten.baddbmm.default]))
+    table.update(grouped_decompositions())  # experts: every expert's product, then a select
     return table
 
 

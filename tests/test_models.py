@@ -43,8 +43,19 @@ FAST_MODES = {"fp32": MODES, "fp16": ("prebuilt",)}  # fp16 in every mode: slow
 # The ops each family runs on the CPU inside its compiled steps: element-wise gathers
 # (BERT's token types, DeBERTa's relative positions) and RoBERTa's positions counted from
 # the padding (a cumulative sum). Anything else falling back is a regression.
+# MoE routing as transformers runs it on an accelerator: top-k, the sort by expert, the
+# per-expert counts (histc) and their offsets (cumsum) have no card kernels; the gather of
+# each pair's row (at perm // top_k, an index the card's loops cannot express) takes the
+# kernel it fuses into with it (the routing weights' softmax, the weighting, the sum over
+# the top-k), and the inverse permutation is a scatter of one index per element. The
+# experts themselves run on the card (tests/test_grouped.py).
+_MOE_ROUTING = {"aten.topk.default", "aten.sort.stable", "aten.histc.default", "aten.cumsum.default",
+                "aten.index.Tensor", "aten.mul.Tensor", "aten.index_put_.default", "aten.sum.dim_IntList"}
 CPU_OPS = {"bert": {"aten.gather.default"}, "roberta": {"aten.cumsum.default", "aten.gather.default"},
-           "deberta_v2": {"aten.gather.default"}}
+           "deberta_v2": {"aten.gather.default"},
+           "granitemoe": _MOE_ROUTING | {"aten.sub.Tensor", "aten.exp.default", "aten.div.Tensor"},
+           "mixtral": _MOE_ROUTING | {"aten.div.Tensor"}, "qwen3_moe": _MOE_ROUTING | {"aten.div.Tensor"},
+           "qwen2_moe": _MOE_ROUTING}
 
 
 @functools.cache
@@ -154,6 +165,17 @@ def test_only_the_expected_ops_run_on_the_cpu(family):
     assert all(n > 0 for n in census.kernels.values()), census.kernels
     ran = {op for ops in census.cpu_ops.values() for op in ops}
     assert ran == CPU_OPS.get(family, set()), census.cpu_ops
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cpu_share_of_a_step_is_its_cpu_ops_time(family):
+    """The matrix's CPU-share column: zero exactly where no op ran on the CPU, a fraction
+    of the step's time otherwise."""
+    census = fast(family, "fp32").census
+    assert set(census.cpu_share) == set(census.kernels)
+    for phase, share in census.cpu_share.items():
+        assert 0.0 <= share < 1.0
+        assert (share > 0) == bool(census.cpu_ops[phase]), (phase, share, census.cpu_ops[phase])
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,18 @@ def _granite_tiny() -> dict[str, Any]:
     return dict(load_model("granite-tiny").config)
 
 
+_EXPERT = INTERMEDIATE // 4  # each expert's hidden width: top-2 of 4 costs half the dense MLP
+
+
+def _granite_tiny_shape() -> dict[str, Any]:
+    """granite-tiny's shape and multipliers, for Granite's MoE family."""
+    cfg = _granite_tiny()
+    keep = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "embedding_multiplier",
+            "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {k: cfg[k] for k in keep if k in cfg} | {"intermediate_size": _EXPERT}
+
+
 def _family(name, kind, model_class, config_class, config, brings, **kw) -> Family:
     return Family(name, kind, model_class, config_class, config, brings, **kw)
 
@@ -115,6 +127,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family("stablelm", DECODER, "StableLmForCausalLM", "StableLmConfig", {
         **_LLAMA_SHAPE, "partial_rotary_factor": 0.25},
         "LayerNorm with bias, rotary embeddings on a quarter of each head"),
+    # ---- decoders: mixtures of experts (top-k routing, per-expert token counts, grouped experts) ----
+    _family("granitemoe", DECODER, "GraniteMoeForCausalLM", "GraniteMoeConfig", {
+        **_granite_tiny_shape(), "num_local_experts": 4, "num_experts_per_tok": 2, "initializer_range": INIT,
+        "tie_word_embeddings": False},  # tied, its greedy decode repeats one token
+        "top-2 of 4 experts, softmax over the chosen logits, Granite's multipliers"),
+    _family("mixtral", DECODER, "MixtralForCausalLM", "MixtralConfig", {
+        **_LLAMA_SHAPE, "intermediate_size": _EXPERT, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False},
+        "top-2 of 4 SwiGLU experts, the routing weights renormalised"),
+    _family("qwen3_moe", DECODER, "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {
+        **_LLAMA_SHAPE, "head_dim": 32, "moe_intermediate_size": _EXPERT, "num_experts": 4,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": False},
+        "top-2 of 4 experts in every layer, RMSNorm of each query and key head"),
+    _family("qwen2_moe", DECODER, "Qwen2MoeForCausalLM", "Qwen2MoeConfig", {
+        **_LLAMA_SHAPE, "moe_intermediate_size": _EXPERT, "shared_expert_intermediate_size": _EXPERT,
+        "num_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+        "routed experts beside a shared expert behind a sigmoid gate, unnormalised top-k weights"),
     # ---- decoders: learned positions, LayerNorm, GELU MLPs ----
     _family("gpt2", DECODER, "GPT2LMHeadModel", "GPT2Config", dict(
         n_embd=HIDDEN, n_inner=INTERMEDIATE, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,

@@ -123,6 +123,35 @@ def test_blocks_start_on_stick_boundaries():
     assert all(t.start % 64 == 0 for t in tiling.tiles)
 
 
+def _row_sums(batch, n, dtype="float32"):
+    """y[b, i] = sum_j (x[b, i] - x[b, j]): rows (b, i), the reduction over j; the output's
+    rows are x's, so the block variable i moves along the output's sticks."""
+    x_strides = (n, 1)
+    body = [Op("a", "load", (), dtype, Access("x", 0, (n, 1, 0))),
+            Op("b", "load", (), dtype, Access("x", 0, (n, 0, 1))),
+            Op("d", "sub", ("a", "b")),
+            Op("s", "reduction", ("d",), dtype, None, {"kind": "sum"}),
+            Op("y", "store", ("s",), dtype, Access("y", 0, (n, 1, 0)))]
+    buffers = (Buffer("x", dtype, (batch, n), x_strides), Buffer("y", dtype, (batch, n), x_strides))
+    return LoopKernel("k", (batch, n, n), 1, True, tuple(body), buffers)
+
+
+@pytest.mark.parametrize("batch,n,dtype", [(9, 128, "float32"), (17, 64, "float32"), (9, 120, "float32"),
+                                           (9, 128, "float16"), (3, 100, "float16")])
+def test_no_two_tiles_store_into_one_stick(batch, n, dtype):
+    """A tile's stores fill sticks of their own: the cores write sticks back whole, so two
+    tiles storing into one stick lose one's values (rows of 36 once split 128-element
+    rows mid-stick, and the kernel returned wrong sums)."""
+    t = choose_tiling(analyse(_row_sums(batch, n, dtype)), TARGET)
+    per_stick = TARGET.stick_bytes // {"float32": 4, "float16": 2}[dtype]
+    assert sorted(covered_rows(t)) == list(itertools.product(range(batch), range(n)))
+    owners = {}
+    for tile in t.tiles:
+        first = t.origin(t.analysis.stores[0].op.access, tile)
+        for e in {(e // n, (e % n) // per_stick) for e in range(first, first + tile.size)}:
+            assert owners.setdefault(e, tile) is tile, f"stick {e} stored by two tiles"
+
+
 def test_tiles_go_round_robin_over_the_32_cores_in_per_core_order():
     tiling = choose_tiling(analyse(pointwise((10000, 64))), TARGET)
     tiles = tiling.tiles

@@ -19,7 +19,8 @@ import numpy as np
 from ...kernels import Access
 from ..context import ScratchpadOverflow, Target
 from ..sfu import COL, TILE
-from .analysis import Analysis
+from ...dtypes import ITEMSIZE
+from .analysis import Analysis, Unsupported
 from .scratchpad import ScratchNeed, lay_out, scratch_needs
 
 
@@ -112,8 +113,65 @@ def choose_tiling(a: Analysis, target: Target) -> Tiling:
     total_rows = math.prod(sizes[:nrow]) if nrow else 1
     cap = _rows_that_fit(a, needs, target, want=max(1, -(-total_rows // target.num_cores)))
     block, block_size, inner = _block(sizes, nrow, cap, align=target.stick_bytes // 2)
+    need = _store_alignment(a, block, target.stick_bytes)
+    if need > 1 and block_size % need and block_size < sizes[block]:
+        # each tile's stores must fill sticks of their own: two cores storing into one stick
+        # would each write the whole stick back, and the later would undo the other's part
+        block_size = block_size - block_size % need if block_size > need else min(need, sizes[block])
+        rows = block_size * inner
+        if _rows_that_fit(a, needs, target, want=rows) < rows:
+            raise Unsupported(f"kernel {a.kernel.name}: tiles of whole sticks of its output "
+                              f"({block_size} rows of the block) do not fit the scratchpad")
     tiles = _tiles(sizes, block, block_size, target.num_cores)
-    return Tiling(a, block, block_size, inner, block_size * inner, tiles, needs)
+    tiling = Tiling(a, block, block_size, inner, block_size * inner, tiles, needs)
+    _check_stores_own_their_sticks(tiling, target.stick_bytes)
+    return tiling
+
+
+def _splits_sticks(b, coeff: int, per_stick: int) -> int:
+    """The length of `b`'s rows (its stride-1 dimension) if steps of `coeff` elements can
+    land inside one stick of a row (a step of whole sticks, or of whole rows, cannot), else 0."""
+    row = next((n for n, st in zip(b.sizes, b.strides, strict=True) if st == 1 and n > 1), 0)
+    return row if row > 1 and coeff % row and coeff % per_stick else 0
+
+
+def _store_alignment(a: Analysis, block: int, stick_bytes: int) -> int:
+    """Indices of the block variable a tile must start at a multiple of, so that no two
+    tiles store into one stick: where the block variable moves along a stored buffer's
+    rows (the kept dimension of a reduction over the last one, say)."""
+    if block < 0:
+        return 1
+    buffers = {b.name: b for b in a.kernel.buffers}
+    need = 1
+    for v in a.stores:
+        acc = v.op.access
+        c = acc.coeffs[block]
+        b = buffers[acc.buf]
+        per_stick = stick_bytes // ITEMSIZE[b.dtype]
+        if c and _splits_sticks(b, c, per_stick):
+            need = math.lcm(need, per_stick // math.gcd(c, per_stick))
+    return need
+
+
+def _check_stores_own_their_sticks(t: Tiling, stick_bytes: int) -> None:
+    """Refuses a tiling in which a tile's first store falls inside a stick that the tile
+    before it along the block variable also stores into (a view's offset that no block
+    size can align): construction then fails, and the kernel runs another way."""
+    if t.block < 0 or len(t.tiles) < 2:
+        return
+    buffers = {b.name: b for b in t.analysis.kernel.buffers}
+    for v in t.analysis.stores:
+        acc = v.op.access
+        c = acc.coeffs[t.block]
+        b = buffers[acc.buf]
+        per_stick = stick_bytes // ITEMSIZE[b.dtype]
+        row = _splits_sticks(b, c, per_stick) if c else 0
+        if not row:
+            continue
+        for tile in t.tiles:
+            if tile.start and ((b.offset + t.origin(acc, tile)) % row) % per_stick:
+                raise Unsupported(f"kernel {t.analysis.kernel.name}: its tiles would store into one stick "
+                                  f"of {b.name} from two cores")
 
 
 def _rows_that_fit(a: Analysis, needs: frozenset[ScratchNeed], target: Target, want: int) -> int:

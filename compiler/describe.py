@@ -504,7 +504,11 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
             if op in ("load", "store", "index"):
                 expr = rec["index"]
                 extras = [s for s in expr.free_symbols if s.name in ind_syms]
-                const, coeffs, ecoeffs = affine_coefficients(expr, syms, node_sub, canon, extras)
+                try:
+                    const, coeffs, ecoeffs = affine_coefficients(expr, syms, node_sub, canon, extras)
+                except NotSupported as e:
+                    e.op_id, e.indirect = rid, bool(extras)  # the compiler runs that op's node elsewhere
+                    raise
                 ind = tuple((ind_syms[s.name], c) for s, c in zip(extras, ecoeffs, strict=True) if c)
                 if op == "index":
                     if ind:

@@ -38,9 +38,12 @@ from .errors import CompileFailed
 log = logging.getLogger("spyre_rt.compiler.prebuild")
 
 
-def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbolic: bool) -> None:
+def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbolic: bool,
+             kernel_indexing: dict[str, set[str]] | None = None) -> None:
     """Prepare the step the module embeds as `text`; a kernel construction refuses is a
-    compile error carrying the FX nodes to run on the CPU (``fallback_nodes``)."""
+    compile error carrying the FX nodes to run on the CPU (``fallback_nodes``): a kernel's
+    indexing ops (`kernel_indexing`) when what it refused was an access through an index,
+    else all its nodes."""
     if not any(kind == "run" for kind, _ in desc.sequence):
         return
     try:
@@ -56,7 +59,9 @@ def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbo
     try:
         exe.prepare(mode, fallback=False)
     except SpyreRefusedError as e:
-        nodes = set().union(*(kernel_nodes.get(name, set()) for name in e.kernels))
+        indexing = kernel_indexing or {}
+        nodes = set().union(*((name in e.indirect and indexing.get(name)) or kernel_nodes.get(name, set())
+                              for name in e.kernels))
         if nodes:
             err = CompileFailed("spyre cannot compile " + "; ".join(
                 f"{exe.host_source(name)}: the card's construction refused its kernel {name} ({why})"

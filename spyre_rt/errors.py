@@ -94,11 +94,13 @@ class SpyreCompileError(SpyreError):
 class SpyreRefusedError(SpyreCompileError):
     """The card's construction refused kernels of a compiled step (a pattern it cannot
     express, tiles that do not fit the scratchpad) and CPU fallback is off. ``kernels``
-    maps each refused kernel to what construction said."""
+    maps each refused kernel to what construction said; ``indirect`` names those refused
+    for an access through an index (a gather or scatter it cannot address)."""
 
-    def __init__(self, message: str, kernels: dict[str, str] | None = None):
+    def __init__(self, message: str, kernels: dict[str, str] | None = None, indirect=()):
         super().__init__(message)
         self.kernels = dict(kernels or {})
+        self.indirect = frozenset(indirect)
 
 
 class SpyrePlanCacheError(SpyreError):

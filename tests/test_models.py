@@ -41,21 +41,17 @@ ENCODERS = _families(models.ENCODER)
 FAST_MODES = {"fp32": MODES, "fp16": ("prebuilt",)}  # fp16 in every mode: slow
 
 # The ops each family runs on the CPU inside its compiled steps: element-wise gathers
-# (BERT's token types, DeBERTa's relative positions) and RoBERTa's positions counted from
-# the padding (a cumulative sum). Anything else falling back is a regression.
-# MoE routing as transformers runs it on an accelerator: top-k, the sort by expert, the
-# per-expert counts (histc) and their offsets (cumsum) have no card kernels; the gather of
-# each pair's row (at perm // top_k, an index the card's loops cannot express) takes the
-# kernel it fuses into with it (the routing weights' softmax, the weighting, the sum over
-# the top-k), and the inverse permutation is a scatter of one index per element. The
-# experts themselves run on the card (tests/test_grouped.py).
-_MOE_ROUTING = {"aten.topk.default", "aten.sort.stable", "aten.histc.default", "aten.cumsum.default",
-                "aten.index.Tensor", "aten.mul.Tensor", "aten.index_put_.default", "aten.sum.dim_IntList"}
-CPU_OPS = {"bert": {"aten.gather.default"}, "roberta": {"aten.cumsum.default", "aten.gather.default"},
+# (BERT's and RoBERTa's token types, DeBERTa's relative positions; RoBERTa's positions
+# counted from the padding, a cumulative sum, run on the card). Anything else falling
+# back is a regression.
+# MoE: the routing (top-k, the sort by expert, the counts, the offsets, the inverse
+# permutation) and the experts run on the card; the gather of each pair's output at the
+# inverse permutation feeds the sum over the top-k, and its index varies along that
+# reduction's columns, which construction cannot address: that gather runs on the CPU.
+_MOE = {"aten.index.Tensor"}
+CPU_OPS = {"bert": {"aten.gather.default"}, "roberta": {"aten.gather.default"},
            "deberta_v2": {"aten.gather.default"},
-           "granitemoe": _MOE_ROUTING | {"aten.sub.Tensor", "aten.exp.default", "aten.div.Tensor"},
-           "mixtral": _MOE_ROUTING | {"aten.div.Tensor"}, "qwen3_moe": _MOE_ROUTING | {"aten.div.Tensor"},
-           "qwen2_moe": _MOE_ROUTING}
+           "granitemoe": _MOE, "mixtral": _MOE, "qwen3_moe": _MOE, "qwen2_moe": _MOE}
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from ..describe import ADAPTERS
 from ..errors import compile_error
 from . import attention
 from .grouped import grouped_decompositions
+from .ranking import ranking_decompositions
 from .record import (
     buffer_info,
     dtype_name,
@@ -341,6 +342,7 @@ def decompositions() -> dict:
     # baddbmm = beta * input + alpha * bmm: the bmm becomes a matmul kernel, the rest fuses
     table.update(get_decompositions([aten.baddbmm.default]))
     table.update(grouped_decompositions())  # experts: every expert's product, then a select
+    table.update(ranking_decompositions())  # sorts, top-k, histograms, cumsums of short rows
     return table
 
 

@@ -43,6 +43,7 @@ class _Recorder(DefaultHandler):
         self.ops: list[dict] = []
         self.nind = 0
         self.mask_stack: list[str] = []
+        self.indirect: dict[str, tuple[str, object, bool]] = {}  # symbol -> (value, size, wrap_neg)
 
     def _add(self, rec: dict) -> str:
         rec["id"] = f"{self.prefix}{len(self.ops)}"
@@ -60,12 +61,45 @@ class _Recorder(DefaultHandler):
         return self._add({"op": name, "args": list(args)})
 
     def load(self, name, index):
-        return self._add({"op": "load", "buf": self.real_name(name), "index": index})
+        return self._add({"op": "load", "buf": self.real_name(name), "index": self._affine_in_indirect(index)})
 
     def store(self, name, index, value, mode=None):
         if mode not in (None,):
             raise NotSupported(f"store with mode {mode!r} (accumulating scatter)")
-        self._add({"op": "store", "buf": self.real_name(name), "index": index, "args": [value]})
+        self._add({"op": "store", "buf": self.real_name(name), "index": self._affine_in_indirect(index),
+                   "args": [value]})
+
+    def _affine_in_indirect(self, index):
+        """`index` with each ``x // d`` and ``(x // d) % m`` of an indirect index x (a gather
+        of the rows at ``perm // top_k``, say) replaced by an indirect index of its own that
+        the card computes from x's value: kernels address memory affinely in their
+        indirect indices."""
+        if not self.indirect or not isinstance(index, sympy.Expr):
+            return index
+        swap = {}
+        for node in sympy.preorder_traversal(index):
+            name = type(node).__name__
+            if name not in ("FloorDiv", "CleanDiv", "ModularIndexing") or node in swap:
+                continue
+            x, d = node.args[0], node.args[1]
+            if not (isinstance(x, sympy.Symbol) and x.name in self.indirect and d.is_Integer and int(d) > 0):
+                continue
+            m = node.args[2] if name == "ModularIndexing" else None
+            if m is not None and not (m.is_Integer and int(m) > 0):
+                continue
+            value, bound, wrap_neg = self.indirect[x.name]
+            if wrap_neg:  # the index x stands for: a negative value counts from the end
+                wrapped = self._add({"op": "add", "args": [value, self.constant(bound, torch.int64)]})
+                negative = self._add({"op": "lt", "args": [value, self.constant(0, torch.int64)]})
+                value = self._add({"op": "where", "args": [negative, wrapped, value]})
+            value = self._add({"op": "floordiv", "args": [value, self.constant(int(d), torch.int64)]})
+            if m is not None:
+                value = self._add({"op": "mod", "args": [value, self.constant(int(m), torch.int64)]})
+                new_bound = int(m)
+            else:
+                new_bound = size(sympy.ceiling(sympy.sympify(bound) / int(d)))
+            swap[node] = self.indirect_indexing(value, new_bound, wrap_neg=False)
+        return index.xreplace(swap) if swap else index
 
     def store_reduction(self, name, index, value):
         self._add({"op": "store", "buf": self.real_name(name), "index": index, "args": [value]})
@@ -105,6 +139,7 @@ class _Recorder(DefaultHandler):
         self.nind += 1
         self._add({"op": "indirect", "args": [x], "size": size(size_), "wrap_neg": bool(wrap_neg),
                    "symbol": sym.name})
+        self.indirect[sym.name] = (x, size(size_), bool(wrap_neg))
         return sym
 
     def masked(self, mask, body, other):
@@ -263,6 +298,21 @@ def computing_origins(snodes) -> set[str]:
     for sn in snodes:
         for o in getattr(getattr(sn, "node", sn), "origins", ()):
             if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", str(o.target)) not in _VIEWS:
+                out.add(o.name)
+    return out
+
+
+# FX ops whose reads go through an index tensor: where an indirect access comes from
+_INDEXING = {"index", "_unsafe_index", "index_select", "gather", "embedding", "take", "index_put", "_unsafe_index_put",
+             "index_put_", "scatter", "scatter_"}
+
+
+def indexing_origins(snodes) -> set[str]:
+    """The FX nodes among what a fused group computes that index by a tensor, by name."""
+    out = set()
+    for sn in snodes:
+        for o in getattr(getattr(sn, "node", sn), "origins", ()):
+            if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", "") in _INDEXING:
                 out.add(o.name)
     return out
 

@@ -13,6 +13,8 @@ express fails the compile, not the first call.
 
 from __future__ import annotations
 
+import re
+
 from torch._inductor.codegen.simd import SIMDScheduling
 from torch._inductor.virtualized import V
 
@@ -20,7 +22,7 @@ from spyre_rt.construct.loops import Unsupported, check_kernel
 
 from ..describe import NotSupported, describe
 from ..errors import compile_error
-from .record import computing_origins, hints, record_kernel
+from .record import computing_origins, hints, indexing_origins, record_kernel
 
 
 class SpyreScheduling(SIMDScheduling):
@@ -51,7 +53,9 @@ class SpyreScheduling(SIMDScheduling):
             check_kernel(kernel)  # what construction cannot express fails now, not at the first call
         except (NotSupported, Unsupported) as e:
             err = compile_error(str(e), nodes)
-            err.fallback_nodes = computing_origins(nodes)  # what the backend may run on the CPU instead
+            # what the backend may run on the CPU instead: the node of the op construction
+            # refused when it is known (the rest of the group stays a card kernel), else all
+            err.fallback_nodes = _refused_nodes(e, nodes)
             raise err from None
         wrapper.define_spyre_kernel(recorded.stored() if example else kernel, nodes)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
@@ -79,3 +83,17 @@ class SpyreScheduling(SIMDScheduling):
 
     def benchmark_fused_nodes(self, nodes):
         return 0.0, ""
+
+
+def _refused_nodes(e: Exception, nodes) -> set[str]:
+    """The FX nodes to run on the CPU for a refusal: those of the scheduler node whose op
+    construction refused (ops are named ``n{k}_...`` for the k-th node of the group, see
+    ``record.record_kernel``), and of those, for an access through an index construction
+    cannot address, only the indexing ops (the arithmetic fused around them stays on the
+    card); every node of the group if the error names no op."""
+    m = re.match(r"n(\d+)_", getattr(e, "op_id", "") or "")
+    k = int(m.group(1)) if m else -1
+    if not 0 <= k < len(nodes):
+        return computing_origins(nodes)
+    culprit = [nodes[k]]
+    return (getattr(e, "indirect", False) and indexing_origins(culprit)) or computing_origins(culprit)

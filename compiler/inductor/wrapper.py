@@ -33,7 +33,16 @@ from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
 from ..prebuild import prebuild
 from . import STATIC_INPUTS
-from .record import buffer_info, computing_origins, dtype_name, on_cpu, stored_buffer, stored_view, view_of
+from .record import (
+    buffer_info,
+    computing_origins,
+    dtype_name,
+    indexing_origins,
+    on_cpu,
+    stored_buffer,
+    stored_view,
+    view_of,
+)
 
 
 @dataclasses.dataclass
@@ -76,6 +85,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         # per kernel: the FX nodes it computes (what the backend runs on the CPU when its
         # construction is refused) and the op and model line it came from
         self.kernel_nodes: dict[str, set[str]] = {}
+        self.kernel_indexing: dict[str, set[str]] = {}  # of those, the ops that index by a tensor
         self.kernel_sources: dict[str, str] = {}
 
     def new_kernel_name(self) -> str:
@@ -88,6 +98,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
     def _remember(self, name: str, nodes) -> None:
         self.kernel_nodes[name] = computing_origins(nodes)
+        self.kernel_indexing[name] = indexing_origins(nodes)
         self.kernel_sources[name] = source_of(nodes) if nodes else ""
 
     def codegen_device_copy(self, src, dst, non_blocking) -> None:
@@ -364,7 +375,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
         text = to_json(step)
         # every kernel constructed now: what construction refuses is a compile-time event
-        prebuild(step, text, self.kernel_nodes, symbolic)
+        prebuild(step, text, self.kernel_nodes, symbolic, self.kernel_indexing)
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"

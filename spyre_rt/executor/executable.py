@@ -206,18 +206,20 @@ class Executable:
         """Construct every kernel of the device segments once: their programs by name. A
         kernel construction refuses runs on the host from then on (with `fallback` false,
         or CPU fallback off in the step's options, a SpyreRefusedError names them)."""
-        built, refused = {}, {}
+        built, refused, indirect = {}, {}, set()
         for seg in self.device_segments():
             for name in seg.kernels:
                 try:
                     built[name] = self.build(name)
                 except Refused as e:
                     refused[name] = str(e) or type(e).__name__
+                    if getattr(e, "indirect", False):
+                        indirect.add(name)
         if refused:
             if not fallback or not self.desc.options.get("cpu_fallback", True):
                 lines = "; ".join(f"{self.host_source(k)}: {why}" for k, why in refused.items())
                 raise SpyreRefusedError(f"the card's construction refused {len(refused)} kernel(s) of the step "
-                                        f"({lines}) and CPU fallback is off", refused)
+                                        f"({lines}) and CPU fallback is off", refused, indirect)
             self.run_on_host(refused)
         return built
 

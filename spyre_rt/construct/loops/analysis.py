@@ -75,8 +75,13 @@ def analyse(k: LoopKernel) -> Analysis:
     for op in k.ops:
         try:
             values[op.id] = _value(op, values, buffers, row_vars, col_vars)
+        except Unsupported as e:
+            e.op_id = getattr(e, "op_id", op.id)  # the compiler runs that op's node elsewhere
+            raise
         except ValueError as e:  # a dtype the card does not compute in
-            raise Unsupported(f"operation {op.op}: {e}") from None
+            err = Unsupported(f"operation {op.op}: {e}")
+            err.op_id = op.id
+            raise err from None
     return Analysis(
         kernel=k,
         values=values,
@@ -119,7 +124,9 @@ def _access_deps_and_level(op: Op, values: dict[str, Value], col_vars: set[int],
         iv = values[idx]
         deps |= iv.deps
         if iv.deps & col_vars:
-            raise Unsupported("an indirect index that varies along the columns")
+            err = Unsupported("an indirect index that varies along the columns")
+            err.indirect = True
+            raise err
         level = max(level, iv.level + (1 if op.op == "load" else 0))
     return deps, level
 

@@ -195,7 +195,9 @@ class StagePrograms:
                 raise Unsupported("a gather/scatter whose rows are not whole rows of its buffer")
             row_coeffs[j] = acc.coeffs[j] // row_len
         if any(coef % row_len for _, coef in acc.ind):
-            raise Unsupported("a gather/scatter index that moves inside a row of its buffer (an element scatter)")
+            err = Unsupported("a gather/scatter index that moves inside a row of its buffer (an element scatter)")
+            err.indirect = True  # the indexing op is what cannot be built, not the arithmetic around it
+            raise err
         dst = self.layout.index_slots[v.op.id].operand(slot)
         base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "rowbase")])
         self._affine(prog, rows, size, row_coeffs, dst, base, ROW)

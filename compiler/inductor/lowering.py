@@ -103,8 +103,12 @@ def _known(expr, n: int) -> bool:
 
 
 def _matmul_operand(x):
-    """Realised, with one of its two inner dimensions contiguous (else copied so)."""
+    """Realised, with one of its two inner dimensions contiguous (else copied so), its
+    layout fixed: a flexible layout seen here could be changed afterwards (by a later
+    consumer), leaving the kernel an operand with neither inner dimension contiguous."""
     x = ir.ExternKernel.realize_input(x)
+    if ir.is_storage_and_layout(x) and isinstance(x.get_layout(), ir.FlexibleLayout):
+        ir.as_storage_and_layout(x, freeze=True)
     size, stride = x.get_size(), x.get_stride()
     ok = any(_known(size[d], 1) or _known(stride[d], 1) for d in (-1, -2))
     return x if ok else ir.ExternKernel.require_contiguous(x)

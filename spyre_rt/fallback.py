@@ -191,6 +191,26 @@ def _note(name: str) -> None:
         )
 
 
+def _histc(input, bins=100, min=0, max=0, *, out=None):
+    """``histc`` for any dtype: the CPU has no integer kernel, while accelerators do, and
+    transformers counts the tokens routed to each expert with an int32 ``histc`` on them.
+    Integers are exact in float64, so the counts are those of the integer kernel."""
+    if input.dtype.is_floating_point:
+        return torch.ops.aten.histc.default(input, bins, min, max) if out is None else \
+            torch.ops.aten.histc.out(input, bins, min, max, out=out)
+    counts = torch.ops.aten.histc.default(input.double(), bins, min, max).to(input.dtype)
+    return counts if out is None else out.resize_(counts.shape).copy_(counts)
+
+
+# Ops the CPU lacks for some dtypes: what runs in their place (eagerly and inside steps)
+_CPU_KERNELS = {"aten.histc.default": _histc, "aten.histc.out": _histc}
+
+
+def cpu_kernel(op):
+    """What runs `op` (an OpOverload) on the CPU."""
+    return _CPU_KERNELS.get(str(op), op)
+
+
 def run_on_cpu(op, *args, **kwargs):
     """Run `op` on the host with spyre arguments copied down and results copied up."""
     sc = _schema(op)
@@ -212,7 +232,7 @@ def run_on_cpu(op, *args, **kwargs):
         # which on the CPU wraps it again: the same promotion as the caller's own call.
         result = op.overloadpacket(*host_args, **host_kwargs)
     else:
-        result = op(*host_args, **host_kwargs)
+        result = cpu_kernel(op)(*host_args, **host_kwargs)
     bound = dict(zip(sc.arg_names, args, strict=False)) | kwargs
     host_bound = dict(zip(sc.arg_names, host_args, strict=False)) | host_kwargs
     for name in sc.written:

@@ -183,7 +183,7 @@ class CpuOps:
 
         fn = self._ops.get(op.op)
         if fn is None:
-            fn = self._ops[op.op] = resolve(op.op)
+            fn = self._ops[op.op] = fallback.cpu_kernel(resolve(op.op))
         result = fn(*decode(op.args), **{k: decode(v) for k, v in op.kwargs.items()})
         for src, host in zip(plan.sources, copies, strict=True):
             if src.written:  # the op wrote it in place: back into the view it came from

@@ -100,15 +100,39 @@ def _kv_shape(cfg) -> tuple[list[int], list[int]]:
     return kv, head_dims
 
 
-def model_cache(cfg, dtype: torch.dtype, device: str):
+def model_cache(model, cfg, dtype: torch.dtype, device: str):
     """Transformers' ``StaticCache`` of the model's config: the cache class of each layer
-    the config names, at MAX_CACHE_LEN positions; its attention layers allocated on
-    `device` (a Mamba layer's conv and SSM states are made by the first prefill)."""
-    from transformers.cache_utils import StaticCache
+    the config names, at MAX_CACHE_LEN positions, allocated on `device`.
 
-    cache = StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+    Its linear-attention layers (Mamba's conv and SSM states) would make their states in
+    the first prefill, so that a compiled prefill after :meth:`Cache.reset` (which keeps
+    them) is another graph; they are made here instead, of the shapes and dtypes a prefill
+    of the same model on the meta device gives them (the SSM state is fp32 in an fp16
+    model)."""
+    from transformers.cache_utils import LinearAttentionLayer, StaticCache
+
+    def new_cache():
+        return StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+
+    cache = new_cache()
     kv, head_dim = _kv_shape(cfg)
     cache.early_initialization(batch_size=1, num_heads=kv, head_dim=head_dim, dtype=dtype, device=device)
+    linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
+    if linear:
+        with torch.device("meta"):
+            twin = type(model)(cfg).to(dtype).eval()
+            shapes = new_cache()
+            with torch.no_grad():
+                twin(prompt_ids(cfg.vocab_size).to("meta"), position_ids=torch.arange(PROMPT_LEN)[None],
+                     use_cache=True, **{cache_argument(twin): shapes})
+        for i in linear:
+            src, dst = shapes.layers[i], cache.layers[i]
+            for k in range(src.number_of_states):
+                conv, state = src.conv_states[k], src.recurrent_states[k]
+                dst.lazy_initialization(
+                    conv_states=None if conv is None else torch.zeros(conv.shape, dtype=conv.dtype, device=device),
+                    recurrent_states=None if state is None else torch.zeros(state.shape, dtype=state.dtype, device=device),
+                    state_idx=k, conv_kernel_size=src.conv_kernel_size[k])
     return cache
 
 
@@ -146,7 +170,7 @@ class Decoder:
     def __init__(self, model, cfg, dtype: torch.dtype, device: str, compiled: bool, fullgraph: bool = True,
                  cache: str = "static"):
         self.device, self.vocab = device, cfg.vocab_size
-        self.cache = kv = (model_cache if cache == "model" else static_cache)(cfg, dtype, device)
+        self.cache = kv = model_cache(model, cfg, dtype, device) if cache == "model" else static_cache(cfg, dtype, device)
         name = cache_argument(model)
         # every position of the cache unmasked, as generate() passes a mask: without one, the
         # causal mask asks whether a static cache is empty of a tensor (a data-dependent branch)

@@ -106,8 +106,8 @@ def model_cache(model, cfg, dtype: torch.dtype, device: str):
 
     Its linear-attention layers (Mamba's conv and SSM states) would make their states in
     the first prefill, so that a compiled prefill after :meth:`Cache.reset` (which keeps
-    them) is another graph; they are made here instead, of the shapes and dtypes a prefill
-    of the same model on the meta device gives them (the SSM state is fp32 in an fp16
+    them) is another graph; they are made here instead, of the shapes and dtypes a CPU
+    prefill of a model of the same config gives them (the SSM state is fp32 in an fp16
     model)."""
     from transformers.cache_utils import LinearAttentionLayer, StaticCache
 
@@ -119,12 +119,11 @@ def model_cache(model, cfg, dtype: torch.dtype, device: str):
     cache.early_initialization(batch_size=1, num_heads=kv, head_dim=head_dim, dtype=dtype, device=device)
     linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
     if linear:
-        with torch.device("meta"):
-            twin = type(model)(cfg).to(dtype).eval()
-            shapes = new_cache()
-            with torch.no_grad():
-                twin(prompt_ids(cfg.vocab_size).to("meta"), position_ids=torch.arange(PROMPT_LEN)[None],
-                     use_cache=True, **{cache_argument(twin): shapes})
+        twin = type(model)(cfg).to(dtype).eval()  # on the CPU (the meta device lacks MoE's grouped_mm in fp32)
+        shapes = new_cache()
+        with torch.no_grad():
+            twin(prompt_ids(cfg.vocab_size), position_ids=torch.arange(PROMPT_LEN)[None], use_cache=True,
+                 **{cache_argument(twin): shapes})
         for i in linear:
             src, dst = shapes.layers[i], cache.layers[i]
             for k in range(src.number_of_states):

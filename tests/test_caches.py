@@ -261,7 +261,7 @@ ARENA_SCRIPT = textwrap.dedent("""
     def f(x, w):
         h = x @ w
         a, b, c = torch.relu(h), torch.sigmoid(h), torch.tanh(h)
-        return (a @ w.t()) + (b @ w.t()) + (c @ w.t()) + h.cummax(-1)[0]
+        return (a @ w.t()) + (b @ w.t()) + (c @ w.t()) + h.cumsum(-1)
     torch.compile(f, backend="spyre_rt", dynamic=False)(torch.randn(64, 128).to("spyre"),
                                                          torch.randn(128, 128).to("spyre"))
     exe = [e for s in step.live_steps() for e in s.executables()][0]

@@ -191,14 +191,14 @@ def _ran_on_cpu(f, *args) -> set[str]:
 
 
 def test_an_op_the_card_lacks_inside_a_fusion_runs_on_the_cpu_and_the_rest_on_the_card(functional):
-    """bessel_j0 of a product, added to a cumsum: the product, the cumsum and the sum stay
-    card kernels and the fusion forms around bessel_j0 (it once failed the compile)."""
+    """bessel_j0 of a product, added to a cumsum: the product and the sum stay card kernels
+    and the fusion forms around bessel_j0 (it once failed the compile)."""
     torch._dynamo.reset()
     fn = lambda x: torch.special.bessel_j0(x * 2) + x.cumsum(-1)  # noqa: E731
     f = torch.compile(fn, backend="spyre_rt", dynamic=False)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(9))
     ran = _ran_on_cpu(lambda: _close(f(x.to("spyre")).cpu(), fn(x)))
-    assert ran == {"aten.special_bessel_j0.default"}
+    assert ran == {"aten.special_bessel_j0.default", "aten.cumsum.default"}
 
 
 def test_with_cpu_fallback_off_the_error_names_the_op_and_the_model_line(functional):
@@ -427,3 +427,19 @@ def test_an_index_outside_an_inner_dimension_is_an_index_error_not_another_rows_
             with pytest.raises(SpyreIndexError, match="aten.index"):
                 compiled(a, v.to("spyre"), *[t.to("spyre") for t in index_tensors])
             assert torch.equal(a.cpu(), a0), mode
+
+
+@pytest.mark.xfail(strict=True, reason="construction of a sum over a broadcast, masked input: rows past the "
+                   "first ~11 of 15 go wrong when the summed dimension is 70 or 100 (40 is right)")
+def test_a_masked_sum_over_a_broadcast_row_matches_cpu_eager(functional):
+    """Found while writing a cumsum as a masked sum (element i the sum of the j <= i):
+    a silent wrong result, kept here until construction is fixed."""
+    def f(x):
+        n = x.shape[-1]
+        i = torch.arange(n, device=x.device)
+        return torch.where(i[None, :] <= i[:, None], x[..., None, :].expand(*x.shape[:-1], n, n), 0.0).sum(-1)
+
+    torch._dynamo.reset()
+    x = torch.randn(15, 70, generator=torch.Generator().manual_seed(0))
+    got = torch.compile(f, backend="spyre_rt", dynamic=False)(x.to("spyre")).cpu()
+    torch.testing.assert_close(got, f(x), rtol=1e-5, atol=1e-4)

@@ -35,7 +35,6 @@ from .record import (
 )
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 class SpyreMatmul(ir.ExternKernelOut):
@@ -128,7 +127,6 @@ def _matmul(a, b, bias=None, out_dtype=None):
     return ir.TensorBox.create(node)
 
 
-MAX_CUMSUM = 256  # a cumulative sum's length the card computes as a masked sum (n * n additions)
 MAX_DEPTHWISE_TAPS = 16  # a depthwise conv1d's kernel length the card computes as shifted slices
 
 
@@ -317,40 +315,6 @@ def install() -> None:
             out = term if out is None else L.lowerings[aten.add.Tensor](out, term)
         if bias is not None:
             out = L.lowerings[aten.add.Tensor](out, L.lowerings[aten.unsqueeze.default](bias, -1))
-        return out
-
-    _original[aten.cumsum.default] = L.lowerings[aten.cumsum.default]
-
-    @L.register_lowering(aten.cumsum.default, type_promotion_kind=None)
-    def cumsum(x, dim, dtype=None):
-        """A floating-point cumulative sum over a short static dimension (Mamba's chunked
-        scan: the cumulative decay in each chunk and its segment sums) as a masked sum:
-        element i sums the elements j <= i, each selected, never multiplied by 0, so an inf
-        or NaN reaches the elements after it only, as in a sequential sum. Others (integer
-        sums, long or symbolic dimensions) keep their lowering: the CPU runs them."""
-        out_dtype = dtype or x.get_dtype()
-        sizes, nd = x.get_size(), len(x.get_size())
-        d = dim % nd if nd else 0
-        if not (_on_spyre(x) and nd and out_dtype.is_floating_point and out_dtype in (torch.float16, torch.float32)
-                and _static(sizes[d]) and 1 < int(sizes[d]) <= MAX_CUMSUM):
-            return _original[aten.cumsum.default](x, dim, dtype=dtype)
-        n = int(sizes[d])
-        perm = [i for i in range(nd) if i != d] + [d]
-        xt = x if d == nd - 1 else L.lowerings[aten.permute.default](x, perm)
-        if xt.get_dtype() != out_dtype:
-            xt = L.lowerings[prims.convert_element_type.default](xt, out_dtype)
-        rows = list(xt.get_size()[:-1])
-        pairs = L.lowerings[aten.expand.default](L.lowerings[aten.unsqueeze.default](xt, -2), [*rows, n, n])
-        j = L.lowerings[prims.iota.default](n, start=0, step=1, dtype=torch.int64, device=x.get_device(),
-                                           requires_grad=False)
-        i = L.lowerings[aten.unsqueeze.default](j, -1)
-        upto = L.lowerings[aten.le.Tensor](j, i)  # [i, j]: j <= i
-        picked = L.lowerings[aten.where.self](upto, pairs, L.lowerings[aten.full.default](
-            [], 0.0, dtype=out_dtype, device=x.get_device()))
-        out = L.lowerings[aten.sum.dim_IntList](picked, [-1])
-        if d != nd - 1:
-            inverse = [perm.index(k) for k in range(nd)]
-            out = L.lowerings[aten.permute.default](out, inverse)
         return out
 
     roll_elsewhere = L.fallback_handler(aten.roll.default, add_to_fallback_set=False)

@@ -398,3 +398,58 @@ def test_with_cpu_fallback_off_an_extern_kernel_is_an_error_naming_the_op_and_th
         f(torch.randn(1, 3, 8, 8).to("spyre"), torch.randn(4, 3, 3, 3).to("spyre"))
     message = str(info.value)
     assert "aten.convolution.default" in message and __file__ in message and "CPU fallback is off" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mambas_causal_conv1d_runs_on_the_card(functional, dtype):
+    """A depthwise conv1d of 4 taps, as Mamba's prefill (left-padded, cut to the input's
+    length, SiLU) and its decode update (the state and the new token, no padding, the state
+    rolled in place) run it: card kernels only, every dispatch mode alike, fp32 within 1e-6
+    of CPU eager, fp16 within one rounding of CPU eager's fp32 arithmetic."""
+    from spyre_rt.dispatch import NAMES
+
+    channels, taps = 96, 4
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(channels, 1, taps, generator=g).to(dtype), torch.randn(channels, generator=g).to(dtype)
+    x, state = torch.randn(1, channels, 8, generator=g).to(dtype), torch.randn(1, channels, taps, generator=g).to(dtype)
+
+    def prefill(x, w, b):
+        return F.silu(F.conv1d(x, w, b, padding=taps - 1, groups=channels)[:, :, :x.shape[-1]])
+
+    def update(x, state, w, b):
+        full = torch.cat([state, x], -1)
+        state.copy_(full[:, :, -taps:])
+        return F.conv1d(full, w, b, groups=channels)[:, :, -1:]
+
+    want = prefill(x.float(), w.float(), b.float())
+    want_state = state.float().clone()
+    want_update = update(x[:, :, :1].float(), want_state, w.float(), b.float())
+    torch._dynamo.reset()
+    fns = [torch.compile(f, backend="spyre_rt", dynamic=False) for f in (prefill, update)]
+    before = dict(fallback.in_steps)
+    outs = []
+    for mode in NAMES:
+        with dispatch_mode(mode):
+            s = state.clone().to("spyre")
+            card = (w.to("spyre"), b.to("spyre"))
+            outs.append((fns[0](x.to("spyre"), *card).cpu(), fns[1](x[:, :, :1].to("spyre"), s, *card).cpu(), s.cpu()))
+    assert dict(fallback.in_steps) == before, "nothing runs on the CPU"
+    atol = 1e-6 if dtype == torch.float32 else 2 ** -10 * max(want.abs().max().item(), want_update.abs().max().item())
+    for got in outs:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0], strict=True)), "the modes differ"
+        torch.testing.assert_close(got[0].float(), want, rtol=0, atol=atol)
+        torch.testing.assert_close(got[1].float(), want_update, rtol=0, atol=atol)
+        assert torch.equal(got[2].float(), want_state)
+
+
+def test_an_integer_histc_counts_as_a_bincount_eagerly_and_inside_a_step(functional):
+    """transformers counts tokens per expert with ``torch.histc`` on int32 on accelerators;
+    the CPU has no integer histc, so the CPU op runs it in float64 and casts back."""
+    experts = torch.tensor([[0, 3], [1, 3], [3, 2], [0, 0]], dtype=torch.int32)
+    want = torch.bincount(experts.flatten().long(), minlength=4).to(torch.int32)
+    eager = torch.histc(experts.to("spyre"), bins=4, min=0, max=3).cpu()
+    torch._dynamo.reset()
+    f = torch.compile(lambda e: torch.histc(e + 0, bins=4, min=0, max=3), backend="spyre_rt", dynamic=False)
+    stepped = f(experts.to("spyre")).cpu()
+    for got in (eager, stepped):
+        assert got.dtype == torch.int32 and torch.equal(got, want), got

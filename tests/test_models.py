@@ -6,8 +6,8 @@ random weights, no download) runs as :mod:`spyre_rt.profiler.parity` runs it for
 ``torch.compile(backend="spyre_rt")``, compiled once and run in each dispatch mode. A
 decoder runs a prefill and 16 greedy decode steps with a static KV cache (one prefill
 graph, one decode graph that every step reuses); an encoder gives the hidden states of a
-padded batch. Every run is fed the fp32 reference's greedy tokens, so outputs compare step
-by step.
+padded batch; an encoder-decoder runs generate() under automatic dynamic shapes. Every run
+is fed the fp32 reference's greedy tokens, so outputs compare step by step.
 
 The default run compares fp32 in all three dispatch modes and fp16 in ``prebuilt``; fp16 in
 every mode is marked slow.
@@ -38,20 +38,27 @@ def _families(kind: str | None = None, but: tuple[str, ...] = ()) -> list:
 FAMILIES = _families()
 DECODERS = _families(models.DECODER)
 ENCODERS = _families(models.ENCODER)
+SEQ2SEQ = _families(models.SEQ2SEQ)
+GENERATING = DECODERS + SEQ2SEQ  # the families that decode greedily
 FAST_MODES = {"fp32": MODES, "fp16": ("prebuilt",)}  # fp16 in every mode: slow
 
 # The ops each family runs on the CPU inside its compiled steps: element-wise gathers
+# The ops each family runs on the CPU inside its compiled steps: element-wise gathers
 # (BERT's and RoBERTa's token types, DeBERTa's relative positions; RoBERTa's positions
-# counted from the padding, a cumulative sum, run on the card). Anything else falling
-# back is a regression.
-# MoE: the routing (top-k, the sort by expert, the counts, the offsets, the inverse
-# permutation) and the experts run on the card; the gather of each pair's output at the
-# inverse permutation feeds the sum over the top-k, and its index varies along that
-# reduction's columns, which construction cannot address: that gather runs on the CPU.
+# counted from the padding, a cumulative sum, run on the card); Gemma 4's per-layer input
+# embeddings, whose gather fuses with a norm over rows narrower than the table's. MoE
+# (the dense families and Granite 4's): the routing (top-k, the sort by expert, the
+# counts, the offsets, the inverse permutation) and the experts run on the card; the
+# gather of each pair's output at the inverse permutation feeds the sum over the top-k,
+# and its index varies along that reduction's columns, which construction cannot address:
+# that gather runs on the CPU. Anything else falling back is a regression.
 _MOE = {"aten.index.Tensor"}
 CPU_OPS = {"bert": {"aten.gather.default"}, "roberta": {"aten.gather.default"},
            "deberta_v2": {"aten.gather.default"},
-           "granitemoe": _MOE, "mixtral": _MOE, "qwen3_moe": _MOE, "qwen2_moe": _MOE}
+           "granitemoe": _MOE, "mixtral": _MOE, "qwen3_moe": _MOE, "qwen2_moe": _MOE,
+           "gemma4": {"aten.embedding.default", "aten.mul.Tensor", "aten.pow.Tensor_Scalar", "aten.mean.dim",
+                      "aten.add.Tensor"},
+           "granite_moe_hybrid": _MOE}
 
 
 @functools.cache
@@ -72,9 +79,12 @@ def fast(family: str, dname: str) -> Compared:
 
 
 def _check_outputs(c: Compared) -> None:
-    """Every mode's outputs are the same bits, of the reference's shape and the run's dtype,
-    finite, and within the dtype's tolerance of the fp32 reference, step by step."""
-    dtype = DTYPES[c.dtype]
+    """Every mode's outputs are the same bits, of the reference's shape and of the dtype CPU
+    eager gives in the run's dtype (the run's, or fp32 where the model casts its logits, as
+    Mamba2 does, or generate() does), finite, and within the dtype's tolerance of the fp32
+    reference, step by step."""
+    dtype = c.cpu.prefill.dtype
+    assert dtype in (DTYPES[c.dtype], torch.float32), dtype
     for mode, run in c.card.items():
         assert run.prefill.shape == c.ref.prefill.shape and run.prefill.dtype == dtype, mode
         assert torch.isfinite(run.outputs()).all(), f"{c.family} {c.dtype} {mode}: not finite"
@@ -109,7 +119,7 @@ def test_fp16_outputs_are_the_same_bits_in_every_dispatch_mode(family):
     _check_outputs(c)
 
 
-@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("family", GENERATING)
 def test_greedy_decode_picks_cpu_eagers_tokens(family):
     """fp32: the card picks the reference's greedy token at every step (fed the same
     tokens, so this is free-running greedy decoding). fp16's choices may differ from fp32's
@@ -127,14 +137,30 @@ def _margin(logits: torch.Tensor) -> float:
     return float((top[..., 0] - top[..., 1]).min())
 
 
-@pytest.mark.parametrize("family", _families(models.DECODER, but=("granite",)))
+@pytest.mark.parametrize("family", _families(models.DECODER, but=("granite",)) + _families(models.SEQ2SEQ, but=("bart",)))
 def test_greedy_decode_visits_many_tokens(family):
     """Guards the strength of the decode tests: a model that repeats one token would let a
     cache written at the wrong position go unnoticed in the tokens. (The tiny Granite, with
-    tied embeddings, repeats its first token; its logits are compared step by step, as
-    every family's are.)"""
+    tied embeddings, repeats its first token, and the tiny BART cycles over four, whatever
+    its init; their logits are compared step by step, as every family's are, and BART's
+    depend on its cache: below.)"""
     tokens = reference(family).tokens
     assert len(set(tokens)) >= DECODE_STEPS // 2, tokens
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_an_encoder_decoders_steps_depend_on_the_decoders_cache(family):
+    """Guards the strength of the encoder-decoder tests: each step's logits, had the decoder
+    seen only its one new token (no cache), would differ from the reference's, so a card
+    that lost or misplaced the decoder's cache would fail them."""
+    fam = models.family(family)
+    cfg, model = fam.build()
+    ref = reference(family)
+    ids = parity.prompt_ids(cfg.vocab_size)
+    with torch.no_grad():
+        for s, logits in enumerate(ref.decode[:4]):
+            alone = model(input_ids=ids, decoder_input_ids=torch.tensor([[ref.tokens[s]]])).logits[0, -1]
+            assert (alone - logits).abs().max() > 1e-2, s
 
 
 @pytest.mark.parametrize("family", ENCODERS)
@@ -157,7 +183,7 @@ def test_only_the_expected_ops_run_on_the_cpu(family):
     """Everything else runs on the card, inside the compiled steps, in every phase."""
     census = fast(family, "fp32").census
     kind = models.family(family).kind
-    assert set(census.kernels) == ({"prefill", "decode"} if kind == models.DECODER else {"forward"})
+    assert set(census.kernels) == ({"forward"} if kind == models.ENCODER else {"prefill", "decode"})
     assert all(n > 0 for n in census.kernels.values()), census.kernels
     ran = {op for ops in census.cpu_ops.values() for op in ops}
     assert ran == CPU_OPS.get(family, set()), census.cpu_ops
@@ -191,7 +217,7 @@ def test_granite_decode_is_one_graph_compiled_once(granite_counts):
 
 # ---- the CPU fallback inside a compiled step ----------------------------------------------
 
-class CumsumModel(torch.nn.Module):
+class CumprodModel(torch.nn.Module):
     """Device work before and after an op Inductor turns into a fallback kernel on spyre."""
 
     def __init__(self):
@@ -200,15 +226,15 @@ class CumsumModel(torch.nn.Module):
 
     def forward(self, x):
         y = torch.nn.functional.silu(self.lin(x))
-        z = torch.cumsum(y, dim=-1)  # no spyre kernel: the CPU runs it
+        z = torch.cumprod(y, dim=-1)  # no spyre kernel: the CPU runs it
         return z * 0.5 + y
 
 
-class TopkModel(torch.nn.Module):
+class KthvalueModel(torch.nn.Module):
     """A fallback op with two outputs (values and int64 indices)."""
 
     def forward(self, x):
-        v, i = torch.topk(x * 3, 4, dim=-1)  # no spyre kernel: the CPU runs it
+        v, i = torch.kthvalue(x * 3, 4, dim=-1)  # no spyre kernel: the CPU runs it
         return v + 1, i
 
 
@@ -222,9 +248,9 @@ def _fallback_warnings(record) -> list[str]:
 
 
 @pytest.mark.parametrize("cls, op, marker", [
-    (CumsumModel, "cumsum", "torch.cumsum("),
-    (TopkModel, "topk", "torch.topk("),
-], ids=["cumsum", "topk"])
+    (CumprodModel, "cumprod", "torch.cumprod("),
+    (KthvalueModel, "kthvalue", "torch.kthvalue("),
+], ids=["cumprod", "kthvalue"])
 def test_unsupported_op_falls_back_to_cpu_and_warns_once(cls, op, marker):
     torch._dynamo.reset()  # compile afresh, whatever ran before
     torch.manual_seed(0)
@@ -247,13 +273,13 @@ def test_unsupported_op_falls_back_to_cpu_and_warns_once(cls, op, marker):
 
 def test_unsupported_op_with_fallback_off_is_a_compile_error_naming_op_and_line():
     torch._dynamo.reset()
-    model = CumsumModel().eval().to("spyre")
+    model = CumprodModel().eval().to("spyre")
     compiled = torch.compile(model, backend="spyre_rt", dynamic=False, options={"cpu_fallback": False})
     with torch.no_grad(), pytest.raises(spyre_rt.SpyreCompileError) as info:
         compiled(torch.randn(4, 16).to("spyre"))
     message = str(info.value)
-    assert "cumsum" in message
-    assert __file__ in message and f"line {_source_line(CumsumModel, 'torch.cumsum(')}" in message, message
+    assert "cumprod" in message
+    assert __file__ in message and f"line {_source_line(CumprodModel, 'torch.cumprod(')}" in message, message
 
 
 # ---- where results go ---------------------------------------------------------------------
@@ -296,3 +322,27 @@ def test_a_cpu_model_compiled_with_spyre_rt_on_cpu_inputs_gives_cpu_outputs():
         ref = model(x)
     assert out.device == torch.device("cpu")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_fp16_overflow_in_a_mamba_intermediate_gives_cpu_eagers_nans():
+    """A Mamba2 model in fp16 whose input projection overflows fp16 in a few channels of the
+    conv input: the overflow spreads through the scan and the norms as CPU eager fp16's does,
+    the same NaN and inf at the same places, prefill and decode, in every dispatch mode."""
+    fam = models.family("mamba2")
+    cfg, model = fam.build(torch.float16)
+    with torch.no_grad():
+        model.backbone.layers[0].mixer.in_proj.weight[512:520] *= 1e5  # outputs past 65504
+    want = parity.Decoder(model, cfg, torch.float16, "cpu", compiled=False, cache="model").run(steps=2)
+    assert not torch.isfinite(want.outputs()).any(), "the overflow must reach the logits"
+    torch._dynamo.reset()
+    card = parity.Decoder(copy.deepcopy(model).to("spyre"), cfg, torch.float16, "spyre", compiled=True,
+                          cache="model")
+    for mode in MODES:
+        with parity.dispatch_mode(mode):
+            got = card.run(steps=2, feed=want.tokens[:-1])
+        for w, g in zip([want.prefill, *want.decode], [got.prefill, *got.decode], strict=True):
+            assert g.dtype == w.dtype, mode  # Mamba2 casts its logits to fp32
+            assert torch.equal(w.isnan(), g.isnan()) and torch.equal(w.isposinf(), g.isposinf()), mode
+            assert torch.equal(w.isneginf(), g.isneginf()), mode

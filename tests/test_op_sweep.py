@@ -427,3 +427,18 @@ def test_an_index_outside_an_inner_dimension_is_an_index_error_not_another_rows_
             with pytest.raises(SpyreIndexError, match="aten.index"):
                 compiled(a, v.to("spyre"), *[t.to("spyre") for t in index_tensors])
             assert torch.equal(a.cpu(), a0), mode
+
+
+def test_a_masked_sum_over_a_broadcast_row_matches_cpu_eager(functional):
+    """Found while writing a cumsum as a masked sum (element i the sum of the j <= i): rows
+    past the first ~11 of 15 went wrong for a summed dimension of 70 or 100, two tiles
+    storing into one stick of the output (tests/test_loop_tiling.py)."""
+    def f(x):
+        n = x.shape[-1]
+        i = torch.arange(n, device=x.device)
+        return torch.where(i[None, :] <= i[:, None], x[..., None, :].expand(*x.shape[:-1], n, n), 0.0).sum(-1)
+
+    torch._dynamo.reset()
+    x = torch.randn(15, 70, generator=torch.Generator().manual_seed(0))
+    got = torch.compile(f, backend="spyre_rt", dynamic=False)(x.to("spyre")).cpu()
+    torch.testing.assert_close(got, f(x), rtol=1e-5, atol=1e-4)

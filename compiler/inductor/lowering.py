@@ -105,8 +105,12 @@ def _known(expr, n: int) -> bool:
 
 
 def _matmul_operand(x):
-    """Realised, with one of its two inner dimensions contiguous (else copied so)."""
+    """Realised, with one of its two inner dimensions contiguous (else copied so), its
+    layout fixed: a flexible layout seen here could be changed afterwards (by a later
+    consumer), leaving the kernel an operand with neither inner dimension contiguous."""
     x = ir.ExternKernel.realize_input(x)
+    if ir.is_storage_and_layout(x) and isinstance(x.get_layout(), ir.FlexibleLayout):
+        ir.as_storage_and_layout(x, freeze=True)
     size, stride = x.get_size(), x.get_stride()
     ok = any(_known(size[d], 1) or _known(stride[d], 1) for d in (-1, -2))
     return x if ok else ir.ExternKernel.require_contiguous(x)
@@ -123,6 +127,18 @@ def _matmul(a, b, bias=None, out_dtype=None):
     inputs = [a, b] + ([ir.ExternKernel.realize_input(bias)] if bias is not None else [])
     node = SpyreMatmul(layout, inputs, python_kernel_name="spyre_rt.matmul")
     return ir.TensorBox.create(node)
+
+
+MAX_DEPTHWISE_TAPS = 16  # a depthwise conv1d's kernel length the card computes as shifted slices
+
+
+def _depthwise_1d(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups) -> bool:
+    """A 1-D convolution of each channel with its own short kernel, stride and dilation 1."""
+    w, xs = weight.get_size(), x.get_size()
+    return (len(w) == 3 and len(xs) == 3 and not transposed and list(stride) == [1] and list(dilation) == [1]
+            and len(padding) == 1 and _static(w[0]) and _static(w[2]) and _known(w[1], 1)
+            and _static(xs[1]) and int(xs[1]) == int(w[0]) == groups and int(w[2]) <= MAX_DEPTHWISE_TAPS
+            and x.get_dtype().is_floating_point and x.get_dtype() == weight.get_dtype())
 
 
 def _arrays_take(*operands) -> bool:
@@ -278,6 +294,30 @@ def install() -> None:
             out = L.lowerings[aten.mul.Tensor](out, alpha)
         scaled = inp if beta == 1 else L.lowerings[aten.mul.Tensor](inp, beta)
         return L.lowerings[aten.add.Tensor](out, scaled)
+
+    _original[aten.convolution.default] = L.lowerings[aten.convolution.default]
+
+    @L.register_lowering(aten.convolution.default, type_promotion_kind=None)
+    def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+        """A depthwise 1-D convolution with a short kernel (Mamba's causal conv1d) as
+        shifted slices of the padded input times a column of the weight each, summed: one
+        fused element-wise kernel on the card. Other convolutions are the extern kernel,
+        which runs on the CPU inside the step."""
+        args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        if not (_on_spyre(x, weight) and _depthwise_1d(*args)):
+            return _original[aten.convolution.default](*args)
+        k, p = int(weight.get_size()[-1]), int(padding[0])
+        if p:
+            x = L.lowerings[aten.constant_pad_nd.default](x, [p, p], 0.0)
+        length = x.get_size()[-1] - (k - 1)
+        out = None
+        for i in range(k):
+            term = L.lowerings[aten.mul.Tensor](L.lowerings[aten.slice.Tensor](x, 2, i, i + length),
+                                                L.lowerings[aten.select.int](weight, 2, i))  # (C, 1)
+            out = term if out is None else L.lowerings[aten.add.Tensor](out, term)
+        if bias is not None:
+            out = L.lowerings[aten.add.Tensor](out, L.lowerings[aten.unsqueeze.default](bias, -1))
+        return out
 
     roll_elsewhere = L.fallback_handler(aten.roll.default, add_to_fallback_set=False)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import card as cards
-from .models import DECODER, Family
+from .models import DECODER, SEQ2SEQ, Family
 from .parity import (
     DECODE_STEPS,
     DTYPES,
@@ -83,7 +83,7 @@ def _measure(row: Row, fam: Family, dtypes: tuple[str, ...], modes: tuple[str, .
     except Exception as e:  # the CPU itself cannot run it: the config's fault, not the card's
         row.status, row.reason = FAILS, f"on the CPU: {first_line(e)}"
         return
-    if fam.kind == DECODER:
+    if fam.kind in (DECODER, SEQ2SEQ):
         row.distinct_tokens = len(set(ref.tokens))
     for dname in dtypes:
         try:
@@ -243,17 +243,19 @@ def table(rows: list[Row], dtypes: tuple[str, ...], width: int, caption: str | N
 
 
 def caption(dtypes: tuple[str, ...], modes: tuple[str, ...], host_line: str) -> str:
-    what = (f"decoders: a prefill of {PROMPT_LEN} tokens and {DECODE_STEPS} greedy decode steps (static KV "
-            f"cache); encoders: hidden states of {ENCODER_BATCH} sequences of {ENCODER_SEQ}, one padded. "
+    what = (f"decoders: a prefill of {PROMPT_LEN} tokens and {DECODE_STEPS} greedy decode steps (static "
+            f"cache); encoders: hidden states of {ENCODER_BATCH} sequences of {ENCODER_SEQ}, one padded; "
+            f"encoder-decoders: generate() of {DECODE_STEPS + 1} tokens (automatic dynamic shapes). "
             f"Compiled once, run in {', '.join(modes)}; |Δ|: the largest difference from CPU eager in fp32 "
             f"(fp32 tolerance {FP32_ATOL:g}")
     if any(d != "fp32" for d in dtypes):
         what += (f"; fp16: {FP16_SLACK:g}× CPU eager fp16's own |Δ| + {FP16_FLOOR:g}× the largest fp32 "
                  "output")
-    return (what + "). kernels per step: prefill/decode (encoders: forward). compile: Dynamo, AOT and "
-            "Inductor seconds of the family's prefill and decode graphs (the slower dtype's). CPU share: of a "
-            "step's time (prefill/decode), the share spent on the CPU running ops the card has no kernel for "
-            "(the op and its copies, host clock) against that plus the card's jobs. " + host_line)
+    return (what + "). kernels per step: prefill/decode (encoders: forward; encoder-decoders: the first step and "
+            "the last). compile: Dynamo, AOT and Inductor seconds of the family's prefill and decode graphs (the "
+            "slower dtype's). CPU share: of a step's time (prefill/decode), the share spent on the CPU running ops "
+            "the card has no kernel for (the op and its copies, host clock) against that plus the card's jobs. "
+            + host_line)
 
 
 def host_line(h: dict) -> str:

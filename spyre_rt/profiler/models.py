@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-DECODER, ENCODER = "decoder", "encoder"
+DECODER, ENCODER, SEQ2SEQ = "decoder", "encoder", "encoder-decoder"
 
 VOCAB = 1000
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 8, 2
@@ -37,12 +37,16 @@ class Family:
     """One architecture at a small config."""
 
     name: str
-    kind: str                        # DECODER (a causal LM) or ENCODER (hidden states)
+    kind: str                        # DECODER (a causal LM), ENCODER (hidden states) or SEQ2SEQ (generate())
     model_class: str                 # the transformers class, e.g. "LlamaForCausalLM"
     config_class: str                # its config class
     config: dict[str, Any]
     brings: str                      # what it exercises beyond the families before it
     slow: bool = False               # kept out of the default test run (a fast family covers it)
+    # a decoder's cache: "static" (a full-length static KV layer per layer, see
+    # parity.static_cache) or "model" (transformers' StaticCache of the config: the cache
+    # class of each layer the config names, Mamba's conv and SSM states among them)
+    cache: str = "static"
     tags: tuple[str, ...] = field(default=())
 
     def hf_config(self):
@@ -114,10 +118,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family("phi3", DECODER, "Phi3ForCausalLM", "Phi3Config", {**_LLAMA_SHAPE, **_IDS},
             "fused qkv and gate/up projections, split"),
     _family("gemma2", DECODER, "Gemma2ForCausalLM", "Gemma2Config", {
-        # query_pre_attn_scalar 8 (a scale of 1/sqrt(8), not 1/sqrt(head_dim)): attention
-        # sharp enough at random weights that the greedy tokens follow the context, not a
-        # token-to-token cycle that a cache written at the wrong position would not change
-        **_LLAMA_SHAPE, "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 8,
+        # query_pre_attn_scalar 16 (a scale of 1/4, not 1/sqrt(head_dim)): attention sharp
+        # enough at random weights that the greedy tokens follow the context, not a
+        # token-to-token cycle that a cache written at the wrong position would not change.
+        # (At 8, with the cache the decode steps now really read, one step is so sharp that
+        # CPU fp32 is 2.7e-5 from fp64 and the card 7.8e-5 on the other side.)
+        **_LLAMA_SHAPE, "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 16,
         "tie_word_embeddings": False},
         "GELU (tanh), (1 + w) RMSNorm, soft-capped attention and logits, sliding and global layers"),
     _family("gemma", DECODER, "GemmaForCausalLM", "GemmaConfig", {**_LLAMA_SHAPE, "head_dim": 32},
@@ -144,6 +150,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         **_LLAMA_SHAPE, "moe_intermediate_size": _EXPERT, "shared_expert_intermediate_size": _EXPERT,
         "num_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
         "routed experts beside a shared expert behind a sigmoid gate, unnormalised top-k weights"),
+    _family("gemma4", DECODER, "Gemma4ForCausalLM", "Gemma4TextConfig", {
+        **_LLAMA_SHAPE, "head_dim": 32, "global_head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 64, "final_logit_softcapping": 30.0, "tie_word_embeddings": False},
+        "Gemma 4 (text): per-layer input embeddings, wider heads and proportional partial rotary "
+        "embeddings in the global layer, value norms, soft-capped logits"),
+    # ---- decoders: state-space (Mamba2) layers ----
+    _family("mamba2", DECODER, "Mamba2ForCausalLM", "Mamba2Config", dict(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_heads=HEADS, head_dim=2 * HIDDEN // HEADS,
+        state_size=32, n_groups=1, chunk_size=4, vocab_size=VOCAB, initializer_range=INIT, **_IDS),
+        "Mamba2: the causal depthwise conv1d, the chunked SSM scan (cumsum, segment sums, "
+        "einsums) over two chunks in the prefill, the recurrent state update in decode, a gated "
+        "RMSNorm; its own conv and SSM state cache", cache="model"),
+    _family("granite_moe_hybrid", DECODER, "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
+        **{k: v for k, v in _LLAMA_SHAPE.items() if k != "intermediate_size"}, intermediate_size=HIDDEN,
+        shared_intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"], mamba_n_heads=HEADS, mamba_n_groups=1,
+        mamba_d_state=32, mamba_d_head=2 * HIDDEN // HEADS, mamba_chunk_size=4,
+        position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=2.0, **_IDS),
+        "Granite 4 (Mamba2 + attention + MoE): a Mamba2 layer and an attention layer, each with "
+        "a top-2-of-4 MoE and a shared MLP; the hybrid cache (SSM states and a static KV layer)",
+        cache="model"),
     # ---- decoders: learned positions, LayerNorm, GELU MLPs ----
     _family("gpt2", DECODER, "GPT2LMHeadModel", "GPT2Config", dict(
         n_embd=HIDDEN, n_inner=INTERMEDIATE, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,
@@ -183,6 +212,24 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         max_position_embeddings=MAX_POSITIONS, vocab_size=VOCAB, initializer_range=INIT,
         relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"]),
         "disentangled relative-position attention (gathers)"),
+    # ---- encoder-decoders: generate() ----
+    _family("t5", SEQ2SEQ, "T5ForConditionalGeneration", "T5Config", dict(
+        # initializer_factor 3: T5's init scales every weight by it; at 1 or 2 greedy decoding
+        # repeats one token. T5's attention has no 1/sqrt(d) scale, so larger factors sharpen
+        # it until fp32 itself is ill-conditioned (at 4, CPU fp32 is 1.5e-4 from fp64)
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTERMEDIATE, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=32,
+        relative_attention_max_distance=64, feed_forward_proj="gated-gelu", initializer_factor=3.0,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0),
+        "encoder-decoder generate(): relative-position buckets, cross-attention, gated GELU, "
+        "RMSNorm without mean, the encoder-decoder cache"),
+    _family("bart", SEQ2SEQ, "BartForConditionalGeneration", "BartConfig", dict(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE,
+        decoder_ffn_dim=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS, init_std=INIT,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        forced_bos_token_id=None, forced_eos_token_id=None),
+        "learned positions offset by 2 in an encoder-decoder, post-LayerNorm, GELU, biases"),
 )}
 
 

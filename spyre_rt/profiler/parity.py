@@ -2,10 +2,15 @@
 model-parity tests compare.
 
 A decoder runs a prefill of :data:`PROMPT_LEN` tokens and :data:`DECODE_STEPS` greedy
-decode steps with a static KV cache (one prefill graph, one decode graph that every step
-reuses); an encoder runs a batch of two sequences, the second padded, and gives its hidden
-states. Both run on the CPU in eager mode and on the card through
-``torch.compile(backend="spyre_rt")``, compiled once and run in each dispatch mode.
+decode steps with a static cache (one prefill graph, one decode graph that every step
+reuses): a static KV layer per layer, or the cache classes the model's config names (a
+Mamba layer's conv and SSM states); an encoder runs a batch of two sequences, the second
+padded, and gives its hidden states; an encoder-decoder runs ``generate()`` (greedy,
+1 + :data:`DECODE_STEPS` new tokens, Hugging Face's default encoder-decoder cache) with a
+compiled forward under Dynamo's automatic dynamic shapes: the second step's longer cache
+recompiles with symbolic sizes, which every later step reuses. All run on the CPU in eager
+mode and on the card through ``torch.compile(backend="spyre_rt")``, compiled once and run
+in each dispatch mode.
 
 Every run is fed the tokens the CPU fp32 reference chose greedily, so logits compare step
 by step even where a run's own greedy choice would differ (a tie within rounding). The
@@ -16,6 +21,7 @@ within :func:`fp16_tolerance`, which is stated against CPU eager's own fp16 erro
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -26,7 +32,7 @@ from .. import fallback
 from ..dispatch import NAMES as MODES  # every dispatch mode: their outputs must be the same bits
 from ..dispatch import dispatch_mode
 from .efficiency import kernel_names
-from .models import DECODER, Family
+from .models import DECODER, ENCODER, SEQ2SEQ, Family
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -46,7 +52,8 @@ FP16_SLACK, FP16_FLOOR = 2.0, 1e-3  # see fp16_tolerance
 class Run:
     """What one run of a model produced, on the CPU (as fp32 or the run's dtype)."""
 
-    prefill: torch.Tensor                                      # logits (1, PROMPT_LEN, vocab); encoders: hidden states
+    prefill: torch.Tensor                                      # logits (1, PROMPT_LEN, vocab); encoders: hidden
+    #                                                            states; encoder-decoders: the first step's (1, vocab)
     decode: list[torch.Tensor] = field(default_factory=list)   # (vocab,) logits per decode step
     tokens: list[int] = field(default_factory=list)            # the first from prefill, then one per step
     counters: dict[str, dict] = field(default_factory=dict)    # Dynamo's counters after each phase
@@ -65,22 +72,67 @@ def dynamo_counts() -> dict[str, int]:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def _compiled(fn, fullgraph: bool):
-    """`fn` compiled for the card, Dynamo's state, counters and compile times started afresh."""
+def _compiled(fn, fullgraph: bool, dynamic: bool | None = False):
+    """`fn` compiled for the card, Dynamo's state, counters and compile times started afresh
+    (`dynamic` None: Dynamo's automatic dynamic shapes)."""
     from torch._dynamo.utils import clear_compilation_metrics, counters
 
     counters.clear()
     clear_compilation_metrics()
     torch._dynamo.reset()
-    return torch.compile(fn, backend="spyre_rt", fullgraph=fullgraph, dynamic=False)
+    return torch.compile(fn, backend="spyre_rt", fullgraph=fullgraph, dynamic=dynamic)
 
 
-def _kv_shape(cfg) -> tuple[int, int]:
-    """Key/value heads and head size of a decoder's cache, from its config."""
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return kv, head_dim
+def _kv_shape(cfg) -> tuple[list[int], list[int]]:
+    """Key/value heads and head size of each layer of a decoder's cache, from its config
+    (Gemma 4's global layers have wider heads than its sliding ones; a config without
+    attention heads, Mamba's, gives 1: its layers keep no keys and values)."""
+    layers = getattr(cfg, "per_layer_config", None) or [cfg] * cfg.num_hidden_layers
+    kv, head_dims = [], []
+    for c in layers:
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is None:
+            kv.append(1)
+            head_dims.append(1)
+            continue
+        kv.append(getattr(c, "num_key_value_heads", None) or heads)
+        head_dims.append(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    return kv, head_dims
+
+
+def model_cache(model, cfg, dtype: torch.dtype, device: str):
+    """Transformers' ``StaticCache`` of the model's config: the cache class of each layer
+    the config names, at MAX_CACHE_LEN positions, allocated on `device`.
+
+    Its linear-attention layers (Mamba's conv and SSM states) would make their states in
+    the first prefill, so that a compiled prefill after :meth:`Cache.reset` (which keeps
+    them) is another graph; they are made here instead, of the shapes and dtypes a CPU
+    prefill of a model of the same config gives them (the SSM state is fp32 in an fp16
+    model)."""
+    from transformers.cache_utils import LinearAttentionLayer, StaticCache
+
+    def new_cache():
+        return StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+
+    cache = new_cache()
+    kv, head_dim = _kv_shape(cfg)
+    cache.early_initialization(batch_size=1, num_heads=kv, head_dim=head_dim, dtype=dtype, device=device)
+    linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
+    if linear:
+        twin = type(model)(cfg).to(dtype).eval()  # on the CPU (the meta device lacks MoE's grouped_mm in fp32)
+        shapes = new_cache()
+        with torch.no_grad():
+            twin(prompt_ids(cfg.vocab_size), position_ids=torch.arange(PROMPT_LEN)[None], use_cache=True,
+                 **{cache_argument(twin): shapes})
+        for i in linear:
+            src, dst = shapes.layers[i], cache.layers[i]
+            for k in range(src.number_of_states):
+                conv, state = src.conv_states[k], src.recurrent_states[k]
+                dst.lazy_initialization(
+                    conv_states=None if conv is None else torch.zeros(conv.shape, dtype=conv.dtype, device=device),
+                    recurrent_states=None if state is None else torch.zeros(state.shape, dtype=state.dtype, device=device),
+                    state_idx=k, conv_kernel_size=src.conv_kernel_size[k])
+    return cache
 
 
 def static_cache(cfg, dtype: torch.dtype, device: str):
@@ -104,15 +156,27 @@ def prompt_ids(vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
 
 
-class Decoder:
-    """A causal LM with a static KV cache on one device, run as prefill + greedy decode."""
+def cache_argument(model) -> str:
+    """The name the model's forward gives its cache (Mamba's ``cache_params``, else
+    ``past_key_values``)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
 
-    def __init__(self, model, cfg, dtype: torch.dtype, device: str, compiled: bool, fullgraph: bool = True):
+
+class Decoder:
+    """A causal LM with a static cache on one device, run as prefill + greedy decode."""
+
+    def __init__(self, model, cfg, dtype: torch.dtype, device: str, compiled: bool, fullgraph: bool = True,
+                 cache: str = "static"):
         self.device, self.vocab = device, cfg.vocab_size
-        self.cache = cache = static_cache(cfg, dtype, device)
+        self.cache = kv = model_cache(model, cfg, dtype, device) if cache == "model" else static_cache(cfg, dtype, device)
+        name = cache_argument(model)
+        # every position of the cache unmasked, as generate() passes a mask: without one, the
+        # causal mask asks whether a static cache is empty of a tensor (a data-dependent branch)
+        mask = torch.ones(1, MAX_CACHE_LEN, dtype=torch.long).to(device)
 
         def forward(ids, pos):
-            return model(ids, cache=cache, position_ids=pos, use_cache=True).logits
+            return model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: kv}).logits
 
         self.fn = _compiled(forward, fullgraph) if compiled else forward
 
@@ -166,9 +230,59 @@ class Encoder:
         return run
 
 
+class _Forced:
+    """A logits processor that makes generate() choose `tokens` (one per step, while they
+    last), so a run's inputs are another run's; the logits generate() returns are the
+    model's own, from before any processor."""
+
+    def __init__(self, tokens: list[int], start: int):
+        self.tokens, self.start = tokens, start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.start
+        if step >= len(self.tokens):
+            return scores
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.tokens[step]] = 0.0
+        return forced
+
+
+class Seq2Seq:
+    """An encoder-decoder on one device, run by ``generate()``: greedy, 1 + DECODE_STEPS new
+    tokens, with Hugging Face's default cache; on the card its forward is compiled with
+    Dynamo's automatic dynamic shapes (each step's cache is one position longer)."""
+
+    def __init__(self, model, cfg, device: str, compiled: bool, fullgraph: bool = True):
+        self.model, self.device, self.vocab = model, device, cfg.vocab_size
+        self.start = 1  # generate() starts the decoder's sequence with one token
+        if compiled:
+            model.forward = _compiled(model.forward, fullgraph, dynamic=None)
+
+    def run(self, steps: int = DECODE_STEPS, feed: list[int] | None = None) -> Run:
+        """generate() of 1 + `steps` tokens, each step's input the token the step before
+        chose greedily (or, with `feed`, the tokens of another run). The tokens recorded are
+        each step's greedy choice, as a decoder's are."""
+        from transformers import LogitsProcessorList
+
+        ids = prompt_ids(self.vocab)
+        processors = LogitsProcessorList([_Forced(feed, self.start)] if feed else [])
+        with torch.no_grad():
+            out = self.model.generate(
+                ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device), do_sample=False,
+                max_new_tokens=steps + 1, min_new_tokens=steps + 1, num_beams=1, logits_processor=processors,
+                output_logits=True, return_dict_in_generate=True)
+        logits = [lg[0].cpu() for lg in out.logits]
+        run = Run(prefill=logits[0][None], decode=logits[1:], tokens=[int(lg.argmax()) for lg in logits])
+        run.counters["decode"] = dynamo_counts()
+        return run
+
+
 def runner(fam: Family, model, cfg, dtype: torch.dtype, device: str, compiled: bool, fullgraph: bool = True):
     if fam.kind == DECODER:
-        return Decoder(model, cfg, dtype, device, compiled, fullgraph)
+        return Decoder(model, cfg, dtype, device, compiled, fullgraph, cache=fam.cache)
+    if fam.kind == SEQ2SEQ:
+        return Seq2Seq(model, cfg, device, compiled, fullgraph)
+    assert fam.kind == ENCODER, fam.kind
     return Encoder(model, cfg, device, compiled, fullgraph)
 
 
@@ -273,24 +387,25 @@ def cpu_share(card, ev) -> float:
     return cpu_ns / (cpu_ns + job_ns) if cpu_ns + job_ns > 0 else 0.0
 
 
-def census(r: Decoder | Encoder) -> Census:
+def census(r: Decoder | Encoder | Seq2Seq) -> Census:
     """The kernels the card runs, and the ops that run on the CPU, in a prefill and in one
-    decode step (an encoder: its forward), from a traced run of them."""
+    decode step (an encoder: its forward; an encoder-decoder: generate()'s first step and
+    its last, a step of the graph with symbolic sizes), from a traced run of them."""
     card = cards.get(0)
     out = Census()
 
-    def phase(name: str, fn) -> None:
+    def measure(fn) -> tuple[int, dict[str, int], float]:
         first = card.trace_count()
         eager, in_steps = Counter(fallback.calls), Counter(fallback.in_steps)
         with torch.no_grad():
             fn()
         ev = card.trace_events(first)
-        is_job = ev["kind"] == cards.EV_JOB
-        jobs = [card.name_of(int(a)) for a in ev["a"][is_job].tolist()]
-        out.kernels[name] = len(kernel_names(jobs))
-        out.cpu_share[name] = cpu_share(card, ev)
+        jobs = [card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
         ops = (Counter(fallback.calls) - eager) + (Counter(fallback.in_steps) - in_steps)
-        out.cpu_ops[name] = dict(ops)
+        return len(kernel_names(jobs)), dict(ops), cpu_share(card, ev)
+
+    def phase(name: str, fn) -> None:
+        out.kernels[name], out.cpu_ops[name], out.cpu_share[name] = measure(fn)
 
     card.trace_enable(True, commands=False)
     try:
@@ -300,6 +415,21 @@ def census(r: Decoder | Encoder) -> Census:
                                           torch.arange(PROMPT_LEN)[None].to(r.device)).cpu())
             phase("decode", lambda: r.fn(torch.tensor([[3]]).to(r.device),
                                          torch.tensor([[PROMPT_LEN]]).to(r.device)).cpu())
+        elif isinstance(r, Seq2Seq):
+            steps, forward = [], r.model.forward
+
+            def counted(*args, **kwargs):  # each call of the compiled forward, on its own
+                result = []
+                steps.append(measure(lambda: result.append(forward(*args, **kwargs)) or result[0].logits.cpu()))
+                return result[0]
+
+            r.model.forward = counted
+            try:
+                r.run()
+            finally:
+                r.model.forward = forward
+            for name, step in (("prefill", steps[0]), ("decode", steps[-1])):
+                out.kernels[name], out.cpu_ops[name], out.cpu_share[name] = step
         else:
             phase("forward", r.run)
     finally:

@@ -90,4 +90,4 @@ def transposed(view: View, contiguous_inner: int, other: int) -> bool:
         return False
     if view.strides[other] == 1 or view.sizes[other] == 1:
         return True
-    raise ValueError(f"matmul operand {view.buf} has no contiguous dimension (strides {view.strides})")
+    raise ValueError(f"matmul operand {view.buf} has no contiguous dimension (strides {view.strides}) {view}")

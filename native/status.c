@@ -70,6 +70,36 @@ uint64_t spy_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t spy_thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Per thread, the CPU-clock mark of each device key it last took (a small table: a thread
+ * that talks to more devices than it holds starts again at 0 on the one it evicted). */
+#define CPU_MARKS 16
+static _Thread_local struct {
+    uint64_t key, mark;
+} cpu_marks[CPU_MARKS];
+static _Thread_local unsigned cpu_marks_next;
+
+uint64_t spy_thread_cpu_take(uint64_t key)
+{
+    uint64_t now = spy_thread_cpu_ns();
+    for (unsigned i = 0; i < CPU_MARKS; i++)
+        if (cpu_marks[i].key == key) {
+            uint64_t since = now > cpu_marks[i].mark ? now - cpu_marks[i].mark : 0;
+            cpu_marks[i].mark = now;
+            return since;
+        }
+    unsigned i = cpu_marks_next++ % CPU_MARKS;
+    cpu_marks[i].key = key;
+    cpu_marks[i].mark = now;
+    return 0;
+}
+
 uint32_t spy_dtype_size(uint32_t dtype)
 {
     switch (dtype) {

@@ -157,12 +157,6 @@ static void wait_until_locked(spy_device *d, double t)
         d->waited_ns += wait;
         d->counters.wait_ns += wait;
     }
-    uint64_t wall = spy_host_wall_locked(d);
-    if (t > (double)wall) {
-        uint64_t wait = (uint64_t)ceil(t) - wall;
-        d->waited_wall_ns += wait;
-        d->counters.wait_wall_ns += wait;
-    }
 }
 
 spy_status spy_synchronize(spy_device *d)

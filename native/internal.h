@@ -211,7 +211,6 @@ struct spy_device {
     uint64_t waited_ns;        /* host clock moved forward by synchronize */
     uint64_t clock_origin;     /* spy_now_ns() at open */
     uint64_t excluded_wall_ns; /* wall time of the card's work */
-    uint64_t waited_wall_ns;   /* wall host clock moved forward by synchronize */
     bool excluding;            /* inside the card's work (spy_card_work_begin) */
     uint64_t excluding_wall0;  /* spy_now_ns() when it began */
     double device_free;        /* end of the last job */
@@ -277,11 +276,13 @@ static inline uint64_t spy_host_clock_locked(spy_device *d)
 }
 
 /* The host clock's wall twin: monotonic time since open, less the wall time of the card's
- * work, plus the waits for the card measured against it. */
+ * work, plus the same waits for the card as the host clock. With one calling thread it is
+ * the host clock plus the time the host spent off the CPU (sleeping, blocked, or waiting for
+ * a core another process held). */
 static inline uint64_t spy_host_wall_locked(const spy_device *d)
 {
     uint64_t now = d->excluding ? d->excluding_wall0 : spy_now_ns();
-    return now - d->clock_origin - d->excluded_wall_ns + d->waited_wall_ns;
+    return now - d->clock_origin - d->excluded_wall_ns + d->waited_ns;
 }
 
 /* The card's own work on a locked device (simulating a job, walking a resident plan):
@@ -302,8 +303,10 @@ static inline void spy_card_work_end(spy_device *d, bool outermost)
 {
     if (!outermost)
         return;
-    uint64_t cpu = spy_thread_cpu_take(d->clock_key); /* not handed over: the card's */
+    /* the wall span inside the CPU span (read after begin's, before end's CPU reading), so
+     * that the wall twin, which leaves the wall span out, is not set below the host clock */
     uint64_t wall = spy_now_ns() - d->excluding_wall0;
+    uint64_t cpu = spy_thread_cpu_take(d->clock_key); /* not handed over: the card's */
     d->excluded_ns += cpu;
     d->excluded_wall_ns += wall;
     d->counters.sim_cpu_ns += cpu;

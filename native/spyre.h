@@ -38,7 +38,8 @@
  *   counts exactly its CPU time, and several count their sum. Sleeping, blocking and
  *   waiting for a core another process holds are not CPU time and do not move it. The
  *   wall twin (spy_clock.host_wall_ns) is monotonic time since open, less the card's work
- *   in wall time, plus the waits measured against it. Device time is
+ *   in wall time, plus the same waits: the host clock with the host's time off the CPU put
+ *   back (the device timeline follows the host clock, not its twin). Device time is
  *   simulated from the profile's figures. A job starts job_launch_ns after
  *   max(host clock at launch, end of the previous job) and each of its commands at
  *   max(job start, end of its dependencies, its engine becoming free).
@@ -230,7 +231,7 @@ spy_status spy_synchronize_until(spy_device *dev, double t_ns);
 /* The device's clocks, read at one instant (what an event records). */
 typedef struct spy_clock {
     uint64_t host_ns;      /* spy_host_clock_ns: host CPU time (see "Time" above) */
-    uint64_t host_wall_ns; /* the same in wall time: monotonic, the card's work left out */
+    uint64_t host_wall_ns; /* its wall twin: monotonic, the card's work left out, same waits */
     double finish_ns;  /* spy_device_finish_ns: where work launched now would queue */
     double work_ns;    /* the device's own time since it was opened: the timeline less the
                           stretches the device sat idle because the host had not launched
@@ -676,7 +677,6 @@ typedef struct spy_counters {
                                    walking plans): left out of the wall host clock */
     uint64_t wait_ns;           /* host clock advanced by synchronize */
     uint64_t sim_cpu_ns;        /* CPU time of the same: left out of the host clock */
-    uint64_t wait_wall_ns;      /* wall host clock advanced by synchronize */
     double device_busy_ns;      /* sum over jobs of (end - start) */
     double device_idle_host_ns; /* device idle because the host had not launched yet */
 } spy_counters;

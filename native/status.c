@@ -77,26 +77,33 @@ uint64_t spy_thread_cpu_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Per thread, the CPU-clock mark of each device key it last took (a small table: a thread
- * that talks to more devices than it holds starts again at 0 on the one it evicted). */
+/* Per thread, the CPU-clock mark of each device key it took lately: a small table, the
+ * least recently used entry making room for a new key. A thread that calls into more devices
+ * in turn than the table holds starts again at 0 on a device it dropped, losing the CPU
+ * time since its last call there. */
 #define CPU_MARKS 16
 static _Thread_local struct {
-    uint64_t key, mark;
+    uint64_t key, mark, used;
 } cpu_marks[CPU_MARKS];
-static _Thread_local unsigned cpu_marks_next;
+static _Thread_local uint64_t cpu_marks_tick;
 
 uint64_t spy_thread_cpu_take(uint64_t key)
 {
     uint64_t now = spy_thread_cpu_ns();
-    for (unsigned i = 0; i < CPU_MARKS; i++)
+    unsigned victim = 0;
+    for (unsigned i = 0; i < CPU_MARKS; i++) {
         if (cpu_marks[i].key == key) {
             uint64_t since = now > cpu_marks[i].mark ? now - cpu_marks[i].mark : 0;
             cpu_marks[i].mark = now;
+            cpu_marks[i].used = ++cpu_marks_tick;
             return since;
         }
-    unsigned i = cpu_marks_next++ % CPU_MARKS;
-    cpu_marks[i].key = key;
-    cpu_marks[i].mark = now;
+        if (cpu_marks[i].used < cpu_marks[victim].used)
+            victim = i;
+    }
+    cpu_marks[victim].key = key;
+    cpu_marks[victim].mark = now;
+    cpu_marks[victim].used = ++cpu_marks_tick;
     return 0;
 }
 

@@ -400,3 +400,5 @@ def test_the_run_names_its_clock_and_reports_wall_time_beside_host_time(cli_run)
     runmod.render(console, out)
     text = console.file.getvalue()
     assert "CLOCK_THREAD_CPUTIME_ID" in text and "in wall time" in text
+    assert "pt_utilization" in out["roofline_assumptions"]
+    assert "the roofline rests on figures that are assumptions" in " ".join(text.split())

@@ -41,6 +41,7 @@ from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
+from .roofline import assumptions as roofline_assumptions
 
 # The dispatch modes (DISPATCH, from spyre_rt.dispatch's table), and "replay": the prebuilt
 # plans driven by captured graphs (torch.spyre.graph), prefill and decode each one replay
@@ -570,6 +571,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "compute_share": compute_share_of(results),
         "path_shares": path_shares_of(results),
         "efficiency": efficiency_of(session, opts, results, census),
+        "roofline_assumptions": roofline_assumptions(session.card.profile),
         "reference": reference,
         "kernels": kernels,
         "implied": implied,
@@ -627,6 +629,8 @@ def render(console, out: dict, whatif_plot: str | None = None) -> None:
             console.print(f"[dim]published: {out['reference']['source']}[/]")
     if out.get("efficiency"):
         console.print(_efficiency_table(out["efficiency"]))
+        if note := _assumptions_note(out):
+            console.print(f"[yellow]{note}[/]")
     if out.get("implied"):
         console.print(published.implied_table(out["implied"]))
         console.print("[dim]implied: (published speedup - 1) x our device time / our kernels; ours: construct "
@@ -753,6 +757,14 @@ def _efficiency_table(eff: dict):
         t.caption = ("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
                      "attention against weights, KV cache and activations")
     return t
+
+
+def _assumptions_note(out: dict) -> str | None:
+    names = out.get("roofline_assumptions")
+    if not names:
+        return None
+    return ("the roofline rests on figures that are assumptions, not published (spyre-profile info gives the "
+            "reasoning): " + ", ".join(names))
 
 
 def write_json(out: dict, path: str) -> None:

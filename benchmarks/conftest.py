@@ -2,11 +2,20 @@
 
 Every target is a ratio measured side by side in one run, recorded in `extra_info`;
 absolute times are for regression comparison between runs on one machine only.
+
+One clock on both sides of every comparison (docs/ARCHITECTURE.md, "Host work and the
+card's"): host work is CPU time of the calling thread (``time.thread_time_ns``, which is the
+card's host clock, CLOCK_THREAD_CPUTIME_ID), the simulated card's work left out, and wall
+time is reported beside it. The card's side reads the card's host clock and its wall twin;
+the Dynamo floor, which has no card, reads the thread's CPU clock and ``perf_counter``. What
+pytest-benchmark's own table shows is the wall time of the whole call, the simulator's work
+included.
 """
 
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -33,6 +42,25 @@ def functional_card(spyre_profile):
     return Card(spyre_profile, "functional", 1)
 
 
+class Cost(NamedTuple):
+    """Host work per call: CPU time of the calling thread (the host clock) and wall time."""
+
+    cpu: float
+    wall: float
+
+    def scaled(self, k: float) -> "Cost":
+        return Cost(self.cpu * k, self.wall * k)
+
+
+def thread_cost(call, times: int) -> Cost:
+    """ns per call of `call` with nothing on the card: the thread's CPU time, and wall time."""
+    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+    for _ in range(times):
+        call()
+    c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+    return Cost((c1 - c0) / times, (w1 - w0) / times)
+
+
 class Decoder:
     """A compiled Granite on the card with its prompt prefilled: ``step()`` is one decode step."""
 
@@ -57,24 +85,25 @@ class Decoder:
                 self.step()
         return g
 
-    def host_ns_per_step(self, steps: int) -> tuple[float, float]:
-        """Host time (simulator arithmetic and waits for the card excluded) and native calls
-        per step, from the card's clock and counters."""
+    def host_ns_per_step(self, steps: int) -> tuple[Cost, float]:
+        """Host work (the card's own work and waits for it left out) and native calls per
+        step, from the card's clocks and counters."""
         host, counted = self.card_cost(self.step, steps)
         return host, counted["native_calls"]
 
-    def card_cost(self, call, times: int) -> tuple[float, dict[str, float]]:
-        """Host ns per call of `call` (simulator arithmetic and waits for the card excluded)
-        and the card's counters per call."""
+    def card_cost(self, call, times: int) -> tuple[Cost, dict[str, float]]:
+        """Host ns per call of `call`, on the host clock and its wall twin (the card's own
+        work and the waits for it left out), and the card's counters per call."""
         card = self.card
         card.synchronize()
-        c0, h0 = card.counters(), card.host_clock_ns()
+        c0, h0 = card.counters(), card.clock()
         for _ in range(times):
             call()
         card.synchronize()
-        c1, h1 = card.counters(), card.host_clock_ns()
-        host = (h1 - h0) - (c1["wait_ns"] - c0["wait_ns"])
-        return host / times, {k: (c1[k] - c0[k]) / times for k in c1}
+        c1, h1 = card.counters(), card.clock()
+        waited = c1["wait_ns"] - c0["wait_ns"]
+        host = Cost(h1.host_ns - h0.host_ns - waited, h1.host_wall_ns - h0.host_wall_ns - waited)
+        return host.scaled(1 / times), {k: (c1[k] - c0[k]) / times for k in c1}
 
 
 @pytest.fixture(scope="session")
@@ -129,11 +158,9 @@ class CpuFloor:
         with torch.no_grad():
             return self.forward(self.ids, self.pos)
 
-    def host_ns_per_step(self, steps: int) -> float:
-        t0 = time.perf_counter_ns()
-        for _ in range(steps):
-            self.step()
-        return (time.perf_counter_ns() - t0) / steps
+    def host_ns_per_step(self, steps: int) -> Cost:
+        """Host work per step on the same clock as the card's side (no card here)."""
+        return thread_cost(self.step, steps)
 
 
 @pytest.fixture(scope="session")

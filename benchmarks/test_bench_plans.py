@@ -9,6 +9,14 @@ from spyre_rt import executor as steps
 from spyre_rt.executor import plans as plan_files
 
 
+def thread_cost(call, times: int) -> tuple[float, float]:
+    """ns per call: the thread's CPU time (the host clock's) and wall time (as conftest's)."""
+    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+    for _ in range(times):
+        call()
+    return (time.thread_time_ns() - c0) / times, (time.perf_counter_ns() - w0) / times
+
+
 def _executables(card):
     return [exe for s in steps.live_steps() for exe in s.executables() if exe.card is card]
 
@@ -29,14 +37,16 @@ def test_plan_cache_hit_tiny_granite(benchmark, tiny_granite):
     assert steps.stats["plans_built"] == built, "a cache hit builds nothing"
     assert steps.stats["plans_loaded"] > loaded
     # the same plans built from the kernel descriptions, for the ratio
-    t0 = time.perf_counter()
-    for exe in exes:
-        for segment in exe.device_segments():
-            plan_files.build_block(exe, segment)
-    build_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _load_all(exes)
-    hit_s = time.perf_counter() - t0
+    # (host work on both sides: the thread's CPU time, wall time beside it)
+    def build_all():
+        for exe in exes:
+            for segment in exe.device_segments():
+                plan_files.build_block(exe, segment)
+
+    (build_cpu, build_wall), (hit_cpu, hit_wall) = thread_cost(build_all, 1), thread_cost(lambda: _load_all(exes), 1)
     benchmark.extra_info.update({"plans": plans, "kernels": sum(len(seg.kernels) for exe in exes for seg in exe.device_segments()),
-                                 "hit_ms": round(hit_s * 1e3, 2), "build_ms": round(build_s * 1e3, 1),
-                                 "build_over_hit": round(build_s / hit_s, 1)})
+                                 "clock": "thread-cpu; *_wall: wall time",
+                                 "hit_ms": round(hit_cpu / 1e6, 2), "build_ms": round(build_cpu / 1e6, 1),
+                                 "hit_wall_ms": round(hit_wall / 1e6, 2), "build_wall_ms": round(build_wall / 1e6, 1),
+                                 "build_over_hit": round(build_cpu / hit_cpu, 1),
+                                 "build_over_hit_wall": round(build_wall / hit_wall, 1)})

@@ -73,6 +73,8 @@ spy_status spy_device_open(const spy_profile *profile, uint32_t mode, uint32_t o
     d->ordinal = ordinal;
     d->instance = instance;
     d->clock_origin = spy_now_ns();
+    d->clock_key = instance + 1;
+    (void)spy_thread_cpu_take(d->clock_key); /* the opening thread's CPU time counts from here */
     pthread_mutex_init(&d->lock, NULL);
     d->sim = spy_sim_new();
     if (!d->sim)
@@ -182,6 +184,7 @@ spy_status spy_clock_read(spy_device *d, spy_clock *out)
         return spy_fail(SPY_E_INVALID_ARG, -1, "null argument");
     spy_lock(d); /* one instant: a getter, not counted as a native call */
     out->host_ns = spy_host_clock_locked(d);
+    out->host_wall_ns = spy_host_wall_locked(d);
     out->finish_ns = d->device_free;
     out->work_ns = d->device_work;
     spy_unlock(d);

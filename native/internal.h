@@ -33,6 +33,12 @@ void spy_clear_error(void);
 /* Names the plan job the last failure happened in (see spy_last_error_job). */
 void spy_note_error_job(int64_t job);
 uint64_t spy_now_ns(void);
+/* CPU time of the calling thread (CLOCK_THREAD_CPUTIME_ID). */
+uint64_t spy_thread_cpu_ns(void);
+/* CPU time the calling thread consumed since it last took `key` (nonzero; 0 the first
+ * time), and the thread's mark for `key` moved to now. Each device takes its own key, so
+ * a thread's CPU time is handed to a device once, at the thread's next call into it. */
+uint64_t spy_thread_cpu_take(uint64_t key);
 uint32_t spy_dtype_size(uint32_t dtype);
 static inline bool spy_add_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }
 static inline bool spy_mul_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
@@ -197,9 +203,16 @@ struct spy_device {
     bool lost;
     spy_allocator mem;
     uint8_t **lx;              /* per-core scratchpads (functional mode) */
-    uint64_t clock_origin;     /* spy_now_ns() at open */
-    uint64_t excluded_ns;      /* simulator time excluded from the host clock */
+    /* The host clock (see spy_host_clock_locked): CPU time of the threads calling into the
+     * device, less the card's own work, plus the waits for the card; its wall twin beside. */
+    uint64_t clock_key;        /* the device's key in each thread's CPU marks (instance + 1) */
+    uint64_t host_cpu_ns;      /* CPU time handed over by calling threads, card work left out */
+    uint64_t excluded_ns;      /* CPU time of the card's work left out of host_cpu_ns */
     uint64_t waited_ns;        /* host clock moved forward by synchronize */
+    uint64_t clock_origin;     /* spy_now_ns() at open */
+    uint64_t excluded_wall_ns; /* wall time of the card's work */
+    bool excluding;            /* inside the card's work (spy_card_work_begin) */
+    uint64_t excluding_wall0;  /* spy_now_ns() when it began */
     double device_free;        /* end of the last job */
     double device_work;        /* the device's own time (spy_clock.work_ns) */
     uint64_t job_seq;
@@ -252,10 +265,53 @@ static inline void spy_read_locked(spy_device *d, void *dst, const void *field, 
     if ((d)->lost)                                                                                 \
     SPY_LEAVE(d, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", (d)->ordinal))
 
-/* Host clock of a locked device (spy_host_clock_ns without the lock). */
-static inline uint64_t spy_host_clock_locked(const spy_device *d)
+/* Host clock of a locked device (spy_host_clock_ns without the lock): the calling thread
+ * hands over the CPU time it consumed since its last call into this device, unless the card
+ * is working (its work is the card's, not the host's). */
+static inline uint64_t spy_host_clock_locked(spy_device *d)
 {
-    return spy_now_ns() - d->clock_origin - d->excluded_ns + d->waited_ns;
+    if (!d->excluding)
+        d->host_cpu_ns += spy_thread_cpu_take(d->clock_key);
+    return d->host_cpu_ns + d->waited_ns;
+}
+
+/* The host clock's wall twin: monotonic time since open, less the wall time of the card's
+ * work, plus the same waits for the card as the host clock. With one calling thread it is
+ * the host clock plus the time the host spent off the CPU (sleeping, blocked, or waiting for
+ * a core another process held). */
+static inline uint64_t spy_host_wall_locked(const spy_device *d)
+{
+    uint64_t now = d->excluding ? d->excluding_wall0 : spy_now_ns();
+    return now - d->clock_origin - d->excluded_wall_ns + d->waited_ns;
+}
+
+/* The card's own work on a locked device (simulating a job, walking a resident plan):
+ * what the calling thread spends between begin and end leaves the host clock, in CPU time
+ * (excluded_ns, counters.sim_cpu_ns) and in wall time (excluded_wall_ns, counters.sim_ns).
+ * Nested spans belong to the outermost. Returns whether this span is the outermost. */
+static inline bool spy_card_work_begin(spy_device *d)
+{
+    if (d->excluding)
+        return false;
+    d->host_cpu_ns += spy_thread_cpu_take(d->clock_key);
+    d->excluding = true;
+    d->excluding_wall0 = spy_now_ns();
+    return true;
+}
+
+static inline void spy_card_work_end(spy_device *d, bool outermost)
+{
+    if (!outermost)
+        return;
+    /* the wall span inside the CPU span (read after begin's, before end's CPU reading), so
+     * that the wall twin, which leaves the wall span out, is not set below the host clock */
+    uint64_t wall = spy_now_ns() - d->excluding_wall0;
+    uint64_t cpu = spy_thread_cpu_take(d->clock_key); /* not handed over: the card's */
+    d->excluded_ns += cpu;
+    d->excluded_wall_ns += wall;
+    d->counters.sim_cpu_ns += cpu;
+    d->counters.sim_ns += wall;
+    d->excluding = false;
 }
 
 /* ---- memory.c: the device's memory entry points ---------------------------------------- */

@@ -150,7 +150,7 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
     double start = runnable + d->prof.job_launch_ns;
     if (not_before > d->device_free)
         d->counters.device_idle_host_ns += not_before - d->device_free;
-    uint64_t t0 = spy_now_ns();
+    bool outermost = spy_card_work_begin(d);
     double duration = 0;
     spy_status s = SPY_OK;
     if (g->timed && time_only(d, g)) {
@@ -163,9 +163,7 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
         g->timed = s == SPY_OK;
         g->duration_ns = duration;
     }
-    uint64_t spent = spy_now_ns() - t0;
-    d->excluded_ns += spent;
-    d->counters.sim_ns += spent;
+    spy_card_work_end(d, outermost);
     *end = start + duration;
     d->device_free = *end;
     d->device_work += *end - runnable;

@@ -278,8 +278,10 @@ static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t 
     if (!slot_host)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted");
     /* Walking the resident jobs is the card's command processor's work, not the host's: the
-     * whole walk leaves the host clock, as the simulation inside each job does. */
-    uint64_t walk_t0 = spy_now_ns(), excluded0 = d->excluded_ns, sim0 = d->counters.sim_ns;
+     * whole walk (relocations, each job's execution) leaves the host clock, as the
+     * simulation inside each job does. Checking and patching the bindings above is the
+     * host's. */
+    bool outermost = spy_card_work_begin(d);
     for (uint32_t j = 0; j < p->njobs && s == SPY_OK; j++) {
         const struct plan_job *job = &p->jobs[j];
         for (uint32_t k = 0; k < job->nslots; k++) {
@@ -290,9 +292,7 @@ static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t 
         if (s != SPY_OK)
             spy_note_error_job(j);
     }
-    uint64_t walked = spy_now_ns() - walk_t0;
-    d->excluded_ns = excluded0 + walked;
-    d->counters.sim_ns = sim0 + walked;
+    spy_card_work_end(d, outermost);
     d->counters.plan_launches++;
     spy_trace_launch(d, name, host_t, first, d->job_seq - first);
     if (step_end_ns)

@@ -29,9 +29,17 @@
  *   static arena). One spy_plan_launch runs a whole compiled step.
  *
  * Time
- *   Host time is real: spy_host_clock_ns() is monotonic time since the device was opened,
- *   minus the time the simulator itself spent (event simulation and functional
- *   arithmetic), plus the time the host spent waiting in spy_synchronize. Device time is
+ *   Host time is real host work: spy_host_clock_ns() is CPU time (CLOCK_THREAD_CPUTIME_ID)
+ *   of the threads that call into the device since it was opened, less the card's own work
+ *   done on the calling thread (simulating a job, walking a resident plan; measured with the
+ *   same clock), plus the time the host spent waiting in spy_synchronize. A thread hands
+ *   its CPU time over at each call: from its first call into the device, every CPU
+ *   nanosecond it spends between and inside calls counts once, so one dispatching thread
+ *   counts exactly its CPU time, and several count their sum. Sleeping, blocking and
+ *   waiting for a core another process holds are not CPU time and do not move it. The
+ *   wall twin (spy_clock.host_wall_ns) is monotonic time since open, less the card's work
+ *   in wall time, plus the same waits: the host clock with the host's time off the CPU put
+ *   back (the device timeline follows the host clock, not its twin). Device time is
  *   simulated from the profile's figures. A job starts job_launch_ns after
  *   max(host clock at launch, end of the previous job) and each of its commands at
  *   max(job start, end of its dependencies, its engine becoming free).
@@ -222,14 +230,15 @@ spy_status spy_synchronize_until(spy_device *dev, double t_ns);
 
 /* The device's clocks, read at one instant (what an event records). */
 typedef struct spy_clock {
-    uint64_t host_ns;  /* spy_host_clock_ns */
+    uint64_t host_ns;      /* spy_host_clock_ns: host CPU time (see "Time" above) */
+    uint64_t host_wall_ns; /* its wall twin: monotonic, the card's work left out, same waits */
     double finish_ns;  /* spy_device_finish_ns: where work launched now would queue */
     double work_ns;    /* the device's own time since it was opened: the timeline less the
                           stretches the device sat idle because the host had not launched
                           work yet (each job's launch latency and run, each plan upload).
                           It does not depend on the host's speed; never reset. */
-} spy_clock; /* 24 bytes */
-SPY_ABI_SIZE(spy_clock, 24)
+} spy_clock; /* 32 bytes */
+SPY_ABI_SIZE(spy_clock, 32)
 
 spy_status spy_clock_read(spy_device *dev, spy_clock *out);
 
@@ -664,8 +673,10 @@ typedef struct spy_counters {
     uint64_t validated_commands;
     uint64_t bytes_h2d;
     uint64_t bytes_d2h;
-    uint64_t sim_ns;            /* real time spent simulating (excluded from the host clock) */
+    uint64_t sim_ns;            /* wall time of the card's work on the host's thread (simulating,
+                                   walking plans): left out of the wall host clock */
     uint64_t wait_ns;           /* host clock advanced by synchronize */
+    uint64_t sim_cpu_ns;        /* CPU time of the same: left out of the host clock */
     double device_busy_ns;      /* sum over jobs of (end - start) */
     double device_idle_host_ns; /* device idle because the host had not launched yet */
 } spy_counters;

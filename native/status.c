@@ -70,6 +70,43 @@ uint64_t spy_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t spy_thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Per thread, the CPU-clock mark of each device key it took lately: a small table, the
+ * least recently used entry making room for a new key. A thread that calls into more devices
+ * in turn than the table holds starts again at 0 on a device it dropped, losing the CPU
+ * time since its last call there. */
+#define CPU_MARKS 16
+static _Thread_local struct {
+    uint64_t key, mark, used;
+} cpu_marks[CPU_MARKS];
+static _Thread_local uint64_t cpu_marks_tick;
+
+uint64_t spy_thread_cpu_take(uint64_t key)
+{
+    uint64_t now = spy_thread_cpu_ns();
+    unsigned victim = 0;
+    for (unsigned i = 0; i < CPU_MARKS; i++) {
+        if (cpu_marks[i].key == key) {
+            uint64_t since = now > cpu_marks[i].mark ? now - cpu_marks[i].mark : 0;
+            cpu_marks[i].mark = now;
+            cpu_marks[i].used = ++cpu_marks_tick;
+            return since;
+        }
+        if (cpu_marks[i].used < cpu_marks[victim].used)
+            victim = i;
+    }
+    cpu_marks[victim].key = key;
+    cpu_marks[victim].mark = now;
+    cpu_marks[victim].used = ++cpu_marks_tick;
+    return 0;
+}
+
 uint32_t spy_dtype_size(uint32_t dtype)
 {
     switch (dtype) {

@@ -49,7 +49,9 @@ _by_instance: dict = {}  # instance number (address window) -> Card, for every c
 class Clock(NamedTuple):
     """A card's clocks at one instant, in ns (spy_clock in spyre.h)."""
 
-    host_ns: int      # the host clock: real host time, the simulator's own time left out
+    host_ns: int      # the host clock: CPU time of the threads calling into the card, the
+                      # card's own work (simulating, walking plans) left out, waits added
+    host_wall_ns: int  # the same in wall time (sleeps and load included): reported beside
     finish_ns: float  # end of the last job on the device timeline: where new work queues
     work_ns: float    # the card's own time: the timeline less its idle waits for the host
 
@@ -165,6 +167,8 @@ class Card:
 
     # ---- clocks ----
     def host_clock_ns(self) -> int:
+        """The host clock: CPU time of the threads calling into the card, less the card's own
+        work, plus the waits for it (spy_host_clock_ns; its wall twin is in :meth:`clock`)."""
         return int(lib.spy_host_clock_ns(self.handle))
 
     def host_work_start_ns(self) -> int:
@@ -188,7 +192,7 @@ class Card:
         """The card's clocks, read at one instant (see :class:`Clock`)."""
         out = ffi.new("spy_clock *")
         check(lib.spy_clock_read(self.handle, out), f"reading the clocks of spyre:{self.index}")
-        return Clock(int(out.host_ns), float(out.finish_ns), float(out.work_ns))
+        return Clock(int(out.host_ns), int(out.host_wall_ns), float(out.finish_ns), float(out.work_ns))
 
     # ---- counters and trace ----
     def counters(self) -> dict[str, float]:

@@ -208,7 +208,10 @@ class Event(torch._C.Event):
         self._finish_ns, self._work_ns = clock.finish_ns, clock.work_ns
 
     def query(self) -> bool:
-        """Whether the card has reached the event (True if it was never recorded)."""
+        """Whether the card has reached the event (True if it was never recorded).
+
+        The card's timeline moves with the host clock, which counts host CPU time: a host
+        that sleeps between queries does not move it, so wait with :meth:`synchronize`."""
         if self._recorded_on is None:
             return True
         return self._recorded_on.clock().host_ns >= self._finish_ns

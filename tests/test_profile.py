@@ -1,5 +1,6 @@
 """Device profiles: every figure present, sourced and validated."""
 
+import re
 import tomllib
 
 import pytest
@@ -111,3 +112,35 @@ def test_loaded_profile_passes_the_native_range_check():
     native.pt_utilization = 1.5
     assert lib.spy_profile_check(native) == lib.SPY_E_PROFILE
     assert "pt_utilization" in ffi.string(lib.spy_last_error()).decode()
+
+
+def test_the_roofline_figures_name_their_evidence():
+    """The figures that set the roofline are public only with a citation of the sources in
+    the profile's header; the unpublished ones are assumptions with their reasoning, and
+    nothing cites material that is not public."""
+    text = profile._source_text("spyre")[1]
+    assert "design notes" not in text and "[datasheet]" not in text
+    p = profile.load("spyre")
+    for name in ("pt_macs_per_ns", "pt_utilization", "dram_bandwidth_gbps"):
+        f = p.figures[name]
+        assert f.kind == "assumption" and "not published" in f.source, name
+    for f in p.figures.values():
+        if f.kind == "public":
+            cited = re.findall(r"\[([\w-]+)\]", f.source)
+            assert cited and all(f"#   [{c}]" in text for c in cited), f.name
+
+
+def test_info_and_the_roofline_say_which_figures_are_assumptions():
+    import io
+
+    from rich.console import Console
+
+    from spyre_rt import card as cards
+    from spyre_rt.profiler import info, roofline
+
+    p = profile.load("spyre")
+    assert set(roofline.assumptions(p)) >= {"pt_macs_per_ns", "pt_utilization", "dram_bandwidth_gbps"}
+    console = Console(file=io.StringIO(), width=200)
+    console.print(info.profile_table(cards.card_set()))
+    text = console.file.getvalue()
+    assert "the roofline rests on assumptions: " in text and "dram_bandwidth_gbps" in text.split("rests on")[1]

@@ -260,7 +260,7 @@ def per_step(out, mode, phase, key):
 
 def test_the_json_names_its_format_and_host_and_the_spread_of_every_figure(cli_run):
     _, out, _ = cli_run
-    assert out["format"] == runmod.FORMAT == 2
+    assert out["format"] == runmod.FORMAT == 3
     assert out["host"]["cpu"] and out["host"]["cores"] >= 1
     for mode in runmod.MODES:
         for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
@@ -379,3 +379,26 @@ def test_a_run_without_construct_says_its_speedups_are_undefined(capsys):
     assert cli.main(["run", *TINY, "--timing", "--repeats", "1", "--modes", "prebuilt"]) == 0
     out = capsys.readouterr().out
     assert "nan" not in out and "construct, which was not run" in out
+
+
+def test_the_run_names_its_clock_and_reports_wall_time_beside_host_time(cli_run):
+    """Host figures are CPU time of the dispatching thread; each has a wall twin, which puts
+    the host's time off the CPU back and so is not below it on one thread (but for the
+    clocks' reading, about a microsecond a call on a virtual machine)."""
+    _, out, _ = cli_run
+    assert out["clock"]["host"] == "thread-cpu" and out["clock"]["wall"] == "monotonic"
+    for mode, r in out["results"].items():
+        calls = sum(r["phases"][p]["native_calls"] for p in ("prefill", "decode"))
+        slack = calls * 2e-3  # ms: 2 µs a call
+        assert r["host_wall_ms"] >= r["host_ms"] - slack
+        assert r["prefill_wall_ms"] >= r["prefill_ms"] - slack
+        for phase in ("prefill", "decode"):
+            f = r["phases"][phase]
+            assert f["latency_wall_ms"] - f["host_wall_ms"] == pytest.approx(f["latency_ms"] - f["host_ms"])
+        assert set(out["wall"]["speedups"][mode]) == {"prefill", "decode"}
+    console = Console(file=io.StringIO(), width=80)
+    runmod.render(console, out)
+    text = console.file.getvalue()
+    assert "CLOCK_THREAD_CPUTIME_ID" in text and "in wall time" in text
+    assert "pt_utilization" in out["roofline_assumptions"]
+    assert "the roofline rests on figures that are assumptions" in " ".join(text.split())

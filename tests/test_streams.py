@@ -217,14 +217,37 @@ def test_events_around_an_eager_matmul_time_the_cards_work(quiet):
         c = cs.cards[0]
         a, b = torch.randn(256, 512).to("spyre"), torch.randn(512, 128).to("spyre")
         t0 = c.clock()
-        elapsed, card_ms, jobs = _timed(c, lambda: (time.sleep(0.01), a @ b))
+        elapsed, card_ms, jobs = _timed(c, lambda: (_host_work(0.01), a @ b))
         span_ms = (c.clock().finish_ns - t0.finish_ns) / 1e6
     # the matmul runs on the CPU: the card copies a and b down and the product up
     assert jobs == 3
     assert elapsed == pytest.approx(card_ms, rel=1e-9)
-    # the card sat idle while the host slept and multiplied: its timeline grew by more, the
+    # the card sat idle while the host worked and multiplied: its timeline grew by more, the
     # event pair did not count it
     assert span_ms >= elapsed + 10
+
+
+def _host_work(seconds: float) -> None:
+    """Busy host work: `seconds` of the calling thread's CPU time (the host clock's)."""
+    end = time.thread_time_ns() + int(seconds * 1e9)
+    while time.thread_time_ns() < end:
+        pass
+
+
+def test_a_host_that_sleeps_does_not_keep_the_card_waiting(quiet):
+    """Sleeping is not host work: the host clock is CPU time, so the card's timeline does
+    not grow by a sleep (the wall twin of the host clock does)."""
+    with spyre_rt.configured(sim_mode="timing") as cs:
+        c = cs.cards[0]
+        a = torch.randn(256, 512).to("spyre")
+        torch.spyre.synchronize()
+        t0 = c.clock()
+        time.sleep(0.02)
+        a.cpu()
+        t1 = c.clock()
+    assert t1.host_wall_ns - t0.host_wall_ns >= 20e6
+    assert t1.finish_ns - t0.finish_ns < 20e6
+    assert t1.host_ns - t0.host_ns < 20e6
 
 
 def _compiled_step_time(sim_mode: str) -> tuple[float, float, int]:

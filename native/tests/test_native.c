@@ -3,6 +3,7 @@
  * They drive the public API only (spyre.h): allocation, validation of hostile programs,
  * functional arithmetic, the cost model on hand-computed figures, plans, faults. */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -544,6 +545,57 @@ static void test_cost_model(void)
     spy_device_close(d);
 }
 
+static uint64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Busy work on the calling thread until its CPU clock has advanced by ns. */
+static void spin_cpu_ns(uint64_t ns)
+{
+    uint64_t t0 = thread_cpu_ns();
+    volatile uint64_t x = 0;
+    while (thread_cpu_ns() - t0 < ns)
+        x = x + 1;
+}
+
+struct spinner {
+    spy_device *d;
+    uint64_t ns;
+};
+
+static void *spin_on_device(void *arg)
+{
+    struct spinner *sp = arg;
+    (void)spy_host_clock_ns(sp->d); /* the thread's first call: its CPU time counts from here */
+    spin_cpu_ns(sp->ns);
+    (void)spy_host_clock_ns(sp->d);
+    return NULL;
+}
+
+/* The host clock is the CPU time of the threads that call into the device, each counted from
+ * its first call: another thread's work moves it when that thread calls; sleeping does not. */
+static void test_host_clock_threads(void)
+{
+    current = "host clock threads";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    spin_cpu_ns(1000000); /* before the thread's next call: counted then */
+    uint64_t h0 = spy_host_clock_ns(d);
+    CHECK(h0 >= 1000000);
+    struct spinner sp = {d, 3000000};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, spin_on_device, &sp) == 0);
+    CHECK(pthread_join(t, NULL) == 0); /* blocked: not CPU time of this thread */
+    uint64_t h1 = spy_host_clock_ns(d);
+    CHECK(h1 - h0 >= 3000000);
+    CHECK(h1 - h0 < 3000000 + 2000000);
+    spy_device_close(d);
+}
+
 /* The device's own clock (spy_clock.work_ns) counts each job's launch latency and run and
  * nothing of the time the device sits idle waiting for the host; spy_synchronize_until
  * waits for a point of the timeline, never past the device's finish. */
@@ -568,14 +620,26 @@ static void test_clocks(void)
     CHECK_OK(spy_clock_read(d, &c1));
     CHECK(NEAR(c1.work_ns - c0.work_ns, job, 1e-9));
     CHECK(c1.finish_ns >= c1.work_ns);
-    /* the host idles for 2 ms: the timeline grows by that much more, the work clock not */
+    /* the host sleeps 2 ms: off the CPU, so the host clock does not count it (its wall twin
+     * does) and the card does not idle for it */
     struct timespec nap = {0, 2000000};
     nanosleep(&nap, NULL);
     CHECK_OK(run(d, &p, &big, NULL));
     CHECK_OK(spy_clock_read(d, &c2));
     CHECK(NEAR(c2.work_ns - c1.work_ns, job, 1e-9));
-    CHECK(c2.finish_ns - (double)c1.host_ns >= job + 2e6);
-    CHECK(c2.host_ns >= c1.host_ns + 2000000);
+    CHECK(c2.host_wall_ns >= c1.host_wall_ns + 2000000);
+    CHECK(c2.host_ns - c1.host_ns < 2000000);
+    /* the host works 2 ms of CPU time: the host clock counts it, and the timeline grows by
+     * that much more, the work clock not */
+    spin_cpu_ns(2000000);
+    CHECK_OK(run(d, &p, &big, NULL));
+    spy_clock c3;
+    CHECK_OK(spy_clock_read(d, &c3));
+    CHECK(c3.host_ns >= c2.host_ns + 2000000);
+    CHECK(c3.host_wall_ns >= c2.host_wall_ns + 2000000);
+    CHECK(NEAR(c3.work_ns - c2.work_ns, job, 1e-9));
+    CHECK(c3.finish_ns - (double)c2.host_ns >= job + 2e6);
+    c2 = c3;
     /* waiting for a point the device passed long ago costs nothing */
     spy_counters k0, k1;
     CHECK_OK(spy_counters_get(d, &k0));
@@ -1195,6 +1259,7 @@ int main(void)
     test_cost_model();
     test_timing_reuses_a_jobs_duration();
     test_clocks();
+    test_host_clock_threads();
     test_gather_and_faults();
     test_plan();
     test_sfu();

@@ -46,7 +46,7 @@ def describe() -> dict[str, Any]:
 def label(host: dict[str, Any]) -> str:
     """One line naming the host, and what that means for the figures."""
     load = f", load {host['load_1m']:.1f}" if host.get("load_1m") is not None else ""
-    return (f"host: {host['cpu']} ({host['cores']} cores{load}). Host work is real time and device time "
-            f"is simulated, so the speedups follow this host's speed.")
+    return (f"host: {host['cpu']} ({host['cores']} cores{load}). Host work is CPU time and device time "
+            f"is simulated, so the speedups follow this host's speed, not its load.")
 
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import card as cards
+from . import roofline
 
 
 @dataclass
@@ -34,6 +35,12 @@ def profile_table(cs: cards.CardSet) -> Table:
     for f in p.figures.values():
         value = f"{f.value:g}"
         t.add_row(f.name, value, f.unit, f"[{kind_style[f.kind]}]{f.kind}[/]", f.source)
+    assumed = [f.name for f in p.figures.values() if f.kind == "assumption"]
+    roof = roofline.assumptions(p)
+    t.caption += (f"\n{len(assumed)} of {len(p.figures)} figures are assumptions (not published; the source "
+                  f"column gives the reasoning): {', '.join(assumed)}")
+    if roof:
+        t.caption += f"\nthe roofline rests on assumptions: {', '.join(roof)}"
     return t
 
 
@@ -83,7 +90,7 @@ def render(console: Console, index: int = 0) -> int:
     cs = cards.card_set()
     console.print(profile_table(cs))
     t = Table(title="self-test on the card", title_justify="left")
-    for col in ("check", "result", "device µs", "host µs", "detail"):
+    for col in ("check", "result", "device µs", "host µs (CPU)", "detail"):
         t.add_column(col, justify="right" if "µs" in col else "left")
     checks = self_test(index)
     for c in checks:

@@ -4,7 +4,9 @@ A kernel needs at least its FLOPs at the card's sustained MAC rate (a multiply-a
 FLOPs) and at least its minimum DRAM bytes at the DRAM bandwidth; its roofline time is the
 larger of the two, and that one is what bounds it. For the ``spyre`` profile:
 32 cores x 1536 MAC/ns x 0.7422 sustained = 36,481 MAC/ns (fp16; fp32 at
-``pt_fp32_ratio`` of that) and 150 GB/s.
+``pt_fp32_ratio`` of that) and 150 GB/s. Of these only the core count is published: the MAC
+rate, the utilization and the bandwidth are assumptions (their reasoning is in the
+profile), and :func:`assumptions` names them wherever a roofline is printed.
 
 A kernel whose roofline time is below the card's fixed cost of a job (the job launch and
 one DMA latency) is bound by latency: no rate makes it faster. The rest of the time a
@@ -23,6 +25,11 @@ from ..profile import DeviceProfile
 COMPUTE, DRAM, LATENCY, HOST = "compute", "DRAM", "latency", "host"
 _FIGURES = ("num_cores", "pt_macs_per_ns", "pt_utilization", "pt_fp32_ratio", "dram_bandwidth_gbps",
             "job_launch_ns", "dma_latency_ns")
+
+
+def assumptions(profile: DeviceProfile) -> list[str]:
+    """The figures the roofline is made of that the profile marks as assumptions."""
+    return [k for k in _FIGURES if profile.figures[k].kind == "assumption"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,15 @@
 The model is Hugging Face ``GraniteForCausalLM`` built from a model profile with random
 weights (no download), compiled with ``torch.compile(backend="spyre_rt")`` and driven as a
 greedy decode loop with a static KV cache. Every mode runs the same compiled graphs; only
-when graph construction happens differs. Time is the card's: host time is real host work
-(the simulator's own arithmetic excluded), device time is simulated from the profile.
+when graph construction happens differs. Time is the card's: host time is host work, CPU
+time of the dispatching thread with the card's own work (simulating, walking plans) left out
+(:data:`CLOCK`), device time is simulated from the profile. Another process taking a core
+does not move it; the wall-clock twin of every host figure is reported beside it.
 
 Per mode and phase the report gives the latency (host clock from the start of the phase
 until the card has finished it), the host's own work, the device's busy time and the time
-the device sat idle waiting for the host.
+the device sat idle waiting for the host; then the same latencies, host work and speedups in
+wall time.
 """
 
 from __future__ import annotations
@@ -38,12 +41,18 @@ from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
+from .roofline import assumptions as roofline_assumptions
 
 # The dispatch modes (DISPATCH, from spyre_rt.dispatch's table), and "replay": the prebuilt
 # plans driven by captured graphs (torch.spyre.graph), prefill and decode each one replay
 MODES = (*DISPATCH, "replay")
 PHASES = ("prefill", "decode")
-FORMAT = 2  # of the JSON `--json` writes; 1 had no "format", phases, efficiency or spread
+FORMAT = 3  # of the JSON `--json` writes; 2 had no "clock" or wall figures, 1 no "format",
+#            phases, efficiency or spread
+# The clock host figures are counted in (the JSON's "clock"); "wall" names the twin beside it.
+CLOCK = {"host": "thread-cpu", "wall": "monotonic",
+         "description": "host work is CPU time of the dispatching thread (CLOCK_THREAD_CPUTIME_ID), "
+                        "the card's own work left out; wall time (CLOCK_MONOTONIC) beside it"}
 
 
 # ---- model profiles --------------------------------------------------------------------
@@ -163,15 +172,20 @@ class Phase:
     def __enter__(self):
         self.card.synchronize()
         self.c0 = self.card.counters()
-        self.h0 = self.card.host_clock_ns()
+        self.clock0 = self.card.clock()
+        self.h0 = self.clock0.host_ns
         return self
 
     def __exit__(self, *exc):
         self.card.synchronize()
         c1 = self.card.counters()
-        self.latency = (self.card.host_clock_ns() - self.h0) / 1e6
+        clock1 = self.card.clock()
+        self.latency = (clock1.host_ns - self.h0) / 1e6
         waited = (c1["wait_ns"] - self.c0["wait_ns"]) / 1e6
         self.host = self.latency - waited
+        # on the wall twin: the same, with the host's time off the CPU put back
+        self.latency_wall = (clock1.host_wall_ns - self.clock0.host_wall_ns) / 1e6
+        self.host_wall = self.latency_wall - waited
         self.device = (c1["device_busy_ns"] - self.c0["device_busy_ns"]) / 1e6
         self.wait_host = (c1["device_idle_host_ns"] - self.c0["device_idle_host_ns"]) / 1e6
         self.native_calls = c1["native_calls"] - self.c0["native_calls"]
@@ -180,7 +194,8 @@ class Phase:
 
     def figures(self) -> dict[str, float]:
         return {"latency_ms": self.latency, "host_ms": self.host, "device_ms": self.device,
-                "device_wait_host_ms": self.wait_host, "native_calls": self.native_calls, "jobs": self.jobs}
+                "device_wait_host_ms": self.wait_host, "native_calls": self.native_calls, "jobs": self.jobs,
+                "latency_wall_ms": self.latency_wall, "host_wall_ms": self.host_wall}
 
 
 class Session:
@@ -319,6 +334,9 @@ class Session:
             "host_ms": pre.host + dec.host,
             "device_ms": pre.device + dec.device,
             "device_wait_host_ms": pre.wait_host + dec.wait_host,
+            "prefill_wall_ms": pre.latency_wall,
+            "decode_wall_ms_per_token": dec.latency_wall / steps,
+            "host_wall_ms": pre.host_wall + dec.host_wall,
             "phases": {"prefill": pre.figures(), "decode": {**d, "steps": steps}},
         }
 
@@ -358,14 +376,18 @@ def median_of(samples: list[dict]) -> dict:
     return out
 
 
-def speedups_of(results: dict) -> dict:
+# The latency keys of a run's results, per phase: on the host clock, and on its wall twin.
+KEYS = {"prefill": "prefill_ms", "decode": "decode_ms_per_token"}
+WALL_KEYS = {"prefill": "prefill_wall_ms", "decode": "decode_wall_ms_per_token"}
+
+
+def speedups_of(results: dict, keys: dict[str, str] = KEYS) -> dict:
     base = results.get("construct")
     out = {}
     if base is None:
         return out
     for mode, r in results.items():
-        out[mode] = {"prefill": base["prefill_ms"] / r["prefill_ms"],
-                     "decode": base["decode_ms_per_token"] / r["decode_ms_per_token"]}
+        out[mode] = {phase: base[key] / r[key] for phase, key in keys.items()}
     return out
 
 
@@ -471,7 +493,7 @@ def measure(opts: Options, console, progress_factory=None) -> dict:
         from .. import trace
 
         trace.export(session.card.trace_events(first_traced), session.card.name_of, opts.trace,
-                     metadata={k: out[k] for k in ("model", "batch", "seq", "sim_mode", "device_profile", "host")},
+                     metadata={k: out[k] for k in ("model", "batch", "seq", "sim_mode", "device_profile", "host", "clock")},
                      card_index=session.card.index, device=session.card.profile)
     return out
 
@@ -541,12 +563,15 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "device_profile": session.card.profile.name,
         "device_profile_digest": session.card.profile.digest,
         "host": host.describe(),
+        "clock": CLOCK,
         "results": results,
         "speedups": speedups_of(results),
         "spread": spread_of(samples),
+        "wall": {"speedups": speedups_of(results, WALL_KEYS), "spread": spread_of(samples, WALL_KEYS)},
         "compute_share": compute_share_of(results),
         "path_shares": path_shares_of(results),
         "efficiency": efficiency_of(session, opts, results, census),
+        "roofline_assumptions": roofline_assumptions(session.card.profile),
         "reference": reference,
         "kernels": kernels,
         "implied": implied,
@@ -571,10 +596,9 @@ def efficiency_of(session: Session, opts: Options, results: dict, census: dict[s
     return out
 
 
-def spread_of(samples: dict[str, list[dict]]) -> dict:
+def spread_of(samples: dict[str, list[dict]], keys: dict[str, str] = KEYS) -> dict:
     """Min and max over the repeats: of each mode's latencies, and of each round's speedups
     against the construct run of the same round."""
-    keys = {"prefill": "prefill_ms", "decode": "decode_ms_per_token"}
     latency = {mode: {phase: _min_max([r[key] for r in runs_]) for phase, key in keys.items()}
                for mode, runs_ in samples.items()}
     base = samples.get("construct")
@@ -597,12 +621,16 @@ def render(console, out: dict, whatif_plot: str | None = None) -> None:
     """The report: latency per mode and phase, the gains against the published figures with
     their spread, device efficiency, and the published figures placed on our model."""
     console.print(_latency_table(out))
+    if out.get("wall") and all("prefill_wall_ms" in r for r in out["results"].values()):
+        console.print(_wall_table(out))
     if out["speedups"]:
         console.print(_gains_table(out))
         if out.get("reference"):
             console.print(f"[dim]published: {out['reference']['source']}[/]")
     if out.get("efficiency"):
         console.print(_efficiency_table(out["efficiency"]))
+        if note := _assumptions_note(out):
+            console.print(f"[yellow]{note}[/]")
     if out.get("implied"):
         console.print(published.implied_table(out["implied"]))
         console.print("[dim]implied: (published speedup - 1) x our device time / our kernels; ours: construct "
@@ -627,7 +655,9 @@ def _latency_table(out: dict):
              f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
              f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} runs per mode")
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
-              caption=host.label(out["host"]) if out.get("host") else None, caption_justify="left",
+              caption="\n".join(x for x in (host.label(out["host"]) if out.get("host") else None,
+                                             clock_label(out)) if x),
+              caption_justify="left",
               caption_style="dim")
     for col in ("mode", "prefill ms", "decode ms/tok", "host ms", "device ms", "device waits for host ms",
                 "prefill speedup", "decode speedup"):
@@ -640,6 +670,41 @@ def _latency_table(out: dict):
                   *(f"{s[phase]:.2f}x" if phase in s else "—" for phase in ("prefill", "decode")))
     if not sp:
         t.caption = ((t.caption + "\n") if t.caption else "") + "speedups are against construct, which was not run"
+    return t
+
+
+def clock_label(out: dict) -> str:
+    """Which clock the host figures are in (a run written before format 3: wall time)."""
+    if out.get("clock", {}).get("host") == "thread-cpu":
+        return ("host clock: CPU time of the dispatching thread (CLOCK_THREAD_CPUTIME_ID), the card's own "
+                "work left out; another process taking a core does not move it")
+    return "host clock: wall time (CLOCK_MONOTONIC), the simulator's own time left out"
+
+
+def _wall_table(out: dict):
+    """The latencies, host work and speedups again on the host clock's wall twin (the host
+    clock with the host's time off the CPU put back), each speedup with its spread over the
+    runs as ± half its range, in % of the median."""
+    from rich import box
+    from rich.table import Table
+
+    wall = out["wall"]
+    t = Table(title="beside it in wall time (CLOCK_MONOTONIC, the card's work left out): the host clock with "
+                    "the host's time off the CPU put back", title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, padding=(0, 0))
+    for col in ("mode", "prefill ms", "decode ms/tok", "host ms", "prefill speedup", "decode speedup"):
+        t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
+    sp, spread = wall["speedups"], wall["spread"].get("speedups", {})
+
+    def cell(mode: str, phase: str) -> str:
+        if phase not in sp.get(mode, {}):
+            return "—"
+        v, mm = sp[mode][phase], spread.get(mode, {}).get(phase)
+        return f"{v:.2f}x" + (f" ±{(mm['max'] - mm['min']) / 2 / v * 100:.0f} %" if mm and mode != "construct" else "")
+
+    for mode, r in out["results"].items():
+        t.add_row(mode, _ms(r["prefill_wall_ms"]), _ms(r["decode_wall_ms_per_token"]), _ms(r["host_wall_ms"]),
+                  cell(mode, "prefill"), cell(mode, "decode"))
     return t
 
 
@@ -692,6 +757,14 @@ def _efficiency_table(eff: dict):
         t.caption = ("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
                      "attention against weights, KV cache and activations")
     return t
+
+
+def _assumptions_note(out: dict) -> str | None:
+    names = out.get("roofline_assumptions")
+    if not names:
+        return None
+    return ("the roofline rests on figures that are assumptions, not published (spyre-profile info gives the "
+            "reasoning): " + ", ".join(names))
 
 
 def write_json(out: dict, path: str) -> None:

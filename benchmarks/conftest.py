@@ -145,8 +145,11 @@ class CpuFloor:
             outs = gm(*example_inputs)
             return lambda *args: outs
 
+        mask = torch.ones(1, 16, dtype=torch.long)  # as the card's session passes it (profiler/run.py)
+
         def forward(ids, pos):
-            return model(ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
+            return model(ids, attention_mask=mask, past_key_values=cache, position_ids=pos, use_cache=True,
+                         logits_to_keep=1).logits
 
         self.forward = torch.compile(forward, backend=do_nothing, fullgraph=True, dynamic=False)
         with torch.no_grad():  # a prefill graph first, as the decoders on the card have

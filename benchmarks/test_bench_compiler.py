@@ -39,6 +39,7 @@ class _Compiles:
         self.cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads,
                                         head_dim=cfg.hidden_size // cfg.num_attention_heads,
                                         dtype=torch.float32, device=device)
+        self.mask = torch.ones(1, 16, dtype=torch.long).to(device)  # every cache position unmasked
         self.prefill_in = (torch.zeros(1, 8, dtype=torch.long).to(device), torch.arange(8)[None].to(device))
         self.decode_in = (torch.zeros(1, 1, dtype=torch.long).to(device), torch.tensor([[8]]).to(device))
 
@@ -48,8 +49,10 @@ class _Compiles:
         model, cache = self.model, self.cache
         cache.reset()  # the cache advances its own write position: start every round at 0
 
+        mask = self.mask
+
         def forward(ids, pos):
-            return model(ids, cache=cache, position_ids=pos, use_cache=True).logits
+            return model(ids, attention_mask=mask, past_key_values=cache, position_ids=pos, use_cache=True).logits
 
         f = torch.compile(forward, backend=self.backend, fullgraph=True, dynamic=False)
         t0 = time.perf_counter()

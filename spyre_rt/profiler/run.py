@@ -236,12 +236,17 @@ class Session:
                                         head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=dtype,
                                         device="spyre")
         cache = self.cache
+        # every position of the cache unmasked, as generate() passes a mask: without one, the
+        # causal mask asks whether a static cache is empty of a tensor (a data-dependent branch)
+        mask = torch.ones(opts.batch, opts.seq + opts.decode_steps + 1, dtype=torch.long).to("spyre")
 
         def forward(ids, pos):
             # Logits of the last position only, as a serving system asks for: the next token
             # needs no more (a prefill's LM head over all 1,024 positions was 49k-wide work
-            # for nothing).
-            return model(ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
+            # for nothing). The cache goes in as past_key_values: a decode step reads the
+            # keys and values of every position before it.
+            return model(ids, attention_mask=mask, past_key_values=cache, position_ids=pos, use_cache=True,
+                         logits_to_keep=1).logits
 
         # The greedy loop keeps the next token on the card, as a serving loop would: each
         # step picks it there (argmax) and writes it, with its position, into the tensors

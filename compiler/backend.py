@@ -150,7 +150,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         raise ours from None
 
 
-MAX_RECOMPILES = 8
+MAX_RECOMPILES = 32  # compiles of one graph with more of its nodes on the CPU, one refused kernel each
 
 
 def _our_error(e: BaseException) -> BaseException | None:

@@ -137,3 +137,23 @@ def test_generate_on_the_default_dynamic_cache_across_families(functional, name)
     got = on_card.generate(ids.to("spyre"), attention_mask=mask.to("spyre"), max_new_tokens=12, do_sample=False,
                            pad_token_id=0)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "granite_moe_hybrid"])
+def test_generate_with_the_models_own_cache_gives_cpu_eagers_tokens(functional, family):
+    """Mamba2 and the Granite 4 hybrid through generate() with the cache class the model
+    makes for itself (Mamba's conv and SSM states; the hybrid's states beside a growing
+    attention cache): a compiled forward on the card, greedy, CPU eager's tokens."""
+    from spyre_rt.profiler import models
+
+    cfg, model = models.family(family).build(torch.float32)
+    on_card = copy.deepcopy(model).to("spyre")
+    torch._dynamo.reset()
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt")
+    ids = torch.randint(3, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(11))
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        got = on_card.generate(ids.to("spyre"), attention_mask=torch.ones_like(ids).to("spyre"), **kwargs)
+    assert got.cpu().tolist() == want.tolist()
+    assert len(set(want[0, 9:].tolist())) > 3, "a decode that repeats one token would prove little"

@@ -96,4 +96,5 @@ def _refused_nodes(e: Exception, nodes) -> set[str]:
     if not 0 <= k < len(nodes):
         return computing_origins(nodes)
     culprit = [nodes[k]]
-    return (getattr(e, "indirect", False) and indexing_origins(culprit)) or computing_origins(culprit)
+    return ((getattr(e, "indirect", False) and indexing_origins(culprit)) or computing_origins(culprit)
+            or computing_origins(nodes))

@@ -1,0 +1,146 @@
+"""The worker and model runner that put the model and its KV cache on the card.
+
+They derive from vLLM's CPU ones, which keep the scheduler's batch buffers on the host; what
+runs the model is the card: the weights are moved there after loading, each layer's KV cache
+is allocated there, and the forward and the logits are compiled with ``backend="spyre_rt"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+
+import spyre_rt  # noqa: F401  (registers the device)
+from spyre_rt.serving import attention
+
+_log = logging.getLogger("spyre_rt.serving")
+
+
+def kv_cache_budget(total: int, allocated: int, utilization: float) -> int:
+    """Bytes the KV cache may take: the share ``utilization`` of the card's memory, less what
+    is already allocated (the weights). ``gpu_memory_utilization`` means the card's."""
+    budget = int(total * utilization) - allocated
+    if budget <= 0:
+        raise ValueError(
+            f"spyre_rt: the card has {total} bytes and {allocated} are allocated, so "
+            f"gpu_memory_utilization={utilization} leaves no room for a KV cache; raise it"
+        )
+    return budget
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("SPYRE_RT_VLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class SpyreModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.card = torch.device("spyre", torch.spyre.current_device())
+        self._forward = None
+        self._logits = None
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights=load_dummy_weights)
+        self.model.to(self.card)
+        forward, logits = self.model.forward, self.model.compute_logits
+        if _compile_enabled():
+            forward = torch.compile(forward, backend="spyre_rt", dynamic=True)
+            logits = torch.compile(logits, backend="spyre_rt", dynamic=True)
+        self._forward, self._logits = forward, logits
+        model = self.model
+
+        def compute_logits(hidden_states: torch.Tensor) -> torch.Tensor:
+            out = logits(hidden_states.to(self.card))
+            return out.cpu()
+
+        # the runner and the sampler take the logits on the host, as they keep the batch there
+        model.compute_logits = compute_logits
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        if intermediate_tensors is not None:
+            raise NotImplementedError("spyre_rt: pipeline parallelism is not supported")
+        to_card = lambda t: None if t is None else t.to(self.card)  # noqa: E731
+        self._metadata_to_card()
+        hidden = self._forward(input_ids=to_card(input_ids), positions=to_card(positions),
+                               inputs_embeds=to_card(inputs_embeds), **model_kwargs)
+        return hidden.cpu()
+
+    def _metadata_to_card(self) -> None:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        if not isinstance(meta, dict):
+            return
+        moved: dict[int, attention.SpyreAttentionMetadata] = {}
+        for name, m in meta.items():
+            if isinstance(m, attention.SpyreAttentionMetadata) and m.slot_mapping.device != self.card:
+                if id(m) not in moved:
+                    moved[id(m)] = attention.SpyreAttentionMetadata(
+                        *(t.to(self.card) for t in (m.slot_mapping, m.block_table, m.token_index, m.query_pos))
+                    )
+                meta[name] = moved[id(m)]
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
+                                    kv_cache_allocation_context: AbstractContextManager | None = None):
+        """One zeroed card tensor per layer (a stick layout each; no shared byte buffer with
+        per-layer dtype views), with the spare block past the blocks vLLM hands out."""
+        from vllm.v1.worker.utils import bind_kv_cache
+
+        kv_caches: dict[str, torch.Tensor] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            shape = attention.SpyreAttentionBackend.get_kv_cache_shape(
+                kv_cache_config.num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size
+            )
+            for name in group.layer_names:
+                kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.card)
+        for name, target in self.shared_kv_cache_layers.items():
+            kv_caches[name] = kv_caches[target]
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
+                      kv_cache_groups=kv_cache_config.kv_cache_groups)
+        return kv_caches
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        pass  # a block's stale slots are never read: each query sees only positions it has written
+
+
+class SpyreWorker(CPUWorker):
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        # vLLM's CPU worker binds host memory nodes through its native library; the card's
+        # memory is what counts here
+        Worker.__init__(self, vllm_config, local_rank, rank, distributed_init_method,
+                        is_driver_worker=is_driver_worker)
+        self.parallel_config.disable_custom_all_reduce = True
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        torch.spyre.set_device(self.local_rank % torch.spyre.device_count())
+        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                            self.local_rank, "gloo")
+        set_random_seed(self.model_config.seed)
+        self.model_runner = SpyreModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        return nullcontext()  # no sleep-mode allocator on the card
+
+    def determine_available_memory(self) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            return int(explicit)
+        free, total = torch.spyre.mem_get_info()
+        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization)
+
+    def compile_or_warm_up_model(self):
+        from vllm.v1.worker.worker_base import CompilationTimes
+
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=0.0, encoder=0.0)

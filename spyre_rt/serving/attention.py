@@ -17,6 +17,7 @@ mask of a prefill chunk and the length mask of a decode are the one comparison.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -150,9 +151,10 @@ def paged_attention(
     _, n_blocks, block, kvh, d = kv_cache.shape
     heads = query.shape[1]
     group = heads // kvh
-    flat = kv_cache.view(2, n_blocks * block, kvh, d)
-    flat[0].index_copy_(0, meta.slot_mapping, key)
-    flat[1].index_copy_(0, meta.slot_mapping, value)
+    # one write of the keys and values both, into the cache viewed whole (the values' slots
+    # are the keys' one cache half further)
+    slots = torch.cat([meta.slot_mapping, meta.slot_mapping + n_blocks * block])
+    kv_cache.view(2 * n_blocks * block, kvh, d).index_copy_(0, slots, torch.cat([key, value]))
 
     reqs, width = meta.query_pos.shape
     ctx = meta.block_table.shape[1] * block
@@ -169,6 +171,17 @@ def paged_attention(
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))                  # [R, KVH, G*Q, D]
     out = out.view(reqs, kvh, group, width, d).permute(0, 3, 1, 2, 4).reshape(reqs * width, heads, d)
     return out[meta.token_index]
+
+
+def _attention_compiled() -> bool:
+    return os.environ.get("SPYRE_RT_VLLM_ATTENTION", "eager").strip().lower() == "compiled"
+
+
+# Compiled into the forward's graph, paged attention gives wrong values for prefill batches
+# whose longest query passes a stick (64 tokens): until the compiler is fixed it runs eagerly
+# on the card between the compiled pieces of each layer (SPYRE_RT_VLLM_ATTENTION=compiled
+# traces it into the graph).
+_eager_paged_attention = torch.compiler.disable(paged_attention)
 
 
 class SpyreAttentionImpl(AttentionImpl):
@@ -192,6 +205,7 @@ class SpyreAttentionImpl(AttentionImpl):
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:   # the profiling run: no cache yet
             return output
-        out = paged_attention(query, key, value, kv_cache, attn_metadata, self.scale)
+        run = paged_attention if _attention_compiled() else _eager_paged_attention
+        out = run(query, key, value, kv_cache, attn_metadata, self.scale)
         output.copy_(out.reshape(output.shape))
         return output

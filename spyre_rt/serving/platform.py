@@ -82,16 +82,13 @@ class SpyrePlatform(CpuPlatform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         cache = vllm_config.cache_config
         user_block = cache.block_size if cache.user_specified_block_size else None
-        super().check_and_update_config(vllm_config)
-        if user_block is None:
-            cache.block_size = DEFAULT_BLOCK_SIZE
-        elif user_block % BLOCK_MULTIPLE:
+        if user_block is not None and user_block % BLOCK_MULTIPLE:
             raise ValueError(
                 f"spyre_rt: block_size {user_block} is not a multiple of {BLOCK_MULTIPLE}, the tokens "
                 "of one stick; pass --block-size 64 (or 128, ...)"
             )
-        else:
-            cache.block_size = user_block
+        super().check_and_update_config(vllm_config)
+        cache.block_size = user_block or DEFAULT_BLOCK_SIZE
         if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
             raise NotImplementedError("spyre_rt: MLA models are not supported on the card")
         cache.enable_prefix_caching = False

@@ -1,0 +1,172 @@
+"""Serving on the card with vLLM: the offline LLM and the OpenAI-compatible server give
+Hugging Face CPU generate()'s greedy tokens for tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import tiny_hf  # noqa: E402
+
+HERE = Path(__file__).parent
+PROMPTS = [[1, 5, 9, 33, 70], list(range(4, 4 + 70)), [1, 200, 100], [7] * 20]
+NEW_TOKENS = 6
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("SPYRE_RT_VLLM", None)   # the plugin must be chosen by itself
+    env.pop("VLLM_TARGET_DEVICE", None)
+    return env
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_llm_generate_matches_hugging_face(family, tmp_path):
+    model = tiny_hf.save_model(family, tmp_path / family)
+    expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / family), json.dumps(PROMPTS),
+         str(NEW_TOKENS)],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["platform"] == "SpyrePlatform"
+    assert got["alone"] == expected[:1]
+    assert got["together"] == expected
+
+
+def test_block_size_must_be_whole_sticks():
+    from vllm.config import CacheConfig
+
+    from spyre_rt.serving.platform import SpyrePlatform
+
+    class Config:
+        cache_config = CacheConfig(block_size=48)
+        model_config = None
+
+    Config.cache_config.user_specified_block_size = True
+    with pytest.raises(ValueError, match="multiple of 64"):
+        SpyrePlatform.check_and_update_config(Config)
+
+
+def test_kv_cache_budget_is_the_cards_share():
+    from spyre_rt.serving.worker import kv_cache_budget
+
+    assert kv_cache_budget(1000, 100, 0.5) == 400
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        kv_cache_budget(1000, 600, 0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`vllm serve` on a tiny Llama, on 127.0.0.1 and a free port; stopped at the end."""
+    d = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    model = tiny_hf.save_model("llama", d)
+    port = _free_port()
+    log = open(d.parent / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vllm"), "serve", str(d), "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.002",
+         "--max-num-seqs", "8"],
+        stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True,
+    )
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("vllm serve exited: " + (d.parent / "server.log").read_text()[-4000:])
+            if time.monotonic() - start > 300:
+                raise TimeoutError("vllm serve was not ready in 300 s")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        yield {"url": url, "model": str(d), "hf": model, "ready_s": time.monotonic() - start}
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(tiny_hf.word(i) for i in ids)
+
+
+def test_completion_gives_hugging_face_tokens(server, client):
+    prompt = [9, 33, 70, 120]
+    expected = tiny_hf.hf_greedy(server["hf"], [1, *prompt], NEW_TOKENS)   # the tokenizer adds <s>
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True})
+    assert out.choices[0].token_ids == expected
+    assert out.usage.completion_tokens == NEW_TOKENS
+
+
+def test_completion_streams(server, client):
+    stream = client.completions.create(model=server["model"], prompt=_words([40, 41, 42]),
+                                       max_tokens=NEW_TOKENS, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    whole = client.completions.create(model=server["model"], prompt=_words([40, 41, 42]),
+                                      max_tokens=NEW_TOKENS, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_chat_completion_and_its_stream(server, client):
+    messages = [{"role": "user", "content": _words([50, 60, 70])}]
+    out = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=NEW_TOKENS,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+    text = out.choices[0].message.content
+    assert out.usage.completion_tokens == NEW_TOKENS
+    stream = client.chat.completions.create(model=server["model"], messages=messages,
+                                            max_tokens=NEW_TOKENS, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+
+
+def test_bad_request_is_400_and_the_server_keeps_serving(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=0)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=-3)
+    out = client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=2)
+    assert out.usage.completion_tokens >= 1

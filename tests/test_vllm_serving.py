@@ -127,11 +127,13 @@ def _words(ids: list[int]) -> str:
 
 def test_completion_gives_hugging_face_tokens(server, client):
     prompt = [9, 33, 70, 120]
-    expected = tiny_hf.hf_greedy(server["hf"], [1, *prompt], NEW_TOKENS)   # the tokenizer adds <s>
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
     out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
                                     temperature=0.0, extra_body={"ignore_eos": True,
                                                                  "return_token_ids": True})
+    assert out.choices[0].prompt_token_ids == prompt
     assert out.choices[0].token_ids == expected
+    assert out.choices[0].text.strip() == _words(expected)
     assert out.usage.completion_tokens == NEW_TOKENS
 
 

@@ -39,7 +39,7 @@ def config(family: str):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, torch_dtype="float32", tie_word_embeddings=False)
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "granite":
@@ -53,7 +53,7 @@ def save_model(family: str, path: Path, seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = config(family)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(path)
     save_tokenizer(path)
     return model

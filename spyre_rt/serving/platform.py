@@ -10,7 +10,6 @@ import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 

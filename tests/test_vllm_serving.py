@@ -172,3 +172,80 @@ def test_bad_request_is_400_and_the_server_keeps_serving(server, client):
         client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=-3)
     out = client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=2)
     assert out.usage.completion_tokens >= 1
+
+
+def _paged_batch(seed: int = 0):
+    """A step of three requests on a cache of 64-token blocks: 70 cached + 3 new tokens, a
+    70-token prompt across two blocks, a 5-token prompt; and two padding tokens."""
+    import torch
+
+    from spyre_rt.serving.attention import step_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kvh, d, bs, n = 4, 2, 16, 64, 8
+    cache = torch.zeros(2, n + 1, bs, kvh, d)
+    table = torch.tensor([[3, 5], [1, 2], [0, 7]])
+    lens, qlen = [73, 70, 5], [3, 70, 5]
+    slot = lambda r, p: int(table[r, p // bs]) * bs + p % bs  # noqa: E731
+    hist = {r: (torch.randn(lens[r], kvh, d, generator=g), torch.randn(lens[r], kvh, d, generator=g))
+            for r in range(3)}
+    for r in range(3):
+        for p in range(lens[r] - qlen[r]):
+            cache[0].view(-1, kvh, d)[slot(r, p)] = hist[r][0][p]
+            cache[1].view(-1, kvh, d)[slot(r, p)] = hist[r][1][p]
+    t = sum(qlen) + 2
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.cat([hist[r][0][lens[r] - qlen[r]:] for r in range(3)] + [torch.randn(2, kvh, d, generator=g)])
+    v = torch.cat([hist[r][1][lens[r] - qlen[r]:] for r in range(3)] + [torch.randn(2, kvh, d, generator=g)])
+    slots = [slot(r, p) for r in range(3) for p in range(lens[r] - qlen[r], lens[r])] + [-1, -1]
+    qsl = torch.tensor([0, 3, 73, 78])
+    meta = step_metadata(qsl, torch.tensor(lens), table, torch.tensor(slots), t, 3, bs, n)
+
+    expected = []
+    for r in range(3):
+        keys = hist[r][0].repeat_interleave(heads // kvh, 1)
+        vals = hist[r][1].repeat_interleave(heads // kvh, 1)
+        for i in range(qlen[r]):
+            p = lens[r] - qlen[r] + i
+            s = torch.einsum("hd,khd->hk", q[int(qsl[r]) + i], keys[: p + 1]) * 0.25
+            expected.append(torch.einsum("hk,khd->hd", s.softmax(-1), vals[: p + 1]))
+    return q, k, v, cache, meta, torch.stack(expected)
+
+
+def test_paged_attention_is_causal_per_request_with_gqa():
+    from spyre_rt.serving.attention import paged_attention
+
+    q, k, v, cache, meta, expected = _paged_batch()
+    out = paged_attention(q, k, v, cache, meta, 0.25)
+    assert (out[: len(expected)] - expected).abs().max() < 1e-5
+
+
+def test_paged_attention_compiled_on_the_card():
+    import torch
+
+    import spyre_rt  # noqa: F401
+    from spyre_rt.serving.attention import SpyreAttentionMetadata, paged_attention
+
+    q, k, v, cache, meta, expected = _paged_batch()
+    card = torch.device("spyre")
+    card_meta = SpyreAttentionMetadata(*(t.to(card) for t in (meta.slot_mapping, meta.block_table,
+                                                              meta.token_index, meta.query_pos)))
+    card_cache = cache.to(card)
+    fast = torch.compile(paged_attention, backend="spyre_rt", dynamic=True)
+    out = fast(q.to(card), k.to(card), v.to(card), card_cache, card_meta, 0.25).cpu()
+    assert (out[: len(expected)] - expected).abs().max() < 1e-5
+    paged_attention(q, k, v, cache, meta, 0.25)          # the same writes on the host
+    assert torch.equal(card_cache.cpu(), cache)
+
+
+def test_slot_mapping_on_the_host():
+    import torch
+
+    from spyre_rt.serving.host_kernels import compute_slot_mapping
+
+    table = torch.tensor([[3, 5, 0], [1, 2, 0], [0, 0, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 5, 5], dtype=torch.int32)          # two requests; the third slot unused
+    positions = torch.tensor([63, 64, 0, 1, 2])
+    slots = torch.zeros(8, dtype=torch.int64)
+    compute_slot_mapping(5, 8, qsl, positions, table, 3, slots, 64)
+    assert slots.tolist() == [3 * 64 + 63, 5 * 64, 64, 65, 66, -1, -1, -1]

@@ -169,18 +169,18 @@ def paged_attention(
     scores = scores.masked_fill(~visible[:, None, None, :, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).view(reqs, kvh, group * width, ctx)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))                  # [R, KVH, G*Q, D]
-    out = out.view(reqs, kvh, group, width, d).permute(0, 3, 1, 2, 4).reshape(reqs * width, heads, d)
-    return out[meta.token_index]
+    # each token's row picked by (request, place) from the attention's own layout: a gather of
+    # the [R * Q] grid through a permuted view loses the request stride when compiled
+    out = out.view(reqs, kvh, group, width, d)
+    return out[meta.token_index // width, :, :, meta.token_index % width].reshape(-1, heads, d)
 
 
 def _attention_compiled() -> bool:
-    return os.environ.get("SPYRE_RT_VLLM_ATTENTION", "eager").strip().lower() == "compiled"
+    return os.environ.get("SPYRE_RT_VLLM_ATTENTION", "compiled").strip().lower() != "eager"
 
 
-# Compiled into the forward's graph, paged attention gives wrong values for prefill batches
-# whose longest query passes a stick (64 tokens): until the compiler is fixed it runs eagerly
-# on the card between the compiled pieces of each layer (SPYRE_RT_VLLM_ATTENTION=compiled
-# traces it into the graph).
+# SPYRE_RT_VLLM_ATTENTION=eager runs attention eagerly on the card between the compiled
+# pieces of each layer: to tell the attention's compilation from the rest of the model's
 _eager_paged_attention = torch.compiler.disable(paged_attention)
 
 

@@ -64,6 +64,7 @@ def test_kv_cache_budget_is_the_cards_share():
     from spyre_rt.serving.worker import kv_cache_budget
 
     assert kv_cache_budget(1000, 100, 0.5) == 400
+    assert kv_cache_budget(1000, 100, 0.5, most_used=250) == 250
     with pytest.raises(ValueError, match="no room for a KV cache"):
         kv_cache_budget(1000, 600, 0.5)
 

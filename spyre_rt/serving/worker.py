@@ -23,16 +23,18 @@ from spyre_rt.serving import attention
 _log = logging.getLogger("spyre_rt.serving")
 
 
-def kv_cache_budget(total: int, allocated: int, utilization: float) -> int:
+def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: int | None = None) -> int:
     """Bytes the KV cache may take: the share ``utilization`` of the card's memory, less what
-    is already allocated (the weights). ``gpu_memory_utilization`` means the card's."""
+    is already allocated (the weights); ``gpu_memory_utilization`` means the card's. No more
+    than ``most_used``, what the scheduler can fill at once (every sequence it runs at the
+    longest length): on the simulated card every byte of the cache is host memory too."""
     budget = int(total * utilization) - allocated
     if budget <= 0:
         raise ValueError(
             f"spyre_rt: the card has {total} bytes and {allocated} are allocated, so "
             f"gpu_memory_utilization={utilization} leaves no room for a KV cache; raise it"
         )
-    return budget
+    return budget if most_used is None else min(budget, most_used)
 
 
 def _compile_enabled() -> bool:
@@ -137,7 +139,11 @@ class SpyreWorker(CPUWorker):
         if explicit is not None:
             return int(explicit)
         free, total = torch.spyre.mem_get_info()
-        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization)
+        specs = self.model_runner.get_kv_cache_spec().values()
+        per_sequence = sum(s.page_size_bytes * s.max_num_blocks_per_req(self.vllm_config, self.model_config.max_model_len)
+                           for s in specs)
+        most_used = (per_sequence * self.scheduler_config.max_num_seqs) if per_sequence else None
+        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used)
 
     def compile_or_warm_up_model(self):
         from vllm.v1.worker.worker_base import CompilationTimes

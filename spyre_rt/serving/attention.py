@@ -1,6 +1,6 @@
 """Paged attention written in torch, so that it runs on the card and compiles with the model.
 
-Each layer's KV cache is one card tensor ``[2, num_blocks + 1, block_size, kv_heads, head_size]``:
+Each layer's KV cache is one card tensor ``[2, kv_heads, num_blocks + 1, block_size, head_size]``:
 the blocks vLLM hands out and one more, the *spare block*, where the slots of padding tokens
 are written so that the step needs no branch on them. A step's metadata is tensors only
 (no Python numbers that a compiled step would bake in):
@@ -58,7 +58,7 @@ class SpyreAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (2, num_kv_heads, num_blocks, block_size, head_size)
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -143,36 +143,43 @@ def paged_attention(
     query: torch.Tensor,        # [T, H, D]
     key: torch.Tensor,          # [T, KVH, D]
     value: torch.Tensor,        # [T, KVH, D]
-    kv_cache: torch.Tensor,     # [2, N, S, KVH, D]
+    kv_cache: torch.Tensor,     # [2, KVH, N, S, D]
     meta: SpyreAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Writes the step's keys and values into the cache, then attends: ``[T, H, D]``."""
-    _, n_blocks, block, kvh, d = kv_cache.shape
+    """Writes the step's keys and values into the cache, then attends: ``[T, H, D]``.
+
+    The cache is head-major, so that a request's context gathered by its block table is
+    already the ``[KVH, R, ctx, D]`` operand of the score and value matmuls: a gather that
+    feeds a matmul through a transposition of its batch dimensions is not a card kernel."""
+    _, kvh, n_blocks, block, d = kv_cache.shape
     heads = query.shape[1]
     group = heads // kvh
-    # one write of the keys and values both, into the cache viewed whole (the values' slots
-    # are the keys' one cache half further)
-    slots = torch.cat([meta.slot_mapping, meta.slot_mapping + n_blocks * block])
-    kv_cache.view(2 * n_blocks * block, kvh, d).index_copy_(0, slots, torch.cat([key, value]))
+    per_head = n_blocks * block
+    # one write of the keys and values of every head: row (half, head, slot) of the cache
+    # viewed as [2 * KVH * N * S, D]
+    rows = torch.arange(2 * kvh, device=query.device)[:, None] * per_head + meta.slot_mapping[None, :]
+    new = torch.stack([key, value]).permute(0, 2, 1, 3).reshape(-1, d)
+    kv_cache.view(-1, d).index_copy_(0, rows.reshape(-1), new)
 
     reqs, width = meta.query_pos.shape
     ctx = meta.block_table.shape[1] * block
-    keys = kv_cache[0][meta.block_table].reshape(reqs, ctx, kvh, d)
-    values = kv_cache[1][meta.block_table].reshape(reqs, ctx, kvh, d)
+    blocks = meta.block_table.reshape(-1)
+    keys = kv_cache[0].index_select(1, blocks).view(kvh, reqs, ctx, d)
+    values = kv_cache[1].index_select(1, blocks).view(kvh, reqs, ctx, d)
 
     q = query.new_zeros(reqs * width, heads, d).index_copy(0, meta.token_index, query)
-    q = q.view(reqs, width, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(reqs, kvh, group * width, d)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale            # [R, KVH, G*Q, ctx]
-    scores = scores.view(reqs, kvh, group, width, ctx)
+    q = q.view(reqs, width, kvh, group, d).permute(2, 0, 3, 1, 4).reshape(kvh, reqs, group * width, d)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale               # [KVH, R, G*Q, ctx]
+    scores = scores.view(kvh, reqs, group, width, ctx)
     visible = torch.arange(ctx, device=query.device)[None, None, :] <= meta.query_pos[:, :, None]
-    scores = scores.masked_fill(~visible[:, None, None, :, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).view(reqs, kvh, group * width, ctx)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))                  # [R, KVH, G*Q, D]
+    scores = scores.masked_fill(~visible[None, :, None, :, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).view(kvh, reqs, group * width, ctx)
+    out = torch.matmul(probs, values).view(kvh, reqs, group, width, d)
     # each token's row picked by (request, place) from the attention's own layout: a gather of
     # the [R * Q] grid through a permuted view loses the request stride when compiled
-    out = out.view(reqs, kvh, group, width, d)
-    return out[meta.token_index // width, :, :, meta.token_index % width].reshape(-1, heads, d)
+    picked = out[:, meta.token_index // width, :, meta.token_index % width]   # [T, KVH, G, D]
+    return picked.reshape(-1, heads, d)
 
 
 def _attention_compiled() -> bool:

@@ -37,8 +37,74 @@ def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: i
     return budget if most_used is None else min(budget, most_used)
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _compile_enabled() -> bool:
-    return os.environ.get("SPYRE_RT_VLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _flag("SPYRE_RT_VLLM_COMPILE")
+
+
+#: decode steps captured and replayed, by padded batch size (read by the tests)
+STATS = {"captures": 0, "replays": 0}
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes of captured decode steps: powers of two up to ``max_num_seqs``."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_num_seqs]
+
+
+class _DecodeGraph:
+    """A decode step of ``size`` requests (padding included) captured with
+    ``torch.spyre.graph``: persistent card inputs that each step's values are copied into,
+    then one replay. Every request's context is read at the model's longest length, so one
+    capture serves every step of that size."""
+
+    def __init__(self, runner: SpyreModelRunner, size: int) -> None:
+        card, spare, block = runner.card, runner.spare_block, runner.block_size
+        self.size = size
+        self.ids = torch.zeros(size, dtype=torch.int64, device=card)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=card)
+        self.meta = attention.SpyreAttentionMetadata(
+            slot_mapping=torch.full((size,), spare * block, dtype=torch.int64, device=card),
+            block_table=torch.full((size + 1, runner.max_blocks), spare, dtype=torch.int64, device=card),
+            token_index=torch.arange(size, dtype=torch.int64, device=card),
+            query_pos=torch.full((size + 1, 1), -1, dtype=torch.int64, device=card),
+        )
+        self.spare, self.block, self.max_blocks = spare, block, runner.max_blocks
+
+    def capture(self, forward, metas: dict) -> None:
+        for name in metas:
+            metas[name] = self.meta
+        forward(input_ids=self.ids, positions=self.positions, inputs_embeds=None)  # compile outside
+        self.graph = torch.spyre.SpyreGraph()
+        with torch.spyre.graph(self.graph):
+            self.hidden = forward(input_ids=self.ids, positions=self.positions, inputs_embeds=None)
+        STATS["captures"] += 1
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               m: attention.SpyreAttentionMetadata) -> torch.Tensor:
+        n, size = input_ids.shape[0], self.size
+        ids = torch.zeros(size, dtype=torch.int64)
+        ids[:n] = input_ids
+        pos = torch.zeros(size, dtype=torch.int64)
+        pos[:n] = positions
+        slots = self.spare * self.block + torch.arange(size, dtype=torch.int64) % self.block
+        slots[:n] = m.slot_mapping[:n]
+        table = torch.full((size + 1, self.max_blocks), self.spare, dtype=torch.int64)
+        table[:n, : m.block_table.shape[1]] = m.block_table[:n]
+        qpos = torch.full((size + 1, 1), -1, dtype=torch.int64)
+        qpos[:n] = m.query_pos[:n]
+        for static, new in ((self.ids, ids), (self.positions, pos), (self.meta.slot_mapping, slots),
+                            (self.meta.block_table, table), (self.meta.query_pos, qpos)):
+            static.copy_(new)
+        self.graph.replay()
+        STATS["replays"] += 1
+        return self.hidden[:n].cpu()
 
 
 class SpyreModelRunner(CPUModelRunner):
@@ -47,14 +113,23 @@ class SpyreModelRunner(CPUModelRunner):
         self.card = torch.device("spyre", torch.spyre.current_device())
         self._forward = None
         self._logits = None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._buckets = decode_buckets(self.scheduler_config.max_num_seqs)
+        self.block_size = self.cache_config.block_size
+        self.max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        self.spare_block = None   # known once the KV cache is allocated
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
         self.model.to(self.card)
         forward, logits = self.model.forward, self.model.compute_logits
         if _compile_enabled():
-            forward = torch.compile(forward, backend="spyre_rt", dynamic=True)
-            logits = torch.compile(logits, backend="spyre_rt", dynamic=True)
+            # the model's Python floats (norm epsilons, attention scales) are constants of the
+            # graph, not 0-d host tensors copied to the card at every call (and refused by a
+            # capture)
+            constants = torch._dynamo.config.patch(specialize_float=True)
+            forward = constants(torch.compile(forward, backend="spyre_rt", dynamic=True))
+            logits = constants(torch.compile(logits, backend="spyre_rt", dynamic=True))
         self._forward, self._logits = forward, logits
         model = self.model
 
@@ -69,11 +144,42 @@ class SpyreModelRunner(CPUModelRunner):
                        inputs_embeds=None, **model_kwargs):
         if intermediate_tensors is not None:
             raise NotImplementedError("spyre_rt: pipeline parallelism is not supported")
+        decode = self._decode_metadata(input_ids, inputs_embeds, model_kwargs)
+        if decode is not None:
+            metas, m = decode
+            size = next(b for b in self._buckets if b >= input_ids.shape[0])
+            graph = self._graphs.get(size)
+            if graph is None:
+                graph = self._graphs[size] = _DecodeGraph(self, size)
+                graph.capture(self._forward, metas)
+            return graph.replay(input_ids, positions, m)
         to_card = lambda t: None if t is None else t.to(self.card)  # noqa: E731
         self._metadata_to_card()
         hidden = self._forward(input_ids=to_card(input_ids), positions=to_card(positions),
                                inputs_embeds=to_card(inputs_embeds), **model_kwargs)
         return hidden.cpu()
+
+    def _decode_metadata(self, input_ids, inputs_embeds, model_kwargs):
+        """The step's metadata when it is a decode step a captured graph can run: compiled,
+        one new token per request, no more requests than the largest bucket."""
+        from vllm.forward_context import get_forward_context
+
+        if (not (_compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")) or self.spare_block is None
+                or input_ids is None or inputs_embeds is not None or model_kwargs):
+            return None
+        metas = get_forward_context().attn_metadata
+        if not isinstance(metas, dict) or not metas:
+            return None
+        found = {id(m): m for m in metas.values()}
+        if len(found) != 1:
+            return None
+        (m,) = found.values()
+        n = input_ids.shape[0]
+        if (not isinstance(m, attention.SpyreAttentionMetadata) or m.slot_mapping.device.type != "cpu"
+                or m.query_pos.shape != (n + 1, 1) or n > self._buckets[-1]
+                or not torch.equal(m.token_index, torch.arange(n))):
+            return None
+        return metas, m
 
     def _metadata_to_card(self) -> None:
         from vllm.forward_context import get_forward_context
@@ -104,6 +210,7 @@ class SpyreModelRunner(CPUModelRunner):
             )
             for name in group.layer_names:
                 kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.card)
+        self.spare_block = kv_cache_config.num_blocks
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,

@@ -260,3 +260,26 @@ def test_slot_mapping_on_the_host():
     slots = torch.zeros(8, dtype=torch.int64)
     compute_slot_mapping(5, 8, qsl, positions, table, 3, slots, 64)
     assert slots.tolist() == [3 * 64 + 63, 5 * 64, 64, 65, 66, -1, -1, -1]
+
+
+def test_plugin_is_chosen_with_a_card_and_by_its_option(monkeypatch):
+    from spyre_rt.serving import PLATFORM, register
+
+    monkeypatch.delenv("SPYRE_RT_VLLM", raising=False)
+    assert register() == PLATFORM                    # a card is present
+    monkeypatch.setenv("SPYRE_RT_VLLM", "0")
+    assert register() is None
+    monkeypatch.setenv("SPYRE_RT_VLLM", "1")
+    assert register() == PLATFORM
+    from importlib.metadata import entry_points
+
+    assert [e.value for e in entry_points(group="vllm.platform_plugins") if e.name == "spyre_rt"] == [
+        "spyre_rt.serving:register"]
+
+
+def test_decode_buckets_are_powers_of_two_up_to_max_num_seqs():
+    from spyre_rt.serving.worker import decode_buckets
+
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(12) == [1, 2, 4, 8, 12]

@@ -159,6 +159,24 @@ class SpyreModelRunner(CPUModelRunner):
                                inputs_embeds=to_card(inputs_embeds), **model_kwargs)
         return hidden.cpu()
 
+    def capture_decode_graphs(self) -> None:
+        """Captures the decode step of every bucket at start-up, on padding inputs (they write
+        the spare block only), so that no request waits for a compile or a capture."""
+        if not (_compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")) or self.spare_block is None:
+            return
+        from tqdm import tqdm
+        from vllm.forward_context import set_forward_context
+
+        names = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names]
+        for size in tqdm(self._buckets, desc="spyre_rt: capturing decode steps", unit="batch size"):
+            if size in self._graphs:
+                continue
+            graph = _DecodeGraph(self, size)
+            metas = dict.fromkeys(names)
+            with set_forward_context(metas, self.vllm_config, num_tokens=size):
+                graph.capture(self._forward, metas)
+            self._graphs[size] = graph
+
     def _decode_metadata(self, input_ids, inputs_embeds, model_kwargs):
         """The step's metadata when it is a decode step a captured graph can run: compiled,
         one new token per request, no more requests than the largest bucket."""
@@ -253,7 +271,11 @@ class SpyreWorker(CPUWorker):
         return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used)
 
     def compile_or_warm_up_model(self):
+        import time
+
         from vllm.v1.worker.worker_base import CompilationTimes
 
+        start = time.perf_counter()
+        self.model_runner.capture_decode_graphs()
         set_random_seed(self.model_config.seed)
-        return CompilationTimes(language_model=0.0, encoder=0.0)
+        return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)

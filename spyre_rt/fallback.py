@@ -192,6 +192,9 @@ def _note(name: str) -> None:
         )
 
 
+# An eager op on the card can run inside a function torch.compile is running (after a graph
+# break): Dynamo must not trace the fallback itself, whose copies are the op's meaning.
+@torch._dynamo.disable
 def run_on_cpu(op, *args, **kwargs):
     """Run `op` on the host with spyre arguments copied down and results copied up."""
     sc = _schema(op)

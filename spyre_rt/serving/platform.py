@@ -1,0 +1,102 @@
+"""The vLLM platform of the card: vLLM's CPU platform with the model, its KV cache and its
+compiled steps on the card, and none of vLLM's native CPU kernels."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_log = logging.getLogger("spyre_rt.serving")
+
+#: KV blocks are whole sticks of tokens: the card's 128-byte stick holds 64 fp16 elements
+BLOCK_MULTIPLE = 64
+#: the block size when the user names none
+DEFAULT_BLOCK_SIZE = BLOCK_MULTIPLE
+
+
+class SpyrePlatform(CpuPlatform):
+    _enum = PlatformEnum.OOT
+    # vLLM builds torch.device(device_name) for its host-side buffers; the model and the KV
+    # cache are moved to the card by the model runner
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return torch.spyre.get_device_properties(device_id).name
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return torch.spyre.mem_get_info(device_id)[1]
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(torch.spyre.memory_allocated())
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+            raise NotImplementedError("spyre_rt: MLA and sparse attention are not supported on the card")
+        return "spyre_rt.serving.attention.SpyreAttentionBackend"
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # attention is plain torch, traced into the model's graph with everything else
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        pass  # vllm._C is vLLM's native CPU (or CUDA) build: nothing here calls it
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        from spyre_rt.serving.host_kernels import compute_slot_mapping
+
+        register_kernels({"vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping})
+
+    @classmethod
+    def supports_structured_output(cls) -> bool:
+        return False
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        cache = vllm_config.cache_config
+        user_block = cache.block_size if cache.user_specified_block_size else None
+        if user_block is not None and user_block % BLOCK_MULTIPLE:
+            raise ValueError(
+                f"spyre_rt: block_size {user_block} is not a multiple of {BLOCK_MULTIPLE}, the tokens "
+                "of one stick; pass --block-size 64 (or 128, ...)"
+            )
+        super().check_and_update_config(vllm_config)
+        cache.block_size = user_block or DEFAULT_BLOCK_SIZE
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            raise NotImplementedError("spyre_rt: MLA models are not supported on the card")
+        cache.enable_prefix_caching = False
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
+            parallel.worker_cls = "spyre_rt.serving.worker.SpyreWorker"
+        # the model runner compiles the forward and the logits itself, with backend="spyre_rt"
+        from vllm.config import CompilationMode
+
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_capture_sizes = []

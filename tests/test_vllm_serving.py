@@ -1,0 +1,285 @@
+"""Serving on the card with vLLM: the offline LLM and the OpenAI-compatible server give
+Hugging Face CPU generate()'s greedy tokens for tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import tiny_hf  # noqa: E402
+
+HERE = Path(__file__).parent
+PROMPTS = [[1, 5, 9, 33, 70], list(range(4, 4 + 70)), [1, 200, 100], [7] * 20]
+NEW_TOKENS = 6
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("SPYRE_RT_VLLM", None)   # the plugin must be chosen by itself
+    env.pop("VLLM_TARGET_DEVICE", None)
+    return env
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_llm_generate_matches_hugging_face(family, tmp_path):
+    model = tiny_hf.save_model(family, tmp_path / family)
+    expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / family), json.dumps(PROMPTS),
+         str(NEW_TOKENS)],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["platform"] == "SpyrePlatform"
+    assert got["alone"] == expected[:1]
+    assert got["together"] == expected
+    # the decode steps were replayed from torch.spyre.graph captures made at start-up, one per
+    # bucket (max_num_seqs=8: 1, 2, 4, 8)
+    assert got["decode"]["captures"] == 4
+    assert got["decode"]["replays"] == 2 * (NEW_TOKENS - 1)
+
+
+def test_block_size_must_be_whole_sticks():
+    from vllm.config import CacheConfig
+
+    from spyre_rt.serving.platform import SpyrePlatform
+
+    class Config:
+        cache_config = CacheConfig(block_size=48)
+        model_config = None
+
+    Config.cache_config.user_specified_block_size = True
+    with pytest.raises(ValueError, match="multiple of 64"):
+        SpyrePlatform.check_and_update_config(Config)
+
+
+def test_kv_cache_budget_is_the_cards_share():
+    from spyre_rt.serving.worker import kv_cache_budget
+
+    assert kv_cache_budget(1000, 100, 0.5) == 400
+    assert kv_cache_budget(1000, 100, 0.5, most_used=250) == 250
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        kv_cache_budget(1000, 600, 0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`vllm serve` on a tiny Llama, on 127.0.0.1 and a free port; stopped at the end."""
+    d = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    model = tiny_hf.save_model("llama", d)
+    port = _free_port()
+    log = open(d.parent / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vllm"), "serve", str(d), "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.002",
+         "--max-num-seqs", "8"],
+        stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True,
+    )
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("vllm serve exited: " + (d.parent / "server.log").read_text()[-4000:])
+            if time.monotonic() - start > 300:
+                raise TimeoutError("vllm serve was not ready in 300 s")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        yield {"url": url, "model": str(d), "hf": model, "ready_s": time.monotonic() - start}
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(tiny_hf.word(i) for i in ids)
+
+
+def test_completion_gives_hugging_face_tokens(server, client):
+    prompt = [9, 33, 70, 120]
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True})
+    assert out.choices[0].prompt_token_ids == prompt
+    assert out.choices[0].token_ids == expected
+    assert out.choices[0].text.strip() == _words(expected)
+    assert out.usage.completion_tokens == NEW_TOKENS
+
+
+def test_completion_streams(server, client):
+    stream = client.completions.create(model=server["model"], prompt=_words([40, 41, 42]),
+                                       max_tokens=NEW_TOKENS, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    whole = client.completions.create(model=server["model"], prompt=_words([40, 41, 42]),
+                                      max_tokens=NEW_TOKENS, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_chat_completion_and_its_stream(server, client):
+    messages = [{"role": "user", "content": _words([50, 60, 70])}]
+    out = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=NEW_TOKENS,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+    text = out.choices[0].message.content
+    assert out.usage.completion_tokens == NEW_TOKENS
+    stream = client.chat.completions.create(model=server["model"], messages=messages,
+                                            max_tokens=NEW_TOKENS, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+
+
+def test_bad_request_is_400_and_the_server_keeps_serving(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=0)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=-3)
+    out = client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def _paged_batch(seed: int = 0):
+    """A step of three requests on a cache of 64-token blocks: 70 cached + 3 new tokens, a
+    70-token prompt across two blocks, a 5-token prompt; and two padding tokens."""
+    import torch
+
+    from spyre_rt.serving.attention import step_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kvh, d, bs, n = 4, 2, 16, 64, 8
+    cache = torch.zeros(2, kvh, n + 1, bs, d)
+    table = torch.tensor([[3, 5], [1, 2], [0, 7]])
+    lens, qlen = [73, 70, 5], [3, 70, 5]
+    slot = lambda r, p: int(table[r, p // bs]) * bs + p % bs  # noqa: E731
+    hist = {r: (torch.randn(lens[r], kvh, d, generator=g), torch.randn(lens[r], kvh, d, generator=g))
+            for r in range(3)}
+    for r in range(3):
+        for p in range(lens[r] - qlen[r]):
+            cache[0].view(kvh, -1, d)[:, slot(r, p)] = hist[r][0][p]
+            cache[1].view(kvh, -1, d)[:, slot(r, p)] = hist[r][1][p]
+    t = sum(qlen) + 2
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.cat([hist[r][0][lens[r] - qlen[r]:] for r in range(3)] + [torch.randn(2, kvh, d, generator=g)])
+    v = torch.cat([hist[r][1][lens[r] - qlen[r]:] for r in range(3)] + [torch.randn(2, kvh, d, generator=g)])
+    slots = [slot(r, p) for r in range(3) for p in range(lens[r] - qlen[r], lens[r])] + [-1, -1]
+    qsl = torch.tensor([0, 3, 73, 78])
+    meta = step_metadata(qsl, torch.tensor(lens), table, torch.tensor(slots), t, 3, bs, n)
+
+    expected = []
+    for r in range(3):
+        keys = hist[r][0].repeat_interleave(heads // kvh, 1)
+        vals = hist[r][1].repeat_interleave(heads // kvh, 1)
+        for i in range(qlen[r]):
+            p = lens[r] - qlen[r] + i
+            s = torch.einsum("hd,khd->hk", q[int(qsl[r]) + i], keys[: p + 1]) * 0.25
+            expected.append(torch.einsum("hk,khd->hd", s.softmax(-1), vals[: p + 1]))
+    return q, k, v, cache, meta, torch.stack(expected)
+
+
+def test_paged_attention_is_causal_per_request_with_gqa():
+    from spyre_rt.serving.attention import paged_attention
+
+    q, k, v, cache, meta, expected = _paged_batch()
+    out = paged_attention(q, k, v, cache, meta, 0.25)
+    assert (out[: len(expected)] - expected).abs().max() < 1e-5
+
+
+def test_paged_attention_compiles_to_the_card_with_no_cpu_op():
+    import torch
+
+    import spyre_rt  # noqa: F401
+    from spyre_rt.errors import forget_warnings
+    from spyre_rt.serving.attention import SpyreAttentionMetadata, paged_attention
+
+    q, k, v, cache, meta, expected = _paged_batch()
+    card = torch.device("spyre")
+    card_meta = SpyreAttentionMetadata(*(t.to(card) for t in (meta.slot_mapping, meta.block_table,
+                                                              meta.token_index, meta.query_pos)))
+    card_cache = cache.to(card)
+    fast = torch.compile(paged_attention, backend="spyre_rt", dynamic=True)
+    forget_warnings("aten.")   # an earlier test's warning must not hide a CPU op here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fast(q.to(card), k.to(card), v.to(card), card_cache, card_meta, 0.25).cpu()
+    assert [str(w.message) for w in caught if "runs on the CPU" in str(w.message)] == []
+    assert (out[: len(expected)] - expected).abs().max() < 1e-5
+    paged_attention(q, k, v, cache, meta, 0.25)          # the same writes on the host
+    assert torch.equal(card_cache.cpu(), cache)
+
+
+def test_slot_mapping_on_the_host():
+    import torch
+
+    from spyre_rt.serving.host_kernels import compute_slot_mapping
+
+    table = torch.tensor([[3, 5, 0], [1, 2, 0], [0, 0, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 5, 5], dtype=torch.int32)          # two requests; the third slot unused
+    positions = torch.tensor([63, 64, 0, 1, 2])
+    slots = torch.zeros(8, dtype=torch.int64)
+    compute_slot_mapping(5, 8, qsl, positions, table, 3, slots, 64)
+    assert slots.tolist() == [3 * 64 + 63, 5 * 64, 64, 65, 66, -1, -1, -1]
+
+
+def test_plugin_is_chosen_with_a_card_and_by_its_option(monkeypatch):
+    from spyre_rt.serving import PLATFORM, register
+
+    monkeypatch.delenv("SPYRE_RT_VLLM", raising=False)
+    assert register() == PLATFORM                    # a card is present
+    monkeypatch.setenv("SPYRE_RT_VLLM", "0")
+    assert register() is None
+    monkeypatch.setenv("SPYRE_RT_VLLM", "1")
+    assert register() == PLATFORM
+    from importlib.metadata import entry_points
+
+    assert [e.value for e in entry_points(group="vllm.platform_plugins") if e.name == "spyre_rt"] == [
+        "spyre_rt.serving:register"]
+
+
+def test_decode_buckets_are_powers_of_two_up_to_max_num_seqs():
+    from spyre_rt.serving.worker import decode_buckets
+
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(12) == [1, 2, 4, 8, 12]

@@ -171,12 +171,19 @@ class Card:
         work, plus the waits for it (spy_host_clock_ns; its wall twin is in :meth:`clock`)."""
         return int(lib.spy_host_clock_ns(self.handle))
 
-    def host_work_start_ns(self) -> int:
-        """When host work on the card's results can start: now by the host clock, or the
-        card's finish if that is later (the copy down waits for it). A host span of CPU
-        work starts here, so that it does not count the card's time again."""
+    def on_cpu(self, name: str, fn, *args):
+        """fn(*args): work the CPU does for the card (an op it has no kernel for, with its
+        copies), traced while the card traces as a host span named ``CPU_SPAN + name``. The
+        span starts when the work can: now, or the card's finish if later (the copy down
+        waits for it), so that it does not count the card's time again."""
+        if not self.tracing:
+            return fn(*args)
         c = self.clock()
-        return max(c.host_ns, math.ceil(c.finish_ns))
+        t0 = max(c.host_ns, math.ceil(c.finish_ns))
+        try:
+            return fn(*args)
+        finally:
+            self.trace_host_span(CPU_SPAN + name, t0, self.host_clock_ns())
 
     def device_finish_ns(self) -> float:
         return float(lib.spy_device_finish_ns(self.handle))

@@ -207,14 +207,7 @@ def run_on_cpu(op, *args, **kwargs):
         capture.refuse(f"{sc.name} (no device kernel: it runs on the CPU)")
     _note(sc.name)
     device = _device_of(args, kwargs)
-    card = cards.get(tensors.device_index(device))
-    if not card.tracing:
-        return _run_on_cpu(sc, op, device, args, kwargs)
-    t0 = card.host_work_start_ns()  # the copies and the op: the CPU's share of the card's work
-    try:
-        return _run_on_cpu(sc, op, device, args, kwargs)
-    finally:
-        card.trace_host_span(f"{cards.CPU_SPAN}{sc.name}", t0, card.host_clock_ns())
+    return cards.get(tensors.device_index(device)).on_cpu(sc.name, _run_on_cpu, sc, op, device, args, kwargs)
 
 
 def _run_on_cpu(sc: _Schema, op, device: torch.device, args, kwargs):

@@ -35,3 +35,20 @@ def small_profile_path(tmp_path):
     path = tmp_path / "small.toml"
     path.write_text(textwrap.dedent(small_profile_text()))
     return str(path)
+
+
+@pytest.fixture
+def quiet_functional_compile():
+    """A functional card set as the current one, Dynamo reset, warnings held back: for
+    tests that compile small functions and compare them with CPU eager (the CPU-fallback
+    warnings are what they count through ``fallback.in_steps``, not what they read)."""
+    import warnings
+
+    import torch
+
+    from spyre_rt import card as cards
+
+    torch._dynamo.reset()
+    with cards.configured(sim_mode="functional"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -9,23 +9,14 @@ the last offset; values past the fp16 range in a product the row does not keep.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-
-from spyre_rt import card as cards
-from spyre_rt import dispatch, fallback
 from spyre_rt.compiler.inductor.grouped import grouped_mm_by_select
+
+from spyre_rt import dispatch, fallback
 from spyre_rt.dispatch import dispatch_mode
 
-
-@pytest.fixture(autouse=True)
-def functional():
-    torch._dynamo.reset()
-    with cards.configured(sim_mode="functional"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_functional_compile")
 
 
 def loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,9 @@ integer histc returns it.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from spyre_rt import card as cards
 from spyre_rt import dispatch
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.host_ops import cpu_kernel
@@ -22,12 +19,7 @@ from spyre_rt.host_ops import cpu_kernel
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def functional():
-    torch._dynamo.reset()
-    with cards.configured(sim_mode="functional"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_functional_compile")
 
 
 def _oracle(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:

@@ -6,23 +6,14 @@ nothing run on the CPU for the short ones.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-
-from spyre_rt import card as cards
-from spyre_rt import dispatch, fallback
 from spyre_rt.compiler.inductor import ranking
+
+from spyre_rt import dispatch, fallback
 from spyre_rt.dispatch import dispatch_mode
 
-
-@pytest.fixture(autouse=True)
-def functional():
-    torch._dynamo.reset()
-    with cards.configured(sim_mode="functional"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_functional_compile")
 
 
 def _on_card(fn, *args):

@@ -65,8 +65,9 @@ def _pick(x: torch.Tensor, rank: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 
 
 def _rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    dim = dim % max(x.dim(), 1)
-    return x.movedim(dim, -1) if x.dim() else x.reshape(1), dim
+    """x with `dim` last (x has a dimension: the callers refuse 0-d), and `dim` from 0."""
+    dim = dim % x.dim()
+    return x.movedim(dim, -1), dim
 
 
 def _sortable(x: torch.Tensor) -> bool:
@@ -85,14 +86,10 @@ def _topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: 
 
 
 def _sort(x: torch.Tensor, dim: int = -1, descending: bool = False):
-    if not _sortable(x) or x.dim() == 0:
+    """A stable sort: the top-k of every element, in order."""
+    if x.dim() == 0:
         return NotImplemented
-    rows, d = _rows(x, dim)
-    n = rows.shape[-1]
-    if not _fits(math.prod(rows.shape[:-1]), n, n):
-        return NotImplemented
-    values, index = _pick(rows, _rank(rows, descending), n)
-    return values.movedim(-1, d), index.movedim(-1, d)
+    return _topk(x, x.shape[dim], dim, largest=descending)
 
 
 def _sort_stable(x: torch.Tensor, *, stable=None, dim: int = -1, descending: bool = False):

@@ -14,7 +14,6 @@ from typing import Any
 
 from ..dispatch import DispatchMode
 from ..errors import SpyreError, SpyreIndexError
-from ..card import CPU_SPAN
 from ..kernels import CpuOp
 
 
@@ -69,13 +68,8 @@ class CpuSegment:
     op: CpuOp
 
     def run(self, call: Call) -> None:
-        card = call.exe.card
-        if not card.tracing:
-            call.cpu_values[self.op.name] = call.exe.cpu.run(self.op, call.table, call.mode)
-            return
-        t0 = card.host_work_start_ns()
-        call.cpu_values[self.op.name] = call.exe.cpu.run(self.op, call.table, call.mode)
-        card.trace_host_span(f"{CPU_SPAN}{self.op.op}", t0, card.host_clock_ns())
+        call.cpu_values[self.op.name] = call.exe.card.on_cpu(
+            self.op.op, call.exe.cpu.run, self.op, call.table, call.mode)
 
 
 @dataclass(frozen=True)
@@ -83,13 +77,7 @@ class HostKernelSegment:
     kernel: str
 
     def run(self, call: Call) -> None:
-        card = call.exe.card
-        if not card.tracing:
-            call.exe.host.run(self.kernel, call.table, call.mode)
-            return
-        t0 = card.host_work_start_ns()
-        call.exe.host.run(self.kernel, call.table, call.mode)
-        card.trace_host_span(f"{CPU_SPAN}kernel {self.kernel}", t0, card.host_clock_ns())
+        call.exe.card.on_cpu(f"kernel {self.kernel}", call.exe.host.run, self.kernel, call.table, call.mode)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...dtypes import ITEMSIZE
 from ...kernels import Access
 from ..context import ScratchpadOverflow, Target
 from ..sfu import COL, TILE
-from ...dtypes import ITEMSIZE
 from .analysis import Analysis, Unsupported
 from .scratchpad import ScratchNeed, lay_out, scratch_needs
 

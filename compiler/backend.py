@@ -93,18 +93,26 @@ def _inner_compile(gm, example_inputs, *, patch: dict, **kwargs):
     # compile again, and the fusion forms around them. Here rather than around compile_fx:
     # AOT compiles a backward graph lazily, at the first backward, outside that call, and
     # it needs the backend's options as much as the forward does.
+    # A gather it cannot address inside a fusion is first computed into a buffer of its own
+    # on the card (``realize_nodes``); only if that kernel cannot be built either does it
+    # run on the CPU.
     cpu_nodes: list[str] = []
+    realize_nodes: list[str] = []
     for _ in range(MAX_RECOMPILES + 1):
         try:
-            with opts.patch({**patch, "cpu_nodes": cpu_nodes}), spyre_rt.graphs.compiling():
+            with (opts.patch({**patch, "cpu_nodes": cpu_nodes, "realize_nodes": realize_nodes}),
+                  spyre_rt.graphs.compiling()):
                 return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as e:
             ours = _our_error(e)
             if ours is None:
                 raise
-            more = sorted(set(getattr(ours, "fallback_nodes", ())) - set(cpu_nodes))
-            if not patch["cpu_fallback"] or not more:
+            refused = set(getattr(ours, "fallback_nodes", ())) - set(cpu_nodes)
+            apart = sorted(set(getattr(ours, "apart_nodes", ())) & refused - set(realize_nodes))
+            more = sorted(refused - set(apart)) if patch["cpu_fallback"] else []
+            if not (apart or more):
                 raise ours from None
+            realize_nodes = realize_nodes + apart
             cpu_nodes = cpu_nodes + more
     raise ours from None
 

@@ -19,5 +19,9 @@ compiler_version: str = ""    # digest of the compiler's sources: a new compiler
 # FX nodes that run on the CPU because a kernel holding them could not be built for the card
 # (set by the backend when it compiles again after such a failure)
 cpu_nodes: list = []
+# FX nodes whose result is computed into a buffer of its own on the card, not fused into
+# its consumers: the first answer to a fused gather construction cannot address (an index
+# varying along a reduction's columns); a kernel that still cannot be built runs on the CPU
+realize_nodes: list = []
 
 install_config_module(sys.modules[__name__])

@@ -67,6 +67,7 @@ def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbo
                 f"{exe.host_source(name)}: the card's construction refused its kernel {name} ({why})"
                 for name, why in e.kernels.items()))
             err.fallback_nodes = nodes
+            err.apart_nodes = set().union(*(indexing.get(name, set()) for name in e.kernels if name in e.indirect))
             raise err from None
         raise  # no FX node to run instead (a device copy): nothing the compile can change
     except SpyreError as e:  # not a refusal (a lost card, say): the first call will tell

@@ -43,22 +43,14 @@ GENERATING = DECODERS + SEQ2SEQ  # the families that decode greedily
 FAST_MODES = {"fp32": MODES, "fp16": ("prebuilt",)}  # fp16 in every mode: slow
 
 # The ops each family runs on the CPU inside its compiled steps: element-wise gathers
-# The ops each family runs on the CPU inside its compiled steps: element-wise gathers
 # (BERT's and RoBERTa's token types, DeBERTa's relative positions; RoBERTa's positions
-# counted from the padding, a cumulative sum, run on the card); Gemma 4's per-layer input
-# embeddings, whose gather fuses with a norm over rows narrower than the table's. MoE
-# (the dense families and Granite 4's): the routing (top-k, the sort by expert, the
-# counts, the offsets, the inverse permutation) and the experts run on the card; the
-# gather of each pair's output at the inverse permutation feeds the sum over the top-k,
-# and its index varies along that reduction's columns, which construction cannot address:
-# that gather runs on the CPU. Anything else falling back is a regression.
-_MOE = {"aten.index.Tensor"}
+# counted from the padding, a cumulative sum, run on the card). On the card, computed apart
+# from the kernels they fused with (tests/test_gathers_apart.py): MoE's combine (each
+# pair's output gathered at the inverse permutation feeds the sum over the top-k along
+# that sum's columns) and Gemma 4's per-layer input embeddings (a norm over rows narrower
+# than the table's). Anything else falling back is a regression.
 CPU_OPS = {"bert": {"aten.gather.default"}, "roberta": {"aten.gather.default"},
-           "deberta_v2": {"aten.gather.default"},
-           "granitemoe": _MOE, "mixtral": _MOE, "qwen3_moe": _MOE, "qwen2_moe": _MOE,
-           "gemma4": {"aten.embedding.default", "aten.mul.Tensor", "aten.pow.Tensor_Scalar", "aten.mean.dim",
-                      "aten.add.Tensor"},
-           "granite_moe_hybrid": _MOE}
+           "deberta_v2": {"aten.gather.default"}}
 
 
 @functools.cache

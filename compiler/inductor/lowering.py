@@ -203,6 +203,8 @@ def _checked(op, lowering):
             return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
         made = len(V.graph.operations)
         result = lowering(*args, **kwargs)
+        if node is not None and node.name in options.realize_nodes and isinstance(result, ir.TensorBox):
+            result.realize()  # a buffer of its own, read by the kernels that fused it before
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
                 # Work on a CPU tensor (a 0-d tensor a model passes, say) inside a graph

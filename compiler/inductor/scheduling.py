@@ -56,6 +56,8 @@ class SpyreScheduling(SIMDScheduling):
             # what the backend may run on the CPU instead: the node of the op construction
             # refused when it is known (the rest of the group stays a card kernel), else all
             err.fallback_nodes = _refused_nodes(e, nodes)
+            # a gather construction cannot address inside the fusion may build on its own
+            err.apart_nodes = err.fallback_nodes if getattr(e, "indirect", False) else set()
             raise err from None
         wrapper.define_spyre_kernel(recorded.stored() if example else kernel, nodes)
         V.graph.removed_buffers |= local  # before mark_run, so they are never allocated
@@ -64,6 +66,16 @@ class SpyreScheduling(SIMDScheduling):
         args = [b for b in recorded.buffers if b not in local]
         wrapper.generate_kernel_call(name, args, triton=False)
         self.free_buffers_in_scheduler()
+
+    def can_fuse_vertical(self, node1, node2) -> bool:
+        # a node the backend realized (see options.realize_nodes) keeps its own kernel
+        from .. import options
+
+        realized = set(options.realize_nodes)
+        if realized and any(o.name in realized for n in node1.get_nodes()
+                            for o in getattr(n.node, "origins", ())):
+            return False
+        return super().can_fuse_vertical(node1, node2)
 
     def codegen_template(self, template_node, epilogue_nodes, prologue_nodes=(), **kwargs):
         raise compile_error("template kernels are not supported on spyre", [template_node])

@@ -37,7 +37,7 @@ from ..context import BuildContext
 from ..sfu import COL, ITEMSIZE, ROW, TILE, Program
 from .analysis import Unsupported, Value
 from .scratchpad import ScratchpadLayout, Slots
-from .stages import StagePrograms
+from .stages import StagePrograms, element_rows
 from .tiling import Tile, Tiling
 
 FREE_IN, FREE_OUT = -1, -2  # template dependencies on the tile two places back on the core
@@ -208,6 +208,11 @@ class TileTemplate:
         rows = tile.rows(self.tiling.inner_rows)
         pitch = (lx.pitch * e) if v.kind == TILE else e
         table_slot = self.ctx.slot(acc.buf)
+        if element_rows(layout, acc, v.kind, self.tiling.analysis.n_row_vars):
+            # one item per index, the index counting items of the table's one row
+            return [self._push(CMD_GATHER, (op, 0, 0), (
+                table_slot, idx_off, lib.SPY_DT_I64, rows, 0, e, layout.row_len, data_off, pitch, e, 0,
+                (0, 0), (0, 0), _GATHER_RES, _PAD), deps)]
         # the rows an index may pick: a row's columns can reach rows below it (a gathered
         # (5, 6) block of a (4, 5, 6) tensor spans five rows of its layout)
         limit = layout.rows - self._rows_below(acc, v.kind, tile, layout)

@@ -185,16 +185,20 @@ class StagePrograms:
         its first element plus, per index tensor, the index times the rows it steps. An
         index outside its dimension that the table's bounds would not catch (a second
         index, or one of a dimension inside the table's rows) makes the row -1, which the
-        card refuses (SpyreIndexError), rather than an element of another row."""
+        card refuses (SpyreIndexError), rather than an element of another row. For an
+        element gather of a one-row table (see :func:`element_rows`) a "row" is an element."""
         acc = v.op.access
         table = self.ctx.layouts[acc.buf]
-        row_len = table.row_len
+        unit = 1 if element_rows(table, acc, v.kind, self.analysis.n_row_vars) else table.row_len
+        n_units = table.row_len if unit == 1 else table.rows
         row_coeffs = [0] * self.analysis.n_vars
         for j in range(self.analysis.n_row_vars):
-            if acc.coeffs[j] % row_len:
-                raise Unsupported("a gather/scatter whose rows are not whole rows of its buffer")
-            row_coeffs[j] = acc.coeffs[j] // row_len
-        if any(coef % row_len for _, coef in acc.ind):
+            if acc.coeffs[j] % unit:
+                err = Unsupported("a gather/scatter whose rows are not whole rows of its buffer")
+                err.indirect = True  # gathered into a buffer of its own, its rows are whole
+                raise err
+            row_coeffs[j] = acc.coeffs[j] // unit
+        if any(coef % unit for _, coef in acc.ind):
             err = Unsupported("a gather/scatter index that moves inside a row of its buffer (an element scatter)")
             err.indirect = True  # the indexing op is what cannot be built, not the arithmetic around it
             raise err
@@ -203,12 +207,12 @@ class StagePrograms:
         self._affine(prog, rows, size, row_coeffs, dst, base, ROW)
         tmp = Operand(ROW, "int64", self.layout.scratch[("row", 0)], 1)
         for idx, coef in acc.ind:
-            prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // row_len, "int64"))
+            prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // unit, "int64"))
             prog.emit(lib.SPY_SFU_ADD, rows, 1, dst, dst, tmp)
         ok = Operand(ROW, "bool", self.layout.scratch[("row", 1)], 1)
         for idx, coef in acc.ind:
             extent = self._index_extent(idx)
-            if extent is None or (len(acc.ind) == 1 and extent * (coef // row_len) >= table.rows):
+            if extent is None or (len(acc.ind) == 1 and extent * (coef // unit) >= n_units):
                 continue  # the table's bounds catch an index past its dimension
             x = self.layout.operand(idx, slot)
             prog.emit(lib.SPY_SFU_MIN, rows, 1, tmp, x, _imm(extent - 1, "int64"))
@@ -242,7 +246,7 @@ class StagePrograms:
         if what == "index":
             return int(origin)
         shift, _ = self.tiling.gathered_columns(acc, v.kind)
-        return int((origin + shift + self.ctx.offset(acc.buf)) // self.ctx.layouts[acc.buf].row_len)
+        return int((origin + shift + self.ctx.offset(acc.buf)) // self._row_unit(v))
 
     def tile_consts(self, fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Every tile's constants at once: tiles x constants (see :meth:`prologue`)."""
@@ -255,5 +259,20 @@ class StagePrograms:
         if what == "index":
             return self.tiling.origins(acc, fixed, start)
         shift, _ = self.tiling.gathered_columns(acc, v.kind)
-        return (self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf) + shift)
-                // self.ctx.layouts[acc.buf].row_len)
+        return self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf) + shift) // self._row_unit(v)
+
+    def _row_unit(self, v: Value) -> int:
+        """Elements per row index of a gather or scatter: the table's rows, or one element."""
+        table = self.ctx.layouts[v.op.access.buf]
+        return 1 if element_rows(table, v.op.access, v.kind, self.analysis.n_row_vars) else table.row_len
+
+
+def element_rows(table, acc: Access, kind: str, n_row_vars: int) -> bool:
+    """Whether a gather or scatter picks single elements of a one-row table (a 1-D tensor
+    indexed by a tensor: an expert's routing weight at each pair's position). Such a row
+    is contiguous in its layout, so each element is a "row" of one item, moved by the same
+    GATHER command with the item as its row stride. Whole rows keep row indices."""
+    if table.rows != 1 or kind != ROW:
+        return False
+    return any(coef % table.row_len for _, coef in acc.ind) or any(
+        acc.coeffs[j] % table.row_len for j in range(n_row_vars))

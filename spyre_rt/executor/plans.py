@@ -41,7 +41,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
     """The plan of every device segment, in order: from the plan cache, or built (and
     written to it). Building constructs every kernel first: what construction refuses runs
     on the host (with `fallback` false, a SpyreRefusedError names it)."""
-    cache = plan_cache.default()
+    cache = plan_cache.of(exe.step.settings)
     key = exe.cache_key()
     entry = cache.load(key) if cache else None
     if entry is not None:

@@ -15,12 +15,12 @@ import time
 import numpy as np
 import torch
 
-from .. import __version__, kernel_info, plan_cache
+from .. import kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
 from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, set_job_names
 from ..plan import encode as encode_plan
-from ..version import runtime_version
+from ..version import __version__, runtime_version
 from .segments import DeviceSegment
 from .stats import stats
 

@@ -1,7 +1,9 @@
 """Benchmarks of spyre_rt (pytest-benchmark). See the README's "Benchmarks" section.
 
-Every target is a ratio measured side by side in one run, recorded in `extra_info`;
-absolute times are for regression comparison between runs on one machine only.
+Every target is a ratio measured side by side in one run, recorded in `extra_info` and
+checked by ``targets.check_target`` when the benchmarks are enabled (the default test run only
+executes each once, with ``--benchmark-disable``); absolute times are for regression
+comparison between runs on one machine only.
 
 One clock on both sides of every comparison (docs/ARCHITECTURE.md, "Host work and the
 card's"): host work is CPU time of the calling thread (``time.thread_time_ns``, which is the

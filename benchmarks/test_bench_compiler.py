@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from targets import check_target
 from torch._inductor.utils import fresh_cache
 
 from spyre_rt import card as cards
@@ -109,6 +110,8 @@ def test_cold_compile_tiny_granite_vs_inductor_cpu(benchmark, spyre_granite):
         "spyre_rt_cold_s": min(ours), "inductor_cpu_cold_s": min(theirs),
         "spyre_rt_over_inductor_cpu": min(ours) / min(theirs),
     })
+    check_target(benchmark, min(ours) < min(theirs),
+                 f"cold compile {min(ours):.1f} s, not faster than Inductor's CPU backend's {min(theirs):.1f} s")
 
 
 @pytest.mark.benchmark(group="compiler")
@@ -120,6 +123,7 @@ def test_warm_compile_tiny_granite(benchmark, spyre_granite):
     with fresh_cache(), _FreshPlanCache():
         cold = spyre_granite()
     benchmark.extra_info.update({"warm_s": min(times), "cold_s": cold, "warm_over_cold": min(times) / cold})
+    check_target(benchmark, min(times) < cold, f"a warm compile ({min(times):.1f} s) must be faster than a cold one")
 
 
 @pytest.mark.benchmark(group="compiler")
@@ -161,3 +165,5 @@ def test_a_new_prompt_length_costs_a_plan_build_not_a_compile(benchmark):
         "new_length_max_s": round(max(new_length), 3),
         "new_length_over_cold_compile": round(max(new_length) / times[0], 3),
     })
+    ratio = max(new_length) / times[0]
+    check_target(benchmark, ratio <= 0.2, f"a new prompt length costs {ratio:.2f}x the cold compile, over 0.2x")

@@ -12,6 +12,7 @@ backend (guards on), on the same clock, and report how far above it the step is.
 
 import pytest
 import torch
+from targets import check_target
 
 from spyre_rt import dispatch
 from spyre_rt.dispatch import dispatch_mode
@@ -83,6 +84,9 @@ def test_decode_step(benchmark, tiny_granite, cpu_floor, mode):
     steps = 2 if benchmark.disabled else 20
     _side_by_side(benchmark, decoder, mode, steps, rounds=1 if benchmark.disabled else (5 if mode == "prebuilt" else 3),
                   floor=cpu_floor() if mode == "prebuilt" else None)
+    if mode == "prebuilt":
+        speedup = benchmark.extra_info["speedup_vs_construct"]
+        check_target(benchmark, speedup >= 20, f"prebuilt decode step {speedup}x faster than construct, under 20x")
 
 
 @pytest.mark.benchmark(group="dispatch: tiny Granite decode step")
@@ -105,6 +109,8 @@ def test_prebuilt_decode_step_40_layers(benchmark, tiny_granite, cpu_floor):
                            warmup_rounds=0 if benchmark.disabled else 1)
     _side_by_side(benchmark, decoder, "prebuilt", 2 if benchmark.disabled else 20,
                   rounds=1 if benchmark.disabled else 5, floor=cpu_floor(40))
+    over = benchmark.extra_info["over_floor_us"]
+    check_target(benchmark, over <= 50, f"prebuilt decode step {over} µs above Dynamo's floor, over 50 µs")
 
 
 @pytest.mark.slow
@@ -147,3 +153,4 @@ def test_replay_decode_step(benchmark, tiny_granite, layers):
         "prebuilt_call_host_wall_us_per_step": round(call_wall, 1),
         "speedup_vs_prebuilt_call": round(call / replay, 1),
     })
+    check_target(benchmark, replay <= 20, f"{replay:.2f} µs of host work per replay, over 20 µs")

@@ -4,6 +4,7 @@ beside building them from the kernel descriptions (a miss), in one run."""
 import time
 
 import pytest
+from targets import check_target
 
 from spyre_rt import executor as steps
 from spyre_rt.executor import plans as plan_files
@@ -50,3 +51,5 @@ def test_plan_cache_hit_tiny_granite(benchmark, tiny_granite):
                                  "hit_wall_ms": round(hit_wall / 1e6, 2), "build_wall_ms": round(build_wall / 1e6, 1),
                                  "build_over_hit": round(build_cpu / hit_cpu, 1),
                                  "build_over_hit_wall": round(build_wall / hit_wall, 1)})
+    check_target(benchmark, hit_cpu <= 10e6, f"a plan-cache hit took {hit_cpu / 1e6:.1f} ms, over 10 ms")
+    check_target(benchmark, hit_cpu < build_cpu, "a plan-cache hit must cost less than building the plans")

@@ -15,6 +15,7 @@ import torch
 import spyre_rt
 from spyre_rt import config
 
+from .errors import OptionError
 from .inductor import STATIC_INPUTS
 from .version import compiler_version
 
@@ -130,12 +131,16 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
     options = dict(options or {})
     ours = {k.replace("-", "_"): options.pop(k) for k in list(options) if k.replace("-", "_") in config.Settings.__dataclass_fields__}
-    settings = config.with_options(ours)
+    try:
+        settings = config.with_options(ours)  # resolved once: the step carries what its calls read
+    except ValueError as e:
+        raise OptionError(f"spyre_rt options: {e}") from None
     patch = {
         "dispatch": settings.dispatch,
         "cpu_fallback": settings.cpu_fallback,
         "compute_dtype": settings.compute_dtype,
         "fuse_epilogues": settings.fuse_epilogues,
+        "step_settings": config.step_fields(settings),
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),
     }

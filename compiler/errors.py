@@ -18,6 +18,10 @@ class CompileFailed(SpyreCompileError, ShortenTraceback):
         ShortenTraceback.__init__(self, message, first_useful_frame=None)
 
 
+class OptionError(CompileFailed, ValueError):
+    """A spyre_rt compile option that is unknown, invalid, or the whole process's."""
+
+
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 

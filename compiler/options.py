@@ -16,6 +16,8 @@ compute_dtype: str = "auto"   # auto | float16 | float32
 fuse_epilogues: bool = True   # pointwise kernels on a matmul's product become its epilogue
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
+# the settings the step carries to its calls (spyre_rt.config.step_fields); {} = the process's
+step_settings: dict = {}
 # FX nodes that run on the CPU because a kernel holding them could not be built for the card
 # (set by the backend when it compiles again after such a failure)
 cpu_nodes: list = []

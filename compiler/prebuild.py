@@ -38,9 +38,9 @@ from .errors import CompileFailed
 log = logging.getLogger("spyre_rt.compiler.prebuild")
 
 
-def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbolic: bool,
+def prebuild(desc: StepDesc, text: str, settings: dict, kernel_nodes: dict[str, set[str]], symbolic: bool,
              kernel_indexing: dict[str, set[str]] | None = None) -> None:
-    """Prepare the step the module embeds as `text`; a kernel construction refuses is a
+    """Prepare the step the module embeds as `text` with `settings`; a kernel construction refuses is a
     compile error carrying the FX nodes to run on the CPU (``fallback_nodes``): a kernel's
     indexing ops (`kernel_indexing`) when what it refused was an access through an index,
     else all its nodes."""
@@ -48,7 +48,7 @@ def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbo
         return
     try:
         card = _card()
-        step = _load(text, symbolic)
+        step = _load(text, settings, symbolic)
         concrete = step.step_for(_hints(desc)) if hasattr(step, "step_for") else step
         geometry = tuple(_geometry(concrete.desc, card))
         exe = concrete.executable(card, geometry)
@@ -76,12 +76,12 @@ def prebuild(desc: StepDesc, text: str, kernel_nodes: dict[str, set[str]], symbo
     steps.adopt(hashlib.sha256(text.encode()).hexdigest(), step)
 
 
-def _load(text: str, symbolic: bool):
+def _load(text: str, settings: dict, symbolic: bool):
     if symbolic:
         from .specialize import load_step
     else:
         from spyre_rt.executor import load_step
-    return load_step(text)
+    return load_step(text, settings)
 
 
 def _card() -> cards.Card:

@@ -17,6 +17,7 @@ import hashlib
 import threading
 from collections.abc import Mapping
 
+from spyre_rt import config
 from spyre_rt.executor import CompiledStep
 from spyre_rt.executor.step import adopted
 from spyre_rt.kernels import StepDesc, from_json
@@ -47,9 +48,10 @@ def specialize(x, env: Mapping[str, int]):
 class SymbolicStep:
     """A compiled step with dynamic shapes: concrete steps made per distinct size."""
 
-    def __init__(self, desc: StepDesc, digest: str):
+    def __init__(self, desc: StepDesc, digest: str, settings: config.Settings):
         self.desc = desc
         self.digest = digest
+        self.settings = settings  # the compile's, carried by every concrete step
         self.symbols = desc.symbols
         self.int_args = {position for _, kind, position, _ in desc.symbols if kind == "int"}
         self._steps: dict[tuple, CompiledStep] = {}
@@ -78,7 +80,8 @@ class SymbolicStep:
                     if concrete.options.get("fuse_epilogues"):
                         concrete = fuse_epilogues(concrete)
                     digest = hashlib.sha256(f"{self.digest}{key}".encode()).hexdigest()
-                    step = self._steps[key] = CompiledStep(concrete, digest, family=(self.digest, dict(env)))
+                    step = self._steps[key] = CompiledStep(concrete, digest, family=(self.digest, dict(env)),
+                                                                 settings=self.settings)
         return step
 
     def __call__(self, args: list, module_globals: dict):
@@ -88,16 +91,18 @@ class SymbolicStep:
         return self.step_for(env)(tensors, module_globals)
 
 
-def load_step(text: str):
-    """The step a compiled module embeds as JSON: symbolic, or concrete as any static one."""
+def load_step(text: str, settings: dict | None = None):
+    """The step a compiled module embeds as JSON, with the settings its compile resolved:
+    symbolic, or concrete as any static one."""
     digest = hashlib.sha256(text.encode()).hexdigest()
+    resolved = config.for_step(settings)
     prepared = adopted(digest)  # made and prepared when the module was compiled
-    if prepared is not None:
+    if prepared is not None and prepared.settings == resolved:
         return prepared
     desc = from_json(text)
     if not desc.symbols and not _has_recorded(desc):
-        return CompiledStep(desc, digest)
-    return SymbolicStep(desc, digest)
+        return CompiledStep(desc, digest, settings=resolved)
+    return SymbolicStep(desc, digest, resolved)
 
 
 def _has_recorded(desc: StepDesc) -> bool:

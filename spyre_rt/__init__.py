@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401  (the package's version, defined beneath it)
 
 _registered = False
 _lock = threading.Lock()

@@ -1,8 +1,12 @@
 """Configuration in one place.
 
 Defaults, overridden by ``SPYRE_RT_*`` environment variables, overridden per compile by
-``torch.compile(..., options={...})``. Read once per process through :func:`settings`;
-tests and tools may call :func:`reload` after changing the environment.
+``torch.compile(..., options={...})``. The environment is read once per process through
+:func:`settings` (tests and tools may call :func:`reload` after changing it). A compile
+resolves its settings once (:func:`with_options`) and its step carries them
+(:func:`for_step`): the executor, the plan cache and the tracer read them from the step,
+never from the process. The card set's profile and mode are the process's alone
+(:data:`PROCESS_FIELDS`), so they are refused as compile options.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class Settings:
     cache_enabled: bool = True
     cache_max_bytes: int = 2 << 30
     cpu_fallback: bool = True
-    compute_dtype: str = "auto"            # auto (keep the model's dtype) | float16 | float32
+    compute_dtype: str = "auto"            # auto: each kernel computes in its operands' dtype
     fuse_epilogues: bool = True            # pointwise kernels on a matmul's product as its epilogue
     trace: bool = False
     trace_commands: bool = True
@@ -49,7 +53,16 @@ def _bool(value: str) -> bool:
     raise ValueError(f"not a boolean: {value!r} (use 1/0, true/false, on/off)")
 
 
-_ENV = {
+# What each setting shapes: the step's code (part of its plan key), its calls (carried by
+# the step), or the process (the card set that every tensor lives on).
+COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues")
+STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
+PROCESS_FIELDS = {
+    "device_profile": "SPYRE_RT_DEVICE_PROFILE",
+    "sim_mode": "SPYRE_RT_SIM_MODE",
+}
+
+ENV = {
     "SPYRE_RT_DEVICE_PROFILE": ("device_profile", str),
     "SPYRE_RT_SIM_MODE": ("sim_mode", str),
     "SPYRE_RT_DISPATCH": ("dispatch", str),
@@ -60,6 +73,7 @@ _ENV = {
     "SPYRE_RT_COMPUTE_DTYPE": ("compute_dtype", str),
     "SPYRE_RT_FUSE_EPILOGUES": ("fuse_epilogues", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
+    "SPYRE_RT_TRACE_COMMANDS": ("trace_commands", _bool),
 }
 
 
@@ -67,23 +81,30 @@ def validate(s: Settings) -> Settings:
     if s.sim_mode not in SIM_MODES:
         raise ValueError(f"sim_mode must be one of {SIM_MODES}, not {s.sim_mode!r}")
     _check_dispatch(s.dispatch, "dispatch")
-    if s.compute_dtype not in ("auto", "float16", "float32"):
-        raise ValueError(f"compute_dtype must be auto, float16 or float32, not {s.compute_dtype!r}")
+    if s.compute_dtype != "auto":
+        # no other is implemented: accepting one would change nothing the step computes
+        raise ValueError(f"compute_dtype must be auto (kernels compute in their operands' dtype), not "
+                         f"{s.compute_dtype!r}: convert the model instead (model.half(), model.float())")
     if s.cache_max_bytes <= 0:
         raise ValueError("cache_max_bytes must be positive")
-    return s
+    # a relative or ~ directory is where the compile (or the process) was when it was resolved
+    return s.replace(cache_dir=os.path.abspath(os.path.expanduser(s.cache_dir)))
 
 
 def from_environment() -> Settings:
     values = {}
-    for var, (field, parse) in _ENV.items():
+    for var, (field, parse) in ENV.items():
         raw = os.environ.get(var)
         if raw is not None and raw != "":
             try:
                 values[field] = parse(raw)
             except ValueError as e:
                 raise ValueError(f"{var}: {e}") from None
-    return validate(Settings(**values))
+    try:
+        return validate(Settings(**values))
+    except ValueError as e:  # a value that parsed but is not allowed: name the variables set
+        given = ", ".join(var for var, (field, _) in ENV.items() if field in values)
+        raise ValueError(f"{given}: {e}") from None
 
 
 _settings: Settings | None = None
@@ -106,7 +127,8 @@ def with_options(options: dict | None) -> Settings:
     """Settings for one compile: the process settings with ``options`` applied.
 
     Option names are the field names, with ``-`` or ``_`` accepted
-    (e.g. ``{"dispatch": "construct", "cpu_fallback": False}``)."""
+    (e.g. ``{"dispatch": "construct", "cpu_fallback": False}``). The card set's fields are
+    refused: a compile cannot change the card its tensors are on."""
     base = settings()
     if not options:
         return base
@@ -116,8 +138,27 @@ def with_options(options: dict | None) -> Settings:
         name = key.replace("-", "_")
         if name not in fields:
             raise ValueError(f"unknown spyre_rt option {key!r}; known: {sorted(fields)}")
+        if name in PROCESS_FIELDS:
+            raise ValueError(
+                f"spyre_rt option {key!r} cannot apply to one compile: it is the card set's, which every "
+                f"tensor of the process lives on. Set {PROCESS_FIELDS[name]} before the cards are first used, "
+                f"or open a card set with spyre_rt.configure({name}=...)")
         changes[name] = value
     return validate(base.replace(**changes))
+
+
+def step_fields(s: Settings) -> dict:
+    """The settings a compiled step carries to its calls, as plain data."""
+    return {name: getattr(s, name) for name in STEP_FIELDS}
+
+
+def for_step(fields: dict | None) -> Settings:
+    """The settings of a step that carries `fields` (see :func:`step_fields`); a step made
+    without the compiler carries none and takes the process settings, once."""
+    base = settings()
+    if not fields:
+        return base
+    return validate(base.replace(**{k: v for k, v in fields.items() if k in STEP_FIELDS}))
 
 
 def cache_path(s: Settings | None = None) -> Path:

@@ -291,8 +291,13 @@ class PlanCache:
             return {}
 
 
+def of(s) -> PlanCache | None:
+    """The plan cache that settings `s` name (a step's: ``step.settings``), None when off."""
+    return PlanCache(s.cache_dir, s.cache_max_bytes) if s.cache_enabled else None
+
+
 def default() -> PlanCache | None:
+    """The plan cache of the process settings (the tools' and steps made without the compiler)."""
     from . import config
 
-    s = config.settings()
-    return PlanCache(s.cache_dir, s.cache_max_bytes) if s.cache_enabled else None
+    return of(config.settings())

@@ -29,8 +29,7 @@ def test_padding_goes_on_the_left_with_a_zero_mask():
     assert mask.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
 
 
-def test_bucketed_prompts_give_the_unpadded_tokens_with_one_plan_per_bucket(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan_cache, "default", lambda: plan_cache.PlanCache(tmp_path, 1 << 30))
+def test_bucketed_prompts_give_the_unpadded_tokens_with_one_plan_per_bucket(tmp_path, capsys):
     cfg = GraniteConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
                         initializer_range=0.1, pad_token_id=0)
@@ -39,7 +38,7 @@ def test_bucketed_prompts_give_the_unpadded_tokens_with_one_plan_per_bucket(tmp_
     with cards.configured(sim_mode="functional"), torch.no_grad():
         on_card = copy.deepcopy(model).to("spyre")
         torch._dynamo.reset()
-        forward = torch.compile(on_card, backend="spyre_rt")
+        forward = torch.compile(on_card, backend="spyre_rt", options={"cache_dir": str(tmp_path)})
         for n in (5, 9, 14, 17, 30):  # two buckets: 16 and 32
             ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(n))
             padded, mask = pad_prompt(ids, buckets=[16, 32])

@@ -82,9 +82,8 @@ def _symbolic_steps():
     return [o for o in gc.get_objects() if type(o) is specialize.SymbolicStep]
 
 
-def test_each_size_has_its_own_plan_file_under_the_same_graph(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_cache, "default", lambda: plan_cache.PlanCache(tmp_path, 1 << 30))
-    f = torch.compile(attention_like, backend="spyre_rt", dynamic=True)
+def test_each_size_has_its_own_plan_file_under_the_same_graph(tmp_path):
+    f = torch.compile(attention_like, backend="spyre_rt", dynamic=True, options={"cache_dir": str(tmp_path)})
     _check(f, torch.Generator().manual_seed(3), (9, 21, 9), modes=("prebuilt",))
     headers = [plan_cache.decode(p.read_bytes()).header for p in tmp_path.glob("*.plan")]
     assert len(headers) == 2

@@ -59,7 +59,7 @@ class Compiled:
 
     def __init__(self, cache_dir):
         before = set(step_mod.live_steps())
-        f = torch.compile(model, backend="spyre_rt", dynamic=False)
+        f = torch.compile(model, backend="spyre_rt", dynamic=False, options={"cache_dir": str(cache_dir)})
         args = [a.to("spyre") for a in ARGS]
         with dispatch_mode("prebuilt"):
             assert torch.allclose(f(*args).cpu(), REF, rtol=1e-4, atol=1e-6)
@@ -80,17 +80,14 @@ class Compiled:
         self.cache.path(self.key).write_bytes(data)
 
     def run_fresh(self):
-        """A new step for the same graph (as in a new process): loads the plan file."""
+        """A new step for the same graph and settings (as in a new process): loads the plan file."""
         with dispatch_mode("prebuilt"):
-            return step_mod.CompiledStep(self.step.desc)(list(self.inputs), {})[0]
+            return step_mod.CompiledStep(self.step.desc, settings=self.step.settings)(list(self.inputs), {})[0]
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hostile-plans")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_cache, "default", lambda: plan_cache.PlanCache(directory, 1 << 30))
-        yield Compiled(directory)
+    return Compiled(tmp_path_factory.mktemp("hostile-plans"))
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def _resolve(name: str, known: set[str]) -> str | None:
 
 def _arrows() -> dict[str, set[str]]:
     files = {_module_of(p): p for p in ROOT.rglob("*.py")}
-    known = set(files)
+    known = set(files) | {"spyre_rt._native"}  # the C extension: a module of its own, not the package
     arrows: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -68,17 +68,43 @@ def _cycle(arrows: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_runtime_has_no_import_cycle():
-    arrows = _arrows()
-    # the package's own __init__ registers the device from every layer: it is the top, and
-    # nothing beneath imports it
-    arrows.pop("spyre_rt", None)
-    cycle = _cycle(arrows)
+    cycle = _cycle(_arrows())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_the_runtime_never_imports_the_compiler():
     offenders = {m for m, targets in _arrows().items() for t in targets if t.startswith("spyre_rt.compiler")}
     assert not offenders, offenders
+
+
+# Entry points another framework loads on its own (vLLM's platform plugin): they import the
+# package to register the device, as a user's code does, and nothing of ours imports them.
+ENTRY_POINTS = {"spyre_rt.serving", "spyre_rt.serving.worker"}
+
+
+def test_nothing_beneath_the_package_imports_its_init():
+    """spyre_rt/__init__ registers the device from every layer: it is the top."""
+    arrows = _arrows()
+    offenders = {m for m, targets in arrows.items() if "spyre_rt" in targets} - ENTRY_POINTS
+    assert not offenders, offenders
+    assert not {m for m, targets in arrows.items() if targets & ENTRY_POINTS} - ENTRY_POINTS - {"spyre_rt"}
+
+
+# The compiler's modules outside compiler/inductor/ that use torch's internals (names with a
+# leading underscore): docs/ARCHITECTURE.md names them, for whoever upgrades torch.
+TORCH_INTERNALS_OUTSIDE_INDUCTOR = {"backend", "errors", "prebuild", "options"}
+
+
+def test_the_compilers_torch_internals_are_where_the_architecture_says():
+    compiler = ROOT.parent / "compiler"
+    users = set()
+    for path in compiler.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.startswith("torch.") and any(part.startswith("_") for part in n.split(".")) for n in names):
+                users.add(path.stem)
+    assert users == TORCH_INTERNALS_OUTSIDE_INDUCTOR
 
 
 def test_the_cycle_finder_finds_one():

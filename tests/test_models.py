@@ -9,7 +9,7 @@ graph, one decode graph that every step reuses); an encoder gives the hidden sta
 padded batch; an encoder-decoder runs generate() under automatic dynamic shapes. Every run
 is fed the fp32 reference's greedy tokens, so outputs compare step by step.
 
-The default run compares fp32 in all three dispatch modes and fp16 in ``prebuilt``; fp16 in
+The default run compares fp32 in every dispatch mode (``dispatch.NAMES``: four) and fp16 in ``prebuilt``; fp16 in
 every mode is marked slow.
 """
 

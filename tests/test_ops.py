@@ -7,7 +7,7 @@ backend="spyre_rt", dynamic=False, fullgraph=True)`` once per shape family and d
 * ``ragged``:  D = 100, not a multiple of 64: every row ends inside a padded stick;
 * ``odd``:     D = 33, less than one stick and odd (fp32 only, marked slow).
 
-The one compiled function runs in all three dispatch modes on fresh spyre copies of the
+The one compiled function runs in every dispatch mode (four) on fresh spyre copies of the
 inputs. The outputs (and inputs the function mutates) must be bit-identical across the
 modes, and match CPU eager on the same inputs:
 

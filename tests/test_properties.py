@@ -1,5 +1,5 @@
 """Property tests: random graphs of elementwise, reduction and matmul ops on random shapes,
-compiled for spyre and run in all three dispatch modes, against CPU eager.
+compiled for spyre and run in every dispatch mode (four), against CPU eager.
 
 Hypothesis draws a shape (inner sizes on and off the 64-element grid, size-1 and empty
 dims), how each input is laid out (contiguous, transposed, sliced with a step, expanded),

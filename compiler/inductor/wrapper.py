@@ -374,12 +374,15 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         symbolic = _is_symbolic(step)
         loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
         text = to_json(step)
+        from .. import options
+
+        settings = dict(options.step_settings)  # what the step's calls read: its plan cache, its tracing
         # every kernel constructed now: what construction refuses is a compile-time event
-        prebuild(step, text, self.kernel_nodes, symbolic, self.kernel_indexing)
+        prebuild(step, text, settings, self.kernel_nodes, symbolic, self.kernel_indexing)
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"
-            f"_step = load_step({text!r})\n"
+            f"_step = load_step({text!r}, {settings!r})\n"
             "def call(args):\n"
             "    # constants are attached to this module after it is loaded\n"
             "    return _step(args, globals())\n"

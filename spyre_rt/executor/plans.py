@@ -15,12 +15,12 @@ import time
 import numpy as np
 import torch
 
-from .. import __version__, kernel_info, plan_cache
+from .. import kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
 from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, set_job_names
 from ..plan import encode as encode_plan
-from ..version import runtime_version
+from ..version import __version__, runtime_version
 from .segments import DeviceSegment
 from .stats import stats
 
@@ -41,7 +41,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
     """The plan of every device segment, in order: from the plan cache, or built (and
     written to it). Building constructs every kernel first: what construction refuses runs
     on the host (with `fallback` false, a SpyreRefusedError names it)."""
-    cache = plan_cache.default()
+    cache = plan_cache.of(exe.step.settings)
     key = exe.cache_key()
     entry = cache.load(key) if cache else None
     if entry is not None:

@@ -10,6 +10,9 @@ the launch.
 Outputs come from memory the executable pools (its slots), reused only once the caller has
 let go of them, so a later call never overwrites what an earlier one returned and is still
 held. Inside a graph capture (:mod:`spyre_rt.graphs`) a call is recorded instead.
+
+A step carries the settings its compile resolved (:func:`spyre_rt.config.for_step`): the
+plan cache its executables use, and whether its calls are recorded in the card's trace.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import capture, config, tensors
+from .. import capture, config, tensors, trace
 from .. import card as cards
 from ..dispatch import named, override
 from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
@@ -60,25 +63,29 @@ def adopted(digest: str):
         return _adopted.pop(digest, None)
 
 
-def load_step(text: str) -> CompiledStep:
-    """The step a compiled module embeds as JSON (the one the compiler prepared, if any)."""
+def load_step(text: str, settings: dict | None = None) -> CompiledStep:
+    """The step a compiled module embeds as JSON, with the settings its compile resolved
+    (the one the compiler prepared, if any)."""
     digest = hashlib.sha256(text.encode()).hexdigest()
+    resolved = config.for_step(settings)
     step = adopted(digest)
-    if isinstance(step, CompiledStep):
+    if isinstance(step, CompiledStep) and step.settings == resolved:
         return step
-    return CompiledStep(from_json(text), digest)
+    return CompiledStep(from_json(text), digest, settings=resolved)
 
 
 class CompiledStep:
-    def __init__(self, desc: StepDesc, digest: str | None = None, family: tuple[str, dict] | None = None):
+    def __init__(self, desc: StepDesc, digest: str | None = None, family: tuple[str, dict] | None = None,
+                 settings: config.Settings | None = None):
         _live.add(self)
         self.desc = desc
+        self.settings = settings or config.for_step(None)
         # the description's identity in plan-cache keys: hashing its JSON once, not per load
         self.digest = digest or hashlib.sha256(to_json(desc).encode()).hexdigest()
         # (the compiled graph it belongs to, its sizes): a dynamic-shape graph makes a step
         # per distinct size; the plan cache counts plans per graph
         self.family = family or (self.digest, {})
-        self.default_mode = desc.options.get("dispatch") or config.settings().dispatch
+        self.default_mode = desc.options.get("dispatch") or self.settings.dispatch
         self._executables: dict[tuple, Executable] = {}
         self._memory: dict[int, memory.MemoryPlan] = {}  # by stick size
         self._lock = threading.Lock()
@@ -173,7 +180,11 @@ class CompiledStep:
         exe = self.executable(card, tuple(geometry))
         if not host_inputs and not self.desc.host_outputs:
             self._fast = _FastPath(self, exe, inputs, geometry)
-        outs = exe.run(inputs, override() or self.default_mode)
+        if self.settings.trace:
+            with trace.capture(card, self.settings.trace_commands):
+                outs = exe.run(inputs, override() or self.default_mode)
+        else:
+            outs = exe.run(inputs, override() or self.default_mode)
         for i, t in host_inputs.items():
             if i < len(self.desc.inputs) and self.desc.inputs[i][1]:
                 t.copy_(inputs[i])  # a mutated host input: write the new values back
@@ -195,6 +206,8 @@ class _FastPath:
     def __init__(self, step: CompiledStep, exe: Executable, inputs: list, geometry: list):
         static = set(step.desc.static_inputs)
         self.exe = exe
+        # None: untraced; else whether the card's trace records the commands of each call
+        self.traced = step.settings.trace_commands if step.settings.trace else None
         self.card_set = id(cards.card_set())
         self.window = exe.card.instance  # dynamic inputs must be in the card's address window
         self.device = inputs[0].device if inputs else None
@@ -232,6 +245,9 @@ class _FastPath:
             if any(layout_of(base) != layout for (_, base), layout in zip(dynamic, self.layouts, strict=True)):
                 return None
         try:
+            if self.traced is not None:
+                with trace.capture(exe.card, self.traced):
+                    return exe.run(inputs, mode, binding=self, dynamic=dynamic)
             return exe.run(inputs, mode, binding=self, dynamic=dynamic)
         except SpyreLayoutError:
             return None  # an input's storage was made again with another layout: the full checks

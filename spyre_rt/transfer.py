@@ -28,6 +28,7 @@ from .program import (
     CORE_CARD,
     DESC,
     DMA_DESCS,
+    JOB_HEADER,
     OP_D2H,
     OP_H2D,
     SLOT_DRAM,
@@ -113,6 +114,28 @@ def stick_descriptors(view: ViewGeometry) -> tuple[np.ndarray, np.ndarray, np.nd
     return hst[valid], dev[valid], (hi - lo)[valid] * e
 
 
+def transfer_program(direction: str, view: ViewGeometry) -> np.ndarray:
+    """The encoded transfer program of one direction and view geometry: slot 0 is the host
+    staging buffer, slot 1 the device storage base."""
+    host, dev, nbytes = stick_descriptors(view)
+    descs = np.zeros(nbytes.size, dtype=DESC)
+    if direction == H2D:
+        descs["src_off"], descs["dst_off"] = host, dev
+    else:
+        descs["src_off"], descs["dst_off"] = dev, host
+    descs["bytes"] = nbytes
+    b = ProgramBuilder()
+    hs = b.slot(SLOT_HOST, int(math.prod(view.sizes)) * view.layout.itemsize)
+    ds = b.slot(SLOT_DRAM, view.layout.nbytes)
+    cmd = empty_cmds(1, OP_H2D if direction == H2D else OP_D2H, CORE_CARD)
+    cmd["flags"] = DMA_DESCS
+    cmd["src_slot"], cmd["dst_slot"] = (hs, ds) if direction == H2D else (ds, hs)
+    cmd["src_off"] = b.add_descs(descs)
+    cmd["desc_count"] = nbytes.size
+    b.add(cmd)
+    return b.encode()
+
+
 class TransferGraph:
     """A validated transfer program for one direction and view geometry.
 
@@ -123,26 +146,9 @@ class TransferGraph:
     def __init__(self, card, direction: str, view: ViewGeometry):
         self.card = card
         self.direction = direction
-        host, dev, nbytes = stick_descriptors(view)
-        numel = int(math.prod(view.sizes))
-        self.host_nbytes = numel * view.layout.itemsize
-        self.ndescs = int(nbytes.size)
-        descs = np.zeros(self.ndescs, dtype=DESC)
-        if direction == H2D:
-            descs["src_off"], descs["dst_off"] = host, dev
-        else:
-            descs["src_off"], descs["dst_off"] = dev, host
-        descs["bytes"] = nbytes
-        b = ProgramBuilder()
-        hs = b.slot(SLOT_HOST, self.host_nbytes)
-        ds = b.slot(SLOT_DRAM, view.layout.nbytes)
-        cmd = empty_cmds(1, OP_H2D if direction == H2D else OP_D2H, CORE_CARD)
-        cmd["flags"] = DMA_DESCS
-        cmd["src_slot"], cmd["dst_slot"] = (hs, ds) if direction == H2D else (ds, hs)
-        cmd["src_off"] = b.add_descs(descs)
-        cmd["desc_count"] = self.ndescs
-        b.add(cmd)
-        blob = b.encode()
+        self.host_nbytes = int(math.prod(view.sizes)) * view.layout.itemsize
+        blob = transfer_program(direction, view)
+        self.ndescs = int(blob[: JOB_HEADER.itemsize].view(JOB_HEADER)["ndescs"][0])
         out = ffi.new("spy_transfer **")
         check(lib.spy_transfer_create(card.handle, ffi.from_buffer(blob), blob.size, out),
               f"transfer graph for {direction} of {view.sizes}")

@@ -3,7 +3,8 @@
 A transfer graph is a DMA program with one scatter-gather descriptor per stick: it moves a
 strided device view to or from a contiguous host staging buffer laid out in the view's
 memory order, converting between the host's row-major layout and the device's stick
-layout on the way. Building one costs host time proportional to the sticks it moves.
+layout on the way. Building one (native/construct.c) costs host time proportional to the
+sticks it moves.
 
 In a dispatch mode without prebuilt transfers (``construct``, ``prebuilt-compute``) every
 copy builds, validates and submits its graph. With prebuilt transfer graphs
@@ -23,19 +24,9 @@ import numpy as np
 import torch
 
 from .layout import StickLayout
+from .errors import SpyreError
 from .native import check, ffi, lib
-from .program import (
-    CORE_CARD,
-    DESC,
-    DMA_DESCS,
-    JOB_HEADER,
-    OP_D2H,
-    OP_H2D,
-    SLOT_DRAM,
-    SLOT_HOST,
-    ProgramBuilder,
-    empty_cmds,
-)
+from .program import CORE_CARD, DESC, DMA_DESCS, JOB_HEADER, OP_D2H, OP_H2D, SLOT_DRAM, SLOT_HOST, ProgramBuilder, built_block, empty_cmds
 
 H2D = "h2d"
 D2H = "d2h"
@@ -60,6 +51,24 @@ def memory_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int,
 
 def _identity(order: tuple[int, ...]) -> bool:
     return all(i == d for i, d in enumerate(order))
+
+
+def transfer_program(direction: str, view: ViewGeometry) -> np.ndarray:
+    """The encoded transfer program of one direction and view geometry: slot 0 is the host
+    staging buffer (the view in :func:`memory_order`), slot 1 the device storage; one
+    descriptor per stick piece. Built natively (``spy_build_transfer``,
+    native/construct.c) from the view, its unit dimensions dropped."""
+    dims = [(n, st) for n, st in zip(view.sizes, view.strides, strict=True) if n != 1]
+    if len(dims) > lib.SPY_TRANSFER_MAX_DIMS:
+        raise SpyreError(f"a transfer of a view with {len(dims)} dimensions longer than 1 (at most "
+                         f"{lib.SPY_TRANSFER_MAX_DIMS}): {view.sizes}")
+    lay = view.layout
+    rec = ffi.new("spy_transfer_record *", {
+        "direction": lib.SPY_OP_H2D if direction == H2D else lib.SPY_OP_D2H, "ndims": len(dims),
+        "layout": {"rows": lay.rows, "row_len": lay.row_len, "itemsize": lay.itemsize,
+                   "stick_bytes": lay.stick_bytes},
+        "offset": view.offset, "sizes": [n for n, _ in dims], "strides": [st for _, st in dims]})
+    return built_block(lib.spy_build_transfer, rec, f"transfer graph for {direction} of {view.sizes}")
 
 
 def _collapse(sizes: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
@@ -114,7 +123,7 @@ def stick_descriptors(view: ViewGeometry) -> tuple[np.ndarray, np.ndarray, np.nd
     return hst[valid], dev[valid], (hi - lo)[valid] * e
 
 
-def transfer_program(direction: str, view: ViewGeometry) -> np.ndarray:
+def transfer_program_numpy(direction: str, view: ViewGeometry) -> np.ndarray:
     """The encoded transfer program of one direction and view geometry: slot 0 is the host
     staging buffer, slot 1 the device storage base."""
     host, dev, nbytes = stick_descriptors(view)

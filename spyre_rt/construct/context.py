@@ -96,6 +96,7 @@ class BuildContext:
     slot_of: dict[str, int] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)  # logical start of a buffer in its storage
     scratchpad_peak: int = 0  # bytes of one core's scratchpad the program holds at most (set by builders)
+    block: np.ndarray | None = None  # the whole program, when the native builder encoded it
 
     def offset(self, buffer: str) -> int:
         return self.offsets.get(buffer, 0)
@@ -111,7 +112,7 @@ class BuildContext:
         return sorted(self.slot_of, key=self.slot_of.get)
 
     def encode(self) -> np.ndarray:
-        return self.program.encode()
+        return self.program.encode() if self.block is None else self.block
 
 
 def round_up(x: int, g: int) -> int:

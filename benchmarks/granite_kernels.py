@@ -53,11 +53,10 @@ class GraniteKernels:
 
 
 def per_kind_us(kernels, rounds: int = 3) -> dict[str, tuple[int, float]]:
-    """(kernels, best µs per kernel, CPU time of this thread) by kind."""
+    """(kernels, mean of their best µs, CPU time of this thread) by kind."""
     best: dict[str, float] = {}
-    for kind, name, build in kernels:
-        t = min(_cpu_ns(build) for _ in range(rounds))
-        best[name] = t
+    for _, name, build in kernels:
+        best[name] = min(_cpu_ns(build) for _ in range(rounds))
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
     for kind, name, _ in kernels:
         by_kind[kind].append(best[name])

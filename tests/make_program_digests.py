@@ -81,9 +81,9 @@ def collect(source: str, run, out: list, seen: set, per_kind: int = PER_KIND) ->
 
 def main() -> None:
     from spyre_rt import card as cards
+    from spyre_rt.layout import StickLayout
     from spyre_rt.profiler import models, parity
     from spyre_rt.profiler import run as runmod
-    from spyre_rt.layout import StickLayout
     from spyre_rt.transfer import ViewGeometry, transfer_program
 
     out: list[dict] = []

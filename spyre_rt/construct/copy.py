@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from ..native import ffi, lib
-from ..program import CMD_DMA, JOB_HEADER, OP_LOAD, OP_STORE, built_block
-from .context import BuildContext, round_up
+from ..program import JOB_HEADER, built_block
+from .context import BuildContext
 
 CHUNK_MAX = 256 << 10  # bytes per chunk: two slots stay well inside a 2 MiB scratchpad
 
@@ -49,47 +47,3 @@ def build(ctx: BuildContext, copies: list[Copy]) -> None:
     if chunks:
         ctx.scratchpad_peak = 2 * CHUNK_MAX if chunks > t.num_cores else CHUNK_MAX
 
-
-def build_numpy(ctx: BuildContext, copies: list[Copy]) -> None:
-    """All chunks of `copies` as load/store pairs into the context's program."""
-    cores = ctx.target.num_cores
-    src_slot, dst_slot, src_off, dst_off, size = [], [], [], [], []
-    for c in copies:
-        if c.nbytes <= 0:
-            continue
-        chunk = min(CHUNK_MAX, round_up(-(-c.nbytes // cores), ctx.target.stick_bytes))
-        starts = np.arange(0, c.nbytes, chunk, dtype=np.int64)
-        src_slot.append(np.full(starts.size, ctx.slot(c.src)))
-        dst_slot.append(np.full(starts.size, ctx.slot(c.dst)))
-        src_off.append(c.src_off + starts)
-        dst_off.append(c.dst_off + starts)
-        size.append(np.minimum(chunk, c.nbytes - starts))
-    if not size:
-        return
-    src_slot, dst_slot, src_off, dst_off, size = (np.concatenate(a) for a in
-                                                  (src_slot, dst_slot, src_off, dst_off, size))
-    n = size.size
-    core = np.arange(n) % cores
-    seq = np.arange(n) // cores  # the chunk's position on its core
-    lx = (seq % 2) * CHUNK_MAX
-    # commands: load of chunk i at 2i, its store at 2i + 1
-    cmds = np.zeros(2 * n, dtype=CMD_DMA)
-    load, store = cmds[0::2], cmds[1::2]
-    load["op"], store["op"] = OP_LOAD, OP_STORE
-    load["core"] = store["core"] = core
-    load["src_slot"], load["src_off"], load["dst_off"] = src_slot, src_off, lx
-    store["dst_slot"], store["src_off"], store["dst_off"] = dst_slot, lx, dst_off
-    load["run_bytes"] = store["run_bytes"] = size
-    # a store waits for its load; a load waits for the store two chunks back on its core
-    waits = np.flatnonzero(seq >= 2)
-    ndeps = np.zeros(2 * n, dtype=np.int64)
-    ndeps[1::2] = 1
-    ndeps[2 * waits] = 1
-    deps = np.zeros(int(ndeps.sum()), dtype=np.int64)
-    begin = np.cumsum(ndeps) - ndeps
-    deps[begin[1::2]] = 2 * np.arange(n)
-    deps[begin[2 * waits]] = 2 * (waits - 2 * cores) + 1
-    cmds["ndeps"] = ndeps
-    cmds["dep_begin"] = begin
-    ctx.program.add(cmds, deps.astype(np.uint32))
-    ctx.scratchpad_peak = 2 * CHUNK_MAX if n > cores else CHUNK_MAX

@@ -8,14 +8,15 @@
 
 #include "internal.h"
 
-/* Bytes of the block `p` describes, or false when they pass 2^64. */
+/* Bytes of a block of these counts, or false when they pass SPY_BUILD_MAX_BYTES. */
 static bool block_bytes(uint32_t nslots, uint64_t ncmds, uint64_t ndeps, uint64_t ndescs, uint64_t *total)
 {
-    uint64_t deps = (ndeps * 4 + 7) / 8 * 8; /* the dependency list is padded to 8 bytes */
-    uint64_t t = sizeof(spy_job_header) + (uint64_t)nslots * sizeof(spy_slot);
-    uint64_t c, d;
-    return spy_mul_ok(ncmds, sizeof(spy_cmd), &c) && spy_mul_ok(ndescs, sizeof(spy_desc), &d) &&
-           spy_add_ok(t, c, &t) && spy_add_ok(t, deps, &t) && spy_add_ok(t, d, &t) && (*total = t, true);
+    if (ncmds > UINT32_MAX || ndeps > UINT32_MAX || ndescs > UINT32_MAX)
+        return false;
+    uint64_t t = sizeof(spy_job_header) + (uint64_t)nslots * sizeof(spy_slot) + ncmds * sizeof(spy_cmd) +
+                 (ndeps * 4 + 7) / 8 * 8 + ndescs * sizeof(spy_desc); /* each term < 2^40: no overflow */
+    *total = t;
+    return t <= SPY_BUILD_MAX_BYTES;
 }
 
 /* The sections of one program block being written. */
@@ -132,7 +133,8 @@ spy_status spy_build_copy(const spy_copy_record *r, spy_built *out)
     uint64_t waits = n > 2 * (uint64_t)cores ? n - 2 * (uint64_t)cores : 0; /* loads after a store */
     uint64_t total;
     if (!block_bytes(r->nslots, 2 * n, n + waits, 0, &total))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "copy record: the program passes 2^64 bytes");
+        return spy_fail(SPY_E_INVALID_ARG, -1, "copy record: %llu chunks make a program block of more than "
+                        "%llu bytes", (unsigned long long)n, (unsigned long long)SPY_BUILD_MAX_BYTES);
     block blk;
     s = block_alloc(total, r->nslots, (uint32_t)(2 * n), (uint32_t)(n + waits), 0, out, &blk);
     if (s != SPY_OK)
@@ -344,9 +346,9 @@ spy_status spy_build_transfer(const spy_transfer_record *r, spy_built *out)
         return s;
     uint64_t ndescs = numel ? stick_pieces(r, &x, NULL) : 0;
     uint64_t total;
-    if (ndescs > UINT32_MAX || !block_bytes(2, 1, 0, ndescs, &total))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "transfer record: %llu descriptors overflow the program block",
-                        (unsigned long long)ndescs);
+    if (!block_bytes(2, 1, 0, ndescs, &total))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "transfer record: %llu descriptors make a program block of more "
+                        "than %llu bytes", (unsigned long long)ndescs, (unsigned long long)SPY_BUILD_MAX_BYTES);
     block blk;
     s = block_alloc(total, 2, 1, 0, (uint32_t)ndescs, out, &blk);
     if (s != SPY_OK)

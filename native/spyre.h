@@ -602,9 +602,12 @@ spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t 
  * (the same block the validator reads, see "Program block layout"), on every call: this is
  * the work the dispatch modes move. A record is checked whole before anything is built: a
  * range outside its slot (SPY_E_BAD_ADDRESS), scratchpad regions outside the scratchpad
- * (SPY_E_SCRATCHPAD), an unknown slot, direction or count that overflows the block's
- * fields (SPY_E_INVALID_ARG); the message names the field. On success *out holds a block
+ * (SPY_E_SCRATCHPAD), an unknown slot or direction, counts that overflow the block's
+ * fields or make it larger than SPY_BUILD_MAX_BYTES (SPY_E_INVALID_ARG); the message names
+ * the field. On success *out holds a block
  * the caller owns (spy_built_free); on failure it holds nothing. */
+#define SPY_BUILD_MAX_BYTES 0x40000000u /* 1 GiB: the largest block the builder makes */
+
 typedef struct spy_built {
     uint8_t *data;  /* the encoded program block, 8-byte aligned */
     uint64_t bytes; /* == its header's total_bytes */

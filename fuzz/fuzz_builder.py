@@ -2,10 +2,13 @@
 
 Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
 ``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
-``copy_record_bytes``) or ``b"T"`` and a ``spy_transfer_record``. The builder must refuse
-it with a typed error or build a block, and every block it builds must pass the card's
-validator (``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create``
-for a transfer graph): the builder never makes what the card would refuse.
+``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, or ``b"G"`` and a
+``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
+``graph_record_bytes``). The builder must refuse it with a typed error or build a block.
+Every copy kernel or transfer graph it builds must pass the card's validator
+(``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create`` for a
+transfer graph): the builder never makes what the card would refuse. A graph's commands
+are the caller's, so the validator may refuse them, with a typed error.
 
     python fuzz/fuzz_builder.py --seconds 600 [--seed N] [--runs N] [--asan]
 """
@@ -38,6 +41,27 @@ def copy_record_bytes(num_cores, stick_bytes, chunk_max, scratchpad, extents, ra
     out = COPY_HEAD.pack(num_cores, stick_bytes, chunk_max, scratchpad, len(extents), len(ranges))
     out += b"".join(struct.pack("<Q", e) for e in extents)
     return out + b"".join(RANGE.pack(*r) for r in ranges)
+
+
+def graph_record_bytes(keys, pairs, cmds: bytes) -> bytes:
+    out = struct.pack("<II", len(keys), len(pairs)) + struct.pack(f"<{len(keys)}q", *keys)
+    out += struct.pack(f"<{2 * len(pairs)}q", *[v for p in pairs for v in p])
+    return out + cmds
+
+
+def graph_record(data: bytes):
+    ncmds, npairs = struct.unpack_from("<II", data.ljust(8, b"\0"))
+    ncmds, npairs = min(ncmds, 4 * MAX_ITEMS), min(npairs, 8 * MAX_ITEMS)
+    body = data[8:].ljust(8 * ncmds + 16 * npairs + 128 * ncmds, b"\0")
+    keys = ffi.new("int64_t[]", list(struct.unpack_from(f"<{ncmds}q", body)) or [0])
+    flat = struct.unpack_from(f"<{2 * npairs}q", body, 8 * ncmds)
+    after, before = ffi.new("int64_t[]", list(flat[0::2]) or [0]), ffi.new("int64_t[]", list(flat[1::2]) or [0])
+    cmds = ffi.new("spy_cmd[]", max(1, ncmds))
+    at = 8 * ncmds + 16 * npairs
+    ffi.memmove(cmds, body[at: at + 128 * ncmds], 128 * ncmds)
+    rec = ffi.new("spy_graph_record *", {"ncmds": ncmds, "npairs": npairs, "cmds": cmds, "keys": keys,
+                                         "after": after, "before": before})
+    return rec, (keys, after, before, cmds)
 
 
 def copy_record(data: bytes):
@@ -76,6 +100,11 @@ def target(data: bytes) -> None:
         rec, _keep = copy_record(body)
         blob = stage("build", built_block, lib.spy_build_copy, rec, "copy record")
         if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:  # the card runs no empty program
+            stage("validate", jobs.validate, card, blob)
+    elif kind == b"G":
+        rec, _keep = graph_record(body)
+        blob = stage("build", built_block, lib.spy_build_graph, rec, "graph record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
             stage("validate", jobs.validate, card, blob)
     elif kind == b"T":
         rec = transfer_record(body)

@@ -115,7 +115,7 @@ def hand_made_programs() -> dict[str, bytes]:
 def builder_records() -> dict[str, bytes]:
     """Decision records of the native builder: the copy kernels and transfer graphs a
     Granite-sized step makes, and edge cases (no range, a one-element view)."""
-    from fuzz_builder import copy_record_bytes
+    from fuzz_builder import copy_record_bytes, graph_record_bytes
 
     from spyre_rt.native import ffi, lib
 
@@ -126,6 +126,9 @@ def builder_records() -> dict[str, bytes]:
                                                     [(0, 1, 100, 0, 4000), (1, 2, 0, 4096, 4096)]),
         "copy-empty": b"C" + copy_record_bytes(32, 128, 256 << 10, 2 << 20, [], []),
     }
+    barrier = bytes([lib.SPY_OP_BARRIER, 0]) + (0xFFFF).to_bytes(2, "little") + bytes(124)
+    out["graph-barriers"] = b"G" + graph_record_bytes([5, 1, 1], [(0, 2), (0, 1), (2, 1)], 3 * barrier)
+    out["graph-empty"] = b"G" + graph_record_bytes([], [], b"")
     views = {"program": (1, 1 << 16, 1, 0, (1 << 16,), (1,)), "rows": (3, 100, 4, 0, (3, 100), (100, 1)),
              "transposed": (16, 70, 2, 5, (60, 16), (1, 70)), "heads": (64, 128, 2, 0, (4, 64, 32), (32, 128, 1)),
              "scalar": (1, 1, 8, 0, (), ())}

@@ -662,6 +662,31 @@ SPY_ABI_SIZE(spy_transfer_record, 168)
 
 spy_status spy_build_transfer(const spy_transfer_record *rec, spy_built *out);
 
+/* A job graph made in blocks (the matmul builder's): commands in the order they were
+ * made, each with a program-order key, and dependency pairs naming commands by that
+ * order. The block's commands are sorted by key (stably), the pairs renumbered and
+ * grouped per waiting command (in the order they were given), and encoded with the
+ * slots, SFU instructions and descriptors given. The commands' dep_begin and ndeps are
+ * the builder's; their other fields are copied as they are (the validator checks them
+ * when the block is committed). */
+typedef struct spy_graph_record {
+    uint32_t nslots;
+    uint32_t ninstrs;
+    uint32_t ndescs;
+    uint32_t reserved;
+    uint64_t ncmds;
+    uint64_t npairs;
+    const spy_slot *slots;
+    const spy_cmd *cmds;    /* ncmds commands, in the order they were made */
+    const int64_t *keys;    /* ncmds program-order keys */
+    const int64_t *after;   /* npairs: command after[i] waits for command before[i] */
+    const int64_t *before;
+    const spy_instr *instrs;
+    const spy_desc *descs;
+} spy_graph_record;
+
+spy_status spy_build_graph(const spy_graph_record *rec, spy_built *out);
+
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
  *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][spy_layout * nbindings]

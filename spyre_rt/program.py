@@ -164,6 +164,16 @@ class ProgramBuilder:
         return buf
 
 
+def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(commands, descriptors) of an encoded program block, as views into it."""
+    h = blob[:JOB_HEADER.itemsize].view(JOB_HEADER)[0]
+    at = JOB_HEADER.itemsize + int(h["nslots"]) * SLOT.itemsize
+    ncmds, ndeps, ninstrs, ndescs = (int(h[f]) for f in ("ncmds", "ndeps", "ninstrs", "ndescs"))
+    cmds = blob[at: at + ncmds * CMD_DMA.itemsize].view(CMD_DMA)
+    at += ncmds * CMD_DMA.itemsize + (ndeps * 4 + 7) // 8 * 8 + ninstrs * INSTR.itemsize
+    return cmds, blob[at: at + ndescs * DESC.itemsize].view(DESC)
+
+
 def built_block(build, record, context: str) -> np.ndarray:
     """The program block a native builder makes of a decision record (``build(record,
     spy_built *)``), as an 8-byte aligned uint8 array; the builder's copy is freed. A

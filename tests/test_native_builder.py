@@ -118,3 +118,51 @@ def test_a_view_of_too_many_dimensions_is_a_typed_error():
     # unit dimensions do not count
     ones = ViewGeometry(StickLayout(1, 4, 2), 0, (1,) * 12 + (4,), (4,) * 12 + (1,))
     assert transfer_program("h2d", ones).size
+
+
+def test_a_natively_built_kernel_has_the_facts_of_its_program(card):
+    """The profiler's figures (DRAM bytes, cores) come from the block the builder made."""
+    from spyre_rt.construct.facts import program_facts
+
+    target = Target.from_profile(card.profile)
+    ctx = BuildContext(target, {"a": StickLayout(1, MiB, 1), "b": StickLayout(1, MiB, 1)})
+    copy.build(ctx, [copy.Copy("a", 0, "b", 0, MiB)])
+    assert ctx.ncmds == 64
+    assert program_facts(ctx) == {"dram_bytes": 2 * MiB, "cores": 32, "scratchpad_peak": 256 << 10}
+
+
+def graph_record(ncmds=2, after=(1,), before=(0,), keys=None):
+    cmds = ffi.new("spy_cmd[]", max(1, ncmds))
+    for i in range(ncmds):
+        cmds[i].op, cmds[i].core = lib.SPY_OP_BARRIER, lib.SPY_CORE_CARD
+    k = ffi.new("int64_t[]", list(keys or range(ncmds)) or [0])
+    a, b = ffi.new("int64_t[]", list(after) or [0]), ffi.new("int64_t[]", list(before) or [0])
+    rec = ffi.new("spy_graph_record *", {"ncmds": ncmds, "npairs": len(after), "cmds": cmds, "keys": k,
+                                         "after": a, "before": b})
+    return rec, (cmds, k, a, b)
+
+
+def test_a_graph_is_ordered_by_key_and_its_dependencies_renumbered(card):
+    rec, _keep = graph_record(3, after=(0, 0, 2), before=(2, 1, 1), keys=(5, 1, 1))
+    blob = built_block(lib.spy_build_graph, rec, "graph")
+    jobs.validate(card, blob)
+    from spyre_rt.program import block_sections
+    cmds, _ = block_sections(blob)
+    # program order: 1, 2 (key 1, in the order made), then 0 (key 5)
+    assert list(cmds["ndeps"]) == [0, 1, 2] and list(cmds["dep_begin"]) == [0, 0, 1]
+    deps = blob[JOB_HEADER.itemsize + 3 * 128:][:12].view("u4")
+    assert list(deps) == [0, 1, 0]  # 2 waits for 1; 0 waits for 2, then for 1, as given
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"after": (2,), "before": (0,)}, "after[0] = 2"),
+    ({"after": (1, 1), "before": (0, -1)}, "before[1] = -1"),
+    ({"ncmds": 1 << 24, "after": (), "before": ()}, "ncmds 16777216"),  # a 2 GiB block, refused on its size
+])
+def test_a_corrupt_graph_record_is_refused_naming_its_field(kw, field):
+    ncmds = kw.pop("ncmds", 2)
+    rec, _keep = graph_record(min(ncmds, 2), **kw)
+    rec.ncmds = ncmds  # past the arrays: refused before they are read
+    with pytest.raises(SpyreError, match="SPY_E_INVALID_ARG") as e:
+        built_block(lib.spy_build_graph, rec, "graph")
+    assert field in str(e.value)

@@ -1308,6 +1308,22 @@ static void test_builder(void)
     t.direction = SPY_OP_H2D;
     t.ndims = SPY_TRANSFER_MAX_DIMS + 1;
     CHECK(spy_build_transfer(&t, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "ndims"));
+
+    /* a graph in blocks: ordered by key (stably), dependencies renumbered */
+    spy_cmd cmds[3] = {{0}};
+    for (int i = 0; i < 3; i++)
+        cmds[i].op = SPY_OP_BARRIER, cmds[i].core = SPY_CORE_CARD;
+    int64_t keys[3] = {5, 1, 1}, after[3] = {0, 0, 2}, before[3] = {2, 1, 1};
+    spy_graph_record g = {0, 0, 0, 0, 3, 3, NULL, cmds, keys, after, before, NULL, NULL};
+    CHECK_OK(spy_build_graph(&g, &b));
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    const spy_cmd *out = (const spy_cmd *)(b.data + sizeof(spy_job_header));
+    const uint32_t *dl = (const uint32_t *)(out + 3);
+    CHECK(out[0].ndeps == 0 && out[1].ndeps == 1 && out[2].ndeps == 2 && out[2].dep_begin == 1);
+    CHECK(dl[0] == 0 && dl[1] == 1 && dl[2] == 0);
+    spy_built_free(&b);
+    before[1] = 3; /* names no command */
+    CHECK(spy_build_graph(&g, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "before[1]") && !b.data);
     spy_device_close(d);
 }
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..layout import StickLayout
 from ..profile import DeviceProfile
-from ..program import SLOT_DRAM, ProgramBuilder
+from ..program import SLOT_DRAM, ProgramBuilder, block_sections
 
 LX_ALIGN = 128  # scratchpad regions start on a stick
 
@@ -113,6 +113,17 @@ class BuildContext:
 
     def encode(self) -> np.ndarray:
         return self.program.encode() if self.block is None else self.block
+
+    def commands(self) -> np.ndarray:
+        """The program's commands, in program order."""
+        return self.program.commands() if self.block is None else block_sections(self.block)[0]
+
+    def descriptors(self) -> np.ndarray:
+        return self.program.descriptors() if self.block is None else block_sections(self.block)[1]
+
+    @property
+    def ncmds(self) -> int:
+        return self.program.ncmds if self.block is None else len(self.commands())
 
 
 def round_up(x: int, g: int) -> int:

@@ -71,10 +71,10 @@ def test_granite_gemm(benchmark, timing_card, layer, n, k, phase, m):
     roof = roofline_ns(target, m, n, k)
     min_bytes = (m * k + k * n + m * n) * 2
     benchmark.extra_info.update({
-        "shape": f"{m}x{n}x{k}", "tiles": repr(tiles), "commands": ctx.program.ncmds,
+        "shape": f"{m}x{n}x{k}", "tiles": repr(tiles), "commands": ctx.ncmds,
         "device_us": dev / 1e3, "roofline_us": roof / 1e3, "fraction": roof / dev,
         "dram_bytes_over_min": info["dma_bytes"] / min_bytes,
         "first_build_ms": choose_and_build_s * 1e3,
     })
     print(f"\n{layer:9s} {phase:7s} {m}x{n}x{k}: device {dev / 1e3:9.1f} us  roofline {roof / 1e3:9.1f} us"
-          f"  {roof / dev:6.1%}  DRAM {info['dma_bytes'] / min_bytes:4.2f}x min  {ctx.program.ncmds} cmds  {tiles}")
+          f"  {roof / dev:6.1%}  DRAM {info['dma_bytes'] / min_bytes:4.2f}x min  {ctx.ncmds} cmds  {tiles}")

@@ -28,7 +28,7 @@ def _matmul_program(card, m, n, k, dtype=lib.SPY_DT_F16, e=2):
     ctx, _ = _matmul_context(card, m, n, k, dtype, e)
     prog = jobs.ResidentProgram(card, ctx.encode(), "matmul")
     addrs = {name: card.malloc(lay.nbytes) for name, lay in ctx.layouts.items()}
-    return prog, [addrs[b] for b in ctx.buffers()], ctx.program.ncmds
+    return prog, [addrs[b] for b in ctx.buffers()], ctx.ncmds
 
 
 def _launched(prog, args) -> None:
@@ -116,7 +116,7 @@ def test_matmul_construction(benchmark, timing_card):
         return ctx.encode()
 
     benchmark.pedantic(construct, rounds=10, iterations=1, warmup_rounds=1)
-    benchmark.extra_info["commands"] = _matmul_context(timing_card, n, n, n, tiling=tiling)[0].program.ncmds
+    benchmark.extra_info["commands"] = _matmul_context(timing_card, n, n, n, tiling=tiling)[0].ncmds
 
 
 @pytest.mark.benchmark(group="simulator")

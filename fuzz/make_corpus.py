@@ -55,38 +55,14 @@ def compile_models(cache_dir: str) -> None:
 
 def transfer_programs() -> dict[str, bytes]:
     from spyre_rt.layout import StickLayout
-    from spyre_rt.program import (
-        CORE_CARD,
-        DESC,
-        DMA_DESCS,
-        OP_D2H,
-        OP_H2D,
-        SLOT_DRAM,
-        SLOT_HOST,
-        ProgramBuilder,
-        empty_cmds,
-    )
-    from spyre_rt.transfer import ViewGeometry, stick_descriptors
+    from spyre_rt.transfer import ViewGeometry, transfer_program
 
     out = {}
     views = {"rows": ViewGeometry(StickLayout(3, 100, 4), 0, (3, 100), (100, 1)),
              "transposed": ViewGeometry(StickLayout(16, 70, 2), 5, (60, 16), (1, 70))}
     for vname, view in views.items():
-        for op in (OP_H2D, OP_D2H):
-            host, dev, nbytes = stick_descriptors(view)
-            descs = np.zeros(len(nbytes), dtype=DESC)
-            descs["src_off"], descs["dst_off"] = (host, dev) if op == OP_H2D else (dev, host)
-            descs["bytes"] = nbytes
-            b = ProgramBuilder()
-            hs = b.slot(SLOT_HOST, int(np.prod(view.sizes)) * view.layout.itemsize)
-            ds = b.slot(SLOT_DRAM, view.layout.nbytes)
-            c = empty_cmds(1, op, CORE_CARD)
-            c["flags"] = DMA_DESCS
-            c["src_slot"], c["dst_slot"] = (hs, ds) if op == OP_H2D else (ds, hs)
-            c["src_off"] = b.add_descs(descs)
-            c["desc_count"] = len(descs)
-            b.add(c)
-            out[f"transfer-{vname}-{'h2d' if op == OP_H2D else 'd2h'}"] = b.encode().tobytes()
+        for direction in ("h2d", "d2h"):
+            out[f"transfer-{vname}-{direction}"] = transfer_program(direction, view).tobytes()
     return out
 
 
@@ -136,7 +112,54 @@ def hand_made_programs() -> dict[str, bytes]:
     return out
 
 
+def builder_records() -> dict[str, bytes]:
+    """Decision records of the native builder: the copy kernels and transfer graphs a
+    Granite-sized step makes, and edge cases (no range, a one-element view)."""
+    from fuzz_builder import copy_record_bytes, graph_record_bytes
+
+    from spyre_rt.native import ffi, lib
+
+    out = {
+        "copy-snapshot": b"C" + copy_record_bytes(32, 128, 256 << 10, 2 << 20, [1 << 20, 1 << 20],
+                                                  [(0, 1, 0, 0, 1 << 20)]),
+        "copy-two-ranges": b"C" + copy_record_bytes(32, 128, 256 << 10, 2 << 20, [8192, 4096, 1 << 14],
+                                                    [(0, 1, 100, 0, 4000), (1, 2, 0, 4096, 4096)]),
+        "copy-empty": b"C" + copy_record_bytes(32, 128, 256 << 10, 2 << 20, [], []),
+    }
+    barrier = bytes([lib.SPY_OP_BARRIER, 0]) + (0xFFFF).to_bytes(2, "little") + bytes(124)
+    out["graph-barriers"] = b"G" + graph_record_bytes([5, 1, 1], [(0, 2), (0, 1), (2, 1)], 3 * barrier)
+    out["graph-empty"] = b"G" + graph_record_bytes([], [], b"")
+    views = {"program": (1, 1 << 16, 1, 0, (1 << 16,), (1,)), "rows": (3, 100, 4, 0, (3, 100), (100, 1)),
+             "transposed": (16, 70, 2, 5, (60, 16), (1, 70)), "heads": (64, 128, 2, 0, (4, 64, 32), (32, 128, 1)),
+             "scalar": (1, 1, 8, 0, (), ())}
+    for name, (rows, row_len, itemsize, offset, sizes, strides) in views.items():
+        for direction in (lib.SPY_OP_H2D, lib.SPY_OP_D2H):
+            rec = ffi.new("spy_transfer_record *", {
+                "direction": direction, "ndims": len(sizes),
+                "layout": {"rows": rows, "row_len": row_len, "itemsize": itemsize, "stick_bytes": 128},
+                "offset": offset, "sizes": list(sizes), "strides": list(strides)})
+            out[f"transfer-{name}-{'h2d' if direction == lib.SPY_OP_H2D else 'd2h'}"] = b"T" + bytes(ffi.buffer(rec))
+    return out
+
+
+def write_builder_corpus() -> None:
+    from fuzz_builder import target
+
+    records = builder_records()
+    for data in records.values():
+        target(data)  # every seed builds and validates
+    d = OUT / "builder"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    for name, data in sorted(records.items()):
+        (d / f"{name}.bin").write_bytes(data)
+    print(f"{d.relative_to(HERE.parent)}: {len(records)} files, {sum(map(len, records.values()))} bytes")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["builder"]:  # only the builder's seeds (no models to compile)
+        write_builder_corpus()
+        return 0
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
         from blocks import plan_sections
@@ -170,6 +193,7 @@ def main() -> int:
         for name, data in sorted(files.items()):
             (d / f"{name}{ext}").write_bytes(data)
         print(f"{d.relative_to(HERE.parent)}: {len(files)} files, {sum(map(len, files.values()))} bytes")
+    write_builder_corpus()
     return 0
 
 

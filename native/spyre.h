@@ -595,6 +595,98 @@ void spy_transfer_destroy(spy_transfer *t);
 spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t nbindings,
                             uint32_t name, double *end_ns);
 
+/* ---- construction (construct.c) ------------------------------------------------------------
+ * The native builder. The layers above decide once per kernel or view what to build (its
+ * slots, its ranges, its layout) and hand the decision over as a plain-data record; the
+ * builder makes the commands, dependencies and descriptors and encodes the program block
+ * (the same block the validator reads, see "Program block layout"), on every call: this is
+ * the work the dispatch modes move. A record is checked whole before anything is built: a
+ * range outside its slot (SPY_E_BAD_ADDRESS), scratchpad regions outside the scratchpad
+ * (SPY_E_SCRATCHPAD), an unknown slot or direction, counts that overflow the block's
+ * fields or make it larger than SPY_BUILD_MAX_BYTES (SPY_E_INVALID_ARG); the message names
+ * the field. On success *out holds a block
+ * the caller owns (spy_built_free); on failure it holds nothing. */
+#define SPY_BUILD_MAX_BYTES 0x40000000u /* 1 GiB: the largest block the builder makes */
+
+typedef struct spy_built {
+    uint8_t *data;  /* the encoded program block, 8-byte aligned */
+    uint64_t bytes; /* == its header's total_bytes */
+} spy_built; /* 16 bytes */
+SPY_ABI_SIZE(spy_built, 16)
+
+void spy_built_free(spy_built *b);
+
+/* A byte copy between two DRAM slots of a copy kernel. */
+typedef struct spy_copy_range {
+    uint32_t src_slot;
+    uint32_t dst_slot;
+    uint64_t src_off;
+    uint64_t dst_off;
+    uint64_t nbytes; /* 0: nothing to copy */
+} spy_copy_range; /* 32 bytes */
+SPY_ABI_SIZE(spy_copy_range, 32)
+
+/* A copy kernel: each range is cut into chunks of min(chunk_max, its bytes over the cores
+ * rounded up to a stick), dealt round-robin to the cores, the ranges' chunks one after
+ * the other. Chunk i is a LOAD into scratchpad slot (i / num_cores) % 2 (of chunk_max
+ * bytes each) and a STORE from it; the store waits for its load, a load for the store two
+ * chunks back on its core. */
+typedef struct spy_copy_record {
+    uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
+    uint32_t stick_bytes;      /* a power of two */
+    uint64_t chunk_max;        /* bytes; two chunks fit the scratchpad */
+    uint64_t scratchpad_bytes; /* of one core */
+    uint32_t nslots;           /* DRAM slots of the program, in slot order */
+    uint32_t nranges;
+    const uint64_t *slot_extent;  /* nslots extents */
+    const spy_copy_range *ranges; /* nranges ranges */
+} spy_copy_record;
+
+spy_status spy_build_copy(const spy_copy_record *rec, spy_built *out);
+
+#define SPY_TRANSFER_MAX_DIMS 8
+
+/* A transfer graph: one H2D or D2H command whose descriptors (one per stick piece) move a
+ * strided view of a stick-layout storage (slot 1, the storage's bytes) to or from a
+ * contiguous host staging buffer (slot 0) holding the view in its memory order: the
+ * dimensions sorted size-1 first, then by decreasing stride (spyre_rt.transfer). */
+typedef struct spy_transfer_record {
+    uint32_t direction; /* SPY_OP_H2D or SPY_OP_D2H */
+    uint32_t ndims;     /* 0 .. SPY_TRANSFER_MAX_DIMS */
+    spy_layout layout;  /* of the storage */
+    uint64_t offset;    /* of the view, in logical elements */
+    uint64_t sizes[SPY_TRANSFER_MAX_DIMS];
+    uint64_t strides[SPY_TRANSFER_MAX_DIMS]; /* in logical elements */
+} spy_transfer_record; /* 168 bytes */
+SPY_ABI_SIZE(spy_transfer_record, 168)
+
+spy_status spy_build_transfer(const spy_transfer_record *rec, spy_built *out);
+
+/* A job graph made in blocks (the matmul builder's): commands in the order they were
+ * made, each with a program-order key, and dependency pairs naming commands by that
+ * order. The block's commands are sorted by key (stably), the pairs renumbered and
+ * grouped per waiting command (in the order they were given), and encoded with the
+ * slots, SFU instructions and descriptors given. The commands' dep_begin and ndeps are
+ * the builder's; their other fields are copied as they are (the validator checks them
+ * when the block is committed). */
+typedef struct spy_graph_record {
+    uint32_t nslots;
+    uint32_t ninstrs;
+    uint32_t ndescs;
+    uint32_t reserved;
+    uint64_t ncmds;
+    uint64_t npairs;
+    const spy_slot *slots;
+    const spy_cmd *cmds;    /* ncmds commands, in the order they were made */
+    const int64_t *keys;    /* ncmds program-order keys */
+    const int64_t *after;   /* npairs: command after[i] waits for command before[i] */
+    const int64_t *before;
+    const spy_instr *instrs;
+    const spy_desc *descs;
+} spy_graph_record;
+
+spy_status spy_build_graph(const spy_graph_record *rec, spy_built *out);
+
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
  *   [spy_plan_header][spy_plan_job * njobs][spy_reloc * nrelocs][spy_layout * nbindings]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .native import lib
+from .native import check, ffi, lib
 
 # ---- opcodes, dtypes, flags (values from spyre.h) ----
 OP_BARRIER = lib.SPY_OP_BARRIER
@@ -162,6 +162,31 @@ class ProgramBuilder:
         buf = np.empty((total + 7) // 8, dtype=np.uint64).view(np.uint8)[:total]  # the 8-byte alignment
         np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in parts], out=buf)
         return buf
+
+
+def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(commands, descriptors) of an encoded program block, as views into it."""
+    h = blob[:JOB_HEADER.itemsize].view(JOB_HEADER)[0]
+    at = JOB_HEADER.itemsize + int(h["nslots"]) * SLOT.itemsize
+    ncmds, ndeps, ninstrs, ndescs = (int(h[f]) for f in ("ncmds", "ndeps", "ninstrs", "ndescs"))
+    cmds = blob[at: at + ncmds * CMD_DMA.itemsize].view(CMD_DMA)
+    at += ncmds * CMD_DMA.itemsize + (ndeps * 4 + 7) // 8 * 8 + ninstrs * INSTR.itemsize
+    return cmds, blob[at: at + ndescs * DESC.itemsize].view(DESC)
+
+
+def built_block(build, record, context: str) -> np.ndarray:
+    """The program block a native builder makes of a decision record (``build(record,
+    spy_built *)``), as an 8-byte aligned uint8 array; the builder's copy is freed. A
+    record the builder refuses raises its typed error, naming the field."""
+    out = ffi.new("spy_built *")
+    check(build(record, out), context)
+    try:
+        n = int(out.bytes)
+        buf = np.empty((n + 7) // 8, dtype=np.uint64).view(np.uint8)[:n]
+        ffi.memmove(ffi.from_buffer(buf), out.data, n)
+        return buf
+    finally:
+        lib.spy_built_free(out)
 
 
 def make_operand(kind: int, dtype: int = 0, off: int = 0, pitch: int = 0) -> tuple:

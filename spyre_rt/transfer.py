@@ -3,7 +3,8 @@
 A transfer graph is a DMA program with one scatter-gather descriptor per stick: it moves a
 strided device view to or from a contiguous host staging buffer laid out in the view's
 memory order, converting between the host's row-major layout and the device's stick
-layout on the way. Building one costs host time proportional to the sticks it moves.
+layout on the way. Building one (native/construct.c) costs host time proportional to the
+sticks it moves.
 
 In a dispatch mode without prebuilt transfers (``construct``, ``prebuilt-compute``) every
 copy builds, validates and submits its graph. With prebuilt transfer graphs
@@ -22,19 +23,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .errors import SpyreError
 from .layout import StickLayout
 from .native import check, ffi, lib
-from .program import (
-    CORE_CARD,
-    DESC,
-    DMA_DESCS,
-    OP_D2H,
-    OP_H2D,
-    SLOT_DRAM,
-    SLOT_HOST,
-    ProgramBuilder,
-    empty_cmds,
-)
+from .program import JOB_HEADER, built_block
 
 H2D = "h2d"
 D2H = "d2h"
@@ -61,56 +53,22 @@ def _identity(order: tuple[int, ...]) -> bool:
     return all(i == d for i, d in enumerate(order))
 
 
-def _collapse(sizes: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
-    out_sizes, out_strides = [], []
-    for size, stride in zip(sizes, strides, strict=True):
-        if size == 1:
-            continue
-        if out_sizes and out_strides[-1] == size * stride:
-            out_sizes[-1] *= size
-            out_strides[-1] = stride
-        else:
-            out_sizes.append(size)
-            out_strides.append(stride)
-    return out_sizes, out_strides
-
-
-def stick_descriptors(view: ViewGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-stick runs of a view: (host byte offsets, device byte offsets, byte counts).
-
-    Host offsets address a contiguous staging buffer holding the view permuted into
-    :func:`memory_order`; device offsets are physical, relative to the storage base."""
+def transfer_program(direction: str, view: ViewGeometry) -> np.ndarray:
+    """The encoded transfer program of one direction and view geometry: slot 0 is the host
+    staging buffer (the view in :func:`memory_order`), slot 1 the device storage; one
+    descriptor per stick piece. Built natively (``spy_build_transfer``,
+    native/construct.c) from the view, its unit dimensions dropped."""
+    dims = [(n, st) for n, st in zip(view.sizes, view.strides, strict=True) if n != 1]
+    if len(dims) > lib.SPY_TRANSFER_MAX_DIMS:
+        raise SpyreError(f"a transfer of a view with {len(dims)} dimensions longer than 1 (at most "
+                         f"{lib.SPY_TRANSFER_MAX_DIMS}): {view.sizes}")
     lay = view.layout
-    e = lay.itemsize
-    order = memory_order(view.sizes, view.strides)
-    sizes, strides = _collapse([view.sizes[i] for i in order], [view.strides[i] for i in order])
-    if sizes and sizes[-1] and strides[-1] == 1:
-        run, outer = sizes[-1], list(zip(sizes[:-1], strides[:-1], strict=True))
-    else:
-        run, outer = 1, list(zip(sizes, strides, strict=True))
-    starts = np.array([view.offset], dtype=np.int64)
-    for size, stride in outer:
-        starts = (starts[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
-    host = np.arange(starts.size, dtype=np.int64) * run
-    n_row = lay.row_len
-    if not ((starts % n_row) + run <= n_row).all():
-        if run % n_row == 0 and not (starts % n_row).any():
-            k = np.arange(run // n_row, dtype=np.int64) * n_row
-        else:  # runs that wander across rows irregularly: element by element
-            k = np.arange(run, dtype=np.int64)
-        starts = (starts[:, None] + k).ravel()
-        host = (host[:, None] + k).ravel()
-        run = int(k[1] - k[0]) if k.size > 1 else (n_row if run % n_row == 0 else 1)
-    s = lay.stick_elems
-    r, c0 = np.divmod(starts, n_row)
-    pieces = int(((c0 % s) + run + s - 1).max() // s) if starts.size else 0
-    k = (c0 // s)[:, None] + np.arange(pieces, dtype=np.int64)
-    lo = np.maximum(c0[:, None], k * s)
-    hi = np.minimum((c0 + run)[:, None], (k + 1) * s)
-    valid = lo < hi
-    dev = k * lay.stick_stride + r[:, None] * lay.stick_bytes + (lo % s) * e
-    hst = (host[:, None] + (lo - c0[:, None])) * e
-    return hst[valid], dev[valid], (hi - lo)[valid] * e
+    rec = ffi.new("spy_transfer_record *", {
+        "direction": lib.SPY_OP_H2D if direction == H2D else lib.SPY_OP_D2H, "ndims": len(dims),
+        "layout": {"rows": lay.rows, "row_len": lay.row_len, "itemsize": lay.itemsize,
+                   "stick_bytes": lay.stick_bytes},
+        "offset": view.offset, "sizes": [n for n, _ in dims], "strides": [st for _, st in dims]})
+    return built_block(lib.spy_build_transfer, rec, f"transfer graph for {direction} of {view.sizes}")
 
 
 class TransferGraph:
@@ -123,26 +81,9 @@ class TransferGraph:
     def __init__(self, card, direction: str, view: ViewGeometry):
         self.card = card
         self.direction = direction
-        host, dev, nbytes = stick_descriptors(view)
-        numel = int(math.prod(view.sizes))
-        self.host_nbytes = numel * view.layout.itemsize
-        self.ndescs = int(nbytes.size)
-        descs = np.zeros(self.ndescs, dtype=DESC)
-        if direction == H2D:
-            descs["src_off"], descs["dst_off"] = host, dev
-        else:
-            descs["src_off"], descs["dst_off"] = dev, host
-        descs["bytes"] = nbytes
-        b = ProgramBuilder()
-        hs = b.slot(SLOT_HOST, self.host_nbytes)
-        ds = b.slot(SLOT_DRAM, view.layout.nbytes)
-        cmd = empty_cmds(1, OP_H2D if direction == H2D else OP_D2H, CORE_CARD)
-        cmd["flags"] = DMA_DESCS
-        cmd["src_slot"], cmd["dst_slot"] = (hs, ds) if direction == H2D else (ds, hs)
-        cmd["src_off"] = b.add_descs(descs)
-        cmd["desc_count"] = self.ndescs
-        b.add(cmd)
-        blob = b.encode()
+        self.host_nbytes = int(math.prod(view.sizes)) * view.layout.itemsize
+        blob = transfer_program(direction, view)
+        self.ndescs = int(blob[: JOB_HEADER.itemsize].view(JOB_HEADER)["ndescs"][0])
         out = ffi.new("spy_transfer **")
         check(lib.spy_transfer_create(card.handle, ffi.from_buffer(blob), blob.size, out),
               f"transfer graph for {direction} of {view.sizes}")

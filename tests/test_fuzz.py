@@ -1,8 +1,9 @@
-"""Fuzzing in the default run: the plan-file reader and the command validator, each fuzzed
-for a bounded time with a fixed seed from the corpus in fuzz/corpus (see fuzz/harness.py),
-with the native code under AddressSanitizer and UBSan when gcc provides them.
+"""Fuzzing in the default run: the plan-file reader, the command validator and the native
+builder's decision records, each fuzzed for a bounded time with a fixed seed from the
+corpus in fuzz/corpus (see fuzz/harness.py), with the native code under AddressSanitizer
+and UBSan when gcc provides them.
 
-Both targets run at once, each in its own process, so that a crash or a sanitizer report is
+The targets run at once, each in its own process, so that a crash or a sanitizer report is
 seen as the process's exit status instead of taking pytest down. Longer runs:
 ``python fuzz/fuzz_plan_reader.py --seconds 600 --asan``.
 """
@@ -38,10 +39,10 @@ def _sanitized() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both fuzz targets, run concurrently: {target: (exit status, summary, stderr)}."""
+    """The fuzz targets, run concurrently: {target: (exit status, summary, stderr)}."""
     asan = _sanitized()
     procs = {}
-    for target in ("plan_reader", "validator"):
+    for target in ("plan_reader", "validator", "builder"):
         findings = tmp_path_factory.mktemp(f"fuzz-{target}")
         procs[target] = subprocess.Popen(
             [sys.executable, "-W", "ignore", str(FUZZ / f"fuzz_{target}.py"), "--seconds", str(SECONDS),
@@ -63,14 +64,18 @@ def _survived(run) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("target", ["plan_reader", "validator"])
+# distinct outcomes the mutations must reach: a decision record has fewer checks than a program
+OUTCOMES = {"plan_reader": 20, "validator": 20, "builder": 12}
+
+
+@pytest.mark.parametrize("target", ["plan_reader", "validator", "builder"])
 def test_the_fuzzed_process_survives_every_input(runs, target):
     summary = _survived(runs[target])
     assert summary["inputs"] >= MIN_INPUTS, summary
     assert summary["seeds_accepted"] == summary["seeds"], "a seed of the corpus was rejected"
     tried = summary["accepted"] + summary["rejected"] + sum(summary["findings"].values())
     assert tried + sum(summary["suppressed"].values()) == summary["inputs"]
-    assert summary["rejected"] > 0 and summary["outcomes"] > 20, "the mutations reach few checks"
+    assert summary["rejected"] > 0 and summary["outcomes"] > OUTCOMES[target], "the mutations reach few checks"
     assert summary["sanitizers"] == ("address,undefined" if ASAN else "none")
     print(f"{target}: {summary['inputs']} inputs in {summary['seconds']} s (sanitizers: {summary['sanitizers']}), "
           f"{summary['accepted']} accepted, {summary['rejected']} rejected with typed errors, "
@@ -79,6 +84,11 @@ def test_the_fuzzed_process_survives_every_input(runs, target):
 
 def test_the_validator_accepts_or_rejects_every_input_with_a_typed_error(runs):
     summary = _survived(runs["validator"])
+    assert summary["findings"] == {}, summary["findings"]
+
+
+def test_the_builder_refuses_every_corrupt_record_with_a_typed_error_and_builds_only_valid_programs(runs):
+    summary = _survived(runs["builder"])
     assert summary["findings"] == {}, summary["findings"]
 
 

@@ -65,7 +65,7 @@ def test_tiny_matmuls_take_few_commands(n, k):
     them at every launch)."""
     ctx, spec = linear(1, n, k)
     build(ctx, spec)
-    assert ctx.program.ncmds <= 48
+    assert ctx.ncmds <= 48
 
 
 @pytest.mark.parametrize("k", [4097, 49155])

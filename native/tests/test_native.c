@@ -1250,6 +1250,83 @@ static void test_layouts(void)
     spy_device_close(d);
 }
 
+/* The native builder: what it builds the validator accepts; a corrupt record is refused
+ * whole, naming its field, and leaves nothing allocated (ASan checks the frees). */
+static void test_builder(void)
+{
+    current = "builder";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    uint64_t extents[2] = {4u << 20, 3u << 20};
+    spy_copy_range ranges[2] = {{0, 1, 128, 0, 3u << 20}, {1, 0, 0, 0, 0}};
+    spy_copy_record rec = {32, 128, 256u << 10, 2u << 20, 2, 2, extents, ranges};
+    spy_built b;
+    CHECK_OK(spy_build_copy(&rec, &b));
+    spy_job_info info;
+    CHECK(b.data && ((uintptr_t)b.data & 7) == 0);
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    CHECK(info.ncmds == 64 && info.total_bytes == b.bytes);
+    spy_built_free(&b);
+    CHECK(b.data == NULL && b.bytes == 0);
+    spy_built_free(&b); /* twice: nothing to free */
+
+    ranges[0].src_off = (4u << 20) - 64; /* runs past its slot */
+    CHECK(spy_build_copy(&rec, &b) == SPY_E_BAD_ADDRESS && b.data == NULL);
+    CHECK(strstr(spy_last_error(), "ranges[0].src_off") != NULL);
+    ranges[0].src_off = UINT64_MAX - 8; /* and past 2^64 */
+    CHECK(spy_build_copy(&rec, &b) == SPY_E_BAD_ADDRESS);
+    ranges[0].src_off = 0;
+    ranges[0].dst_slot = 2;
+    CHECK(spy_build_copy(&rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "ranges[0].dst_slot"));
+    ranges[0].dst_slot = 1;
+    rec.chunk_max = 2u << 20; /* two chunks outside the scratchpad */
+    CHECK(spy_build_copy(&rec, &b) == SPY_E_SCRATCHPAD && strstr(spy_last_error(), "chunk_max"));
+    rec.chunk_max = 128;
+    extents[0] = extents[1] = 1ull << 40;
+    ranges[0].nbytes = 1ull << 40; /* 2^33 chunks: counts overflow */
+    CHECK(spy_build_copy(&rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "ranges[0]"));
+    CHECK(spy_build_copy(NULL, &b) == SPY_E_INVALID_ARG);
+
+    spy_transfer_record t = {0};
+    t.direction = SPY_OP_D2H;
+    t.ndims = 2;
+    t.layout = (spy_layout){16, 70, 2, 128};
+    t.offset = 5;
+    t.sizes[0] = 60, t.sizes[1] = 16;
+    t.strides[0] = 1, t.strides[1] = 70;
+    CHECK_OK(spy_build_transfer(&t, &b));
+    spy_transfer *tg;
+    CHECK_OK(spy_transfer_create(d, b.data, b.bytes, &tg));
+    spy_transfer_destroy(tg);
+    spy_built_free(&b);
+    t.sizes[1] = 17; /* one column past the storage */
+    CHECK(spy_build_transfer(&t, &b) == SPY_E_BAD_ADDRESS && b.data == NULL);
+    t.sizes[1] = 16;
+    t.direction = SPY_OP_LOAD;
+    CHECK(spy_build_transfer(&t, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "direction"));
+    t.direction = SPY_OP_H2D;
+    t.ndims = SPY_TRANSFER_MAX_DIMS + 1;
+    CHECK(spy_build_transfer(&t, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "ndims"));
+
+    /* a graph in blocks: ordered by key (stably), dependencies renumbered */
+    spy_cmd cmds[3] = {{0}};
+    for (int i = 0; i < 3; i++)
+        cmds[i].op = SPY_OP_BARRIER, cmds[i].core = SPY_CORE_CARD;
+    int64_t keys[3] = {5, 1, 1}, after[3] = {0, 0, 2}, before[3] = {2, 1, 1};
+    spy_graph_record g = {0, 0, 0, 0, 3, 3, NULL, cmds, keys, after, before, NULL, NULL};
+    CHECK_OK(spy_build_graph(&g, &b));
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    const spy_cmd *out = (const spy_cmd *)(b.data + sizeof(spy_job_header));
+    const uint32_t *dl = (const uint32_t *)(out + 3);
+    CHECK(out[0].ndeps == 0 && out[1].ndeps == 1 && out[2].ndeps == 2 && out[2].dep_begin == 1);
+    CHECK(dl[0] == 0 && dl[1] == 1 && dl[2] == 0);
+    spy_built_free(&b);
+    before[1] = 3; /* names no command */
+    CHECK(spy_build_graph(&g, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "before[1]") && !b.data);
+    spy_device_close(d);
+}
+
 int main(void)
 {
     test_allocator();
@@ -1267,6 +1344,7 @@ int main(void)
     test_sfu_fp32_rate();
     test_profile_figures();
     test_layouts();
+    test_builder();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..layout import StickLayout
 from ..profile import DeviceProfile
-from ..program import SLOT_DRAM, ProgramBuilder
+from ..program import SLOT_DRAM, ProgramBuilder, block_sections
 
 LX_ALIGN = 128  # scratchpad regions start on a stick
 
@@ -96,6 +96,7 @@ class BuildContext:
     slot_of: dict[str, int] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)  # logical start of a buffer in its storage
     scratchpad_peak: int = 0  # bytes of one core's scratchpad the program holds at most (set by builders)
+    block: np.ndarray | None = None  # the whole program, when the native builder encoded it
 
     def offset(self, buffer: str) -> int:
         return self.offsets.get(buffer, 0)
@@ -111,7 +112,18 @@ class BuildContext:
         return sorted(self.slot_of, key=self.slot_of.get)
 
     def encode(self) -> np.ndarray:
-        return self.program.encode()
+        return self.program.encode() if self.block is None else self.block
+
+    def commands(self) -> np.ndarray:
+        """The program's commands, in program order."""
+        return self.program.commands() if self.block is None else block_sections(self.block)[0]
+
+    def descriptors(self) -> np.ndarray:
+        return self.program.descriptors() if self.block is None else block_sections(self.block)[1]
+
+    @property
+    def ncmds(self) -> int:
+        return self.program.ncmds if self.block is None else len(self.commands())
 
 
 def round_up(x: int, g: int) -> int:

@@ -85,9 +85,9 @@ def min_bytes(kernel) -> int:
 
 
 def program_facts(ctx: BuildContext) -> dict:
-    cmds = ctx.program.commands()
+    cmds = ctx.commands()
     cores = np.unique(cmds["core"][cmds["core"] != CORE_CARD])
-    return {"dram_bytes": dram_bytes(cmds, ctx.program.descriptors()), "cores": int(cores.size),
+    return {"dram_bytes": dram_bytes(cmds, ctx.descriptors()), "cores": int(cores.size),
             "scratchpad_peak": int(ctx.scratchpad_peak)}
 
 

@@ -94,6 +94,7 @@ class Executable:
         # tile choices per kernel: decided at the first construction (compile time), not
         # again at every launch; what construct mode repeats is building the job graph
         self._tilings: dict[str, object] = {}
+        self._copy_facts: set[str] = set()  # the snapshot and restore copies whose facts are registered
         self._plans: tuple[int, list] | None = None  # (reset epoch, plans)
         self._slots: list[_Slot] = []  # the memory of calls, pooled (see take_slot)
         self._slot_lock = threading.Lock()
@@ -191,9 +192,11 @@ class Executable:
             copies = self.snapshots if kernel_name == SNAPSHOT else [
                 copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
             copy.build(ctx, copies)
-            kernel_info.register(self.job_name(kernel_name), {
-                "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
-                "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
+            if kernel_name not in self._copy_facts:  # once, as a kernel's at its first construction
+                self._copy_facts.add(kernel_name)
+                kernel_info.register(self.job_name(kernel_name), {
+                    "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
+                    "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
         else:
             kernel = self.desc.kernels[kernel_name]
             first = kernel_name not in self._tilings

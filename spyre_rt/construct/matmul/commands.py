@@ -132,7 +132,7 @@ class _Builder:
         rsend, radd = self._reduction(mm)
         sfu = self._epilogue(mm, radd)
         self._accumulator_reuse(mm, rsend, radd, sfu)
-        self.g.commit(self.ctx.program)
+        self.ctx.block = self.g.encode(self.ctx.program)
         self.ctx.scratchpad_peak = self.lx.peak
 
     # ---- operands ---------------------------------------------------------------------

@@ -2,16 +2,17 @@
 
 Commands are added in blocks, each command with a *program-order key*; dependencies are
 added between groups of commands, also as arrays. An engine runs its commands in program
-order, so the keys decide what may wait behind what. :meth:`CommandGraph.commit` sorts
-the commands by key (stably), renumbers the dependencies and appends the block to the
-program.
+order, so the keys decide what may wait behind what. :meth:`CommandGraph.encode` hands
+the blocks to the native builder (``spy_build_graph``), which sorts the commands by key
+(stably), renumbers the dependencies and encodes the program.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...program import CMD, ProgramBuilder
+from ...native import ffi, lib
+from ...program import CMD, DESC, INSTR, SLOT, ProgramBuilder, built_block
 
 
 class Ops:
@@ -58,6 +59,13 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.ravel()
 
 
+def _bytes(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """Records of `dtype` from several arrays, concatenated as bytes."""
+    if not arrays:
+        return np.zeros(0, dtype=np.uint8)
+    return np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays])
+
+
 class CommandGraph:
     def __init__(self) -> None:
         self._blocks: list[np.ndarray] = []
@@ -95,22 +103,27 @@ class CommandGraph:
         self._after.append(after.first[x] + k // b_count[x])
         self._before.append(before.first[x] + k % b_count[x])
 
-    def commit(self, program: ProgramBuilder) -> int:
-        """Append the commands to the program in key order; returns the first's index."""
-        raw = np.concatenate([b.view(np.uint8).reshape(len(b), CMD.itemsize) for b in self._blocks])
-        order = np.argsort(np.concatenate(self._keys), kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        cmds = raw[order].reshape(-1).view(CMD)  # records moved as bytes: no field promotion
-        if self._after:
-            after = rank[np.concatenate(self._after)]
-            before = rank[np.concatenate(self._before)]
-            by = np.argsort(after, kind="stable")
-            after, before = after[by], before[by]
-            ndeps = np.bincount(after, minlength=cmds.size)
-        else:
-            before = np.zeros(0, dtype=np.int64)
-            ndeps = np.zeros(cmds.size, dtype=np.int64)
-        cmds["ndeps"] = ndeps
-        cmds["dep_begin"] = np.cumsum(ndeps) - ndeps
-        return program.add(cmds, before.astype(np.uint32))
+    def encode(self, program: ProgramBuilder) -> np.ndarray:
+        """The whole program block: `program`'s slots, SFU instructions and descriptors
+        (it holds no commands) with the graph's commands in key order, built natively
+        (``spy_build_graph``, native/construct.c)."""
+        if program.ncmds:
+            raise ValueError("a command graph encodes a program of its commands only")
+        # records moved as bytes (a structured concatenate goes field by field)
+        cmds = _bytes(self._blocks, CMD)
+        keys = np.concatenate(self._keys).astype(np.int64, copy=False) if self._keys else np.zeros(0, np.int64)
+        pairs = [np.concatenate(p).astype(np.int64, copy=False) if p else np.zeros(0, np.int64)
+                 for p in (self._after, self._before)]
+        slots = np.array([(kind, 0, extent) for kind, extent in program.slots], dtype=SLOT)
+        instrs, descs = _bytes(program._instrs, INSTR), _bytes(program._descs, DESC)
+        rec = ffi.new("spy_graph_record *", {
+            "nslots": slots.size, "ninstrs": instrs.size // INSTR.itemsize, "ndescs": descs.size // DESC.itemsize,
+            "ncmds": cmds.size // CMD.itemsize, "npairs": pairs[0].size})
+        keep = []
+        for name, ctype, a in (("slots", "spy_slot *", slots), ("cmds", "spy_cmd *", cmds), ("keys", "int64_t *", keys),
+                               ("after", "int64_t *", pairs[0]), ("before", "int64_t *", pairs[1]),
+                               ("instrs", "spy_instr *", instrs), ("descs", "spy_desc *", descs)):
+            if a.size:
+                keep.append(ffi.from_buffer(a))
+                setattr(rec, name, ffi.cast(ctype, keep[-1]))
+        return built_block(lib.spy_build_graph, rec, "building a command graph")

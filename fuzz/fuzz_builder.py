@@ -1,0 +1,134 @@
+"""Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``).
+
+Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
+``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
+``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, or ``b"G"`` and a
+``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
+``graph_record_bytes``). The builder must refuse it with a typed error or build a block.
+Every copy kernel or transfer graph it builds must pass the card's validator
+(``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create`` for a
+transfer graph): the builder never makes what the card would refuse. A graph's commands
+are the caller's, so the validator may refuse them, with a typed error.
+
+    python fuzz/fuzz_builder.py --seconds 600 [--seed N] [--runs N] [--asan]
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402, F401, I001 - first: under --asan it swaps in the sanitized native module
+
+from harness import arguments, mutate_bytes, mutate_value, run, stage  # noqa: E402
+
+from spyre_rt import jobs, profile  # noqa: E402
+from spyre_rt.card import Card  # noqa: E402
+from spyre_rt.native import check, ffi, lib  # noqa: E402
+from spyre_rt.program import JOB_HEADER, built_block  # noqa: E402
+
+COPY_HEAD = struct.Struct("<IIQQII")  # num_cores, stick_bytes, chunk_max, scratchpad_bytes, nslots, nranges
+RANGE = struct.Struct("<IIQQQ")
+MAX_ITEMS = 16
+MAX_ELEMS = 1 << 20  # a bigger transfer that the builder accepts is real work, not a finding: skipped
+
+card = Card(profile.load("spyre"), "functional", 0)
+
+
+def copy_record_bytes(num_cores, stick_bytes, chunk_max, scratchpad, extents, ranges) -> bytes:
+    out = COPY_HEAD.pack(num_cores, stick_bytes, chunk_max, scratchpad, len(extents), len(ranges))
+    out += b"".join(struct.pack("<Q", e) for e in extents)
+    return out + b"".join(RANGE.pack(*r) for r in ranges)
+
+
+def graph_record_bytes(keys, pairs, cmds: bytes) -> bytes:
+    out = struct.pack("<II", len(keys), len(pairs)) + struct.pack(f"<{len(keys)}q", *keys)
+    out += struct.pack(f"<{2 * len(pairs)}q", *[v for p in pairs for v in p])
+    return out + cmds
+
+
+def graph_record(data: bytes):
+    ncmds, npairs = struct.unpack_from("<II", data.ljust(8, b"\0"))
+    ncmds, npairs = min(ncmds, 4 * MAX_ITEMS), min(npairs, 8 * MAX_ITEMS)
+    body = data[8:].ljust(8 * ncmds + 16 * npairs + 128 * ncmds, b"\0")
+    keys = ffi.new("int64_t[]", list(struct.unpack_from(f"<{ncmds}q", body)) or [0])
+    flat = struct.unpack_from(f"<{2 * npairs}q", body, 8 * ncmds)
+    after, before = ffi.new("int64_t[]", list(flat[0::2]) or [0]), ffi.new("int64_t[]", list(flat[1::2]) or [0])
+    cmds = ffi.new("spy_cmd[]", max(1, ncmds))
+    at = 8 * ncmds + 16 * npairs
+    ffi.memmove(cmds, body[at: at + 128 * ncmds], 128 * ncmds)
+    rec = ffi.new("spy_graph_record *", {"ncmds": ncmds, "npairs": npairs, "cmds": cmds, "keys": keys,
+                                         "after": after, "before": before})
+    return rec, (keys, after, before, cmds)
+
+
+def copy_record(data: bytes):
+    data = data.ljust(COPY_HEAD.size, b"\0")
+    cores, stick, chunk, lx, nslots, nranges = COPY_HEAD.unpack_from(data)
+    nslots, nranges = min(nslots, MAX_ITEMS), min(nranges, MAX_ITEMS)
+    body = data[COPY_HEAD.size:].ljust(8 * nslots + RANGE.size * nranges, b"\0")
+    extents = ffi.new("uint64_t[]", [struct.unpack_from("<Q", body, 8 * i)[0] for i in range(nslots)] or [0])
+    ranges = ffi.new("spy_copy_range[]", max(1, nranges))
+    for i in range(nranges):
+        ffi.memmove(ranges + i, body[8 * nslots + RANGE.size * i:][:RANGE.size], RANGE.size)
+    rec = ffi.new("spy_copy_record *", {"num_cores": cores, "stick_bytes": stick, "chunk_max": chunk,
+                                        "scratchpad_bytes": lx, "nslots": nslots, "nranges": nranges,
+                                        "slot_extent": extents, "ranges": ranges})
+    return rec, (extents, ranges)  # the arrays live as long as the record is used
+
+
+def transfer_record(data: bytes):
+    rec = ffi.new("spy_transfer_record *")
+    raw = data[: ffi.sizeof(rec[0])]
+    ffi.memmove(rec, raw, len(raw))
+    return rec
+
+
+def heavy(rec) -> bool:
+    """A transfer the builder would accept with more than MAX_ELEMS elements."""
+    n = 1
+    for i in range(min(rec.ndims, lib.SPY_TRANSFER_MAX_DIMS)):
+        n *= rec.sizes[i]
+    return MAX_ELEMS < n < 1 << 64
+
+
+def target(data: bytes) -> None:
+    kind, body = data[:1], data[1:]
+    if kind == b"C":
+        rec, _keep = copy_record(body)
+        blob = stage("build", built_block, lib.spy_build_copy, rec, "copy record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:  # the card runs no empty program
+            stage("validate", jobs.validate, card, blob)
+    elif kind == b"G":
+        rec, _keep = graph_record(body)
+        blob = stage("build", built_block, lib.spy_build_graph, rec, "graph record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+            stage("validate", jobs.validate, card, blob)
+    elif kind == b"T":
+        rec = transfer_record(body)
+        if heavy(rec):
+            return
+        blob = stage("build", built_block, lib.spy_build_transfer, rec, "transfer record")
+        out = ffi.new("spy_transfer **")
+        stage("validate", check, lib.spy_transfer_create(card.handle, ffi.from_buffer(blob), blob.size, out),
+              "transfer graph")
+        lib.spy_transfer_destroy(out[0])
+
+
+def mutate(rng, parent: bytes, corpus: list[bytes]) -> bytes:
+    """Mostly one field of the record at a time (a word or quad word at an aligned
+    offset), sometimes raw bytes."""
+    if len(parent) > 9 and rng.random() < 0.7:
+        b = bytearray(parent)
+        size = rng.choice([4, 8])
+        i = 1 + rng.randrange(max(1, (len(b) - 1) // size)) * size
+        old = int.from_bytes(b[i:i + size].ljust(size, b"\0"), "little")
+        b[i:i + size] = mutate_value(rng, old, 8 * size).to_bytes(size, "little")[: max(0, len(b) - i)]
+        return bytes(b)
+    return mutate_bytes(rng, parent, corpus)
+
+
+if __name__ == "__main__":
+    sys.exit(run("builder", target, mutate, arguments(__doc__.splitlines()[0])))

@@ -21,7 +21,7 @@ def main() -> None:
     alone = [list(llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)[0].outputs[0].token_ids)]
     together = [list(o.outputs[0].token_ids)
                 for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)]
-    from spyre_rt.serving.worker import STATS
+    from spyre_rt.serving.graphs import STATS
 
     print("RESULT " + json.dumps({"platform": type(current_platform).__qualname__,
                                   "alone": alone, "together": together, "decode": STATS}))

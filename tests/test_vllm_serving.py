@@ -30,7 +30,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("family", ["llama", "granite"])
+@pytest.mark.parametrize("family", ["llama", "granite", "qwen3"])
 def test_llm_generate_matches_hugging_face(family, tmp_path):
     model = tiny_hf.save_model(family, tmp_path / family)
     expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
@@ -180,6 +180,132 @@ def test_bad_request_is_400_and_the_server_keeps_serving(server, client):
     assert out.usage.completion_tokens >= 1
 
 
+def _post(server, path: str, body: bytes):
+    """A raw request to the server: (HTTP status, the JSON body)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server["url"] + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _still_serves(server, client):
+    out = client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=2, temperature=0.0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_bad_prompts_and_bodies_are_rejected_and_the_server_keeps_serving(server, client):
+    import openai
+
+    for prompt in ("", []):   # an empty prompt, as text and as tokens
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=server["model"], prompt=prompt, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context|maximum|longer"):   # past max-model-len 256
+        client.completions.create(model=server["model"], prompt=_words([9] * 300), max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:   # vLLM's answer to a model it does not serve
+        client.completions.create(model="no-such-model", prompt=_words([5]), max_tokens=2)
+    assert e.value.status_code == 404
+    status, body = _post(server, "/v1/completions", b'{"model": "x", "prompt": ')
+    assert status == 400 and "error" in body
+    status, body = _post(server, "/v1/chat/completions", b"[1, 2")
+    assert status == 400 and "error" in body
+    _still_serves(server, client)
+
+
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    lp = logits.log_softmax(-1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def test_logprobs_are_hugging_faces(server, client):
+    prompt = [11, 22, 33, 44, 55]
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, logprobs=3,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.token_ids == expected
+    assert len(choice.logprobs.top_logprobs) == NEW_TOKENS
+    assert all(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+    # fp32 on the functional card against fp32 on the CPU
+    for got, ref in zip(choice.logprobs.token_logprobs, _hf_logprobs(server["hf"], prompt, expected), strict=True):
+        assert abs(got - ref) < 1e-3
+
+
+def test_stop_strings_end_the_text(server, client):
+    prompt = [60, 61, 62]
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
+    stop = tiny_hf.word(expected[3])
+    if stop in {tiny_hf.word(t) for t in expected[:3]}:
+        pytest.skip("the stop word comes earlier too")
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text.strip() == _words(expected[:3])
+
+
+def test_seeded_sampling_is_reproducible(server, client):
+    def sample(seed):
+        out = client.completions.create(model=server["model"], prompt=_words([70, 80, 90]), max_tokens=8,
+                                        temperature=1.0, top_p=0.9, seed=seed,
+                                        extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(s) != first for s in (1, 2, 3))   # the seed is what fixes the draw
+
+
+def test_concurrent_requests_of_different_lengths_give_hugging_faces_tokens(server, client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(7 * i + j) % 200 + 4 for j in range(3 + 5 * i)] for i in range(16)]   # 3 to 78 tokens
+    expected = [tiny_hf.hf_greedy(server["hf"], p, NEW_TOKENS) for p in prompts]
+
+    def complete(p):
+        out = client.completions.create(model=server["model"], prompt=_words(p), max_tokens=NEW_TOKENS,
+                                        temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(complete, prompts))
+    assert got == expected
+
+
+def _metric(server, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(server["url"] + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_a_cancelled_stream_frees_its_kv_blocks(server, client):
+    stream = client.completions.create(model=server["model"], prompt=_words(list(range(10, 90))), max_tokens=170,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    for pieces, _ in enumerate(stream, 1):
+        if pieces == 3:
+            assert _metric(server, "vllm:kv_cache_usage_perc") > 0   # the request holds blocks
+            break
+    stream.close()   # the client disconnects mid-stream
+    deadline = time.monotonic() + 60
+    while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "the cancelled request kept its KV blocks"
+        time.sleep(0.5)
+    _still_serves(server, client)
+
+
 def _paged_batch(seed: int = 0):
     """A step of three requests on a cache of 64-token blocks: 70 cached + 3 new tokens, a
     70-token prompt across two blocks, a 5-token prompt; and two padding tokens."""
@@ -283,3 +409,30 @@ def test_decode_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert decode_buckets(1) == [1]
     assert decode_buckets(8) == [1, 2, 4, 8]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_decode_graphs_are_vllms_full_decode_only_with_the_buckets(monkeypatch):
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from spyre_rt.serving.platform import SpyrePlatform
+
+    class Config:
+        class scheduler_config:  # noqa: N801
+            max_num_seqs = 12
+
+    Config.compilation_config = CompilationConfig()
+    SpyrePlatform._static_graphs(Config)
+    assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert Config.compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8, 12]
+    assert SpyrePlatform.support_static_graph_mode()
+    assert SpyrePlatform.get_static_graph_wrapper_cls() == "spyre_rt.serving.graphs.SpyreGraphWrapper"
+    for off in ({"SPYRE_RT_VLLM_REPLAY": "0"}, {"SPYRE_RT_VLLM_COMPILE": "0"}):
+        for k, v in off.items():
+            monkeypatch.setenv(k, v)
+        Config.compilation_config = CompilationConfig()
+        SpyrePlatform._static_graphs(Config)
+        assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+        monkeypatch.undo()
+    Config.compilation_config = CompilationConfig(cudagraph_mode="NONE")   # the user's choice stands
+    SpyrePlatform._static_graphs(Config)
+    assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE

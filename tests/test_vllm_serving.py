@@ -72,6 +72,20 @@ def test_kv_cache_budget_is_the_cards_share():
     assert kv_cache_budget(1000, 100, 0.5, most_used=250) == 250
     with pytest.raises(ValueError, match="no room for a KV cache"):
         kv_cache_budget(1000, 600, 0.5)
+    with pytest.raises(ValueError, match=r"has 400 bytes .* max_model_len=256 tokens needs 500 bytes"):
+        kv_cache_budget(1000, 100, 0.5, one_request=500, max_model_len=256)
+
+
+def test_a_kv_cache_too_small_for_one_request_stops_the_start_up_naming_the_sizes(tmp_path):
+    tiny_hf.save_model("llama", tmp_path / "m")
+    code = (f"from vllm import LLM; LLM(model={str(tmp_path / 'm')!r}, dtype='float32', max_model_len=256, "
+            "max_num_seqs=2, kv_cache_memory_bytes=4096)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode != 0
+    # 2 layers x (key + value) x 2 KV heads x 16 x fp32, for 256 tokens
+    assert "the KV cache has 4096 bytes (kv_cache_memory_bytes), but one request of max_model_len=256 " \
+           f"tokens needs {2 * 2 * 2 * 16 * 4 * 256} bytes" in run.stderr, run.stderr[-3000:]
 
 
 def _free_port() -> int:

@@ -24,18 +24,33 @@ from spyre_rt.serving.platform import compile_enabled, decode_buckets  # noqa: F
 _log = logging.getLogger("spyre_rt.serving")
 
 
-def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: int | None = None) -> int:
+def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: int | None = None,
+                    one_request: int = 0, max_model_len: int = 0) -> int:
     """Bytes the KV cache may take: the share ``utilization`` of the card's memory, less what
     is already allocated (the weights); ``gpu_memory_utilization`` means the card's. No more
     than ``most_used``, what the scheduler can fill at once (every sequence it runs at the
-    longest length): on the simulated card every byte of the cache is host memory too."""
+    longest length): on the simulated card every byte of the cache is host memory too. Less
+    than ``one_request`` (one sequence at ``max_model_len``) is a start-up error."""
     budget = int(total * utilization) - allocated
     if budget <= 0:
         raise ValueError(
             f"spyre_rt: the card has {total} bytes and {allocated} are allocated, so "
             f"gpu_memory_utilization={utilization} leaves no room for a KV cache; raise it"
         )
+    check_one_request(budget, one_request, max_model_len,
+                      f"gpu_memory_utilization={utilization} of the card's {total} bytes, less {allocated} allocated")
     return budget if most_used is None else min(budget, most_used)
+
+
+def check_one_request(budget: int, one_request: int, max_model_len: int, source: str) -> None:
+    """A KV cache that cannot hold one request at the longest length is refused at start-up
+    (vLLM's own check words it in GiB, which rounds a small model's cache to 0.0)."""
+    if budget < one_request:
+        raise ValueError(
+            f"spyre_rt: the KV cache has {budget} bytes ({source}), but one request of max_model_len="
+            f"{max_model_len} tokens needs {one_request} bytes; raise gpu_memory_utilization "
+            "(or kv_cache_memory_bytes) or lower max_model_len"
+        )
 
 
 class CardModel:
@@ -175,15 +190,17 @@ class SpyreWorker(CPUWorker):
         return nullcontext()  # no sleep-mode allocator on the card
 
     def determine_available_memory(self) -> int:
+        longest = self.model_config.max_model_len
+        specs = self.model_runner.get_kv_cache_spec().values()
+        per_sequence = sum(s.page_size_bytes * s.max_num_blocks_per_req(self.vllm_config, longest) for s in specs)
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
+            check_one_request(int(explicit), per_sequence, longest, "kv_cache_memory_bytes")
             return int(explicit)
         free, total = torch.spyre.mem_get_info()
-        specs = self.model_runner.get_kv_cache_spec().values()
-        per_sequence = sum(s.page_size_bytes * s.max_num_blocks_per_req(self.vllm_config, self.model_config.max_model_len)
-                           for s in specs)
         most_used = (per_sequence * self.scheduler_config.max_num_seqs) if per_sequence else None
-        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used)
+        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used,
+                               one_request=per_sequence, max_model_len=longest)
 
     def compile_or_warm_up_model(self):
         import time

@@ -51,6 +51,29 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
     assert got["decode"]["replays"] == 2 * (NEW_TOKENS - 1)
 
 
+FP16_LOGPROB_TOLERANCE = 0.01   # nats, on the prompts' logprobs of a tiny random-weight model (measured: 0.0003)
+
+
+def test_fp16_logprobs_agree_with_fp32(tmp_path):
+    """fp16 on the card (fp16 storage, fp32 accumulation) against Hugging Face fp32 on the CPU,
+    on each prompt token's logprob given those before it (no sampled token involved)."""
+    model = tiny_hf.save_model("llama", tmp_path / "llama")
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / "llama"), json.dumps(PROMPTS), "1",
+         "float16"],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])["prompt_logprobs"]
+    worst = 0.0
+    for p, lps in zip(PROMPTS, got, strict=True):
+        ref = _hf_logprobs(model, p[:1], p[1:])
+        worst = max(worst, *(abs(a - b) for a, b in zip(lps, ref, strict=True)))
+    print(f"fp16 against fp32: worst prompt logprob difference {worst:.4f}")
+    assert worst < FP16_LOGPROB_TOLERANCE
+
+
 def test_block_size_must_be_whole_sticks():
     from vllm.config import CacheConfig
 
@@ -450,3 +473,19 @@ def test_decode_graphs_are_vllms_full_decode_only_with_the_buckets(monkeypatch):
     Config.compilation_config = CompilationConfig(cudagraph_mode="NONE")   # the user's choice stands
     SpyrePlatform._static_graphs(Config)
     assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_vllm_bench_serve_runs_against_the_server(server, tmp_path):
+    """vLLM's own load generator, offline against the local server, a bounded number of
+    random prompts."""
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
+         "--base-url", server["url"], "--model", server["model"], "--dataset-name", "random",
+         "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8", "--ignore-eos",
+         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
+        capture_output=True, text=True, timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 8
+    assert result["total_output_tokens"] == 8 * 8

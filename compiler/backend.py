@@ -120,7 +120,12 @@ def _inner_compile(gm, example_inputs, *, patch: dict, **kwargs):
 
 def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **_):
     """torch.compile backend: options are spyre_rt settings (``dispatch``, ``cpu_fallback``,
-    ``compute_dtype``, ``cache_dir``...) or Inductor config keys."""
+    ``compute_dtype``, ``cache_dir``...) or Inductor config keys. ``mode="reduce-overhead"``
+    captures and replays the compiled graph per shape (:mod:`.reduce_overhead`)."""
+    from . import reduce_overhead
+
+    if reduce_overhead.replays(mode):
+        return reduce_overhead.ReplayPerShape(spyre_rt_backend(gm, example_inputs, options))
     register()
     from torch._inductor.compile_fx import compile_fx
 

@@ -2,6 +2,8 @@
 torch.spyre.make_graphed_callables): replay equals the compiled call, is one native call,
 and every misuse is a clear error, never a wrong result."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,3 +320,73 @@ def test_a_first_call_compiles_inside_a_capture_and_is_recorded():
     x.copy_(_x(1))
     g.replay()
     assert torch.allclose(out.cpu(), torch.relu(_x(1) @ w.cpu()) - 3, atol=1e-2)
+
+
+# ---- torch.compile(mode="reduce-overhead"): captured and replayed per shape ----
+
+
+def _counts():
+    from spyre_rt.compiler import reduce_overhead
+
+    return dict(reduce_overhead.stats)
+
+
+def _delta(before):
+    return {k: v - before[k] for k, v in _counts().items() if v != before[k]}
+
+
+def test_reduce_overhead_captures_once_per_shape_and_replays(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8))
+    card_model = copy.deepcopy(model).to("spyre")
+    fast = torch.compile(card_model, backend="spyre_rt", mode="reduce-overhead")
+    plain = torch.compile(card_model, backend="spyre_rt")
+    before = _counts()
+    held = []
+    for rows, seed in [(4, 1), (4, 2), (4, 3), (4, 4), (7, 5), (7, 6), (7, 7)]:
+        x = _x(seed, rows)
+        out = fast(x.to("spyre"))
+        held.append((x, out))
+        assert torch.equal(out.cpu(), plain(x.to("spyre")).cpu())   # the same plans, the same numbers
+    # per shape: a warm-up call, a capture, then replays
+    assert _delta(before) == {"warmups": 2, "captures": 2, "replays": 3}
+    for x, out in held:   # no later replay overwrote what an earlier call returned
+        assert torch.allclose(out.cpu(), model(x), atol=1e-3)
+    with counting_native_calls(monkeypatch) as counter:
+        fast(_x(8, 7).to("spyre"))   # the last shape, replayed
+    assert "spy_plan_launch_many" in counter.calls and "spy_plan_launch" not in counter.calls
+
+
+def test_reduce_overhead_writes_back_the_inputs_the_graph_mutates():
+    def accumulate(x, total):
+        total.add_(x)
+        return total * 2
+
+    fast = torch.compile(accumulate, backend="spyre_rt", mode="reduce-overhead", dynamic=False)
+    total, ref_total = torch.zeros(4, WIDTH).to("spyre"), torch.zeros(4, WIDTH)
+    before = _counts()
+    for seed in range(4):
+        out = fast(_x(seed).to("spyre"), total)
+        expected = accumulate(_x(seed), ref_total)
+        assert torch.allclose(total.cpu(), ref_total, atol=1e-4)
+        assert torch.allclose(out.cpu(), expected, atol=1e-4)
+    assert _delta(before) == {"warmups": 1, "captures": 1, "replays": 2}
+
+
+def test_reduce_overhead_runs_a_graph_with_a_cpu_op_uncaptured():
+    def gathered(x, idx):
+        return torch.gather(x, 1, idx) * 2
+
+    fast = torch.compile(gathered, backend="spyre_rt", mode="reduce-overhead", dynamic=False)
+    idx = torch.randint(0, WIDTH, (4, 3), generator=torch.Generator().manual_seed(0))
+    before = _counts()
+    for seed in range(3):
+        out = fast(_x(seed).to("spyre"), idx.to("spyre"))
+        assert torch.equal(out.cpu(), gathered(_x(seed), idx))
+    assert _delta(before) == {"warmups": 1, "uncaptured": 2}
+
+
+def test_an_unknown_compile_mode_is_a_clear_error():
+    f = torch.compile(lambda x: x + 1, backend="spyre_rt", mode="reduce-everything")
+    with pytest.raises(Exception, match="reduce-everything.*reduce-overhead"):
+        f(_x(0).to("spyre"))

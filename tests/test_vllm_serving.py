@@ -30,7 +30,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("family", ["llama", "granite"])
+@pytest.mark.parametrize("family", ["llama", "granite", "qwen3"])
 def test_llm_generate_matches_hugging_face(family, tmp_path):
     model = tiny_hf.save_model(family, tmp_path / family)
     expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
@@ -49,6 +49,29 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
     # bucket (max_num_seqs=8: 1, 2, 4, 8)
     assert got["decode"]["captures"] == 4
     assert got["decode"]["replays"] == 2 * (NEW_TOKENS - 1)
+
+
+FP16_LOGPROB_TOLERANCE = 0.01   # nats, on the prompts' logprobs of a tiny random-weight model (measured: 0.0003)
+
+
+def test_fp16_logprobs_agree_with_fp32(tmp_path):
+    """fp16 on the card (fp16 storage, fp32 accumulation) against Hugging Face fp32 on the CPU,
+    on each prompt token's logprob given those before it (no sampled token involved)."""
+    model = tiny_hf.save_model("llama", tmp_path / "llama")
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / "llama"), json.dumps(PROMPTS), "1",
+         "float16"],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])["prompt_logprobs"]
+    worst = 0.0
+    for p, lps in zip(PROMPTS, got, strict=True):
+        ref = _hf_logprobs(model, p[:1], p[1:])
+        worst = max(worst, *(abs(a - b) for a, b in zip(lps, ref, strict=True)))
+    print(f"fp16 against fp32: worst prompt logprob difference {worst:.4f}")
+    assert worst < FP16_LOGPROB_TOLERANCE
 
 
 def test_block_size_must_be_whole_sticks():
@@ -72,6 +95,20 @@ def test_kv_cache_budget_is_the_cards_share():
     assert kv_cache_budget(1000, 100, 0.5, most_used=250) == 250
     with pytest.raises(ValueError, match="no room for a KV cache"):
         kv_cache_budget(1000, 600, 0.5)
+    with pytest.raises(ValueError, match=r"has 400 bytes .* max_model_len=256 tokens needs 500 bytes"):
+        kv_cache_budget(1000, 100, 0.5, one_request=500, max_model_len=256)
+
+
+def test_a_kv_cache_too_small_for_one_request_stops_the_start_up_naming_the_sizes(tmp_path):
+    tiny_hf.save_model("llama", tmp_path / "m")
+    code = (f"from vllm import LLM; LLM(model={str(tmp_path / 'm')!r}, dtype='float32', max_model_len=256, "
+            "max_num_seqs=2, kv_cache_memory_bytes=4096)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode != 0
+    # 2 layers x (key + value) x 2 KV heads x 16 x fp32, for 256 tokens
+    assert "the KV cache has 4096 bytes (kv_cache_memory_bytes), but one request of max_model_len=256 " \
+           f"tokens needs {2 * 2 * 2 * 16 * 4 * 256} bytes" in run.stderr, run.stderr[-3000:]
 
 
 def _free_port() -> int:
@@ -180,6 +217,132 @@ def test_bad_request_is_400_and_the_server_keeps_serving(server, client):
     assert out.usage.completion_tokens >= 1
 
 
+def _post(server, path: str, body: bytes):
+    """A raw request to the server: (HTTP status, the JSON body)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server["url"] + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _still_serves(server, client):
+    out = client.completions.create(model=server["model"], prompt=_words([5, 6]), max_tokens=2, temperature=0.0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_bad_prompts_and_bodies_are_rejected_and_the_server_keeps_serving(server, client):
+    import openai
+
+    for prompt in ("", []):   # an empty prompt, as text and as tokens
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=server["model"], prompt=prompt, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context|maximum|longer"):   # past max-model-len 256
+        client.completions.create(model=server["model"], prompt=_words([9] * 300), max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:   # vLLM's answer to a model it does not serve
+        client.completions.create(model="no-such-model", prompt=_words([5]), max_tokens=2)
+    assert e.value.status_code == 404
+    status, body = _post(server, "/v1/completions", b'{"model": "x", "prompt": ')
+    assert status == 400 and "error" in body
+    status, body = _post(server, "/v1/chat/completions", b"[1, 2")
+    assert status == 400 and "error" in body
+    _still_serves(server, client)
+
+
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    lp = logits.log_softmax(-1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def test_logprobs_are_hugging_faces(server, client):
+    prompt = [11, 22, 33, 44, 55]
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, logprobs=3,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.token_ids == expected
+    assert len(choice.logprobs.top_logprobs) == NEW_TOKENS
+    assert all(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+    # fp32 on the functional card against fp32 on the CPU
+    for got, ref in zip(choice.logprobs.token_logprobs, _hf_logprobs(server["hf"], prompt, expected), strict=True):
+        assert abs(got - ref) < 1e-3
+
+
+def test_stop_strings_end_the_text(server, client):
+    prompt = [60, 61, 62]
+    expected = tiny_hf.hf_greedy(server["hf"], prompt, NEW_TOKENS)
+    stop = tiny_hf.word(expected[3])
+    if stop in {tiny_hf.word(t) for t in expected[:3]}:
+        pytest.skip("the stop word comes earlier too")
+    out = client.completions.create(model=server["model"], prompt=_words(prompt), max_tokens=NEW_TOKENS,
+                                    temperature=0.0, stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text.strip() == _words(expected[:3])
+
+
+def test_seeded_sampling_is_reproducible(server, client):
+    def sample(seed):
+        out = client.completions.create(model=server["model"], prompt=_words([70, 80, 90]), max_tokens=8,
+                                        temperature=1.0, top_p=0.9, seed=seed,
+                                        extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(s) != first for s in (1, 2, 3))   # the seed is what fixes the draw
+
+
+def test_concurrent_requests_of_different_lengths_give_hugging_faces_tokens(server, client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(7 * i + j) % 200 + 4 for j in range(3 + 5 * i)] for i in range(16)]   # 3 to 78 tokens
+    expected = [tiny_hf.hf_greedy(server["hf"], p, NEW_TOKENS) for p in prompts]
+
+    def complete(p):
+        out = client.completions.create(model=server["model"], prompt=_words(p), max_tokens=NEW_TOKENS,
+                                        temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(complete, prompts))
+    assert got == expected
+
+
+def _metric(server, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(server["url"] + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_a_cancelled_stream_frees_its_kv_blocks(server, client):
+    stream = client.completions.create(model=server["model"], prompt=_words(list(range(10, 90))), max_tokens=170,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    for pieces, _ in enumerate(stream, 1):
+        if pieces == 3:
+            assert _metric(server, "vllm:kv_cache_usage_perc") > 0   # the request holds blocks
+            break
+    stream.close()   # the client disconnects mid-stream
+    deadline = time.monotonic() + 60
+    while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "the cancelled request kept its KV blocks"
+        time.sleep(0.5)
+    _still_serves(server, client)
+
+
 def _paged_batch(seed: int = 0):
     """A step of three requests on a cache of 64-token blocks: 70 cached + 3 new tokens, a
     70-token prompt across two blocks, a 5-token prompt; and two padding tokens."""
@@ -283,3 +446,46 @@ def test_decode_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert decode_buckets(1) == [1]
     assert decode_buckets(8) == [1, 2, 4, 8]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_decode_graphs_are_vllms_full_decode_only_with_the_buckets(monkeypatch):
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from spyre_rt.serving.platform import SpyrePlatform
+
+    class Config:
+        class scheduler_config:  # noqa: N801
+            max_num_seqs = 12
+
+    Config.compilation_config = CompilationConfig()
+    SpyrePlatform._static_graphs(Config)
+    assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert Config.compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8, 12]
+    assert SpyrePlatform.support_static_graph_mode()
+    assert SpyrePlatform.get_static_graph_wrapper_cls() == "spyre_rt.serving.graphs.SpyreGraphWrapper"
+    for off in ({"SPYRE_RT_VLLM_REPLAY": "0"}, {"SPYRE_RT_VLLM_COMPILE": "0"}):
+        for k, v in off.items():
+            monkeypatch.setenv(k, v)
+        Config.compilation_config = CompilationConfig()
+        SpyrePlatform._static_graphs(Config)
+        assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+        monkeypatch.undo()
+    Config.compilation_config = CompilationConfig(cudagraph_mode="NONE")   # the user's choice stands
+    SpyrePlatform._static_graphs(Config)
+    assert Config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_vllm_bench_serve_runs_against_the_server(server, tmp_path):
+    """vLLM's own load generator, offline against the local server, a bounded number of
+    random prompts."""
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
+         "--base-url", server["url"], "--model", server["model"], "--dataset-name", "random",
+         "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8", "--ignore-eos",
+         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
+        capture_output=True, text=True, timeout=300, env={**_env(), "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 8
+    assert result["total_output_tokens"] == 8 * 8

@@ -45,6 +45,11 @@ def config(family: str):
     if family == "granite":
         return transformers.GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                                           attention_multiplier=0.0625, logits_scaling=8.0)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           decoder_sparse_step=1, norm_topk_prob=True)
     raise ValueError(family)
 
 

@@ -4,6 +4,7 @@ compiled steps on the card, and none of vLLM's native CPU kernels."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,29 @@ _log = logging.getLogger("spyre_rt.serving")
 BLOCK_MULTIPLE = 64
 #: the block size when the user names none
 DEFAULT_BLOCK_SIZE = BLOCK_MULTIPLE
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compile_enabled() -> bool:
+    """The forward and the logits compiled with ``backend="spyre_rt"`` (``SPYRE_RT_VLLM_COMPILE=0``: eager)."""
+    return _flag("SPYRE_RT_VLLM_COMPILE")
+
+
+def replay_enabled() -> bool:
+    """Decode steps captured and replayed (``SPYRE_RT_VLLM_REPLAY=0``: the compiled call)."""
+    return compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes of captured decode steps: powers of two up to ``max_num_seqs``."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_num_seqs]
 
 
 class SpyrePlatform(CpuPlatform):
@@ -99,4 +123,30 @@ class SpyrePlatform(CpuPlatform):
 
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
-        compilation.cudagraph_capture_sizes = []
+        cls._static_graphs(vllm_config)
+
+    @classmethod
+    def _static_graphs(cls, vllm_config: VllmConfig) -> None:
+        """vLLM's FULL_DECODE_ONLY on the card: decode batches padded to the capture sizes
+        (powers of two up to max_num_seqs) and replayed by :class:`SpyreGraphWrapper`. A
+        cudagraph_mode of NONE, SPYRE_RT_VLLM_REPLAY=0 or an eager model turn it off."""
+        from vllm.config import CUDAGraphMode
+
+        compilation = vllm_config.compilation_config
+        if not replay_enabled() or compilation.cudagraph_mode == CUDAGraphMode.NONE:
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+            compilation.cudagraph_capture_sizes = []
+            compilation.max_cudagraph_capture_size = 0
+            return
+        sizes = decode_buckets(vllm_config.scheduler_config.max_num_seqs)
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        compilation.cudagraph_capture_sizes = sizes
+        compilation.max_cudagraph_capture_size = sizes[-1]
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return "spyre_rt.serving.graphs.SpyreGraphWrapper"

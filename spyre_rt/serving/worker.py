@@ -8,10 +8,10 @@ is allocated there, and the forward and the logits are compiled with ``backend="
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -19,200 +19,130 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 
 import spyre_rt  # noqa: F401  (registers the device)
 from spyre_rt.serving import attention
+from spyre_rt.serving.platform import compile_enabled, decode_buckets  # noqa: F401  (the tests read it here)
 
 _log = logging.getLogger("spyre_rt.serving")
 
 
-def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: int | None = None) -> int:
+def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: int | None = None,
+                    one_request: int = 0, max_model_len: int = 0) -> int:
     """Bytes the KV cache may take: the share ``utilization`` of the card's memory, less what
     is already allocated (the weights); ``gpu_memory_utilization`` means the card's. No more
     than ``most_used``, what the scheduler can fill at once (every sequence it runs at the
-    longest length): on the simulated card every byte of the cache is host memory too."""
+    longest length): on the simulated card every byte of the cache is host memory too. Less
+    than ``one_request`` (one sequence at ``max_model_len``) is a start-up error."""
     budget = int(total * utilization) - allocated
     if budget <= 0:
         raise ValueError(
             f"spyre_rt: the card has {total} bytes and {allocated} are allocated, so "
             f"gpu_memory_utilization={utilization} leaves no room for a KV cache; raise it"
         )
+    check_one_request(budget, one_request, max_model_len,
+                      f"gpu_memory_utilization={utilization} of the card's {total} bytes, less {allocated} allocated")
     return budget if most_used is None else min(budget, most_used)
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _compile_enabled() -> bool:
-    return _flag("SPYRE_RT_VLLM_COMPILE")
-
-
-#: decode steps captured and replayed, by padded batch size (read by the tests)
-STATS = {"captures": 0, "replays": 0}
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes of captured decode steps: powers of two up to ``max_num_seqs``."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_num_seqs]
-
-
-class _DecodeGraph:
-    """A decode step of ``size`` requests (padding included) captured with
-    ``torch.spyre.graph``: persistent card inputs that each step's values are copied into,
-    then one replay. Every request's context is read at the model's longest length, so one
-    capture serves every step of that size."""
-
-    def __init__(self, runner: SpyreModelRunner, size: int) -> None:
-        card, spare, block = runner.card, runner.spare_block, runner.block_size
-        self.size = size
-        self.ids = torch.zeros(size, dtype=torch.int64, device=card)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=card)
-        self.meta = attention.SpyreAttentionMetadata(
-            slot_mapping=torch.full((size,), spare * block, dtype=torch.int64, device=card),
-            block_table=torch.full((size + 1, runner.max_blocks), spare, dtype=torch.int64, device=card),
-            token_index=torch.arange(size, dtype=torch.int64, device=card),
-            query_pos=torch.full((size + 1, 1), -1, dtype=torch.int64, device=card),
+def check_one_request(budget: int, one_request: int, max_model_len: int, source: str) -> None:
+    """A KV cache that cannot hold one request at the longest length is refused at start-up
+    (vLLM's own check words it in GiB, which rounds a small model's cache to 0.0)."""
+    if budget < one_request:
+        raise ValueError(
+            f"spyre_rt: the KV cache has {budget} bytes ({source}), but one request of max_model_len="
+            f"{max_model_len} tokens needs {one_request} bytes; raise gpu_memory_utilization "
+            "(or kv_cache_memory_bytes) or lower max_model_len"
         )
-        self.spare, self.block, self.max_blocks = spare, block, runner.max_blocks
 
-    def capture(self, forward, metas: dict) -> None:
-        for name in metas:
-            metas[name] = self.meta
-        forward(input_ids=self.ids, positions=self.positions, inputs_embeds=None)  # compile outside
-        self.graph = torch.spyre.SpyreGraph()
-        with torch.spyre.graph(self.graph):
-            self.hidden = forward(input_ids=self.ids, positions=self.positions, inputs_embeds=None)
-        STATS["captures"] += 1
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               m: attention.SpyreAttentionMetadata) -> torch.Tensor:
-        n, size = input_ids.shape[0], self.size
-        ids = torch.zeros(size, dtype=torch.int64)
-        ids[:n] = input_ids
-        pos = torch.zeros(size, dtype=torch.int64)
-        pos[:n] = positions
-        slots = self.spare * self.block + torch.arange(size, dtype=torch.int64) % self.block
-        slots[:n] = m.slot_mapping[:n]
-        table = torch.full((size + 1, self.max_blocks), self.spare, dtype=torch.int64)
-        table[:n, : m.block_table.shape[1]] = m.block_table[:n]
-        qpos = torch.full((size + 1, 1), -1, dtype=torch.int64)
-        qpos[:n] = m.query_pos[:n]
-        for static, new in ((self.ids, ids), (self.positions, pos), (self.meta.slot_mapping, slots),
-                            (self.meta.block_table, table), (self.meta.query_pos, qpos)):
-            static.copy_(new)
-        self.graph.replay()
-        STATS["replays"] += 1
-        return self.hidden[:n].cpu()
+class CardModel:
+    """The model as the runner calls it: host tensors in, the hidden states on the host out;
+    the forward runs on the card (``on_card``, compiled unless ``SPYRE_RT_VLLM_COMPILE=0``)
+    with the step's attention metadata moved there. Other attributes are the model's."""
+
+    def __init__(self, model, on_card, card: torch.device, block_size: int, max_blocks: int) -> None:
+        self.model, self.on_card, self.card = model, on_card, card
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.spare_block = None   # known once the KV cache is allocated
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["model"], name)
+
+    def __call__(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                 **model_kwargs):
+        if intermediate_tensors is not None:
+            raise NotImplementedError("spyre_rt: pipeline parallelism is not supported")
+        to_card = lambda t: None if t is None else t.to(self.card)  # noqa: E731
+        _metadata_to_card(self.card)
+        hidden = self.on_card(input_ids=to_card(input_ids), positions=to_card(positions),
+                              inputs_embeds=to_card(inputs_embeds), **model_kwargs)
+        return hidden.cpu()
+
+
+def _metadata_to_card(card: torch.device) -> None:
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    if not isinstance(meta, dict):
+        return
+    moved: dict[int, attention.SpyreAttentionMetadata] = {}
+    for name, m in meta.items():
+        if isinstance(m, attention.SpyreAttentionMetadata) and m.slot_mapping.device != card:
+            if id(m) not in moved:
+                moved[id(m)] = attention.SpyreAttentionMetadata(
+                    *(t.to(card) for t in (m.slot_mapping, m.block_table, m.token_index, m.query_pos))
+                )
+            meta[name] = moved[id(m)]
 
 
 class SpyreModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.card = torch.device("spyre", torch.spyre.current_device())
-        self._forward = None
-        self._logits = None
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._buckets = decode_buckets(self.scheduler_config.max_num_seqs)
         self.block_size = self.cache_config.block_size
         self.max_blocks = -(-self.model_config.max_model_len // self.block_size)
-        self.spare_block = None   # known once the KV cache is allocated
+        self._card_model: CardModel | None = None
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
         super().load_model(load_dummy_weights=load_dummy_weights)
-        self.model.to(self.card)
-        forward, logits = self.model.forward, self.model.compute_logits
-        if _compile_enabled():
+        model = self.model
+        model.to(self.card)
+        forward, logits = model.forward, model.compute_logits
+        if compile_enabled():
             # the model's Python floats (norm epsilons, attention scales) are constants of the
             # graph, not 0-d host tensors copied to the card at every call (and refused by a
             # capture)
             constants = torch._dynamo.config.patch(specialize_float=True)
             forward = constants(torch.compile(forward, backend="spyre_rt", dynamic=True))
             logits = constants(torch.compile(logits, backend="spyre_rt", dynamic=True))
-        self._forward, self._logits = forward, logits
-        model = self.model
 
         def compute_logits(hidden_states: torch.Tensor) -> torch.Tensor:
-            out = logits(hidden_states.to(self.card))
-            return out.cpu()
+            return logits(hidden_states.to(self.card)).cpu()
 
         # the runner and the sampler take the logits on the host, as they keep the batch there
         model.compute_logits = compute_logits
+        self._card_model = CardModel(model, forward, self.card, self.block_size, self.max_blocks)
+        self.model = self._card_model
+        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            wrapper = resolve_obj_by_qualname(current_platform.get_static_graph_wrapper_cls())
+            self.model = wrapper(self._card_model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
 
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
-                       inputs_embeds=None, **model_kwargs):
-        if intermediate_tensors is not None:
-            raise NotImplementedError("spyre_rt: pipeline parallelism is not supported")
-        decode = self._decode_metadata(input_ids, inputs_embeds, model_kwargs)
-        if decode is not None:
-            metas, m = decode
-            size = next(b for b in self._buckets if b >= input_ids.shape[0])
-            graph = self._graphs.get(size)
-            if graph is None:
-                graph = self._graphs[size] = _DecodeGraph(self, size)
-                graph.capture(self._forward, metas)
-            return graph.replay(input_ids, positions, m)
-        to_card = lambda t: None if t is None else t.to(self.card)  # noqa: E731
-        self._metadata_to_card()
-        hidden = self._forward(input_ids=to_card(input_ids), positions=to_card(positions),
-                               inputs_embeds=to_card(inputs_embeds), **model_kwargs)
-        return hidden.cpu()
+    def get_model(self) -> torch.nn.Module:
+        return self._card_model.model   # the bare model, as vLLM's callers expect
 
-    def capture_decode_graphs(self) -> None:
-        """Captures the decode step of every bucket at start-up, on padding inputs (they write
-        the spare block only), so that no request waits for a compile or a capture."""
-        if not (_compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")) or self.spare_block is None:
-            return
+    def capture_model(self) -> int:
+        """Captures the decode step of every capture size vLLM's dispatcher names, at
+        start-up (a progress bar), on padding inputs (they write the spare block only), so
+        that no request waits for a compile or a capture."""
+        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs() or self._card_model.spare_block is None:
+            return 0
         from tqdm import tqdm
-        from vllm.forward_context import set_forward_context
 
-        names = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names]
-        for size in tqdm(self._buckets, desc="spyre_rt: capturing decode steps", unit="batch size"):
-            if size in self._graphs:
-                continue
-            graph = _DecodeGraph(self, size)
-            metas = dict.fromkeys(names)
-            with set_forward_context(metas, self.vllm_config, num_tokens=size):
-                graph.capture(self._forward, metas)
-            self._graphs[size] = graph
-
-    def _decode_metadata(self, input_ids, inputs_embeds, model_kwargs):
-        """The step's metadata when it is a decode step a captured graph can run: compiled,
-        one new token per request, no more requests than the largest bucket."""
-        from vllm.forward_context import get_forward_context
-
-        if (not (_compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")) or self.spare_block is None
-                or input_ids is None or inputs_embeds is not None or model_kwargs):
-            return None
-        metas = get_forward_context().attn_metadata
-        if not isinstance(metas, dict) or not metas:
-            return None
-        found = {id(m): m for m in metas.values()}
-        if len(found) != 1:
-            return None
-        (m,) = found.values()
-        n = input_ids.shape[0]
-        if (not isinstance(m, attention.SpyreAttentionMetadata) or m.slot_mapping.device.type != "cpu"
-                or m.query_pos.shape != (n + 1, 1) or n > self._buckets[-1]
-                or not torch.equal(m.token_index, torch.arange(n))):
-            return None
-        return metas, m
-
-    def _metadata_to_card(self) -> None:
-        from vllm.forward_context import get_forward_context
-
-        meta = get_forward_context().attn_metadata
-        if not isinstance(meta, dict):
-            return
-        moved: dict[int, attention.SpyreAttentionMetadata] = {}
-        for name, m in meta.items():
-            if isinstance(m, attention.SpyreAttentionMetadata) and m.slot_mapping.device != self.card:
-                if id(m) not in moved:
-                    moved[id(m)] = attention.SpyreAttentionMetadata(
-                        *(t.to(self.card) for t in (m.slot_mapping, m.block_table, m.token_index, m.query_pos))
-                    )
-                meta[name] = moved[id(m)]
+        for mode, descs in self.cudagraph_dispatcher.get_capture_descs():
+            for desc in tqdm(descs, desc="spyre_rt: capturing decode steps", unit="batch size"):
+                self._warmup_and_capture(desc, cudagraph_runtime_mode=mode)
+        return 0
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context: AbstractContextManager | None = None):
@@ -228,7 +158,7 @@ class SpyreModelRunner(CPUModelRunner):
             )
             for name in group.layer_names:
                 kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.card)
-        self.spare_block = kv_cache_config.num_blocks
+        self._card_model.spare_block = kv_cache_config.num_blocks
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
@@ -260,15 +190,17 @@ class SpyreWorker(CPUWorker):
         return nullcontext()  # no sleep-mode allocator on the card
 
     def determine_available_memory(self) -> int:
+        longest = self.model_config.max_model_len
+        specs = self.model_runner.get_kv_cache_spec().values()
+        per_sequence = sum(s.page_size_bytes * s.max_num_blocks_per_req(self.vllm_config, longest) for s in specs)
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
+            check_one_request(int(explicit), per_sequence, longest, "kv_cache_memory_bytes")
             return int(explicit)
         free, total = torch.spyre.mem_get_info()
-        specs = self.model_runner.get_kv_cache_spec().values()
-        per_sequence = sum(s.page_size_bytes * s.max_num_blocks_per_req(self.vllm_config, self.model_config.max_model_len)
-                           for s in specs)
         most_used = (per_sequence * self.scheduler_config.max_num_seqs) if per_sequence else None
-        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used)
+        return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used,
+                               one_request=per_sequence, max_model_len=longest)
 
     def compile_or_warm_up_model(self):
         import time
@@ -276,6 +208,6 @@ class SpyreWorker(CPUWorker):
         from vllm.v1.worker.worker_base import CompilationTimes
 
         start = time.perf_counter()
-        self.model_runner.capture_decode_graphs()
+        self.model_runner.capture_model()
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)

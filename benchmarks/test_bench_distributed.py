@@ -52,7 +52,7 @@ def pair():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("distributed_peer.py")), str(port)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     from spyre_rt.distributed.group import ProcessGroupSpyre

@@ -298,60 +298,95 @@ static int64_t combine_i(int64_t a, int64_t b, uint32_t op)
     }
 }
 
-/* out[0..n) = op over ranks j of the n elements at byte `off` of slot j, in rank order. */
+#define CCL_BLOCK 1024 /* elements reduced at a time: the accumulator stays in L1 */
+
+/* acc[0..n) = the n elements at p as floats (doubles for F64; int64 for integers). */
+static void load_block(const uint8_t *p, uint64_t n, uint32_t dtype, double *accd, float *accf, int64_t *acci)
+{
+    switch (dtype) {
+    case SPY_CCL_F16: {
+        uint16_t h[CCL_BLOCK];
+        memcpy(h, p, n * 2);
+        spy_f16_to_f32_n(h, accf, n);
+        break;
+    }
+    case SPY_CCL_BF16:
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + i * 2, 2);
+            accf[i] = spy_bf16_to_f32(h);
+        }
+        break;
+    case SPY_CCL_F32: memcpy(accf, p, n * 4); break;
+    case SPY_CCL_F64: memcpy(accd, p, n * 8); break;
+    case SPY_CCL_I32:
+        for (uint64_t i = 0; i < n; i++) {
+            int32_t v;
+            memcpy(&v, p + i * 4, 4);
+            acci[i] = v;
+        }
+        break;
+    default: memcpy(acci, p, n * 8); break;
+    }
+}
+
+static void combine_block_f(float *acc, const float *v, uint64_t n, uint32_t op)
+{
+    switch (op) {
+    case SPY_CCL_PROD: for (uint64_t i = 0; i < n; i++) acc[i] *= v[i]; break;
+    case SPY_CCL_MAX: for (uint64_t i = 0; i < n; i++) acc[i] = (acc[i] != acc[i] || acc[i] > v[i]) ? acc[i] : v[i]; break;
+    case SPY_CCL_MIN: for (uint64_t i = 0; i < n; i++) acc[i] = (acc[i] != acc[i] || acc[i] < v[i]) ? acc[i] : v[i]; break;
+    default: for (uint64_t i = 0; i < n; i++) acc[i] += v[i]; break;
+    }
+}
+
+/* out[0..n) = op over ranks j of the n elements at byte `off` of slot j, in rank order;
+ * fp16 and bf16 accumulate in fp32, integers in int64 (wrapping), doubles in double. */
 static void reduce_slots(const spy_ccl *c, uint64_t off, uint64_t n, uint32_t dtype, uint32_t op, void *out)
 {
-    uint32_t p = c->nranks;
-    for (uint64_t i = 0; i < n; i++) {
-        if (dtype == SPY_CCL_F16 || dtype == SPY_CCL_BF16) {
-            float acc = 0.0f;
-            for (uint32_t j = 0; j < p; j++) {
-                uint16_t h;
-                memcpy(&h, slot_of(c, j) + off + i * 2, 2);
-                float v = dtype == SPY_CCL_F16 ? spy_f16_to_f32(h) : spy_bf16_to_f32(h);
-                acc = j ? (float)combine_f(acc, v, op) : v;
+    uint32_t p = c->nranks, es = elem_size(dtype);
+    float accf[CCL_BLOCK], vf[CCL_BLOCK];
+    double accd[CCL_BLOCK], vd[CCL_BLOCK];
+    int64_t acci[CCL_BLOCK], vi[CCL_BLOCK];
+    for (uint64_t b = 0; b < n; b += CCL_BLOCK) {
+        uint64_t m = n - b < CCL_BLOCK ? n - b : CCL_BLOCK;
+        uint8_t *dst = (uint8_t *)out + b * es;
+        load_block(slot_of(c, 0) + off + b * es, m, dtype, accd, accf, acci);
+        for (uint32_t j = 1; j < p; j++) {
+            load_block(slot_of(c, j) + off + b * es, m, dtype, vd, vf, vi);
+            if (dtype == SPY_CCL_F16 || dtype == SPY_CCL_BF16 || dtype == SPY_CCL_F32)
+                combine_block_f(accf, vf, m, op);
+            else if (dtype == SPY_CCL_F64)
+                for (uint64_t i = 0; i < m; i++) accd[i] = combine_f(accd[i], vd[i], op);
+            else
+                for (uint64_t i = 0; i < m; i++) acci[i] = combine_i(acci[i], vi[i], op);
+        }
+        if (op == SPY_CCL_AVG && dtype == SPY_CCL_F64)
+            for (uint64_t i = 0; i < m; i++) accd[i] /= (double)p;
+        else if (op == SPY_CCL_AVG)
+            for (uint64_t i = 0; i < m; i++) accf[i] /= (float)p;
+        switch (dtype) {
+        case SPY_CCL_F16: {
+            uint16_t h[CCL_BLOCK];
+            spy_f32_to_f16_n(accf, h, m);
+            memcpy(dst, h, m * 2);
+            break;
+        }
+        case SPY_CCL_BF16:
+            for (uint64_t i = 0; i < m; i++) {
+                uint16_t h = spy_f32_to_bf16(accf[i]);
+                memcpy(dst + i * 2, &h, 2);
             }
-            if (op == SPY_CCL_AVG)
-                acc /= (float)p;
-            uint16_t h = dtype == SPY_CCL_F16 ? spy_f32_to_f16(acc) : spy_f32_to_bf16(acc);
-            memcpy((uint8_t *)out + i * 2, &h, 2);
-        } else if (dtype == SPY_CCL_F32) {
-            float acc = 0.0f;
-            for (uint32_t j = 0; j < p; j++) {
-                float v;
-                memcpy(&v, slot_of(c, j) + off + i * 4, 4);
-                acc = j ? (float)combine_f(acc, v, op) : v;
+            break;
+        case SPY_CCL_F32: memcpy(dst, accf, m * 4); break;
+        case SPY_CCL_F64: memcpy(dst, accd, m * 8); break;
+        case SPY_CCL_I32:
+            for (uint64_t i = 0; i < m; i++) {
+                int32_t r = (int32_t)(uint32_t)(uint64_t)acci[i];
+                memcpy(dst + i * 4, &r, 4);
             }
-            if (op == SPY_CCL_AVG)
-                acc /= (float)p;
-            memcpy((uint8_t *)out + i * 4, &acc, 4);
-        } else if (dtype == SPY_CCL_F64) {
-            double acc = 0.0;
-            for (uint32_t j = 0; j < p; j++) {
-                double v;
-                memcpy(&v, slot_of(c, j) + off + i * 8, 8);
-                acc = j ? combine_f(acc, v, op) : v;
-            }
-            if (op == SPY_CCL_AVG)
-                acc /= (double)p;
-            memcpy((uint8_t *)out + i * 8, &acc, 8);
-        } else if (dtype == SPY_CCL_I32) {
-            int64_t acc = 0;
-            for (uint32_t j = 0; j < p; j++) {
-                int32_t v;
-                memcpy(&v, slot_of(c, j) + off + i * 4, 4);
-                acc = j ? combine_i(acc, v, op) : v;
-            }
-            int32_t r = (int32_t)(uint32_t)(uint64_t)acc;
-            memcpy((uint8_t *)out + i * 4, &r, 4);
-        } else {
-            int64_t acc = 0;
-            for (uint32_t j = 0; j < p; j++) {
-                int64_t v;
-                memcpy(&v, slot_of(c, j) + off + i * 8, 8);
-                acc = j ? combine_i(acc, v, op) : v;
-            }
-            memcpy((uint8_t *)out + i * 8, &acc, 8);
+            break;
+        default: memcpy(dst, acci, m * 8); break;
         }
     }
 }

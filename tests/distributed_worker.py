@@ -219,11 +219,79 @@ def case_rank_dies():
     assert time.monotonic() - t0 < 30, "the survivor waited past the group's timeout"
 
 
+# ---- the tensor-parallel suite ----
+
+def tiny_checkpoint(family: str) -> str:
+    """A 2-layer model of `family` from its config, random weights, saved by rank 0 to a
+    directory every rank then loads (the path comes through the store)."""
+    import tempfile
+
+    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"checkpoint/{family}"
+    if R == 0:
+        cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "granite": (GraniteForCausalLM, GraniteConfig)}[family]
+        torch.manual_seed(0)
+        model = cls(cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=False))
+        path = tempfile.mkdtemp(prefix=f"spyre-tp-{family}-")
+        model.save_pretrained(path)
+        store.set(key, path)
+    return store.get(key).decode()
+
+
+def _ring_rounds() -> int:
+    from spyre_rt.native import lib
+
+    return sum(int(lib.spy_ccl_rounds(pg._ring.handle)) for pg in dist.distributed_c10d._world.pg_map
+               if isinstance(pg, spyre_rt.distributed.ProcessGroupSpyre))
+
+
+def _tp_parity(family: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(family)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 3, 7]])
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mesh = init_device_mesh("spyre", (W,))
+    tp = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto", device_mesh=mesh).eval()
+    up = tp.model.layers[0].mlp.up_proj.weight
+    local = up.to_local() if hasattr(up, "to_local") else up
+    assert local.device.type == "spyre" and local.shape[0] == 128 // W, f"up_proj is not sharded: {local.shape}"
+    rounds = _ring_rounds()
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = tp(ids.to("spyre")).logits
+        assert _ring_rounds() > rounds, "the forward made no collective on the cards' ring"
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        expect(got.float(), want, f"{family} logits under tp_plan=auto", tol=1e-5)
+        want_tokens = ref.generate(ids, max_new_tokens=4, do_sample=False)
+        got_tokens = tp.generate(ids.to("spyre"), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got_tokens.cpu(), want_tokens), f"{family} generate: {got_tokens} != {want_tokens}"
+    dist.barrier()
+    if R == 0:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def case_tp_llama():
+    _tp_parity("llama")
+
+
+def case_tp_granite():
+    _tp_parity("granite")
+
+
 SUITES = {
     "collectives": [case_device_of_rank, case_all_reduce_ops, case_all_reduce_noncontiguous_and_cpu,
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
                     case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message],
     "faults": [case_mismatched_shapes, case_rank_dies],
+    "tp": [case_tp_llama, case_tp_granite],
 }
 
 
@@ -239,7 +307,7 @@ def main(suite: str) -> int:
         except Exception:
             failed += 1
             print(f"CASE {case.__name__} FAILED on rank {R}\n{traceback.format_exc()}", flush=True)
-    if suite == "collectives":
+    if suite in ("collectives", "tp"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(1 if failed else 0)  # faults suites leave groups that cannot be torn down cleanly

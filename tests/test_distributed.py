@@ -74,3 +74,17 @@ def test_mismatched_shapes_fail_on_every_rank(faults):
 def test_a_rank_that_dies_is_an_error_on_the_survivor(faults):
     """Rank 1 leaves after the barrier; rank 0's all_reduce fails (its peer exited) instead of waiting."""
     assert faults.stdout.count("CASE case_rank_dies OK") == 1, faults.stdout + faults.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(two_card_profile):
+    pytest.importorskip("accelerate")
+    return torchrun("tp", two_card_profile)
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_hf_tp_plan_auto_matches_one_cpu_process(tensor_parallel, family):
+    """from_pretrained(tp_plan="auto") on a spyre device mesh of 2: the weights sharded on
+    the cards, logits within 1e-5 of one CPU process and generate()'s tokens equal."""
+    ok = tensor_parallel.stdout.count(f"CASE case_tp_{family} OK")
+    assert ok == NPROC, f"{family}: OK on {ok} of {NPROC} ranks\n{tensor_parallel.stdout}\n{tensor_parallel.stderr[-3000:]}"

@@ -35,7 +35,7 @@ typedef struct ccl_rank {
     uint8_t pad0[CCL_LINE - 8];
     uint64_t done;
     uint8_t pad1[CCL_LINE - 8];
-    uint64_t desc[5]; /* kind, total size, dtype, op, root */
+    uint64_t desc[5]; /* kind, total size, dtype, op, root (or the caller's tag) */
     int64_t pid;
     uint8_t pad2[CCL_LINE - 48];
 } ccl_rank;
@@ -244,7 +244,7 @@ static spy_status round_exchange(spy_ccl *c)
             char why[200];
             snprintf(why, sizeof why,
                      "mismatched collectives: rank %u called %s(size %llu, dtype %llu, op %llu, root %llu), rank %u "
-                     "called %s(size %llu, dtype %llu, op %llu, root %llu)",
+                     "called %s(size %llu, dtype %llu, op %llu, root/tag %llu)",
                      c->rank, KIND_NAMES[mine[0] <= KIND_BARRIER ? mine[0] : 0], (unsigned long long)mine[1],
                      (unsigned long long)mine[2], (unsigned long long)mine[3], (unsigned long long)mine[4], j,
                      KIND_NAMES[theirs[0] <= KIND_BARRIER ? theirs[0] : 0], (unsigned long long)theirs[1],
@@ -400,14 +400,15 @@ static spy_status check_group(const spy_ccl *c, const char *what, const void *a,
     return SPY_OK;
 }
 
-spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op)
+spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op,
+                             uint64_t tag)
 {
     spy_status s = check_reduction("all_reduce", dtype, op);
     if (s == SPY_OK)
         s = check_group(c, "all_reduce", in, out, count);
     if (s != SPY_OK)
         return s;
-    uint64_t es = elem_size(dtype), per_round = c->slot_bytes / es, desc[5] = {KIND_ALLREDUCE, count, dtype, op, 0};
+    uint64_t es = elem_size(dtype), per_round = c->slot_bytes / es, desc[5] = {KIND_ALLREDUCE, count, dtype, op, tag};
     uint64_t done = 0;
     do { /* a round even for count 0: the descriptors are still compared */
         uint64_t n = count - done < per_round ? count - done : per_round;

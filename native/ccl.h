@@ -52,8 +52,11 @@ void spy_ccl_close(spy_ccl *c);
 void spy_ccl_abort(spy_ccl *c, const char *reason);
 uint64_t spy_ccl_rounds(const spy_ccl *c);
 
-/* out[i] = op over ranks of in[i], i < count (in and out may be the same buffer). */
-spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op);
+/* out[i] = op over ranks of in[i], i < count (in and out may be the same buffer). `tag`
+ * is compared across ranks like the size (the caller's word for how the elements are laid
+ * out: a card's storage layout, say). */
+spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op,
+                             uint64_t tag);
 /* out = rank 0's in, then rank 1's, ...: nranks * nbytes bytes. */
 spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nbytes);
 /* in holds nranks blocks of count elements; out[i] = op over ranks of their block `rank`. */

@@ -780,6 +780,12 @@ uint64_t spy_dlpack_live(spy_device *dev);
 
 spy_status spy_fault_inject(spy_device *dev, uint32_t kind, uint64_t after_n);
 
+/* A job of the card's timeline that touches no memory and lasts duration_ns: a collective on
+ * the interconnect (the data moved through spy_ccl_*). It starts at not_before (the last
+ * rank's arrival) or when the card is free, whichever is later; *end_ns (if not NULL) is
+ * its end. Traced as a job named `name`. (job.c) */
+spy_status spy_timed_job(spy_device *dev, double not_before, double duration_ns, uint32_t name, double *end_ns);
+
 /* ---- collectives between processes (ccl.c) ------------------------------------------ */
 #include "ccl.h"
 

@@ -185,6 +185,35 @@ def case_large_message():
     expect(t, torch.full((n,), float(sum(range(1, W + 1))), dtype=torch.float16), "9 MiB all_reduce")
 
 
+def case_interconnect_time():
+    """A collective is a job on each card's timeline: it starts when the last rank is ready
+    and lasts the interconnect model's time; on timing-mode cards no data moves."""
+    from spyre_rt.distributed import interconnect
+    from spyre_rt.native import lib
+
+    pg = dist.distributed_c10d._get_default_group()
+    for mode in ("functional", "timing"):
+        with spyre_rt.card.configured(sim_mode=mode):
+            t = torch.ones(4096, dtype=torch.float16).to("spyre")  # 8 KiB, a decode step's all-reduce
+            card = spyre_rt.tensors.card_of(t)
+            assert card.index == R and card.sim_mode == mode
+            c = card.clock()
+            ready = max(c.host_ns, c.finish_ns)
+            rounds = int(lib.spy_ccl_rounds(pg._ring.handle))
+            dist.all_reduce(t)
+            end = torch.tensor([card.device_finish_ns()], dtype=torch.float64)
+            moved = int(lib.spy_ccl_rounds(pg._ring.handle)) - rounds
+            ends = [torch.empty_like(end) for _ in range(W)]
+            dist.all_gather(ends, end)
+            cost = interconnect.cost(card.profile, "all_reduce", 8192, W)
+            assert cost.algorithm == "ring" and 1000 < cost.ns < 10000, cost
+            assert all(float(e) == float(end) for e in ends), f"the collective ends apart: {ends}"
+            assert float(end) >= ready + cost.ns, (float(end), ready, cost)
+            assert moved == (2 if mode == "functional" else 1), f"{mode}: {moved} rounds"  # arrival (+ data)
+            if mode == "functional":
+                expect(t, torch.full((4096,), float(W), dtype=torch.float16), "the all_reduce's data")
+
+
 # ---- the faults suite ----
 
 def case_mismatched_shapes():
@@ -289,7 +318,8 @@ def case_tp_granite():
 SUITES = {
     "collectives": [case_device_of_rank, case_all_reduce_ops, case_all_reduce_noncontiguous_and_cpu,
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
-                    case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message],
+                    case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
+                    case_interconnect_time],
     "faults": [case_mismatched_shapes, case_rank_dies],
     "tp": [case_tp_llama, case_tp_granite],
 }

@@ -49,7 +49,7 @@ def collectives(two_card_profile):
 
 CASES = ["device_of_rank", "all_reduce_ops", "all_reduce_noncontiguous_and_cpu", "all_gather", "reduce_scatter",
          "broadcast_reduce_gather_scatter", "all_to_all", "send_recv_barrier", "functional_collectives",
-         "sub_groups", "large_message"]
+         "sub_groups", "large_message", "interconnect_time"]
 
 
 @pytest.mark.parametrize("case", CASES)

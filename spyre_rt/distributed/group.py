@@ -24,9 +24,14 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from .. import tensors
+from ..native import check, ffi, lib
+from . import interconnect
 from .ring import Ring, SpyreCollectiveError, reducible
 
 BACKEND_NAME = "spyreccl"
+
+
+ffi_null = ffi.NULL
 
 
 def _done(result) -> dist.Work:
@@ -56,6 +61,17 @@ class _Staged:
                     tensors.upload(host, orig)
                 else:
                     orig.copy_(host)
+
+
+def _whole_storage(t: torch.Tensor):
+    """(card, base address, stick layout, dtype) of a spyre tensor that is the whole of its
+    storage in memory order, or None."""
+    if t.device.type != "spyre" or not t.is_contiguous() or t.storage_offset():
+        return None
+    card, view, base = tensors.geometry(t)
+    if view.layout.numel != t.numel() or view.layout.itemsize != t.element_size():
+        return None
+    return card, base, view.layout, t.dtype
 
 
 def _kind(ts) -> str:
@@ -145,12 +161,37 @@ class ProcessGroupSpyre(dist.ProcessGroup):
     def shutdown(self) -> None:
         pass
 
+    # ---- time on the interconnect ----
+    def _on_interconnect(self, kind: str, ts, nbytes: int) -> bool:
+        """Put a collective of spyre tensors on the card's timeline: it starts when the last
+        rank is ready (the latest of every rank's host clock and card finish) and lasts what
+        :mod:`.interconnect` says. Returns whether data must move: not on a timing-mode
+        card, which keeps none."""
+        if not ts or ts[0].device.type != "spyre":
+            return True
+        card = tensors.card_of(ts[0])
+        clock = card.clock()
+        arrival = torch.tensor([max(float(clock.host_ns), clock.finish_ns)], dtype=torch.float64)
+        self._ring.all_reduce(arrival, dist.ReduceOp.MAX)
+        c = interconnect.cost(card.profile, kind, nbytes, self._size)
+        if c is not None:
+            check(lib.spy_timed_job(card.handle, float(arrival[0]), c.ns, card.intern(f"{kind} ({c.algorithm})"),
+                                    ffi_null), f"putting {kind} on the timeline of spyre:{card.index}")
+        return card.functional
+
     # ---- collectives ----
     def allreduce(self, tensor_list, opts=None):
         opts = opts or dist.AllreduceOptions()
+        if not self._on_interconnect("all_reduce", tensor_list, sum(t.numel() * t.element_size() for t in tensor_list)):
+            return _done(tensor_list)
         if (_kind(tensor_list) == "cpu" and all(t.is_contiguous() for t in tensor_list)
                 and opts.reduceOp != dist.ReduceOp.AVG):  # gloo has no average
             return self._gloo.allreduce(tensor_list, opts)
+        whole = [_whole_storage(t) for t in tensor_list]
+        if all(w is not None for w in whole) and all(reducible(t.dtype, opts.reduceOp) for t in tensor_list):
+            for w in whole:
+                self._all_reduce_storage(*w, opts.reduceOp)
+            return _done(tensor_list)
         staged = _Staged(tensor_list)
         for t in staged.host:
             if reducible(t.dtype, opts.reduceOp):
@@ -159,6 +200,18 @@ class ProcessGroupSpyre(dist.ProcessGroup):
                 self._gloo.allreduce([t], opts).wait()
         staged.write_back()
         return _done(tensor_list)
+
+    def _all_reduce_storage(self, card, base: int, layout, dtype, op) -> None:
+        """An all-reduce of a card tensor that is its whole storage, in its stick layout:
+        elementwise, so the storage's bytes (padding included) are reduced as they lie,
+        read and written back without a transfer graph. Every rank must hold the same
+        layout (the ring compares it with the call)."""
+        host = torch.empty(layout.nbytes // layout.itemsize, dtype=dtype)
+        check(lib.spy_mem_read(card.handle, base, ffi.cast("void *", host.data_ptr()), layout.nbytes),
+              f"reading spyre:{card.index}")
+        self._ring.all_reduce(host, op, tag=(layout.rows << 32) | layout.row_len)
+        check(lib.spy_mem_write(card.handle, base, ffi.cast("void *", host.data_ptr()), layout.nbytes),
+              f"writing spyre:{card.index}")
 
     def allreduce_coalesced(self, tensor_list, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
@@ -178,6 +231,8 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         if any(o.shape != inp.shape or o.dtype != inp.dtype for o in outs):
             raise ValueError("spyreccl all_gather: every output tensor must have the input's shape and dtype "
                              f"({tuple(inp.shape)}, {inp.dtype})")
+        if not self._on_interconnect("all_gather", [inp], self._size * inp.numel() * inp.element_size()):
+            return
         src = _Staged([inp])
         gathered = torch.empty((self._size, *inp.shape), dtype=inp.dtype)
         self._ring.all_gather(src.host[0], gathered)
@@ -190,6 +245,8 @@ class ProcessGroupSpyre(dist.ProcessGroup):
             raise ValueError(f"spyreccl all_gather_into_tensor: the output must hold {self._size} inputs of "
                              f"{input_tensor.numel()} {input_tensor.dtype} elements, not {output_tensor.numel()} "
                              f"{output_tensor.dtype}")
+        if not self._on_interconnect("all_gather", [input_tensor], output_tensor.numel() * output_tensor.element_size()):
+            return _done(output_tensor)
         src, dst = _Staged([input_tensor]), _Staged([output_tensor], read=False)
         dst.host[0] = dst.host[0] if dst.host[0].is_contiguous() else torch.empty_like(dst.host[0])
         self._ring.all_gather(src.host[0], dst.host[0])
@@ -240,6 +297,8 @@ class ProcessGroupSpyre(dist.ProcessGroup):
             raise ValueError(f"spyreccl reduce_scatter_tensor: the input must hold {self._size} outputs of "
                              f"{output_tensor.numel()} {output_tensor.dtype} elements, not {input_tensor.numel()} "
                              f"{input_tensor.dtype}")
+        if not self._on_interconnect("reduce_scatter", [input_tensor], input_tensor.numel() * input_tensor.element_size()):
+            return _done(output_tensor)
         self._reduce_scatter_host(_Staged([input_tensor]).host[0], output_tensor, opts.reduceOp)
         return _done(output_tensor)
 
@@ -255,6 +314,8 @@ class ProcessGroupSpyre(dist.ProcessGroup):
     def broadcast(self, tensor_list, opts=None):
         opts = opts or dist.BroadcastOptions()
         _kind(tensor_list)
+        if not self._on_interconnect("broadcast", tensor_list, sum(t.numel() * t.element_size() for t in tensor_list)):
+            return _done(tensor_list)
         staged = _Staged(tensor_list, read=self._rank == opts.rootRank)
         for t in staged.host:
             self._ring.broadcast(t, opts.rootRank)
@@ -353,7 +414,7 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         return _done(tensor_list)
 
     def barrier(self, opts=None):
-        self._ring.barrier()
+        self._ring.barrier()  # no tensor, so no card to time it on
         return _done(None)
 
 

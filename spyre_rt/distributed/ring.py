@@ -78,10 +78,10 @@ class Ring:
     def abort(self, reason: str) -> None:
         lib.spy_ccl_abort(self.handle, reason.encode())
 
-    def all_reduce(self, t: torch.Tensor, op) -> None:
-        """In place, on a contiguous CPU tensor."""
+    def all_reduce(self, t: torch.Tensor, op, tag: int = 0) -> None:
+        """In place, on a contiguous CPU tensor; `tag` must be the same on every rank."""
         self._check(lib.spy_ccl_allreduce(self.handle, _ptr(t), _ptr(t), t.numel(), _CCL_DTYPES[t.dtype],
-                                          _CCL_OPS[_op(op)]), "all_reduce")
+                                          _CCL_OPS[_op(op)], tag), "all_reduce")
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         """out (size × inp's bytes) = every rank's inp in rank order."""

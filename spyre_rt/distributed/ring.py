@@ -38,12 +38,13 @@ class SpyreCollectiveError(SpyreError, dist.DistBackendError):
 
 def reducible(dtype: torch.dtype, op) -> bool:
     """Whether the ring reduces this dtype with this op (others go through gloo)."""
-    return dtype in _CCL_DTYPES and _op(op) in _CCL_OPS and not (
-        _op(op) == dist.ReduceOp.AVG and not dtype.is_floating_point)
+    op = _op(op)
+    return dtype in _CCL_DTYPES and op in _CCL_OPS and not (op == dist.ReduceOp.AVG and not dtype.is_floating_point)
 
 
 def _op(op):
-    return op.op if isinstance(op, dist.ReduceOp) and hasattr(op, "op") else op
+    """The RedOpType of a ReduceOp (or the RedOpType itself)."""
+    return op.op if type(op) is dist.ReduceOp else op
 
 
 def _ptr(t: torch.Tensor):

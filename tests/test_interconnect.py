@@ -44,10 +44,11 @@ def test_other_collectives_and_one_rank(spyre):
 
 def test_a_profile_without_links_has_no_model_and_bad_links_are_refused(spyre):
     text = open(spyre.path).read()
-    plain = profile.parse(text[: text.index("[interconnect]")])
+    start = text.index("[interconnect]")
+    plain = profile.parse(text[:start] + text[text.index("[figures]"):])
     assert plain.interconnect == {} and interconnect.cost(plain, "all_reduce", 8192, 2) is None
     bad = text.replace('p2p_latency_ns = { value = 1000', 'p2p_latency_ns = { value = -1', 1)
     with pytest.raises(SpyreProfileError, match="positive number"):
         profile.parse(bad)
     with pytest.raises(SpyreProfileError, match="unknown interconnect figure"):
-        profile.parse(text + 'hops = { value = 1, unit = "x", kind = "assumption", source = "s" }\n')
+        profile.parse(text.replace("[interconnect]\n", '[interconnect]\nhops = { value = 1, unit = "x", kind = "assumption", source = "s" }\n'))

@@ -2,6 +2,7 @@
  * a resident program, binding a job's slots to addresses and putting the job on the device
  * timeline; spy_launch runs one committed program. Transfer graphs (transfer.c) and plans
  * (plan.c) run their jobs through the same functions. */
+#include <math.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -174,6 +175,27 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
     d->counters.bytes_d2h += g->bytes_d2h;
     d->job_seq++;
     return s;
+}
+
+spy_status spy_timed_job(spy_device *d, double not_before, double duration_ns, uint32_t name, double *end_ns)
+{
+    SPY_ENTER(d);
+    SPY_REFUSE_IF_LOST(d);
+    if (!isfinite(not_before) || !isfinite(duration_ns) || not_before < 0 || duration_ns < 0)
+        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "a timed job starts and lasts a finite, non-negative time "
+                              "(not %g ns for %g ns)", not_before, duration_ns));
+    double start = d->device_free > not_before ? d->device_free : not_before;
+    if (not_before > d->device_free)
+        d->counters.device_idle_host_ns += not_before - d->device_free;
+    spy_trace_job(d, d->job_seq, start, start + duration_ns, name, 0);
+    d->device_free = start + duration_ns;
+    d->device_work += duration_ns;
+    d->counters.device_busy_ns += duration_ns;
+    d->counters.jobs++;
+    d->job_seq++;
+    if (end_ns)
+        *end_ns = d->device_free;
+    SPY_LEAVE(d, SPY_OK);
 }
 
 spy_status spy_launch(spy_device *d, uint64_t prog_addr, const uint64_t *bindings,

@@ -94,7 +94,10 @@ typedef enum spy_status {
     SPY_E_DEVICE_LOST = 12,  /* the device is lost; only spy_device_reset helps */
     SPY_E_HOST_NOMEM = 13,   /* host memory for the runtime's own bookkeeping ran out */
     SPY_E_NOT_COMMITTED = 14,/* launch of a program that was not committed (validated) */
-    SPY_E_LAYOUT = 15        /* a plan binding whose storage records another stick layout */
+    SPY_E_LAYOUT = 15,       /* a plan binding whose storage records another stick layout */
+    SPY_E_CCL_TIMEOUT = 16,  /* a peer did not reach a collective within the group's timeout */
+    SPY_E_CCL_MISMATCH = 17, /* the ranks called different collectives (kind, size, dtype, op, root) */
+    SPY_E_CCL_PEER = 18      /* a peer exited, or the group was aborted */
 } spy_status;
 
 /* The message of the calling thread's last failure ("" if none). */
@@ -868,6 +871,15 @@ uint64_t spy_dlpack_live(spy_device *dev);
 #define SPY_FAULT_LOST 3    /* the device is lost at the Nth command from now */
 
 spy_status spy_fault_inject(spy_device *dev, uint32_t kind, uint64_t after_n);
+
+/* A job of the card's timeline that touches no memory and lasts duration_ns: a collective on
+ * the interconnect (the data moved through spy_ccl_*). It starts at not_before (the last
+ * rank's arrival) or when the card is free, whichever is later; *end_ns (if not NULL) is
+ * its end. Traced as a job named `name`. (job.c) */
+spy_status spy_timed_job(spy_device *dev, double not_before, double duration_ns, uint32_t name, double *end_ns);
+
+/* ---- collectives between processes (ccl.c) ------------------------------------------ */
+#include "ccl.h"
 
 #ifdef __cplusplus
 }

@@ -59,6 +59,9 @@ const char *spy_status_name(spy_status s)
     case SPY_E_HOST_NOMEM: return "SPY_E_HOST_NOMEM";
     case SPY_E_NOT_COMMITTED: return "SPY_E_NOT_COMMITTED";
     case SPY_E_LAYOUT: return "SPY_E_LAYOUT";
+    case SPY_E_CCL_TIMEOUT: return "SPY_E_CCL_TIMEOUT";
+    case SPY_E_CCL_MISMATCH: return "SPY_E_CCL_MISMATCH";
+    case SPY_E_CCL_PEER: return "SPY_E_CCL_PEER";
     }
     return "SPY_E_UNKNOWN";
 }

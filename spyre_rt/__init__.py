@@ -29,11 +29,12 @@ def register() -> None:
         if _registered:
             return
 
-        from . import accelerator, aten, device_module, fallback, printing, serialization
+        from . import accelerator, aten, current_device, device_module, fallback, printing, serialization
 
         if torch._C._get_privateuse1_backend_name() != "spyre":
             _setup_privateuseone_for_python_backend("spyre", backend_module=device_module, hook=accelerator.Hooks())
         accelerator.install()
+        current_device.install()
         aten.register()
         fallback.register()
         printing.install()

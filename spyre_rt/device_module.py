@@ -3,10 +3,8 @@
 Registered by :func:`spyre_rt.register`. Device indices refer to the cards of the
 configured device profile (``spyre:0 .. spyre:count-1``).
 
-Note: torch's Python device guard always reports device 0, so ``tensor.to("spyre")``
-without an index lands on ``spyre:0`` whatever the current device is; factory functions
-(``torch.empty(..., device="spyre")``) follow :func:`current_device`. Pass explicit
-indices (``"spyre:1"``) when using several cards.
+``"spyre"`` without an index is the current device (:mod:`spyre_rt.current_device`):
+under ``torchrun`` a process starts on the card of its ``LOCAL_RANK``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ class DeviceProfile:
     figures: dict[str, Figure]
     path: str
     digest: str  # sha256 of the file: part of every plan's cache key
+    # [interconnect]: the links between the cards of one machine (spyre_rt.distributed.interconnect)
+    interconnect: dict[str, Figure] = dataclasses.field(default_factory=dict)
 
     def native_fields(self) -> dict[str, Any]:
         out = {}
@@ -133,7 +135,7 @@ def parse(text: str, path: str = "<string>") -> DeviceProfile:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpyreProfileError(f"{path}: not valid TOML: {e}") from None
-    unknown_tables = set(doc) - {"device", "figures"}
+    unknown_tables = set(doc) - {"device", "figures", "interconnect"}
     if unknown_tables:
         raise SpyreProfileError(f"{path}: unknown table(s) {sorted(unknown_tables)}")
     dev = doc.get("device")
@@ -182,6 +184,21 @@ def parse(text: str, path: str = "<string>") -> DeviceProfile:
         if not str(entry["source"]).strip():
             raise SpyreProfileError(f"{path}: figure {key!r} needs a source")
         figures[key] = Figure(key, float(value), str(entry["unit"]), entry["kind"], str(entry["source"]))
+    links = doc.get("interconnect", {})
+    if not isinstance(links, dict):
+        raise SpyreProfileError(f"{path}: [interconnect] must be a table")
+    interconnect = {}
+    for key, entry in links.items():
+        if key not in INTERCONNECT:
+            raise SpyreProfileError(f"{path}: unknown interconnect figure {key!r}; known: {sorted(INTERCONNECT)}")
+        if not isinstance(entry, dict) or set(entry) != FIGURE_KEYS:
+            raise SpyreProfileError(f"{path}: interconnect figure {key!r} must be a table with value, unit, kind, source")
+        value = entry["value"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise SpyreProfileError(f"{path}: interconnect figure {key!r} must be a positive number, not {value!r}")
+        if entry["kind"] not in KINDS or not str(entry["source"]).strip():
+            raise SpyreProfileError(f"{path}: interconnect figure {key!r} needs a kind in {sorted(KINDS)} and a source")
+        interconnect[key] = Figure(key, float(value), str(entry["unit"]), entry["kind"], str(entry["source"]))
     return DeviceProfile(
         name=str(dev["name"]),
         description=str(dev.get("description", "")),
@@ -189,7 +206,13 @@ def parse(text: str, path: str = "<string>") -> DeviceProfile:
         figures=figures,
         path=path,
         digest=hashlib.sha256(text.encode()).hexdigest(),
+        interconnect=interconnect,
     )
+
+
+# The figures an [interconnect] table may give (all optional; a profile without them has
+# no model of collectives' time): name -> unit.
+INTERCONNECT = {"p2p_bandwidth_gbps": "GB/s", "p2p_latency_ns": "ns"}
 
 
 def load(name_or_path: str) -> DeviceProfile:

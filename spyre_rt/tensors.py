@@ -32,7 +32,12 @@ _state = threading.local()
 
 
 def current_device() -> int:
-    return getattr(_state, "device", 0)
+    device = getattr(_state, "device", None)
+    if device is None:  # the thread's first question: LOCAL_RANK's card under torchrun
+        from .current_device import first_device
+
+        device = _state.device = first_device(cards.count)
+    return device
 
 
 def set_current_device(index: int) -> None:

@@ -1327,6 +1327,118 @@ static void test_builder(void)
     spy_device_close(d);
 }
 
+/* ---- collectives (ccl.c) and timed jobs: two ranks as two threads of one process ---- */
+
+typedef struct ccl_rank_run {
+    spy_ccl *c;
+    uint32_t rank;
+    spy_status s[8];
+    float sum[100];
+    uint16_t half_max[3];
+    int32_t gathered[4];
+    double scattered[2];
+    uint8_t bcast[300];
+    int64_t a2a[2];
+} ccl_rank_run;
+
+static void *ccl_rank_main(void *arg)
+{
+    ccl_rank_run *r = arg;
+    float x[100];
+    for (int i = 0; i < 100; i++)
+        x[i] = (float)(i + 100 * r->rank);
+    r->s[0] = spy_ccl_allreduce(r->c, x, r->sum, 100, SPY_CCL_F32, SPY_CCL_SUM, 7); /* 400 bytes: two rounds */
+    uint16_t h[3] = {r->rank ? 0x4000 : 0x3c00, r->rank ? 0x3c00 : 0x4200, 0xc000}; /* 1,2 | 3,1 | -2,-2 */
+    r->s[1] = spy_ccl_allreduce(r->c, h, r->half_max, 3, SPY_CCL_F16, SPY_CCL_MAX, 0);
+    int32_t mine[2] = {(int32_t)r->rank * 10, (int32_t)r->rank * 10 + 1};
+    r->s[2] = spy_ccl_allgather(r->c, mine, r->gathered, sizeof mine);
+    double blocks[4] = {1 + r->rank, 2 + r->rank, 3 + r->rank, 4 + r->rank};
+    r->s[3] = spy_ccl_reduce_scatter(r->c, blocks, r->scattered, 2, SPY_CCL_F64, SPY_CCL_AVG);
+    for (int i = 0; i < 300; i++)
+        r->bcast[i] = r->rank ? (uint8_t)i : 0;
+    r->s[4] = spy_ccl_broadcast(r->c, r->bcast, sizeof r->bcast, 1);
+    int64_t out[2] = {0, 0}, in[2] = {r->rank * 2, r->rank * 2 + 1};
+    r->s[5] = spy_ccl_alltoall(r->c, in, out, sizeof(int64_t));
+    memcpy(r->a2a, out, sizeof out);
+    float y[4] = {0};
+    r->s[6] = spy_ccl_allreduce(r->c, y, y, 3 + r->rank, SPY_CCL_F32, SPY_CCL_SUM, 0); /* mismatched counts */
+    r->s[7] = spy_ccl_barrier(r->c); /* the group is aborted from then on */
+    return NULL;
+}
+
+static void test_ccl(void)
+{
+    current = "ccl";
+    char name[64];
+    snprintf(name, sizeof name, "/spyreccl-test-%ld", (long)time(NULL));
+    spy_ccl *c0 = NULL, *c1 = NULL, *lone = NULL;
+    CHECK(spy_ccl_open("no-slash", 0, 2, 256, 1, 1000000, &c0) == SPY_E_INVALID_ARG);
+    CHECK(spy_ccl_open(name, 0, 2, 100, 1, 1000000, &c0) == SPY_E_INVALID_ARG); /* not whole lines */
+    CHECK_OK(spy_ccl_open(name, 0, 2, 256, 1, 5000000000ull, &c0));
+    CHECK(spy_ccl_open(name, 1, 3, 256, 0, 1000000, &c1) == SPY_E_INVALID_ARG); /* another group's shape */
+    CHECK_OK(spy_ccl_open(name, 1, 2, 256, 0, 5000000000ull, &c1));
+    CHECK_OK(spy_ccl_unlink(name));
+    if (!c0 || !c1) {
+        spy_ccl_close(c0);
+        spy_ccl_close(c1);
+        return;
+    }
+    ccl_rank_run runs[2] = {{.c = c0, .rank = 0}, {.c = c1, .rank = 1}};
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&threads[i], NULL, ccl_rank_main, &runs[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        ccl_rank_run *r = &runs[i];
+        for (int k = 0; k < 6; k++)
+            CHECK(r->s[k] == SPY_OK);
+        for (int e = 0; e < 100; e++)
+            CHECK(r->sum[e] == (float)(2 * e + 100));
+        CHECK(r->half_max[0] == 0x4000 && r->half_max[1] == 0x4200 && r->half_max[2] == 0xc000);
+        CHECK(r->gathered[0] == 0 && r->gathered[1] == 1 && r->gathered[2] == 10 && r->gathered[3] == 11);
+        /* block `rank` of {1,2,3,4} and {2,3,4,5}, averaged */
+        CHECK(r->scattered[0] == (i ? 3.5 : 1.5) && r->scattered[1] == (i ? 4.5 : 2.5));
+        for (int b = 0; b < 300; b++)
+            CHECK(r->bcast[b] == (uint8_t)b);
+        CHECK(r->a2a[0] == i && r->a2a[1] == 2 + i);
+        CHECK(r->s[6] == SPY_E_CCL_MISMATCH || r->s[6] == SPY_E_CCL_PEER);
+        CHECK(r->s[7] == SPY_E_CCL_PEER);
+    }
+    CHECK(spy_ccl_rounds(c0) == spy_ccl_rounds(c1));
+    spy_ccl_close(c0);
+    spy_ccl_close(c1);
+
+    /* a peer that never arrives: the wait ends at the timeout */
+    snprintf(name, sizeof name, "/spyreccl-test-lone-%ld", (long)time(NULL));
+    CHECK_OK(spy_ccl_open(name, 0, 2, 256, 1, 50000000ull, &lone));
+    CHECK_OK(spy_ccl_unlink(name));
+    if (lone) {
+        CHECK(spy_ccl_barrier(lone) == SPY_E_CCL_TIMEOUT);
+        CHECK(strstr(spy_last_error(), "within the timeout") != NULL);
+        spy_ccl_close(lone);
+    }
+}
+
+static void test_timed_job(void)
+{
+    current = "timed job";
+    spy_profile pr = test_profile();
+    spy_device *d = NULL;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    if (!d)
+        return;
+    double end = 0;
+    CHECK_OK(spy_timed_job(d, 1e9, 500, 0, &end)); /* waits for the last rank, at 1 s */
+    CHECK(end == 1e9 + 500 && spy_device_finish_ns(d) == end);
+    CHECK_OK(spy_timed_job(d, 0, 100, 0, &end)); /* queues behind the first */
+    CHECK(end == 1e9 + 600);
+    CHECK(spy_timed_job(d, 0, NAN, 0, &end) == SPY_E_INVALID_ARG);
+    CHECK(spy_timed_job(d, -1, 1, 0, NULL) == SPY_E_INVALID_ARG);
+    CHECK(spy_device_finish_ns(d) == 1e9 + 600);
+    spy_device_close(d);
+}
+
 int main(void)
 {
     test_allocator();
@@ -1345,6 +1457,8 @@ int main(void)
     test_profile_figures();
     test_layouts();
     test_builder();
+    test_ccl();
+    test_timed_job();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);
         return 1;

@@ -1,0 +1,106 @@
+"""The native shared-memory ring of one process group (native/ccl.h), on host tensors.
+
+Every call takes contiguous CPU tensors and hands their memory to one native call: the
+collective's rounds, waits and reductions all happen in C. A failure is a
+:class:`SpyreCollectiveError` naming the collective and the rank, and aborts the group for
+every rank (NCCL's behaviour), so that no survivor waits for a rank that left.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SpyreError
+from ..native import ffi, lib
+
+# The per-rank slot: a message longer than this takes several rounds.
+DEFAULT_SLOT_BYTES = 4 << 20
+
+_CCL_DTYPES = {
+    torch.float32: lib.SPY_CCL_F32, torch.float16: lib.SPY_CCL_F16, torch.bfloat16: lib.SPY_CCL_BF16,
+    torch.float64: lib.SPY_CCL_F64, torch.int32: lib.SPY_CCL_I32, torch.int64: lib.SPY_CCL_I64,
+}
+_CCL_OPS = {
+    dist.ReduceOp.SUM: lib.SPY_CCL_SUM, dist.ReduceOp.PRODUCT: lib.SPY_CCL_PROD, dist.ReduceOp.MAX: lib.SPY_CCL_MAX,
+    dist.ReduceOp.MIN: lib.SPY_CCL_MIN, dist.ReduceOp.AVG: lib.SPY_CCL_AVG,
+}
+
+
+class SpyreCollectiveError(SpyreError, dist.DistBackendError):
+    """A collective failed: a peer timed out or exited, the ranks' calls did not match, or
+    the group was aborted by an earlier failure."""
+
+    def __init__(self, message: str, status: str = ""):
+        super().__init__(message)
+        self.status = status
+
+
+def reducible(dtype: torch.dtype, op) -> bool:
+    """Whether the ring reduces this dtype with this op (others go through gloo)."""
+    op = _op(op)
+    return dtype in _CCL_DTYPES and op in _CCL_OPS and not (op == dist.ReduceOp.AVG and not dtype.is_floating_point)
+
+
+def _op(op):
+    """The RedOpType of a ReduceOp (or the RedOpType itself)."""
+    return op.op if type(op) is dist.ReduceOp else op
+
+
+def _ptr(t: torch.Tensor):
+    return ffi.cast("void *", t.data_ptr())
+
+
+class Ring:
+    """One rank's end of a group's shared-memory segment."""
+
+    def __init__(self, name: str, rank: int, size: int, create: bool, timeout_s: float,
+                 slot_bytes: int = DEFAULT_SLOT_BYTES):
+        out = ffi.new("spy_ccl **")
+        self.name, self.rank, self.size = name, rank, size
+        self._check(lib.spy_ccl_open(name.encode(), rank, size, slot_bytes, int(create),
+                                     max(1, int(timeout_s * 1e9)), out), "opening the ring")
+        self.handle = ffi.gc(out[0], lib.spy_ccl_close)
+
+    def _check(self, status: int, what: str) -> None:
+        if status == lib.SPY_OK:
+            return
+        message = ffi.string(lib.spy_last_error()).decode(errors="replace")
+        name = ffi.string(lib.spy_status_name(status)).decode()
+        text = f"spyreccl rank {self.rank} of {self.size}, {what}: {message} [{name}]"
+        if status == lib.SPY_E_INVALID_ARG:
+            raise ValueError(text)
+        raise SpyreCollectiveError(text, name)
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        lib.spy_ccl_unlink(name.encode())
+
+    def abort(self, reason: str) -> None:
+        lib.spy_ccl_abort(self.handle, reason.encode())
+
+    def all_reduce(self, t: torch.Tensor, op, tag: int = 0) -> None:
+        """In place, on a contiguous CPU tensor; `tag` must be the same on every rank."""
+        self._check(lib.spy_ccl_allreduce(self.handle, _ptr(t), _ptr(t), t.numel(), _CCL_DTYPES[t.dtype],
+                                          _CCL_OPS[_op(op)], tag), "all_reduce")
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """out (size × inp's bytes) = every rank's inp in rank order."""
+        self._check(lib.spy_ccl_allgather(self.handle, _ptr(inp), _ptr(out), inp.numel() * inp.element_size()),
+                    "all_gather")
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op) -> None:
+        """out = the reduction over ranks of their block `rank` of inp (size × out's elements)."""
+        self._check(lib.spy_ccl_reduce_scatter(self.handle, _ptr(inp), _ptr(out), out.numel(),
+                                               _CCL_DTYPES[out.dtype], _CCL_OPS[_op(op)]), "reduce_scatter")
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._check(lib.spy_ccl_broadcast(self.handle, _ptr(t), t.numel() * t.element_size(), root), "broadcast")
+
+    def all_to_all(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """Equal blocks: out block j = rank j's inp block `rank`."""
+        self._check(lib.spy_ccl_alltoall(self.handle, _ptr(inp), _ptr(out),
+                                         inp.numel() * inp.element_size() // self.size), "all_to_all")
+
+    def barrier(self) -> None:
+        self._check(lib.spy_ccl_barrier(self.handle), "barrier")

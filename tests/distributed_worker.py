@@ -1,0 +1,347 @@
+"""One rank of the multi-card tests (tests/test_distributed.py runs it under torchrun).
+
+``python distributed_worker.py SUITE``: runs every case of SUITE in order and prints
+``CASE <name> OK`` (or the failure) for each; the exit status is 1 if any case failed.
+Every rank checks its own results against what a single process computes on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import spyre_rt
+import spyre_rt.distributed  # noqa: F401  (registers spyreccl)
+
+warnings.simplefilter("ignore")
+R = W = 0
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def value(rank: int, shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    """Rank `rank`'s input: the same on every process, so each can compute the expected result."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def expect(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 0.0) -> None:
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    if tol:
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=what)
+    else:
+        assert torch.equal(got, want), f"{what}: {got} != {want}"
+
+
+def spyre(t: torch.Tensor) -> torch.Tensor:
+    return t.to("spyre")
+
+
+# ---- the collectives suite ----
+
+def case_device_of_rank():
+    assert torch.spyre.current_device() == int(os.environ["LOCAL_RANK"])
+    assert torch.accelerator.current_device_index() == R
+    assert torch.ones(2).to("spyre").device == torch.device("spyre", R)
+    assert torch.zeros(2, device="spyre").device == torch.device("spyre", R)
+
+
+def case_all_reduce_ops():
+    for dtype in DTYPES:
+        for op, fold in ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum),
+                         (dist.ReduceOp.MIN, torch.minimum), (dist.ReduceOp.PRODUCT, torch.mul)):
+            t = spyre(value(R, (5, 70), dtype))
+            dist.all_reduce(t, op=op)
+            want = value(0, (5, 70)).to(dtype).float()
+            for r in range(1, W):
+                want = fold(want, value(r, (5, 70)).to(dtype).float())
+            expect(t, want.to(dtype), f"all_reduce {op} {dtype}")
+        t = spyre(value(R, (33,), dtype))
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        want = (sum(value(r, (33,), dtype).float() for r in range(W)) / W).to(dtype)
+        expect(t, want, f"all_reduce avg {dtype}")
+
+
+def case_all_reduce_noncontiguous_and_cpu():
+    base = spyre(value(R, (8, 6)))
+    view = base.t()[1:5]  # a strided view of the card's storage
+    dist.all_reduce(view)
+    want = sum(value(r, (8, 6)) for r in range(W)).t()[1:5]
+    expect(view, want, "non-contiguous view")
+    untouched = value(R, (8, 6)).t().clone()
+    untouched[1:5] = want
+    expect(base.t(), untouched, "the rest of the storage")
+    c = value(R, (4, 4))
+    dist.all_reduce(c)
+    expect(c, sum(value(r, (4, 4)) for r in range(W)), "cpu through gloo")
+
+
+def case_all_gather():
+    for dtype in DTYPES:
+        x = spyre(value(R, (3, 5), dtype))
+        outs = [torch.empty(3, 5, dtype=dtype, device="spyre") for _ in range(W)]
+        dist.all_gather(outs, x)
+        for r in range(W):
+            expect(outs[r], value(r, (3, 5), dtype), f"all_gather {dtype} from {r}")
+        out = torch.empty(3 * W, 5, dtype=dtype, device="spyre")
+        dist.all_gather_into_tensor(out, x)
+        expect(out, torch.cat([value(r, (3, 5), dtype) for r in range(W)]), f"all_gather_into_tensor {dtype}")
+
+
+def case_reduce_scatter():
+    ins = [spyre(value(R, (4,), seed=j)) for j in range(W)]
+    out = torch.empty(4, device="spyre")
+    dist.reduce_scatter(out, ins)
+    expect(out, sum(value(r, (4,), seed=R) for r in range(W)), "reduce_scatter")
+    whole = spyre(value(R, (2 * W, 3)))
+    out = torch.empty(2, 3, device="spyre")
+    dist.reduce_scatter_tensor(out, whole)
+    expect(out, sum(value(r, (2 * W, 3)) for r in range(W))[2 * R:2 * R + 2], "reduce_scatter_tensor")
+
+
+def case_broadcast_reduce_gather_scatter():
+    t = spyre(value(R, (6,)))
+    dist.broadcast(t, src=1)
+    expect(t, value(1, (6,)), "broadcast")
+    t = spyre(value(R, (6,)))
+    dist.reduce(t, dst=0)
+    expect(t, sum(value(r, (6,)) for r in range(W)) if R == 0 else value(R, (6,)), "reduce")
+    x = spyre(value(R, (2, 2)))
+    outs = [torch.empty(2, 2, device="spyre") for _ in range(W)] if R == 0 else None
+    dist.gather(x, outs, dst=0)
+    if R == 0:
+        for r in range(W):
+            expect(outs[r], value(r, (2, 2)), f"gather from {r}")
+    out = torch.empty(3, device="spyre")
+    dist.scatter(out, [spyre(value(9, (3,), seed=j)) for j in range(W)] if R == 1 else None, src=1)
+    expect(out, value(9, (3,), seed=R), "scatter")
+
+
+def case_all_to_all():
+    ins = [spyre(value(R, (2, 3), seed=j)) for j in range(W)]
+    outs = [torch.empty(2, 3, device="spyre") for _ in range(W)]
+    dist.all_to_all(outs, ins)
+    for j in range(W):
+        expect(outs[j], value(j, (2, 3), seed=R), f"all_to_all from {j}")
+    x = spyre(value(R, (2 * W, 3)))
+    out = torch.empty(2 * W, 3, device="spyre")
+    dist.all_to_all_single(out, x)
+    expect(out, torch.cat([value(j, (2 * W, 3))[2 * R:2 * R + 2] for j in range(W)]), "all_to_all_single")
+    # uneven splits: rank r sends j+1 rows to rank j
+    x = spyre(value(R, (sum(range(1, W + 1)),)))
+    out = torch.empty(W * (R + 1), device="spyre")
+    dist.all_to_all_single(out, x, output_split_sizes=[R + 1] * W, input_split_sizes=list(range(1, W + 1)))
+    start = sum(range(1, R + 1))
+    expect(out, torch.cat([value(j, (sum(range(1, W + 1)),))[start:start + R + 1] for j in range(W)]),
+           "all_to_all_single, uneven")
+
+
+def case_send_recv_barrier():
+    if R == 0:
+        dist.send(spyre(value(7, (5,))), dst=1)
+    elif R == 1:
+        t = torch.empty(5, device="spyre")
+        dist.recv(t, src=0)
+        expect(t, value(7, (5,)), "recv")
+    dist.barrier()
+
+
+def case_functional_collectives():
+    x = spyre(value(R, (4, 8)))
+    y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+    expect(funcol.wait_tensor(y), sum(value(r, (4, 8)) for r in range(W)), "funcol all_reduce")
+    g = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+    expect(funcol.wait_tensor(g), torch.cat([value(r, (4, 8)) for r in range(W)]), "funcol all_gather")
+    s = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD)
+    expect(funcol.wait_tensor(s), sum(value(r, (4, 8)) for r in range(W))[4 // W * R:4 // W * (R + 1)],
+           "funcol reduce_scatter")
+    expect(x, value(R, (4, 8)), "funcol leaves its input")
+
+
+def case_sub_groups():
+    groups = [dist.new_group([r]) for r in range(W)]  # every rank makes every group, in the same order
+    mine = groups[R]
+    t = spyre(value(R, (3,)))
+    dist.all_reduce(t, group=mine)
+    expect(t, value(R, (3,)), "a group of one")
+    pair = dist.new_group(list(range(W)))
+    t = spyre(value(R, (3,)))
+    dist.all_reduce(t, group=pair)
+    expect(t, sum(value(r, (3,)) for r in range(W)), "a new group of every rank")
+
+
+def case_large_message():
+    n = (9 << 20) // 2  # 9 MiB of fp16: three rounds of the 4 MiB slots
+    t = spyre(torch.full((n,), float(R + 1), dtype=torch.float16))
+    dist.all_reduce(t)
+    expect(t, torch.full((n,), float(sum(range(1, W + 1))), dtype=torch.float16), "9 MiB all_reduce")
+
+
+def case_interconnect_time():
+    """A collective is a job on each card's timeline: it starts when the last rank is ready
+    and lasts the interconnect model's time; on timing-mode cards no data moves."""
+    from spyre_rt.distributed import interconnect
+    from spyre_rt.native import lib
+
+    pg = dist.distributed_c10d._get_default_group()
+    for mode in ("functional", "timing"):
+        with spyre_rt.card.configured(sim_mode=mode):
+            t = torch.ones(4096, dtype=torch.float16).to("spyre")  # 8 KiB, a decode step's all-reduce
+            card = spyre_rt.tensors.card_of(t)
+            assert card.index == R and card.sim_mode == mode
+            c = card.clock()
+            ready = max(c.host_ns, c.finish_ns)
+            rounds = int(lib.spy_ccl_rounds(pg._ring.handle))
+            dist.all_reduce(t)
+            end = torch.tensor([card.device_finish_ns()], dtype=torch.float64)
+            moved = int(lib.spy_ccl_rounds(pg._ring.handle)) - rounds
+            ends = [torch.empty_like(end) for _ in range(W)]
+            dist.all_gather(ends, end)
+            cost = interconnect.cost(card.profile, "all_reduce", 8192, W)
+            assert cost.algorithm == "ring" and 1000 < cost.ns < 10000, cost
+            assert all(float(e) == float(end) for e in ends), f"the collective ends apart: {ends}"
+            assert float(end) >= ready + cost.ns, (float(end), ready, cost)
+            assert moved == (2 if mode == "functional" else 1), f"{mode}: {moved} rounds"  # arrival (+ data)
+            if mode == "functional":
+                expect(t, torch.full((4096,), float(W), dtype=torch.float16), "the all_reduce's data")
+
+
+# ---- the faults suite ----
+
+def case_mismatched_shapes():
+    t = spyre(torch.ones(4 + R))
+    try:
+        dist.all_reduce(t)
+    except spyre_rt.distributed.SpyreCollectiveError as e:
+        assert "mismatched collectives" in str(e), e
+        expect(t, torch.ones(4 + R), "the tensor of a refused call")
+    else:
+        raise AssertionError("a mismatched all_reduce succeeded")
+    try:  # the group is aborted from then on, as NCCL's is
+        dist.all_reduce(spyre(torch.ones(2)))
+    except spyre_rt.distributed.SpyreCollectiveError as e:
+        assert "aborted" in str(e), e
+    else:
+        raise AssertionError("an aborted group ran a collective")
+
+
+def case_rank_dies():
+    pg = dist.new_group(list(range(W)), timeout=timedelta(seconds=30))
+    dist.barrier(group=pg)
+    if R == 1:
+        os._exit(0)  # leaves without a word, mid-run
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(spyre(torch.ones(3)), group=pg)
+    except spyre_rt.distributed.SpyreCollectiveError as e:
+        assert "exited" in str(e) or "timeout" in str(e), e
+    else:
+        raise AssertionError("an all_reduce without its peer succeeded")
+    assert time.monotonic() - t0 < 30, "the survivor waited past the group's timeout"
+
+
+# ---- the tensor-parallel suite ----
+
+def tiny_checkpoint(family: str) -> str:
+    """A 2-layer model of `family` from its config, random weights, saved by rank 0 to a
+    directory every rank then loads (the path comes through the store)."""
+    import tempfile
+
+    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"checkpoint/{family}"
+    if R == 0:
+        cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "granite": (GraniteForCausalLM, GraniteConfig)}[family]
+        torch.manual_seed(0)
+        model = cls(cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=False))
+        path = tempfile.mkdtemp(prefix=f"spyre-tp-{family}-")
+        model.save_pretrained(path)
+        store.set(key, path)
+    return store.get(key).decode()
+
+
+def _ring_rounds() -> int:
+    from spyre_rt.native import lib
+
+    return sum(int(lib.spy_ccl_rounds(pg._ring.handle)) for pg in dist.distributed_c10d._world.pg_map
+               if isinstance(pg, spyre_rt.distributed.ProcessGroupSpyre))
+
+
+def _tp_parity(family: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(family)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 3, 7]])
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mesh = init_device_mesh("spyre", (W,))
+    tp = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto", device_mesh=mesh).eval()
+    up = tp.model.layers[0].mlp.up_proj.weight
+    local = up.to_local() if hasattr(up, "to_local") else up
+    assert local.device.type == "spyre" and local.shape[0] == 128 // W, f"up_proj is not sharded: {local.shape}"
+    rounds = _ring_rounds()
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = tp(ids.to("spyre")).logits
+        assert _ring_rounds() > rounds, "the forward made no collective on the cards' ring"
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        expect(got.float(), want, f"{family} logits under tp_plan=auto", tol=1e-5)
+        want_tokens = ref.generate(ids, max_new_tokens=4, do_sample=False)
+        got_tokens = tp.generate(ids.to("spyre"), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got_tokens.cpu(), want_tokens), f"{family} generate: {got_tokens} != {want_tokens}"
+    dist.barrier()
+    if R == 0:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def case_tp_llama():
+    _tp_parity("llama")
+
+
+def case_tp_granite():
+    _tp_parity("granite")
+
+
+SUITES = {
+    "collectives": [case_device_of_rank, case_all_reduce_ops, case_all_reduce_noncontiguous_and_cpu,
+                    case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
+                    case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
+                    case_interconnect_time],
+    "faults": [case_mismatched_shapes, case_rank_dies],
+    "tp": [case_tp_llama, case_tp_granite],
+}
+
+
+def main(suite: str) -> int:
+    global R, W
+    dist.init_process_group(backend="cpu:gloo,spyre:spyreccl", timeout=timedelta(seconds=60))
+    R, W = dist.get_rank(), dist.get_world_size()
+    failed = 0
+    for case in SUITES[suite]:
+        try:
+            case()
+            print(f"CASE {case.__name__} OK", flush=True)
+        except Exception:
+            failed += 1
+            print(f"CASE {case.__name__} FAILED on rank {R}\n{traceback.format_exc()}", flush=True)
+    if suite in ("collectives", "tp"):
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(1 if failed else 0)  # faults suites leave groups that cannot be torn down cleanly
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

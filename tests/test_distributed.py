@@ -1,0 +1,90 @@
+"""Several cards: the spyreccl backend under torchrun, 2 processes on 127.0.0.1.
+
+Each suite of tests/distributed_worker.py runs once per module in its own torchrun (a
+free port, a strict timeout, functional cards from a 2-card profile); each test reads the
+lines its case printed on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+NPROC = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def two_card_profile(tmp_path_factory) -> str:
+    """The card's profile with two cards: a machine with a card per rank."""
+    text = (HERE.parent / "profiles" / "devices" / "spyre.toml").read_text()
+    path = tmp_path_factory.mktemp("profiles") / "spyre-2.toml"
+    path.write_text(text.replace("\ncount = 1 ", "\ncount = 2 ", 1))
+    return str(path)
+
+
+def torchrun(suite: str, profile: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPYRE_RT_SIM_MODE="functional", SPYRE_RT_DEVICE_PROFILE=profile,
+               OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--monitor-interval=0.1", str(HERE / "distributed_worker.py"), suite]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def collectives(two_card_profile):
+    return torchrun("collectives", two_card_profile)
+
+
+CASES = ["device_of_rank", "all_reduce_ops", "all_reduce_noncontiguous_and_cpu", "all_gather", "reduce_scatter",
+         "broadcast_reduce_gather_scatter", "all_to_all", "send_recv_barrier", "functional_collectives",
+         "sub_groups", "large_message", "interconnect_time"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_collective(collectives, case):
+    ok = collectives.stdout.count(f"CASE case_{case} OK")
+    assert ok == NPROC, f"{case}: OK on {ok} of {NPROC} ranks\n{collectives.stdout}\n{collectives.stderr[-3000:]}"
+
+
+def test_collectives_run_exits_cleanly(collectives):
+    assert collectives.returncode == 0, collectives.stdout + collectives.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def faults(two_card_profile):
+    return torchrun("faults", two_card_profile)
+
+
+def test_mismatched_shapes_fail_on_every_rank(faults):
+    assert faults.stdout.count("CASE case_mismatched_shapes OK") == NPROC, faults.stdout + faults.stderr[-3000:]
+
+
+def test_a_rank_that_dies_is_an_error_on_the_survivor(faults):
+    """Rank 1 leaves after the barrier; rank 0's all_reduce fails (its peer exited) instead of waiting."""
+    assert faults.stdout.count("CASE case_rank_dies OK") == 1, faults.stdout + faults.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(two_card_profile):
+    pytest.importorskip("accelerate")
+    return torchrun("tp", two_card_profile)
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_hf_tp_plan_auto_matches_one_cpu_process(tensor_parallel, family):
+    """from_pretrained(tp_plan="auto") on a spyre device mesh of 2: the weights sharded on
+    the cards, logits within 1e-5 of one CPU process and generate()'s tokens equal."""
+    ok = tensor_parallel.stdout.count(f"CASE case_tp_{family} OK")
+    assert ok == NPROC, f"{family}: OK on {ok} of {NPROC} ranks\n{tensor_parallel.stdout}\n{tensor_parallel.stderr[-3000:]}"

@@ -20,6 +20,7 @@ import re
 
 import sympy
 import torch
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor import ir
 from torch._inductor.codegen import wrapper as W
 from torch._inductor.utils import LineContext, ValueWithLineMap
@@ -370,12 +371,14 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)
-        step = self.build_step()
+        with dynamo_timed("spyre.describe"):
+            step = self.build_step()
         symbolic = _is_symbolic(step)
         loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
         text = to_json(step)
         # every kernel constructed now: what construction refuses is a compile-time event
-        prebuild(step, text, self.kernel_nodes, symbolic, self.kernel_indexing)
+        with dynamo_timed("spyre.plan_build"):
+            prebuild(step, text, self.kernel_nodes, symbolic, self.kernel_indexing)
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"

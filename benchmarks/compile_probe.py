@@ -5,7 +5,7 @@ cache in directories the caller chose: empty for a cold compile, kept from an ea
 for a warm start. A compile is the first call of a freshly compiled prefill and of one
 decode step (Dynamo, AOT, Inductor, our descriptions and plans, and one run of each).
 
-    python benchmarks/compile_probe.py granite-tiny --seq 8 [--layers N] [--backend inductor]
+    python benchmarks/compile_probe.py granite-tiny --seq 8 [--layers N] [--backend inductor] [--regional]
 
 The split comes from torch's own compile-time spans (``torch._dynamo.utils``) and ours
 (``spyre.describe``, ``spyre.plan_build``); ``first_call_s`` is what the two calls cost
@@ -46,7 +46,7 @@ def _model(name: str, layers: int | None, device: str):
     return GraniteForCausalLM(cfg).to(profile.dtype).eval(), profile.dtype
 
 
-def compile_once(name: str, seq: int, layers: int | None, backend: str) -> dict:
+def compile_once(name: str, seq: int, layers: int | None, backend: str, regional: bool = False) -> dict:
     from transformers import StaticCache
 
     from spyre_rt import card as cards
@@ -54,6 +54,10 @@ def compile_once(name: str, seq: int, layers: int | None, backend: str) -> dict:
     device = "spyre" if backend == "spyre_rt" else "cpu"
     with cards.configured(None, "timing") if device == "spyre" else _nothing():
         model, dtype = _model(name, layers, device)
+        if regional:
+            from spyre_rt.compiler.regional import compile_layers_once
+
+            compile_layers_once(model)
         cfg = model.config
         length = seq + 2
         cache = StaticCache(config=cfg, max_cache_len=length)
@@ -107,9 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=8)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--backend", default="spyre_rt", choices=("spyre_rt", "inductor"))
+    p.add_argument("--regional", action="store_true", help="decoder layers compiled once (compile_layers_once)")
     p.add_argument("--spans", action="store_true", help="every span's total too (to stderr)")
     args = p.parse_args(argv)
-    print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend)))
+    print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend, args.regional)))
     if args.spans:
         from torch._dynamo.utils import compilation_time_metrics
 

@@ -83,16 +83,23 @@ TINY = ("granite-tiny", "--seq", "8")
 
 @pytest.mark.benchmark(group="compiler")
 def test_cold_compile_tiny_granite_vs_inductor_cpu(benchmark):
-    """Cold compile through spyre_rt and through Inductor's CPU backend, interleaved, each
-    in a fresh process with empty caches."""
+    """Cold compile through spyre_rt (layers whole, and compiled once with
+    compile_layers_once) and through Inductor's CPU backend, interleaved, each in a fresh
+    process with empty caches."""
     ours: list[dict] = []
+    regional: list[dict] = []
     theirs: list[dict] = []
-    benchmark.pedantic(lambda: ours.append(_cold(*TINY)), setup=lambda: theirs.append(_cold(*TINY, "--backend", "inductor")),
-                       rounds=_rounds(benchmark, 3), iterations=1)
-    ours_m, theirs_m = _median(ours), _median(theirs)
+
+    def others():
+        theirs.append(_cold(*TINY, "--backend", "inductor"))
+        regional.append(_cold(*TINY, "--regional"))
+
+    benchmark.pedantic(lambda: ours.append(_cold(*TINY)), setup=others, rounds=_rounds(benchmark, 3), iterations=1)
+    ours_m, regional_m, theirs_m = _median(ours), _median(regional), _median(theirs)
     benchmark.extra_info.update({
-        "spyre_rt_cold": ours_m, "inductor_cpu_cold": theirs_m,
+        "spyre_rt_cold": ours_m, "spyre_rt_regional_cold": regional_m, "inductor_cpu_cold": theirs_m,
         "spyre_rt_over_inductor_cpu": round(ours_m["total_s"] / theirs_m["total_s"], 3),
+        "regional_over_whole": round(regional_m["total_s"] / ours_m["total_s"], 3),
     })
 
 
@@ -118,8 +125,15 @@ def test_warm_start_tiny_granite(benchmark):
 @pytest.mark.benchmark(group="compiler")
 def test_cold_and_warm_granite_8b(benchmark):
     """Granite 3.3 8B (40 layers, timing mode) at a 1,024-token prefill: one cold compile,
-    then one warm start (a cold compile of the 8B takes minutes on this machine)."""
+    then one warm start (a cold compile of the 8B takes minutes on this machine), with its
+    layers whole and compiled once."""
     _cold_and_warm(benchmark, ("granite-3.3-8b", "--seq", "1024"), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark(group="compiler")
+def test_cold_and_warm_granite_8b_regional(benchmark):
+    _cold_and_warm(benchmark, ("granite-3.3-8b", "--seq", "1024", "--regional"), 1)
 
 
 @pytest.mark.benchmark(group="compiler")

@@ -240,12 +240,45 @@ def _install_card_check() -> None:
             L.lowerings[op] = _checked(op, lowering)
 
 
+def _install_region_writes() -> None:
+    """A compile region's call (``invoke_subgraph``) on the card declares the operands its
+    region writes (a KV cache, a clone AOT made of one): Inductor's own call declares none,
+    and its scheduler would then order a read of such an operand (the copy back into the
+    graph input) before the call."""
+    hop = torch.ops.higher_order.invoke_subgraph
+    original = L.lowerings[hop]
+
+    def invoke_subgraph(subgraph_fn, identifier, *operands):
+        result = original(subgraph_fn, identifier, *operands)
+        call = next(op for op in reversed(V.graph.operations) if isinstance(op, ir.InvokeSubgraph))
+        region = subgraph_fn.graph
+        written = [i for i, name in enumerate(region.graph_input_names) if name in region.mutated_buffers]
+        for i in written:
+            operand = call.inputs[i]
+            if isinstance(operand, ir.ReinterpretView):
+                operand = operand.unwrap_view()
+            if not _on_spyre(operand):
+                continue
+            if operand.get_name() not in V.graph.graph_inputs:
+                # AOT made a copy for the region to write and copies it back after the
+                # call; the copy back is not ordered after the call (wrong results seen
+                # with Gemma 2's decode step), so refuse rather than compute wrongly
+                raise compile_error("a compile region that writes a copy of its caller's tensor "
+                                    f"({operand.get_name()}) is not supported on spyre: compile this model's "
+                                    "layers whole (compile_layers_once(model, enabled=False))", [])
+            ir.MutationOutput(ir.NoneLayout(device=operand.get_device()), operand, call)
+        return result
+
+    L.lowerings[hop] = invoke_subgraph
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _installed = True
     _install_cpu_ops()
+    _install_region_writes()
     cpu_matmul = {}
     for op in (aten.mm.default, aten.bmm.default, aten.addmm.default):
         _original[op] = L.lowerings[op]

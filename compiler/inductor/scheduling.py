@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.codegen.simd import SIMDScheduling
 from torch._inductor.virtualized import V
 
@@ -47,10 +48,11 @@ class SpyreScheduling(SIMDScheduling):
             return sched.mutation_real_name.get(n, n)
 
         try:
-            recorded = record_kernel(name, nodes, numel, rnumel, local, real_name)
-            example = hints(recorded)
-            kernel = describe(recorded, example)
-            check_kernel(kernel)  # what construction cannot express fails now, not at the first call
+            with dynamo_timed("spyre.describe"):  # our span of the compile time (compile_probe)
+                recorded = record_kernel(name, nodes, numel, rnumel, local, real_name)
+                example = hints(recorded)
+                kernel = describe(recorded, example)
+                check_kernel(kernel)  # what construction cannot express fails now, not at the first call
         except (NotSupported, Unsupported) as e:
             err = compile_error(str(e), nodes)
             # what the backend may run on the CPU instead: the node of the op construction

@@ -20,6 +20,7 @@ import re
 
 import sympy
 import torch
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor import ir
 from torch._inductor.codegen import wrapper as W
 from torch._inductor.utils import LineContext, ValueWithLineMap
@@ -32,6 +33,7 @@ from ..describe import NotSupported, RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
 from ..prebuild import prebuild
+from ..regions import Inlined, inline
 from . import STATIC_INPUTS
 from .record import (
     buffer_info,
@@ -58,6 +60,19 @@ class DeviceCopyLine(W.WrapperLine):
         code.writeline(f"{self.dst}.copy_({self.src})")
 
 
+@dataclasses.dataclass
+class RegionCallLine(W.WrapperLine):
+    """A call of a compile region (``invoke_subgraph``): the region's step, described once,
+    and the caller's views it is called with. The step inlines a copy of its kernels."""
+
+    name: str
+    step: StepDesc
+    operands: tuple
+
+    def codegen(self, code) -> None:
+        code.writeline(f"{self.name} = <compile region of {len(self.step.kernels)} kernels>")
+
+
 # Lines of extern nodes: a kernel of the card (a node with ``spyre_kernel``) or an op the
 # step runs on the CPU. Inductor writes one of these for every extern node it makes.
 _EXTERN_LINES = (W.ExternKernelOutLine, W.ExternKernelAllocLine, W.ExternKernelMultiOutLine,
@@ -72,13 +87,16 @@ _NO_WORK = (W.CommentLine, LineContext, W.KernelDefinitionLine, W.FreeLine, W.Fr
 class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
-        # the base class's create() returns a PythonWrapperCodegen, whatever the subclass
-        if is_subgraph:
-            raise compile_error("subgraphs (control flow) are not supported on spyre", [])
-        return SpyreWrapperCodegen()
+        # the base class's create() returns a PythonWrapperCodegen, whatever the subclass;
+        # a subgraph's wrapper is a compile region's (control flow has no lowering here)
+        return SpyreWrapperCodegen(region=is_subgraph)
 
-    def __init__(self):
+    def __init__(self, region: bool = False):
         super().__init__()
+        self.region = region
+        self.region_step: StepDesc | None = None  # a region's step, once generated
+        self._regions: dict[str, tuple] = {}  # region graph -> (its step, its wrapper)
+        self._region_writes: set[str] = set()  # the caller's buffers region calls write
         self.spyre_kernels: dict = {}
         # (extern node, index path of a result) -> the view of the argument it returns
         self._returned_args: dict[tuple[str, tuple], tuple] = {}
@@ -100,6 +118,38 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         self.kernel_nodes[name] = computing_origins(nodes)
         self.kernel_indexing[name] = indexing_origins(nodes)
         self.kernel_sources[name] = source_of(nodes) if nodes else ""
+
+    def codegen_invoke_subgraph(self, invoke_subgraph) -> None:
+        """A call of a compile region: its step described at its first call, then reused."""
+        from torch._dynamo.utils import counters
+
+        sub = invoke_subgraph.subgraph
+        found = self._regions.get(sub.graph.name)
+        if found is None:
+            with V.set_graph_handler(sub.graph):
+                sub.graph.codegen()
+            found = self._regions[sub.graph.name] = (sub.graph.wrapper_code.region_step, sub.graph.wrapper_code)
+            counters["spyre_rt"]["regions_compiled"] += 1
+        counters["spyre_rt"]["region_calls"] += 1
+        operands = tuple(view_of(x) for x in invoke_subgraph.inputs)
+        self.writeline(RegionCallLine(invoke_subgraph.get_name(), found[0], operands))
+
+    def _inline_region(self, line: RegionCallLine, placed: dict) -> Inlined:
+        region = inline(line.step, line.name, [stored_view(_placed_view(v, placed)) for v in line.operands])
+        wrapper = self._regions_by_step(line.step)
+        for k, new in region.kernel_names.items():
+            self.spyre_kernels[new] = region.kernels[new]
+            self.kernel_nodes[new] = wrapper.kernel_nodes.get(k, set())
+            self.kernel_indexing[new] = wrapper.kernel_indexing.get(k, set())
+            self.kernel_sources[new] = region.sources.get(new, "")
+        for i, out in enumerate(region.outputs):
+            if isinstance(out, tuple):  # the MultiOutput lines read the call's results
+                self._returned_args[(line.name, (i,))] = out
+        self._region_writes |= region.mutated
+        return region
+
+    def _regions_by_step(self, step):
+        return next(w for s, w in self._regions.values() if s is step)
 
     def codegen_device_copy(self, src, dst, non_blocking) -> None:
         self.writeline(DeviceCopyLine(str(src), str(dst)))
@@ -261,6 +311,11 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 seq.append(("pick", (line.arg_name, index, out.name)))
             elif isinstance(line, DeviceCopyLine):
                 seq.append(("run", self._device_copy(line).name))
+            elif isinstance(line, RegionCallLine):
+                region = self._inline_region(line, placed)
+                seq.extend(region.sequence)
+                buffers.update(region.buffers)
+                aliases.update(region.aliases)
             elif isinstance(line, W.AllocateLine):
                 b = stored_buffer(buffer_info(line.node.get_name()))
                 buffers[b.name] = b
@@ -326,7 +381,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                     if isinstance(v, sympy.Symbol) and v.name not in bound:
                         symbols.append((v.name, kind, position, dim))
                         bound.add(v.name)
-            inputs.append((stored_buffer(b), name in g.mutated_inputs))
+            inputs.append((stored_buffer(b), name in g.mutated_inputs or name in self._region_writes))
         return inputs, symbols
 
     def _outputs(self) -> list:
@@ -370,7 +425,11 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)
-        step = self.build_step()
+        with dynamo_timed("spyre.describe"):
+            step = self.build_step()
+        if self.region:  # the calling step inlines it (see codegen_invoke_subgraph)
+            self.region_step = step
+            return ValueWithLineMap("", []), ValueWithLineMap("", [])
         symbolic = _is_symbolic(step)
         loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
         text = to_json(step)
@@ -378,7 +437,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
         settings = dict(options.step_settings)  # what the step's calls read: its plan cache, its tracing
         # every kernel constructed now: what construction refuses is a compile-time event
-        prebuild(step, text, settings, self.kernel_nodes, symbolic, self.kernel_indexing)
+        with dynamo_timed("spyre.plan_build"):
+            prebuild(step, text, settings, self.kernel_nodes, symbolic, self.kernel_indexing)
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"
@@ -388,6 +448,15 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             "    return _step(args, globals())\n"
         )
         return ValueWithLineMap(src, []), ValueWithLineMap("", [])
+
+
+def _placed_view(view: tuple, placed: dict) -> tuple:
+    """A view of a buffer that lives in a view of another, as a view of that other."""
+    name, off, sizes, strides = view
+    if name in placed:
+        name, outer = placed[name]
+        off = outer + off
+    return (name, off, sizes, strides)
 
 
 # ---- an extern node's call, as Inductor's Python wrapper makes it ------------------------

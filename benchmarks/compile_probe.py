@@ -1,0 +1,127 @@
+"""One compile as a user meets it, in a process of its own: prints its figures as JSON.
+
+Run by ``test_bench_compiler.py`` in a fresh process each time, with Inductor's and the plan
+cache in directories the caller chose: empty for a cold compile, kept from an earlier run
+for a warm start. A compile is the first call of a freshly compiled prefill and of one
+decode step (Dynamo, AOT, Inductor, our descriptions and plans, and one run of each).
+
+    python benchmarks/compile_probe.py granite-tiny --seq 8 [--layers N] [--backend inductor] [--regional]
+
+The split comes from torch's own compile-time spans (``torch._dynamo.utils``) and ours
+(``spyre.describe``, ``spyre.plan_build``); ``first_call_s`` is what the two calls cost
+beyond Dynamo's compiles (the runs, and plans loaded or built at a first call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+# Span names whose time is summed into each phase (every call of the span in the process).
+PHASES = {
+    "dynamo_s": ("_compile.compile_inner",),  # the whole compile of a frame, backend included
+    "aot_s": ("create_aot_dispatcher_function",),
+    "inductor_s": ("compile_fx_inner",),
+    "describe_s": ("spyre.describe",),
+    "plan_build_s": ("spyre.plan_build",),
+}
+
+
+def _model(name: str, layers: int | None, device: str):
+    from transformers import GraniteForCausalLM
+
+    from spyre_rt.profiler.run import load_model
+
+    profile = load_model(name)
+    cfg = profile.hf_config(layers)
+    torch.manual_seed(0)
+    if device == "spyre":  # timing mode: the card keeps no data, the weights need none
+        with torch.device("meta"):
+            model = GraniteForCausalLM(cfg).to(profile.dtype).eval()
+        return model.to_empty(device="spyre"), profile.dtype
+    return GraniteForCausalLM(cfg).to(profile.dtype).eval(), profile.dtype
+
+
+def compile_once(name: str, seq: int, layers: int | None, backend: str, regional: bool = False) -> dict:
+    from transformers import StaticCache
+
+    from spyre_rt import card as cards
+
+    device = "spyre" if backend == "spyre_rt" else "cpu"
+    with cards.configured(None, "timing") if device == "spyre" else _nothing():
+        model, dtype = _model(name, layers, device)
+        if regional:
+            from spyre_rt.compiler.regional import compile_layers_once
+
+            compile_layers_once(model)
+        cfg = model.config
+        length = seq + 2
+        cache = StaticCache(config=cfg, max_cache_len=length)
+        cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads,
+                                   head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=dtype, device=device)
+        mask = torch.ones(1, length, dtype=torch.long).to(device)  # every position unmasked
+
+        def forward(ids, pos):
+            return model(ids, attention_mask=mask, past_key_values=cache, position_ids=pos, use_cache=True,
+                         logits_to_keep=1).logits
+
+        f = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
+        prefill = (torch.zeros(1, seq, dtype=torch.long).to(device), torch.arange(seq)[None].to(device))
+        decode = (torch.zeros(1, 1, dtype=torch.long).to(device), torch.tensor([[seq]]).to(device))
+        t0, c0 = time.perf_counter(), time.process_time()
+        with torch.no_grad():
+            f(*prefill)
+            f(*decode)
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"total_s": total, "total_cpu_s": cpu, **split(total)}
+
+
+def split(total: float) -> dict:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    out = {phase: sum(sum(compilation_time_metrics.get(k, ())) for k in keys) for phase, keys in PHASES.items()}
+    out["first_call_s"] = total - out["dynamo_s"]
+    out["caches"] = _cache_counters()
+    return out
+
+
+def _cache_counters() -> dict:
+    """Hits and misses of torch's caches (AOT's and Inductor's FX graph cache) in this compile."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
+            if "cache" in k}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--backend", default="spyre_rt", choices=("spyre_rt", "inductor"))
+    p.add_argument("--regional", action="store_true", help="decoder layers compiled once (compile_layers_once)")
+    p.add_argument("--spans", action="store_true", help="every span's total too (to stderr)")
+    args = p.parse_args(argv)
+    print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend, args.regional)))
+    if args.spans:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        for k, v in sorted(compilation_time_metrics.items(), key=lambda kv: -sum(kv[1])):
+            print(f"{sum(v):9.3f} s  {len(v):5d}  {k}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

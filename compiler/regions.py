@@ -1,0 +1,80 @@
+"""A region's step inlined into the step that calls it.
+
+A region is a subgraph Inductor compiled once for every call of it
+(``torch.compiler.nested_compile_region``: one decoder layer, called for every layer). Its
+kernels are described once; each call puts a copy of them into the calling step under names
+of its own, so the step is still one sequence of kernels, one memory plan and one plan
+launch per call. Pure: plain data in, plain data out.
+
+Each buffer, alias and kernel of the region is renamed ``{call}_{name}``; each input of the
+region becomes an alias of the caller's view it was called with (Inductor gives a region's
+operands the strides of its inputs, so the region's accesses address the caller's
+storage as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from spyre_rt.kernels import StepDesc, from_json, to_json
+
+from .errors import CompileFailed
+
+# Fields of a description whose strings are never buffer or kernel names.
+_NOT_NAMES = frozenset({"__type__", "origins", "source", "module", "op", "dtype", "dtypes", "id", "args_of"})
+
+
+@dataclasses.dataclass
+class Inlined:
+    """One call of a region, renamed: what the caller adds to its step."""
+
+    kernels: dict
+    sequence: list
+    buffers: dict
+    aliases: dict           # the region's own aliases and its inputs bound to the caller's views
+    outputs: list           # the call's results: views of the caller's names
+    mutated: set[str]       # the caller's views (by buffer) the call writes
+    sources: dict[str, str]
+    kernel_names: dict[str, str]  # region kernel -> its name in this call
+
+
+def inline(step: StepDesc, call: str, operands: list) -> Inlined:
+    """The kernels of `step` for its call `call` with the caller's views `operands` (one per
+    input of the region, in order)."""
+    if step.symbols or step.constants:
+        raise CompileFailed("a compile region with dynamic sizes or constants of its own is not supported on spyre")
+    if len(operands) != len(step.inputs):
+        raise CompileFailed(f"a compile region of {len(step.inputs)} inputs called with {len(operands)}")
+    names = {b.name: f"{call}_{b.name}" for b, _ in step.inputs}
+    names.update((n, f"{call}_{n}") for n in (*step.buffers, *step.aliases, *step.kernels))
+    names.update((op.name, f"{call}_{op.name}") for kind, op in step.sequence if kind == "cpu")
+    renamed = from_json(json.dumps(_rename(json.loads(to_json(
+        [step.kernels, step.buffers, step.aliases, list(step.sequence), list(step.outputs)])), names)))
+    kernels, buffers, aliases, sequence, outputs = renamed
+    for (b, _), view in zip(step.inputs, operands, strict=True):
+        aliases[names[b.name]] = tuple(view)
+    mutated = {view[0] for (b, written), view in zip(step.inputs, operands, strict=True) if written}
+    return Inlined(kernels=kernels, sequence=[_tuples(item) for item in sequence], buffers=buffers,
+                   aliases={k: _tuples(v) for k, v in aliases.items()}, outputs=[_tuples(o) for o in outputs],
+                   mutated=mutated,
+                   sources={names[k]: v for k, v in step.sources.items() if k in names},
+                   kernel_names={k: names[k] for k in step.kernels})
+
+
+def _rename(obj, names: dict[str, str]):
+    if isinstance(obj, str):
+        return names.get(obj, obj)
+    if isinstance(obj, list):
+        return [_rename(x, names) for x in obj]
+    if isinstance(obj, dict):
+        return {names.get(k, k) if k not in _NOT_NAMES else k: (v if k in _NOT_NAMES else _rename(v, names))
+                for k, v in obj.items()}
+    return obj
+
+
+def _tuples(value):
+    """JSON arrays back to the tuples a step holds (descriptions decode their own)."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

@@ -189,7 +189,7 @@ class StagePrograms:
         element gather of a one-row table (see :func:`element_rows`) a "row" is an element."""
         acc = v.op.access
         table = self.ctx.layouts[acc.buf]
-        unit = 1 if element_rows(table, acc, v.kind, self.analysis.n_row_vars) else table.row_len
+        unit = self._row_unit(v)
         n_units = table.row_len if unit == 1 else table.rows
         row_coeffs = [0] * self.analysis.n_vars
         for j in range(self.analysis.n_row_vars):
@@ -262,7 +262,8 @@ class StagePrograms:
         return self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf) + shift) // self._row_unit(v)
 
     def _row_unit(self, v: Value) -> int:
-        """Elements per row index of a gather or scatter: the table's rows, or one element."""
+        """Elements per row index of a gather or scatter: the table's row length, or one
+        element (see :func:`element_rows`)."""
         table = self.ctx.layouts[v.op.access.buf]
         return 1 if element_rows(table, v.op.access, v.kind, self.analysis.n_row_vars) else table.row_len
 

@@ -8,61 +8,6 @@
 
 #include "internal.h"
 
-/* Bytes of a block of these counts, or false when they pass SPY_BUILD_MAX_BYTES. */
-static bool block_bytes(uint32_t nslots, uint64_t ncmds, uint64_t ndeps, uint64_t ndescs, uint64_t *total)
-{
-    if (ncmds > UINT32_MAX || ndeps > UINT32_MAX || ndescs > UINT32_MAX)
-        return false;
-    uint64_t t = sizeof(spy_job_header) + (uint64_t)nslots * sizeof(spy_slot) + ncmds * sizeof(spy_cmd) +
-                 (ndeps * 4 + 7) / 8 * 8 + ndescs * sizeof(spy_desc); /* each term < 2^40: no overflow */
-    *total = t;
-    return t <= SPY_BUILD_MAX_BYTES;
-}
-
-/* The sections of one program block being written. */
-typedef struct block {
-    spy_slot *slots;
-    spy_cmd *cmds;
-    uint32_t *deps;
-    spy_desc *descs;
-} block;
-
-/* An 8-byte aligned, zeroed block of `total` bytes with its header written; *blk points
- * at its sections. */
-static spy_status block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint32_t ndeps, uint32_t ndescs,
-                              spy_built *out, block *blk)
-{
-    uint64_t *mem = total <= SIZE_MAX - 7 ? calloc((size_t)(total + 7) / 8, 8) : NULL;
-    if (!mem)
-        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a %llu-byte program block",
-                        (unsigned long long)total);
-    uint8_t *b = (uint8_t *)mem;
-    spy_job_header *h = (spy_job_header *)b;
-    h->magic = SPY_JOB_MAGIC;
-    h->version = SPY_JOB_VERSION;
-    h->ncmds = ncmds;
-    h->ndeps = ndeps;
-    h->nslots = nslots;
-    h->ndescs = ndescs;
-    h->total_bytes = total;
-    blk->slots = (spy_slot *)(h + 1);
-    blk->cmds = (spy_cmd *)(blk->slots + nslots);
-    blk->deps = (uint32_t *)(blk->cmds + ncmds);
-    blk->descs = (spy_desc *)((uint8_t *)blk->deps + ((uint64_t)ndeps * 4 + 7) / 8 * 8);
-    out->data = b;
-    out->bytes = total;
-    return SPY_OK;
-}
-
-void spy_built_free(spy_built *b)
-{
-    if (!b)
-        return;
-    free(b->data);
-    b->data = NULL;
-    b->bytes = 0;
-}
-
 /* ---- copies ------------------------------------------------------------------------------ */
 
 static uint64_t copy_chunk(const spy_copy_record *r, uint64_t nbytes)
@@ -132,11 +77,11 @@ spy_status spy_build_copy(const spy_copy_record *r, spy_built *out)
     uint32_t cores = r->num_cores;
     uint64_t waits = n > 2 * (uint64_t)cores ? n - 2 * (uint64_t)cores : 0; /* loads after a store */
     uint64_t total;
-    if (!block_bytes(r->nslots, 2 * n, n + waits, 0, &total))
+    if (!spy_block_bytes(r->nslots, 2 * n, n + waits, 0, &total))
         return spy_fail(SPY_E_INVALID_ARG, -1, "copy record: %llu chunks make a program block of more than "
                         "%llu bytes", (unsigned long long)n, (unsigned long long)SPY_BUILD_MAX_BYTES);
-    block blk;
-    s = block_alloc(total, r->nslots, (uint32_t)(2 * n), (uint32_t)(n + waits), 0, out, &blk);
+    spy_block_sections blk;
+    s = spy_block_alloc(total, r->nslots, (uint32_t)(2 * n), (uint32_t)(n + waits), 0, out, &blk);
     if (s != SPY_OK)
         return s;
     for (uint32_t i = 0; i < r->nslots; i++)
@@ -346,11 +291,11 @@ spy_status spy_build_transfer(const spy_transfer_record *r, spy_built *out)
         return s;
     uint64_t ndescs = numel ? stick_pieces(r, &x, NULL) : 0;
     uint64_t total;
-    if (!block_bytes(2, 1, 0, ndescs, &total))
+    if (!spy_block_bytes(2, 1, 0, ndescs, &total))
         return spy_fail(SPY_E_INVALID_ARG, -1, "transfer record: %llu descriptors make a program block of more "
                         "than %llu bytes", (unsigned long long)ndescs, (unsigned long long)SPY_BUILD_MAX_BYTES);
-    block blk;
-    s = block_alloc(total, 2, 1, 0, (uint32_t)ndescs, out, &blk);
+    spy_block_sections blk;
+    s = spy_block_alloc(total, 2, 1, 0, (uint32_t)ndescs, out, &blk);
     if (s != SPY_OK)
         return s;
     blk.slots[0] = (spy_slot){SPY_SLOT_HOST, 0, numel * r->layout.itemsize};
@@ -370,100 +315,11 @@ spy_status spy_build_transfer(const spy_transfer_record *r, spy_built *out)
 
 /* ---- job graphs in blocks ---------------------------------------------------------------- */
 
-/* order[0..n) sorted stably by keys: a bottom-up merge sort through `tmp`. */
-static void stable_order(const int64_t *keys, uint64_t n, uint64_t *order, uint64_t *tmp)
-{
-    for (uint64_t i = 0; i < n; i++)
-        order[i] = i;
-    for (uint64_t width = 1; width < n; width *= 2) {
-        for (uint64_t lo = 0; lo < n; lo += 2 * width) {
-            uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
-            uint64_t a = lo, b = mid, k = lo;
-            while (a < mid && b < hi)
-                tmp[k++] = keys[order[b]] < keys[order[a]] ? order[b++] : order[a++];
-            while (a < mid)
-                tmp[k++] = order[a++];
-            while (b < hi)
-                tmp[k++] = order[b++];
-        }
-        memcpy(order, tmp, (size_t)n * sizeof *order);
-    }
-}
-
-static spy_status graph_check(const spy_graph_record *r, uint64_t *total)
-{
-    if ((r->nslots && !r->slots) || (r->ncmds && (!r->cmds || !r->keys)) ||
-        (r->npairs && (!r->after || !r->before)) || (r->ninstrs && !r->instrs) || (r->ndescs && !r->descs))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: a count without its array");
-    if (!block_bytes(r->nslots, r->ncmds, r->npairs, r->ndescs, total) ||
-        *total + (uint64_t)r->ninstrs * sizeof(spy_instr) > SPY_BUILD_MAX_BYTES)
-        return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: ncmds %llu, npairs %llu, ndescs %u and ninstrs %u "
-                        "make a program block of more than %llu bytes", (unsigned long long)r->ncmds,
-                        (unsigned long long)r->npairs, r->ndescs, r->ninstrs,
-                        (unsigned long long)SPY_BUILD_MAX_BYTES);
-    *total += (uint64_t)r->ninstrs * sizeof(spy_instr);
-    for (uint64_t i = 0; i < r->npairs; i++)
-        if (r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds || r->before[i] < 0 ||
-            (uint64_t)r->before[i] >= r->ncmds)
-            return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: %s[%llu] = %lld names no command of %llu",
-                            r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds ? "after" : "before",
-                            (unsigned long long)i,
-                            (long long)(r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds ? r->after[i]
-                                                                                              : r->before[i]),
-                            (unsigned long long)r->ncmds);
-    return SPY_OK;
-}
-
 spy_status spy_build_graph(const spy_graph_record *r, spy_built *out)
 {
     if (!r || !out)
         return spy_fail(SPY_E_INVALID_ARG, -1, "null graph record or output");
     out->data = NULL;
     out->bytes = 0;
-    uint64_t total = 0;
-    spy_status s = graph_check(r, &total);
-    if (s != SPY_OK)
-        return s;
-    uint64_t n = r->ncmds;
-    uint64_t *order = malloc((size_t)(3 * n + 1) * sizeof *order); /* order, merge buffer, rank */
-    uint32_t *fill = malloc((size_t)(n + 1) * sizeof *fill);
-    if (!order || !fill) {
-        free(order);
-        free(fill);
-        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory to order %llu commands", (unsigned long long)n);
-    }
-    uint64_t *rank = order + 2 * n;
-    stable_order(r->keys, n, order, order + n);
-    block blk;
-    s = block_alloc(total, r->nslots, (uint32_t)n, (uint32_t)r->npairs, r->ndescs, out, &blk);
-    if (s != SPY_OK) {
-        free(order);
-        free(fill);
-        return s;
-    }
-    ((spy_job_header *)out->data)->ninstrs = r->ninstrs;
-    if (r->nslots)
-        memcpy(blk.slots, r->slots, (size_t)r->nslots * sizeof *blk.slots);
-    for (uint64_t i = 0; i < n; i++) {
-        rank[order[i]] = i;
-        blk.cmds[i] = r->cmds[order[i]];
-        blk.cmds[i].ndeps = 0;
-    }
-    for (uint64_t i = 0; i < r->npairs; i++)
-        blk.cmds[rank[r->after[i]]].ndeps++;
-    uint32_t begin = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        blk.cmds[i].dep_begin = fill[i] = begin;
-        begin += blk.cmds[i].ndeps;
-    }
-    for (uint64_t i = 0; i < r->npairs; i++) /* grouped per waiting command, in the given order */
-        blk.deps[fill[rank[r->after[i]]]++] = (uint32_t)rank[r->before[i]];
-    spy_instr *instrs = (spy_instr *)blk.descs; /* the instructions come before the descriptors */
-    if (r->ninstrs)
-        memcpy(instrs, r->instrs, (size_t)r->ninstrs * sizeof *instrs);
-    if (r->ndescs)
-        memcpy(instrs + r->ninstrs, r->descs, (size_t)r->ndescs * sizeof(spy_desc));
-    free(order);
-    free(fill);
-    return SPY_OK;
+    return spy_graph_encode_record(r, out);
 }

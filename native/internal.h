@@ -5,7 +5,7 @@
  * layers, and a file calls only into layers below its own (status.c into none):
  *
  *   layer 1  device.c plan.c transfer.c dlpack.c construct.c ccl.c   entry points of the objects, the builder, the ring
- *   layer 2  job.c memory.c                        one job's run; the memory API
+ *   layer 2  job.c memory.c graph.c                one job's run; the memory API; blocks under construction
  *   layer 3  sim.c alloc.c                         the timeline; the address space
  *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures
  *   layer 5  gemm.c sfu.c                          the arithmetic units
@@ -342,6 +342,58 @@ void spy_sim_free(spy_sim *sim);
  * it starts; *duration is the job's length. */
 spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *ctx,
                        double start, uint32_t name, double *duration);
+
+/* ---- graph.c: program blocks under construction (the native builder's common part) ----
+ * Builders (construct.c) append to a spy_graph and encode it once. Appending reports no
+ * error: the first host allocation that fails marks the graph, spy_graph_encode then fails
+ * with SPY_E_HOST_NOMEM (a pointer an append returned is NULL; check it before writing).
+ * Pointers into a graph's arrays are valid until its next append. */
+
+typedef struct spy_vec {
+    void *data;
+    uint64_t len, cap; /* in elements */
+    uint32_t elem;     /* bytes of one element */
+    bool failed;
+} spy_vec;
+
+/* n zeroed elements appended; their address, or NULL (the vector is then failed). */
+void *spy_vec_push(spy_vec *v, uint64_t n);
+void spy_vec_free(spy_vec *v);
+
+/* The sections of one program block being written (spy_block_alloc). */
+typedef struct spy_block_sections {
+    spy_slot *slots;
+    spy_cmd *cmds;
+    uint32_t *deps;
+    spy_desc *descs;
+} spy_block_sections;
+
+/* Bytes of a block of these counts, or false when they pass SPY_BUILD_MAX_BYTES. */
+bool spy_block_bytes(uint32_t nslots, uint64_t ncmds, uint64_t ndeps, uint64_t ndescs, uint64_t *total);
+/* An 8-byte aligned, zeroed block of `total` bytes with its header written; *blk points at
+ * its sections and *out owns it. */
+spy_status spy_block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint32_t ndeps, uint32_t ndescs,
+                           spy_built *out, spy_block_sections *blk);
+/* A graph record checked whole and encoded (spy_build_graph's work, see spyre.h). */
+spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out);
+
+typedef struct spy_graph {
+    spy_vec slots, cmds, keys, after, before, instrs, descs;
+} spy_graph;
+
+void spy_graph_init(spy_graph *g);
+void spy_graph_free(spy_graph *g);
+/* A new slot; its index. */
+uint32_t spy_graph_slot(spy_graph *g, uint32_t kind, uint64_t extent);
+/* n zeroed commands of program-order key `key`; *first is the index of the first (the
+ * order of appending, which dependencies name). */
+spy_cmd *spy_graph_add(spy_graph *g, uint64_t n, int64_t key, uint64_t *first);
+/* Command `after` waits for command `before` (indices in the order of appending). */
+void spy_graph_depend(spy_graph *g, uint64_t after, uint64_t before);
+spy_instr *spy_graph_instrs(spy_graph *g, uint64_t n, uint64_t *first);
+spy_desc *spy_graph_descs(spy_graph *g, uint64_t n, uint64_t *first);
+/* The block: commands sorted stably by key, each one's dependencies in the order given. */
+spy_status spy_graph_encode(const spy_graph *g, spy_built *out);
 
 /* ---- job.c: committing programs and running one job ----------------------------------------- */
 

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "spyre.h"
+#include "internal.h" /* the builder's common part (graph.c) is tested here too */
 
 static int failures;
 static const char *current;
@@ -1324,6 +1324,30 @@ static void test_builder(void)
     spy_built_free(&b);
     before[1] = 3; /* names no command */
     CHECK(spy_build_graph(&g, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "before[1]") && !b.data);
+
+    /* the same graph under construction (graph.c): appended, then encoded alike */
+    spy_graph gr;
+    spy_graph_init(&gr);
+    uint64_t first, second;
+    spy_cmd *c = spy_graph_add(&gr, 1, 5, &first);
+    CHECK(c && first == 0);
+    c->op = SPY_OP_BARRIER, c->core = SPY_CORE_CARD;
+    c = spy_graph_add(&gr, 2, 1, &second);
+    CHECK(c && second == 1);
+    c[0].op = c[1].op = SPY_OP_BARRIER, c[0].core = c[1].core = SPY_CORE_CARD;
+    spy_graph_depend(&gr, 0, 2);
+    spy_graph_depend(&gr, 0, 1);
+    spy_graph_depend(&gr, 2, 1);
+    spy_built b2 = {0};
+    CHECK_OK(spy_graph_encode(&gr, &b2));
+    before[1] = 1;
+    CHECK_OK(spy_build_graph(&g, &b));
+    CHECK(b.bytes == b2.bytes && !memcmp(b.data, b2.data, b.bytes));
+    spy_built_free(&b);
+    spy_built_free(&b2);
+    gr.cmds.failed = true; /* a failed append: the encode says so and builds nothing */
+    CHECK(spy_graph_encode(&gr, &b2) == SPY_E_HOST_NOMEM && !b2.data);
+    spy_graph_free(&gr);
     spy_device_close(d);
 }
 

@@ -145,9 +145,7 @@ def plan(desc: StepDesc) -> Undo:
                     if op.op != "load":
                         continue
                     src = memory.base_of(desc, op.access.buf)
-                    early = any(p < pos for p, _ in writers.get(src, ())) or any(
-                        memory.base_of(desc, n) == src for _, x in desc.sequence[:pos] if _ == "cpu"
-                        for n in x.written_names())
+                    early = any(p < pos for p, _ in writers.get(src, ()))  # only mutated inputs are written
                     if src not in inputs or src in rows or early:
                         rows.discard(name)
                         changed = True

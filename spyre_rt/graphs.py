@@ -181,8 +181,8 @@ class SpyreGraph:
         err = error_for(status, "replaying a spyre graph")
         launch = self._launches[index]
         exe = launch.exe
-        # the failing step's mutated inputs, unless it failed inside its snapshot job
-        if exe is not None and exe.snapshots and not (launch.first and getattr(err, "job", -1) == 0):
+        # the failing step's mutated inputs, unless it failed inside its save jobs
+        if exe is not None and exe.save_jobs and not (launch.first and 0 <= getattr(err, "job", -1) < len(exe.save_jobs)):
             exe._restore(launch.table, MODES["prebuilt"])
         raise err
 

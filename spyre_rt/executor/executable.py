@@ -5,14 +5,14 @@ and a buffer per output; each kernel's buffers are relocated against them (``rel
 name -> (binding, byte offset)). The arena and output buffers of a call are a slot
 (:class:`_Slot`), pooled and reused once its outputs are released.
 
-Inputs a step mutates are all-or-nothing. The step's first job copies every byte range a
-mutated input covers into the arena (a snapshot, on the card: loads and stores through the
-scratchpads); if anything fails after that job completed (a card fault, a CPU op), a
-restore job copies the snapshots back before the error reaches the caller, so a failed
-call leaves every mutated input as it was. Snapshot-and-restore costs one device copy of
-the mutated inputs per call; the alternative, computing into step-owned shadows and
-committing them with a final copy, costs two, and a fault inside the commit copy would
-still leave an input half-written.
+Inputs a step mutates are all-or-nothing. The step's first jobs save what it will write
+into the arena (:mod:`.undo`: the elements each scatter into an input will write, or an
+input's whole byte range, on the card through the scratchpads); if anything fails after
+them (a card fault, a CPU op), restore jobs copy it back before the error reaches the
+caller, so a failed call leaves every mutated input as it was. Save-and-restore costs one
+device copy of what the step writes per call; the alternative, computing into step-owned
+shadows and committing them with a final copy, costs two, and a fault inside the commit
+copy would still leave an input half-written.
 
 Every kernel is constructed before the first call of an executable runs any
 (:meth:`Executable.prepare`): in the modes with plans by building them (or loading them
@@ -44,9 +44,9 @@ from ..dispatch import DispatchMode, named
 from ..dtypes import torch_dtype
 from ..errors import SpyreError, SpyreRefusedError
 from ..kernels import Buffer
-from ..layout import StickLayout
+from ..layout import StickLayout, layout_for, storage_numel
 from ..native import ffi
-from . import memory, plans
+from . import memory, plans, undo
 from .cpu_ops import CpuOps
 from .host_kernels import HostKernels
 from .segments import Call, DeviceSegment, cut
@@ -54,7 +54,7 @@ from .stats import stats
 
 ARENA = 0  # binding 0 is the arena of intermediates
 POOLED = 4  # slots an executable keeps for reuse (a loop that holds its last output needs 2)
-SNAPSHOT = "<snapshot>"  # the job that saves the mutated inputs (see the module docstring)
+SNAPSHOT = "<snapshot>"  # the job that saves inputs whole (see the module docstring)
 RESTORE = "<restore>"
 
 
@@ -80,7 +80,11 @@ class Executable:
         self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
         self.relocs.update((name, (ARENA, off)) for name, off in mem.arena.items())
         self.arena_bytes = mem.arena_bytes
-        self.snapshots = self._plan_snapshots()
+        self.row_saves = step.undo().rows
+        self.snapshots = self._plan_snapshots(step.undo().whole)
+        # the step's kernels and the row saves' and restores'
+        self.kernels = {**desc.kernels, **{k.name: k for r in self.row_saves for k in (r.save, r.restore)}}
+        self.save_jobs = (SNAPSHOT,) * bool(self.snapshots) + tuple(r.save.name for r in self.row_saves)
         for name in desc.aliases:
             self.relocs[name] = self.relocs[self.base_of(name)]
         self.host = HostKernels(self)  # kernels construction refused, run on the host
@@ -141,14 +145,13 @@ class Executable:
                 out.append((False, index_in[base], delta, sizes, strides))
         return out
 
-    def _plan_snapshots(self) -> list[copy.Copy]:
-        """Arena space for the bytes each mutated input covers: the copies the snapshot
-        job makes (their reverse restores them)."""
+    def _plan_snapshots(self, whole) -> list[copy.Copy]:
+        """Arena space for what the step saves: the bytes each input saved whole covers (the
+        copies the snapshot job makes; their reverse restores them) and the row saves'
+        buffers."""
         out = []
         stick = self.card.profile.stick_bytes
-        for b, mutated in self.desc.inputs:
-            if not mutated:
-                continue
+        for b in whole:
             lo, hi = memory.byte_range(self.layouts[b.name], self.offsets[b.name] + b.offset, b.sizes, b.strides)
             if hi <= lo:
                 continue
@@ -158,11 +161,18 @@ class Executable:
             self.relocs[name] = (ARENA, self.arena_bytes)
             self.arena_bytes += size
             out.append(copy.Copy(b.name, lo, name, 0, hi - lo))
+        for r in self.row_saves:
+            b = r.buffer
+            layout = layout_for(b.sizes, b.strides, storage_numel(b.sizes, b.strides, 0),
+                                torch_dtype(b.dtype).itemsize, stick)
+            self.layouts[b.name], self.offsets[b.name] = layout, 0
+            self.relocs[b.name] = (ARENA, self.arena_bytes)
+            self.arena_bytes += memory.align(layout.nbytes)
         return out
 
     def cut_for(self, on_host) -> list:
         """The step's segments with the kernels `on_host` run on the host."""
-        return cut(self.desc.sequence, (SNAPSHOT,) if self.snapshots else (), frozenset(on_host))
+        return cut(self.desc.sequence, self.save_jobs, frozenset(on_host))
 
     def run_on_host(self, refused: dict[str, str]) -> None:
         """Run the kernels `refused` (name -> what construction said) on the host."""
@@ -198,7 +208,7 @@ class Executable:
                     "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
                     "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
         else:
-            kernel = self.desc.kernels[kernel_name]
+            kernel = self.kernels[kernel_name]
             first = kernel_name not in self._tilings
             self._tilings[kernel_name] = construct.build(ctx, kernel, self._tilings.get(kernel_name))
             if first:  # what it computes and moves, for the trace and the profiler
@@ -405,33 +415,36 @@ class Executable:
             plan.launch(table)
         except SpyreError as e:
             err = self.segments[0].named(self, e)
-            # job 0 is the snapshot: a failure after it restores the mutated inputs
-            if self.snapshots and err.job > 0:
+            # the first jobs save the mutated inputs: a failure after them restores them
+            if self.save_jobs and err.job >= len(self.save_jobs):
                 self._restore(table, mode)
             if err is e:
                 raise
             raise err from None
 
     def _run_segments(self, call: Call) -> None:
-        saved = not self.snapshots  # the mutated inputs are in the arena's snapshots
+        saved = not self.save_jobs  # the mutated inputs are saved in the arena
         try:
             for seg in self.segments:
                 try:
                     seg.run(call)
-                except SpyreError as e:  # job 0 of the first device segment is the snapshot
-                    saved = saved or getattr(e, "segment", -1) != 0 or e.job > 0
+                except SpyreError as e:  # the first jobs of the first device segment save
+                    saved = saved or getattr(e, "segment", -1) != 0 or e.job >= len(self.save_jobs)
                     raise
                 saved = True
         except BaseException:
-            if saved and self.snapshots:
+            if saved and self.save_jobs:
                 self._restore(call.table, call.mode)
             raise
 
     def _restore(self, table, mode: DispatchMode) -> None:
-        """Copy the snapshots back into the mutated inputs after a failed call. On a lost
-        card there is nothing to restore: the caller gets the original error."""
+        """Copy what the saves kept back into the mutated inputs after a failed call: the
+        whole inputs first (an index input among them: the row restores compute their
+        indices from it), then the rows. On a lost card there is nothing to restore: the
+        caller gets the original error."""
         try:
-            self.construct_and_run((RESTORE,), table, mode)
+            restores = (RESTORE,) * bool(self.snapshots) + tuple(r.restore.name for r in self.row_saves)
+            self.construct_and_run(restores, table, mode)
         except SpyreError:
             pass
 

@@ -36,7 +36,7 @@ class HostKernels:
         self.reasons[name] = reason
 
     def ops_of(self, name: str) -> list[str]:
-        kernel = self.exe.desc.kernels[name]
+        kernel = self.exe.kernels[name]
         return list(getattr(kernel, "origins", ())) or [name]
 
     def source_of(self, name: str) -> str:
@@ -45,7 +45,7 @@ class HostKernels:
 
     def run(self, name: str, table, mode: DispatchMode) -> None:
         exe = self.exe
-        kernel = exe.desc.kernels[name]
+        kernel = exe.kernels[name]
         for op in self.ops_of(name):
             fallback.in_steps[op] += 1
         warn_once(", ".join(self.ops_of(name)),

@@ -57,9 +57,9 @@ class DeviceSegment:
         return e
 
     def _ops_of(self, exe, job: int) -> str:
-        if not 0 <= job < len(self.kernels) or self.kernels[job] not in exe.desc.kernels:
+        if not 0 <= job < len(self.kernels) or self.kernels[job] not in exe.kernels:
             return "a kernel of the step"
-        origins = exe.desc.kernels[self.kernels[job]].origins
+        origins = exe.kernels[self.kernels[job]].origins
         return ", ".join(origins) or self.kernels[job]
 
 

@@ -30,7 +30,7 @@ from .. import card as cards
 from ..dispatch import named, override
 from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
 from ..kernels import StepDesc, from_json, to_json
-from . import memory
+from . import memory, undo
 from .executable import Executable
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -88,6 +88,7 @@ class CompiledStep:
         self.default_mode = desc.options.get("dispatch") or self.settings.dispatch
         self._executables: dict[tuple, Executable] = {}
         self._memory: dict[int, memory.MemoryPlan] = {}  # by stick size
+        self._undo: undo.Undo | None = None
         self._lock = threading.Lock()
         self._fast: _FastPath | None = None
 
@@ -100,6 +101,12 @@ class CompiledStep:
         if plan is None:
             plan = self._memory[stick_bytes] = memory.plan(self.desc, stick_bytes)
         return plan
+
+    def undo(self) -> undo.Undo:
+        """How the step saves the inputs it mutates (the same for every input geometry)."""
+        if self._undo is None:
+            self._undo = undo.plan(self.desc)
+        return self._undo
 
     def executable(self, card: cards.Card, geometry: tuple) -> Executable:
         key = (card.instance, geometry)

@@ -32,6 +32,8 @@ enum { PH_LOAD, PH_SEND, PH_MATMUL, PH_REDUCE_SEND, PH_REDUCE_ADD, PH_BIAS, PH_E
 
 /* the most commands (or operations) a program block holds */
 #define MM_MAX_OPS ((uint64_t)SPY_BUILD_MAX_BYTES / sizeof(spy_cmd))
+/* the widest SFU operand row the card takes, in elements (program.c's bound on counts) */
+#define SPY_MM_MAX_PITCH (1u << 26)
 /* the most dependency pairs made (8 per command: real matmuls make about 3) */
 #define MM_MAX_PAIRS (8 * MM_MAX_OPS)
 
@@ -1105,6 +1107,9 @@ static spy_status operand_check(const spy_matmul_record *r, const spy_operand *o
     if (o->kind > SPY_OPND_IMM || o->dtype >= SPY_DT_COUNT)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: program[%u].%s kind %u or dtype %u is unknown", i,
                         what, o->kind, o->dtype);
+    if (o->pitch > SPY_MM_MAX_PITCH)
+        return spy_fail(SPY_E_SCRATCHPAD, -1, "matmul record: program[%u].%s pitch %u is over %u", i, what, o->pitch,
+                        SPY_MM_MAX_PITCH);
     spy_operand at = *o;
     uint64_t lo, hi;
     for (int slot = 0; slot < 2; slot++) {
@@ -1262,7 +1267,8 @@ static spy_status matmul_check(mm_build *b)
         const spy_mm_tiles *t = load ? &r->loads[i] : &r->stores[i - r->nloads];
         uint32_t x = load ? i : i - r->nloads;
         snprintf(what, sizeof what, "%s[%u]", load ? "loads" : "stores", x);
-        if ((s = view_check(r, &t->view, what, t->row ? 1 : r->m, r->n, t->itemsize)) != SPY_OK)
+        /* every row of the output: a row's tiles start at their tile's first row too */
+        if ((s = view_check(r, &t->view, what, r->m, r->n, t->itemsize)) != SPY_OK)
             return s;
         for (int slot = 0; slot < 2; slot++) {
             snprintf(what, sizeof what, "%s[%u].lx[%d]", load ? "loads" : "stores", x, slot);

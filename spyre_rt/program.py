@@ -181,7 +181,7 @@ def built_block(build, record, context: str) -> np.ndarray:
     field."""
     out = ffi.new("spy_built *")
     check(build(record, out), context)
-    data = ffi.gc(out.data, lambda _, built=out: lib.spy_built_free(built), size=int(out.bytes))
+    data = ffi.gc(out.data, lambda _, built=out, free=lib.spy_built_free: free(built), size=int(out.bytes))
     return np.frombuffer(ffi.buffer(data, int(out.bytes)), dtype=np.uint8)
 
 

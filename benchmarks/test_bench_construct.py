@@ -3,8 +3,8 @@ transfer graphs construct mode builds per launch (each kernel's program upload).
 
 Every figure is host work: CPU time of this thread (the card's host clock), the best of a
 few rounds, recorded in ``extra_info`` side by side in one run: every kind per kernel
-(copies and transfer graphs built by native/construct.c, the other kinds still in Python
-and numpy).
+(copies and transfer graphs built by native/construct.c, matmuls by native/build_matmul.c
+from their decision records, the other kinds still in Python and numpy).
 Run ``pytest benchmarks/test_bench_construct.py --benchmark-enable -s`` to see the table.
 """
 
@@ -20,7 +20,6 @@ from spyre_rt.construct import copy
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.executor.executable import SNAPSHOT
 from spyre_rt.layout import StickLayout
-from spyre_rt.program import JOB_HEADER
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
 ROUNDS = 5
@@ -71,60 +70,6 @@ def test_granite_construction_per_kernel(benchmark, granite, phase):
     benchmark.extra_info.update(info)
     benchmark.pedantic(lambda: [build() for _, _, build in kernels], rounds=1, iterations=1)
     print(f"\n{phase}: {info}")
-
-
-def _interleaved_best_us(calls, rounds: int) -> list[float]:
-    """Best thread CPU µs of each call, the calls taking turns round after round."""
-    best = [float("inf")] * len(calls)
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
-            t0 = time.thread_time_ns()
-            call()
-            best[i] = min(best[i], (time.thread_time_ns() - t0) / 1e3)
-    return best
-
-
-@pytest.mark.benchmark(group="construct")
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_granite_matmuls_native_against_numpy(benchmark, granite, phase):
-    """Each matmul of the layer built both ways, side by side (interleaved, thread CPU time):
-    the numpy construction and the native builder from the kernel's decision record, the
-    same program byte for byte. The numpy side is given its spec and tiling (the work it
-    repeated per launch before them is not counted)."""
-    from spyre_rt import construct
-    from spyre_rt.construct.matmul import commands
-
-    numpy_us, native_us, cmds = [], [], []
-    for exe in granite.executables[phase]:
-        for seg in exe.device_segments():
-            for name in seg.kernels:
-                kernel = exe.desc.kernels.get(name)
-                if getattr(kernel, "kind", None) != "matmul":
-                    continue
-                rec = exe._tilings[name]
-
-                def numpy_build(exe=exe, rec=rec):
-                    ctx = BuildContext(exe.target, exe.layouts, offsets=exe.offsets)
-                    commands.build(ctx, rec.spec, rec.tiling)
-                    return ctx.encode()
-
-                def native_build(exe=exe, rec=rec, kernel=kernel):
-                    ctx = BuildContext(exe.target, exe.layouts, offsets=exe.offsets)
-                    construct.build(ctx, kernel, rec)
-                    return ctx.encode()
-
-                blob = native_build()
-                assert bytes(numpy_build()) == bytes(blob), f"{name}: the two programs differ"
-                cmds.append(int(blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]))
-                a, b = _interleaved_best_us([numpy_build, native_build], ROUNDS)
-                numpy_us.append(a)
-                native_us.append(b)
-    n = len(cmds)
-    info = {"matmuls": n, "commands_per_matmul": round(sum(cmds) / n), "numpy_us": round(sum(numpy_us) / n, 1),
-            "native_us": round(sum(native_us) / n, 1), "speedup": round(sum(numpy_us) / sum(native_us), 1)}
-    benchmark.extra_info.update(info)
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    print(f"\n{phase} matmuls: {info}")
 
 
 @pytest.mark.benchmark(group="construct")

@@ -665,7 +665,7 @@ SPY_ABI_SIZE(spy_transfer_record, 168)
 
 spy_status spy_build_transfer(const spy_transfer_record *rec, spy_built *out);
 
-/* A job graph made in blocks (the matmul builder's): commands in the order they were
+/* A job graph made in blocks: commands in the order they were
  * made, each with a program-order key, and dependency pairs naming commands by that
  * order. The block's commands are sorted by key (stably), the pairs renumbered and
  * grouped per waiting command (in the order they were given), and encoded with the

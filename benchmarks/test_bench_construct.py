@@ -3,8 +3,8 @@ transfer graphs construct mode builds per launch (each kernel's program upload).
 
 Every figure is host work: CPU time of this thread (the card's host clock), the best of a
 few rounds, recorded in ``extra_info`` side by side in one run: every kind per kernel
-(copies and transfer graphs built by native/construct.c, the other kinds still in Python
-and numpy).
+(copies and transfer graphs built by native/construct.c, matmuls by native/build_matmul.c
+from their decision records, the other kinds still in Python and numpy).
 Run ``pytest benchmarks/test_bench_construct.py --benchmark-enable -s`` to see the table.
 """
 

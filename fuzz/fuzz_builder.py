@@ -1,14 +1,19 @@
-"""Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``).
+"""Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``,
+``spy_build_graph``, ``spy_build_matmul``).
 
 Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
 ``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
-``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, or ``b"G"`` and a
+``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, ``b"G"`` and a
 ``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
-``graph_record_bytes``). The builder must refuse it with a typed error or build a block.
+``graph_record_bytes``), or ``b"M"`` and a ``spy_matmul_record`` with its arrays (as in
+``matmul_record_bytes``). The builder must refuse it with a typed error or build a block.
 Every copy kernel or transfer graph it builds must pass the card's validator
 (``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create`` for a
 transfer graph): the builder never makes what the card would refuse. A graph's commands
-are the caller's, so the validator may refuse them, with a typed error.
+are the caller's, so the validator may refuse them, with a typed error. A matmul's
+program (its SFU opcodes, dtypes, element alignment) is the caller's too, but its tiles
+and views are the builder's to check: for a record within the card's figures, the
+validator never finds a range outside the scratchpad or outside a slot.
 
     python fuzz/fuzz_builder.py --seconds 600 [--seed N] [--runs N] [--asan]
 """
@@ -26,6 +31,7 @@ from harness import arguments, mutate_bytes, mutate_value, run, stage  # noqa: E
 
 from spyre_rt import jobs, profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
+from spyre_rt.errors import SpyreInvalidCommandError  # noqa: E402
 from spyre_rt.native import check, ffi, lib  # noqa: E402
 from spyre_rt.program import JOB_HEADER, built_block  # noqa: E402
 
@@ -79,6 +85,62 @@ def copy_record(data: bytes):
     return rec, (extents, ranges)  # the arrays live as long as the record is used
 
 
+# a matmul record's arrays, in this order after the record itself (its pointers ignored),
+# each at most this long
+MM_ARRAYS = (("m_size", "m_tiles", "uint32_t", 256), ("n_size", "n_tiles", "uint32_t", 256),
+             ("k_slice", "pk", "uint64_t", 64), ("slots", "nslots", "spy_layout", 16),
+             ("loads", "nloads", "spy_mm_tiles", 16), ("stores", "nstores", "spy_mm_tiles", 16),
+             ("program", "ninstrs", "spy_mm_instr", 32))
+MAX_MM_USES = 1 << 14  # a bigger matmul that the builder accepts is real work, not a finding: skipped
+
+
+def matmul_record_bytes(rec) -> bytes:
+    """A ``spy_matmul_record`` (cdata) and its arrays as one input body."""
+    out = bytes(ffi.buffer(rec))
+    for field, count, ctype, _ in MM_ARRAYS:
+        out += bytes(ffi.buffer(getattr(rec, field), ffi.sizeof(ctype) * getattr(rec, count)))
+    return out
+
+
+def matmul_record(data: bytes):
+    rec = ffi.new("spy_matmul_record *")
+    size = ffi.sizeof("spy_matmul_record")
+    ffi.memmove(rec, data.ljust(size, b"\0"), size)
+    at, keep = size, []
+    for field, count, ctype, most in MM_ARRAYS:
+        n = min(getattr(rec, count), most)
+        setattr(rec, count, n)
+        arr = ffi.new(f"{ctype}[]", max(n, 1))
+        nbytes = ffi.sizeof(ctype) * n
+        ffi.memmove(arr, data[at: at + nbytes].ljust(nbytes, b"\0"), nbytes)
+        at += nbytes
+        setattr(rec, field, arr)
+        keep.append(arr)
+    return rec, keep
+
+
+def heavy_matmul(rec) -> bool:
+    """A matmul the builder would accept with more than MAX_MM_USES matmuls, or tiles bigger
+    than 8 MiB scratchpads hold (descriptor lists walk their elements)."""
+    if not rec.pm or not rec.pn or not rec.tk:
+        return False
+    chunks = sum(-(-rec.k_slice[i] // rec.tk) for i in range(rec.pk))
+    uses = rec.batch * (rec.m_tiles // rec.pm) * (rec.n_tiles // rec.pn) * rec.pm * rec.pn * chunks
+    return uses > MAX_MM_USES or rec.scratchpad_bytes > 8 << 20
+
+
+def validate_matmul(rec, blob) -> None:
+    try:
+        jobs.validate(card, blob)
+    except SpyreInvalidCommandError as e:
+        p = card.profile
+        within = rec.num_cores <= p.num_cores and rec.scratchpad_bytes <= p.scratchpad_bytes and \
+            rec.stick_bytes == p.stick_bytes
+        if within and e.status in ("SPY_E_SCRATCHPAD", "SPY_E_BAD_ADDRESS"):
+            raise AssertionError(f"the matmul builder made a program the card refuses: {e}") from e
+        raise
+
+
 def transfer_record(data: bytes):
     rec = ffi.new("spy_transfer_record *")
     raw = data[: ffi.sizeof(rec[0])]
@@ -106,6 +168,13 @@ def target(data: bytes) -> None:
         blob = stage("build", built_block, lib.spy_build_graph, rec, "graph record")
         if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
             stage("validate", jobs.validate, card, blob)
+    elif kind == b"M":
+        rec, _keep = matmul_record(body)
+        if heavy_matmul(rec):
+            return
+        blob = stage("build", built_block, lib.spy_build_matmul, rec, "matmul record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+            stage("validate", validate_matmul, rec, blob)
     elif kind == b"T":
         rec = transfer_record(body)
         if heavy(rec):

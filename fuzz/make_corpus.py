@@ -139,7 +139,55 @@ def builder_records() -> dict[str, bytes]:
                 "layout": {"rows": rows, "row_len": row_len, "itemsize": itemsize, "stick_bytes": 128},
                 "offset": offset, "sizes": list(sizes), "strides": list(strides)})
             out[f"transfer-{name}-{'h2d' if direction == lib.SPY_OP_H2D else 'd2h'}"] = b"T" + bytes(ffi.buffer(rec))
+    out.update(matmul_records())
     return out
+
+
+def matmul_records() -> dict[str, bytes]:
+    """Decision records of matmuls: a bias row, split-K, a fused epilogue, a transposed
+    weight, rows that wrap in their storage (descriptor lists), an empty K, nothing to
+    compute."""
+
+    from fuzz_builder import matmul_record_bytes
+
+    from spyre_rt import profile
+    from spyre_rt.construct import matmul as mm
+    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.kernels import Epilogue, Op
+    from spyre_rt.layout import StickLayout
+    from spyre_rt.native import lib
+
+    target = Target.from_profile(profile.load("spyre"))
+    f16 = lib.SPY_DT_F16
+
+    def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, tiling=None, layouts=None):
+        lay = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
+               "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2)} | (layouts or {})
+        ep = None
+        if epilogue:  # (product + r) as fp16, the SiLU of it
+            ops = (Op("p", "product", dtype="float16"), Op("r", "load", dtype="float16", attrs={"input": 0}),
+                   Op("s", "add", ("p", "r"), "float32"), Op("y", "silu", ("s",), "float32"),
+                   Op("w", "store", ("y",), attrs={"output": 0}))
+            ep = Epilogue(ops, (mm.View("r", 0, (1, m, n), (0, n, 1)),), ("float16",),
+                          (mm.View("o", 0, (1, m, n), (0, n, 1)),), ("float16",))
+        spec = mm.MatmulSpec(a or mm.View("a", 0, (1, m, k), (0, k, 1)), b or mm.View("b", 0, (1, k, n), (0, n, 1)),
+                             mm.View("o", 0, (1, m, n), (0, n, 1)), f16, f16,
+                             bias=mm.View("bias", 0, (1, m, n), (0, 0, 1)) if bias else None,
+                             bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep)
+        ctx = BuildContext(target, lay)
+        return b"M" + matmul_record_bytes(mm.build(ctx, spec, tiling).cdata)
+
+    return {
+        "matmul-bias": record(64, 130, 200, bias=True),
+        "matmul-split-k": record(1, 256, 1024, tiling=mm.Tiling(2, 4, 1, 4, 1, 4, 128, 3)),
+        "matmul-epilogue": record(40, 96, 64, epilogue=True),
+        "matmul-transposed-weight": record(16, 64, 128, b=mm.View("b", 0, (1, 128, 64), (0, 1, 128)),
+                                           layouts={"b": StickLayout(64, 128, 2)}),
+        "matmul-wrapping-rows": record(4, 70, 192, a=mm.View("a", 0, (1, 4, 192), (0, 192, 1)),
+                                       layouts={"a": StickLayout(8, 96, 2)}),
+        "matmul-empty-k": record(8, 64, 0, layouts={"a": StickLayout(8, 1, 2), "b": StickLayout(1, 64, 2)}),
+        "matmul-nothing": record(0, 64, 64),
+    }
 
 
 def write_builder_corpus() -> None:

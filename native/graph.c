@@ -12,23 +12,30 @@
 
 /* ---- growable arrays ---------------------------------------------------------------------- */
 
-void *spy_vec_push(spy_vec *v, uint64_t n)
+bool spy_vec_reserve(spy_vec *v, uint64_t n)
 {
     if (v->failed)
-        return NULL;
-    if (v->len + n > v->cap) {
-        uint64_t cap = v->cap ? v->cap : 16;
-        while (cap < v->len + n)
-            cap *= 2;
-        uint64_t bytes;
-        void *p = spy_mul_ok(cap, v->elem, &bytes) && bytes <= SIZE_MAX ? realloc(v->data, (size_t)bytes) : NULL;
-        if (!p) {
-            v->failed = true;
-            return NULL;
-        }
-        v->data = p;
-        v->cap = cap;
+        return false;
+    if (v->len + n <= v->cap)
+        return true;
+    uint64_t cap = v->cap ? v->cap : 16;
+    while (cap < v->len + n)
+        cap *= 2;
+    uint64_t bytes;
+    void *p = spy_mul_ok(cap, v->elem, &bytes) && bytes <= SIZE_MAX ? realloc(v->data, (size_t)bytes) : NULL;
+    if (!p) {
+        v->failed = true;
+        return false;
     }
+    v->data = p;
+    v->cap = cap;
+    return true;
+}
+
+void *spy_vec_push(spy_vec *v, uint64_t n)
+{
+    if (!spy_vec_reserve(v, n))
+        return NULL;
     uint8_t *at = (uint8_t *)v->data + v->len * v->elem;
     memset(at, 0, (size_t)(n * v->elem));
     v->len += n;
@@ -55,15 +62,20 @@ bool spy_block_bytes(uint32_t nslots, uint64_t ncmds, uint64_t ndeps, uint64_t n
     return t <= SPY_BUILD_MAX_BYTES;
 }
 
-spy_status spy_block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint32_t ndeps, uint32_t ndescs,
-                           spy_built *out, spy_block_sections *blk)
+/* A block of `total` bytes, zeroed or not: its header written (the rest of the header zero)
+ * and its sections placed. */
+static spy_status block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint32_t ndeps, uint32_t ndescs,
+                              bool zeroed, spy_built *out, spy_block_sections *blk)
 {
-    uint64_t *mem = total <= SIZE_MAX - 7 ? calloc((size_t)(total + 7) / 8, 8) : NULL;
+    size_t words = total <= SIZE_MAX - 7 ? (size_t)(total + 7) / 8 : 0;
+    uint64_t *mem = !words ? NULL : zeroed ? calloc(words, 8) : malloc(words * 8);
     if (!mem)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a %llu-byte program block",
                         (unsigned long long)total);
     uint8_t *b = (uint8_t *)mem;
     spy_job_header *h = (spy_job_header *)b;
+    if (!zeroed)
+        memset(h, 0, sizeof *h);
     h->magic = SPY_JOB_MAGIC;
     h->version = SPY_JOB_VERSION;
     h->ncmds = ncmds;
@@ -75,9 +87,17 @@ spy_status spy_block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint
     blk->cmds = (spy_cmd *)(blk->slots + nslots);
     blk->deps = (uint32_t *)(blk->cmds + ncmds);
     blk->descs = (spy_desc *)((uint8_t *)blk->deps + ((uint64_t)ndeps * 4 + 7) / 8 * 8);
+    if (!zeroed && ndeps % 2)
+        blk->deps[ndeps] = 0; /* the padding to 8 bytes */
     out->data = b;
     out->bytes = total;
     return SPY_OK;
+}
+
+spy_status spy_block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint32_t ndeps, uint32_t ndescs,
+                           spy_built *out, spy_block_sections *blk)
+{
+    return block_alloc(total, nslots, ncmds, ndeps, ndescs, true, out, blk);
 }
 
 void spy_built_free(spy_built *b)
@@ -91,27 +111,47 @@ void spy_built_free(spy_built *b)
 
 /* ---- job graphs ------------------------------------------------------------------------------ */
 
-/* order[0..n) sorted stably by keys: a bottom-up merge sort through `tmp`; a run already in
- * order (the common case: commands made in program order) costs one pass. */
+/* order[0..n) sorted stably by keys, through `tmp` (n entries): a run already in order (the
+ * common case: commands made in program order) costs one pass; keys of a small range (a
+ * builder's phases of steps) are counted into place; others are merge sorted bottom-up. */
 static void stable_order(const int64_t *keys, uint64_t n, uint64_t *order, uint64_t *tmp)
 {
     bool sorted = true;
+    int64_t lo = n ? keys[0] : 0, hi = lo;
     for (uint64_t i = 0; i < n; i++) {
         order[i] = i;
         if (i && keys[i] < keys[i - 1])
             sorted = false;
+        lo = keys[i] < lo ? keys[i] : lo;
+        hi = keys[i] > hi ? keys[i] : hi;
     }
     if (sorted)
         return;
+    uint64_t range = (uint64_t)hi - (uint64_t)lo; /* below 2^64 */
+    uint64_t *at = range <= 4 * n + 1024 ? calloc((size_t)range + 1, sizeof *at) : NULL;
+    if (at) {
+        for (uint64_t i = 0; i < n; i++)
+            at[(uint64_t)keys[i] - (uint64_t)lo]++;
+        uint64_t sum = 0;
+        for (uint64_t k = 0; k <= range; k++) {
+            uint64_t c = at[k];
+            at[k] = sum;
+            sum += c;
+        }
+        for (uint64_t i = 0; i < n; i++)
+            order[at[(uint64_t)keys[i] - (uint64_t)lo]++] = i;
+        free(at);
+        return;
+    }
     for (uint64_t width = 1; width < n; width *= 2) {
-        for (uint64_t lo = 0; lo < n; lo += 2 * width) {
-            uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
-            uint64_t a = lo, b = mid, k = lo;
-            while (a < mid && b < hi)
+        for (uint64_t lo_ = 0; lo_ < n; lo_ += 2 * width) {
+            uint64_t mid = lo_ + width < n ? lo_ + width : n, end = lo_ + 2 * width < n ? lo_ + 2 * width : n;
+            uint64_t a = lo_, b = mid, k = lo_;
+            while (a < mid && b < end)
                 tmp[k++] = keys[order[b]] < keys[order[a]] ? order[b++] : order[a++];
             while (a < mid)
                 tmp[k++] = order[a++];
-            while (b < hi)
+            while (b < end)
                 tmp[k++] = order[b++];
         }
         memcpy(order, tmp, (size_t)n * sizeof *order);
@@ -148,47 +188,47 @@ spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
     spy_status s = graph_check(r, &total);
     if (s != SPY_OK)
         return s;
-    uint64_t n = r->ncmds;
-    uint64_t *order = malloc((size_t)(3 * n + 1) * sizeof *order); /* order, merge buffer, rank */
-    uint32_t *fill = malloc((size_t)(n + 1) * sizeof *fill);
-    if (!order || !fill) {
+    uint64_t n = r->ncmds; /* below 2^32, as the pairs (graph_check) */
+    uint64_t *order = malloc((size_t)(2 * n + 1) * sizeof *order); /* the order, a merge buffer */
+    uint32_t *at = malloc((size_t)(2 * n + 1) * sizeof *at);       /* per command made: its place, its deps' */
+    if (!order || !at) {
         free(order);
-        free(fill);
+        free(at);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory to order %llu commands", (unsigned long long)n);
     }
-    uint64_t *rank = order + 2 * n;
+    uint32_t *rank = at, *fill = at + n;
     stable_order(r->keys, n, order, order + n);
-    spy_block_sections blk;
-    s = spy_block_alloc(total, r->nslots, (uint32_t)n, (uint32_t)r->npairs, r->ndescs, out, &blk);
+    spy_block_sections blk; /* every byte is written below */
+    s = block_alloc(total, r->nslots, (uint32_t)n, (uint32_t)r->npairs, r->ndescs, false, out, &blk);
     if (s != SPY_OK) {
         free(order);
-        free(fill);
+        free(at);
         return s;
     }
     ((spy_job_header *)out->data)->ninstrs = r->ninstrs;
     if (r->nslots)
         memcpy(blk.slots, r->slots, (size_t)r->nslots * sizeof *blk.slots);
-    for (uint64_t i = 0; i < n; i++) {
-        rank[order[i]] = i;
-        blk.cmds[i] = r->cmds[order[i]];
-        blk.cmds[i].ndeps = 0;
-    }
-    for (uint64_t i = 0; i < r->npairs; i++)
-        blk.cmds[rank[r->after[i]]].ndeps++;
+    memset(fill, 0, (size_t)n * sizeof *fill);
+    for (uint64_t i = 0; i < r->npairs; i++) /* dependencies per command made */
+        fill[r->after[i]]++;
     uint32_t begin = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        blk.cmds[i].dep_begin = fill[i] = begin;
+    for (uint64_t i = 0; i < n; i++) { /* in program order: the command, where its dependencies start */
+        uint64_t c = order[i];
+        rank[c] = (uint32_t)i;
+        blk.cmds[i] = r->cmds[c];
+        blk.cmds[i].ndeps = fill[c];
+        blk.cmds[i].dep_begin = fill[c] = begin;
         begin += blk.cmds[i].ndeps;
     }
     for (uint64_t i = 0; i < r->npairs; i++) /* grouped per waiting command, in the given order */
-        blk.deps[fill[rank[r->after[i]]]++] = (uint32_t)rank[r->before[i]];
+        blk.deps[fill[r->after[i]]++] = rank[r->before[i]];
     spy_instr *instrs = (spy_instr *)blk.descs; /* the instructions come before the descriptors */
     if (r->ninstrs)
         memcpy(instrs, r->instrs, (size_t)r->ninstrs * sizeof *instrs);
     if (r->ndescs)
         memcpy(instrs + r->ninstrs, r->descs, (size_t)r->ndescs * sizeof(spy_desc));
     free(order);
-    free(fill);
+    free(at);
     return SPY_OK;
 }
 
@@ -234,13 +274,43 @@ spy_cmd *spy_graph_add(spy_graph *g, uint64_t n, int64_t key, uint64_t *first)
     return c;
 }
 
+void spy_graph_reserve(spy_graph *g, uint64_t ncmds, uint64_t npairs)
+{
+    spy_vec_reserve(&g->cmds, ncmds);
+    spy_vec_reserve(&g->keys, ncmds);
+    spy_vec_reserve(&g->after, npairs);
+    spy_vec_reserve(&g->before, npairs);
+}
+
 void spy_graph_depend(spy_graph *g, uint64_t after, uint64_t before)
 {
-    int64_t *a = spy_vec_push(&g->after, 1), *b = spy_vec_push(&g->before, 1);
-    if (a && b) {
-        *a = (int64_t)after;
-        *b = (int64_t)before;
+    spy_vec *a = &g->after, *b = &g->before;
+    if (a->len < a->cap && b->len < b->cap) { /* the common case: room for it */
+        ((int64_t *)a->data)[a->len++] = (int64_t)after;
+        ((int64_t *)b->data)[b->len++] = (int64_t)before;
+        return;
     }
+    int64_t *pa = spy_vec_push(a, 1), *pb = spy_vec_push(b, 1);
+    if (pa && pb) {
+        *pa = (int64_t)after;
+        *pb = (int64_t)before;
+    }
+}
+
+void spy_graph_depend_runs(spy_graph *g, uint64_t after, uint64_t na, uint64_t before, uint64_t nb)
+{
+    spy_vec *a = &g->after, *b = &g->before;
+    uint64_t n = na * nb; /* below 2^64: the runs are of commands made */
+    if (!spy_vec_reserve(a, n) || !spy_vec_reserve(b, n))
+        return; /* the graph is failed: its encode says so */
+    int64_t *pa = (int64_t *)a->data + a->len, *pb = (int64_t *)b->data + b->len;
+    for (uint64_t x = 0; x < na; x++)
+        for (uint64_t y = 0; y < nb; y++) {
+            *pa++ = (int64_t)(after + x);
+            *pb++ = (int64_t)(before + y);
+        }
+    a->len += n;
+    b->len += n;
 }
 
 spy_instr *spy_graph_instrs(spy_graph *g, uint64_t n, uint64_t *first)

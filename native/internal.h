@@ -4,7 +4,7 @@
  * file that defines it; a file-local function stays static in its file. The files form
  * layers, and a file calls only into layers below its own (status.c into none):
  *
- *   layer 1  device.c plan.c transfer.c dlpack.c construct.c ccl.c   entry points of the objects, the builder, the ring
+ *   layer 1  device.c plan.c transfer.c dlpack.c construct.c build_matmul.c ccl.c   entry points of the objects, the builders, the ring
  *   layer 2  job.c memory.c graph.c                one job's run; the memory API; blocks under construction
  *   layer 3  sim.c alloc.c                         the timeline; the address space
  *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures
@@ -119,6 +119,9 @@ uint32_t spy_engine_of(const spy_profile *p, const spy_cmd *c);
 static inline uint32_t spy_num_engines(const spy_profile *p) { return p->num_cores * SPY_ENG_PER_CORE + 3; }
 /* Bytes an H2D/D2H command moves over PCIe. */
 uint64_t spy_host_dma_bytes(const spy_program *g, const spy_cmd *c);
+/* The scratchpad bytes [*lo, *hi) an SFU operand of a rows x cols instruction covers (kinds
+ * TILE, ROW, COL and SCALAR; false for the others). */
+bool spy_operand_extent(const spy_operand *o, uint32_t rows, uint32_t cols, uint64_t *lo, uint64_t *hi);
 
 /* ---- alloc.c: the device DRAM allocator -------------------------------------------------- */
 
@@ -358,6 +361,8 @@ typedef struct spy_vec {
 
 /* n zeroed elements appended; their address, or NULL (the vector is then failed). */
 void *spy_vec_push(spy_vec *v, uint64_t n);
+/* Room for n more elements without moving them (false: the vector is failed). */
+bool spy_vec_reserve(spy_vec *v, uint64_t n);
 void spy_vec_free(spy_vec *v);
 
 /* The sections of one program block being written (spy_block_alloc). */
@@ -388,8 +393,14 @@ uint32_t spy_graph_slot(spy_graph *g, uint32_t kind, uint64_t extent);
 /* n zeroed commands of program-order key `key`; *first is the index of the first (the
  * order of appending, which dependencies name). */
 spy_cmd *spy_graph_add(spy_graph *g, uint64_t n, int64_t key, uint64_t *first);
+/* Room for ncmds more commands and npairs more dependency pairs (a builder that knows
+ * about how many it makes saves the arrays' regrowth). */
+void spy_graph_reserve(spy_graph *g, uint64_t ncmds, uint64_t npairs);
 /* Command `after` waits for command `before` (indices in the order of appending). */
 void spy_graph_depend(spy_graph *g, uint64_t after, uint64_t before);
+/* Every command of [after, after + na) waits for every command of [before, before + nb): the
+ * pairs of each waiting command in turn. */
+void spy_graph_depend_runs(spy_graph *g, uint64_t after, uint64_t na, uint64_t before, uint64_t nb);
 spy_instr *spy_graph_instrs(spy_graph *g, uint64_t n, uint64_t *first);
 spy_desc *spy_graph_descs(spy_graph *g, uint64_t n, uint64_t *first);
 /* The block: commands sorted stably by key, each one's dependencies in the order given. */

@@ -665,7 +665,7 @@ SPY_ABI_SIZE(spy_transfer_record, 168)
 
 spy_status spy_build_transfer(const spy_transfer_record *rec, spy_built *out);
 
-/* A job graph made in blocks (the matmul builder's): commands in the order they were
+/* A job graph made in blocks: commands in the order they were
  * made, each with a program-order key, and dependency pairs naming commands by that
  * order. The block's commands are sorted by key (stably), the pairs renumbered and
  * grouped per waiting command (in the order they were given), and encoded with the
@@ -689,6 +689,85 @@ typedef struct spy_graph_record {
 } spy_graph_record;
 
 spy_status spy_build_graph(const spy_graph_record *rec, spy_built *out);
+
+/* A matmul's decision record (build_matmul.c): C[b] = A[b] @ B[b], each output tile then
+ * run through a per-tile SFU program (a bias, a fused epilogue, the rounding) and stored.
+ * The layers above decide the tiling (groups of pk x pm x pn cores, the sizes of the M
+ * and N tiles and K slices, the K chunk tk and the nbuf operand buffers), the scratchpad
+ * regions every core uses at the same offsets, the views and the slots of the buffers, and
+ * the program; the builder derives which core does what, makes the loads, ring forwards,
+ * matmuls, the split-K reduction, the epilogue's loads, SFU commands and stores, their
+ * dependencies and DMA patterns in the stick layout, and encodes the block. Checked whole
+ * first: a region outside the scratchpad (SPY_E_SCRATCHPAD), a view outside its slot's
+ * storage (SPY_E_BAD_ADDRESS), counts that do not add up or overflow (SPY_E_INVALID_ARG). */
+#define SPY_MM_MAX_NBUF 4     /* operand buffers per core */
+#define SPY_MM_MAX_SLOTS 64   /* buffers of one matmul */
+#define SPY_MM_MAX_TILES 16   /* tiles an epilogue loads, tiles it stores */
+#define SPY_MM_MAX_PROGRAM 256 /* instructions of the per-tile program */
+
+/* A strided view of a slot's storage, in logical elements: element (b, r, c) at
+ * offset + b * strides[0] + r * strides[1] + c * strides[2]. Its sizes are the matmul's:
+ * A batch x M x K, B batch x K x N, the others batch x M x N (batch x 1 x N for a row). */
+typedef struct spy_mm_view {
+    uint32_t slot;
+    uint32_t reserved;
+    uint64_t offset;
+    uint64_t strides[3];
+} spy_mm_view; /* 40 bytes */
+SPY_ABI_SIZE(spy_mm_view, 40)
+
+/* Tiles of a view the epilogue loads (before its program) or stores (after it), double
+ * buffered: the q-th output tile a core finishes uses lx[q % 2]. */
+typedef struct spy_mm_tiles {
+    spy_mm_view view;
+    uint64_t lx[2];     /* scratchpad byte offsets of the two tiles */
+    uint32_t pitch;     /* elements per scratchpad row */
+    uint32_t itemsize;  /* bytes per element (the slot layout's) */
+    uint32_t row;       /* 1: one row per tile, broadcast over the tile's rows (a bias) */
+    uint32_t reserved;
+} spy_mm_tiles; /* 72 bytes */
+SPY_ABI_SIZE(spy_mm_tiles, 72)
+
+/* One instruction of the per-tile program: `ins` as for a tile in slot 0 (its rows and
+ * cols are each tile's, filled in), and its operands' v (dst, src[0..2]) for slot 1. */
+typedef struct spy_mm_instr {
+    spy_instr ins;
+    uint64_t v1[4];
+} spy_mm_instr; /* 112 bytes */
+SPY_ABI_SIZE(spy_mm_instr, 112)
+
+typedef struct spy_matmul_record {
+    /* the card */
+    uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
+    uint32_t stick_bytes;      /* a power of two */
+    uint64_t scratchpad_bytes; /* of one core */
+    /* the problem */
+    uint64_t batch, m, n, k;   /* each below 2^32 */
+    uint32_t in_dtype;         /* of A and B: F16, BF16 or F32 */
+    uint32_t flags;            /* SPY_MM_TRANS_A (A read with M contiguous), SPY_MM_TRANS_B */
+    /* the tiling */
+    uint32_t groups, pk, pm, pn; /* groups of pk x pm x pn cores */
+    uint32_t m_tiles, n_tiles;   /* multiples of pm and pn */
+    uint32_t tk, nbuf;           /* K chunk; operand buffers (1 .. SPY_MM_MAX_NBUF) */
+    const uint32_t *m_size;      /* m_tiles: rows of each M tile, adding up to m */
+    const uint32_t *n_size;      /* n_tiles: columns of each N tile, adding up to n */
+    const uint64_t *k_slice;     /* pk: the K slices, adding up to k (one slice of 0 when k is 0) */
+    /* the scratchpad, alike on every core */
+    uint64_t a_lx[SPY_MM_MAX_NBUF], b_lx[SPY_MM_MAX_NBUF]; /* operand buffers */
+    uint64_t acc_lx, recv_lx;    /* the fp32 accumulator; split-K's receive buffer (pk > 1) */
+    uint32_t a_pitch, b_pitch, c_pitch; /* elements per row: A, B and accumulator tiles */
+    /* the buffers and the per-tile program */
+    uint32_t nslots;
+    uint32_t nloads, nstores, ninstrs;
+    uint32_t reserved;
+    const spy_layout *slots;     /* nslots: the stick layout of each slot's buffer, in slot order */
+    spy_mm_view a, b;
+    const spy_mm_tiles *loads;   /* nloads */
+    const spy_mm_tiles *stores;  /* nstores (at least one) */
+    const spy_mm_instr *program; /* ninstrs (at least one) */
+} spy_matmul_record;
+
+spy_status spy_build_matmul(const spy_matmul_record *rec, spy_built *out);
 
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:

@@ -176,17 +176,13 @@ def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def built_block(build, record, context: str) -> np.ndarray:
     """The program block a native builder makes of a decision record (``build(record,
-    spy_built *)``), as an 8-byte aligned uint8 array; the builder's copy is freed. A
-    record the builder refuses raises its typed error, naming the field."""
+    spy_built *)``), as an 8-byte aligned uint8 array over the builder's own memory (freed
+    when the array goes). A record the builder refuses raises its typed error, naming the
+    field."""
     out = ffi.new("spy_built *")
     check(build(record, out), context)
-    try:
-        n = int(out.bytes)
-        buf = np.empty((n + 7) // 8, dtype=np.uint64).view(np.uint8)[:n]
-        ffi.memmove(ffi.from_buffer(buf), out.data, n)
-        return buf
-    finally:
-        lib.spy_built_free(out)
+    data = ffi.gc(out.data, lambda _, built=out, free=lib.spy_built_free: free(built), size=int(out.bytes))
+    return np.frombuffer(ffi.buffer(data, int(out.bytes)), dtype=np.uint8)
 
 
 def make_operand(kind: int, dtype: int = 0, off: int = 0, pitch: int = 0) -> tuple:

@@ -230,7 +230,7 @@ def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
     code = dtypes.of(dtype).code
     spec = MatmulSpec(a.view, b.view, p.view, code, code, epilogue=ep)
     ctx = BuildContext(Target.from_profile(card.profile), {x: o.layout for x, o in ops.items()})
-    tiling = build(ctx, spec, tiling)
+    tiling = build(ctx, spec, tiling).tiling
     blob = ctx.encode()
     assert races(blob) == [], f"scratchpad races under {tiling}"
     got = launch_built(card, ctx, blob, ops, ["p", "o1", "o2"])

@@ -94,7 +94,7 @@ def run(card, a: Operand, b: Operand, out: Operand, bias: Operand | None = None,
                       bias=bias.view if bias is not None else None,
                       bias_dtype=dtypes.of(bias.values.dtype).code if bias is not None else 0)
     ctx = BuildContext(Target.from_profile(card.profile), {n: o.layout for n, o in ops.items()})
-    tiling = build(ctx, spec, tiling)
+    tiling = build(ctx, spec, tiling).tiling
     blob = ctx.encode()
     return launch_built(card, ctx, blob, ops, ["o"])["o"], tiling, blob
 

@@ -114,7 +114,7 @@ def simulate(card, ctx: BuildContext) -> tuple[float, int]:
 def test_the_model_tracks_the_simulator(card, m, n, k):
     ctx, spec = linear(m, n, k)
     p = Problem.of(spec)
-    t = build(ctx, spec)
+    t = build(ctx, spec).tiling
     ns, _ = simulate(card, ctx)
     assert abs(tl.estimate_one(TARGET, p, t) / ns - 1) < 0.15, f"{t}: model vs simulator"
 

@@ -166,3 +166,120 @@ def test_a_corrupt_graph_record_is_refused_naming_its_field(kw, field):
     with pytest.raises(SpyreError, match="SPY_E_INVALID_ARG") as e:
         built_block(lib.spy_build_graph, rec, "graph")
     assert field in str(e.value)
+
+
+# ---- matmuls --------------------------------------------------------------------------------
+
+def matmul_decided(card, m=64, n=130, k=200, bias=True):
+    """A matmul's decision record (a bias row, a K split over cores) and its context."""
+    from spyre_rt.construct import matmul as mm
+
+    target = Target.from_profile(card.profile)
+    layouts = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
+               "bias": StickLayout(1, n, 4)}
+    spec = mm.MatmulSpec(mm.View("a", 0, (1, m, k), (0, k, 1)), mm.View("b", 0, (1, k, n), (0, n, 1)),
+                         mm.View("o", 0, (1, m, n), (0, n, 1)), lib.SPY_DT_F16, lib.SPY_DT_F16,
+                         bias=mm.View("bias", 0, (1, m, n), (0, 0, 1)) if bias else None, bias_dtype=lib.SPY_DT_F32)
+    ctx = BuildContext(target, layouts)
+    return mm.build(ctx, spec, mm.Tiling(2, 2, 2, 4, 2, 4, 64, 2)), ctx
+
+
+def test_a_matmul_record_builds_a_program_the_card_accepts(card):
+    rec, ctx = matmul_decided(card)
+    info = jobs.validate(card, ctx.encode())
+    assert info["ncmds"] == ctx.ncmds > 0
+    assert bytes(built_block(lib.spy_build_matmul, rec.cdata, "matmul")) == bytes(ctx.encode())  # again, alike
+
+
+def test_a_later_matmul_build_is_one_native_call_from_the_first_ones_record(card, monkeypatch):
+    """The executor hands a builder back what its first build returned: the matmul's whole
+    decision record, from which a launch builds without deciding anything again."""
+    from spyre_rt import construct
+    from spyre_rt.construct.matmul import record
+    from spyre_rt.kernels import MatmulKernel
+
+    rec, ctx = matmul_decided(card, bias=False)
+    kernel = MatmulKernel("k0", ("a", 0, (1, 64, 200), (0, 200, 1)), ("b", 0, (1, 200, 130), (0, 130, 1)),
+                          ("o", 0, (1, 64, 130), (0, 130, 1)), "float16", "float16")
+    first = BuildContext(ctx.target, ctx.layouts)
+    decided = construct.build(first, kernel)
+    monkeypatch.setattr(record, "decide", lambda *a, **kw: pytest.fail("a later build decided again"))
+    for _ in range(2):
+        later = BuildContext(ctx.target, ctx.layouts)
+        assert construct.build(later, kernel, decided) is decided
+        assert bytes(later.encode()) == bytes(first.encode()) and later.buffers() == first.buffers()
+        assert later.scratchpad_peak == first.scratchpad_peak > 0
+
+
+def _corrupt(rec, path: str, value):
+    """A copy of the record (its arrays shared) with the field at `path` set to `value`;
+    `name[i]` of an array field replaces the array by a corrupted copy."""
+    bad = ffi.new("spy_matmul_record *", rec[0])
+    keep = []
+    head, _, rest = path.partition(".")
+    if "[" in head and head.split("[")[0] in ("m_size", "n_size", "k_slice", "stores", "loads", "program"):
+        name, i = head[:-1].split("[")
+        ctype = ffi.typeof(getattr(bad, name)).item.cname
+        n = {"m_size": bad.m_tiles, "n_size": bad.n_tiles, "k_slice": bad.pk, "stores": bad.nstores,
+             "loads": max(bad.nloads, 1), "program": bad.ninstrs}[name]
+        arr = ffi.new(f"{ctype}[]", n)
+        ffi.memmove(arr, getattr(bad, name), ffi.sizeof(ctype) * n)
+        keep.append(arr)
+        setattr(bad, name, arr)
+        target = arr + int(i)
+        if rest:
+            *outer, last = rest.split(".")
+            for f in outer:
+                target = getattr(target, f) if not f.endswith("]") else getattr(target, f.split("[")[0])[
+                    int(f.split("[")[1][:-1])]
+            _set(target, last, value)
+        else:
+            target[0] = value
+        return bad, keep
+    *outer, last = path.split(".")
+    target = bad
+    for f in outer:
+        target = getattr(target, f)
+    _set(target, last, value)
+    return bad, keep
+
+
+def _set(obj, field: str, value):
+    if field.endswith("]"):
+        name, i = field[:-1].split("[")
+        getattr(obj, name)[int(i)] = value
+    else:
+        setattr(obj, field, value)
+
+
+@pytest.mark.parametrize("path,value,status,field", [
+    ("a_lx[1]", (2 << 20) - 256, "SPY_E_SCRATCHPAD", "a_lx[1]"),           # a tile outside the scratchpad
+    ("acc_lx", 2 << 20, "SPY_E_SCRATCHPAD", "acc_lx"),
+    ("c_pitch", 1 << 20, "SPY_E_SCRATCHPAD", "acc_lx"),
+    ("stores[0].lx[1]", (2 << 20) - 128, "SPY_E_SCRATCHPAD", "stores[0].lx[1]"),
+    ("loads[0].lx[0]", 1 << 40, "SPY_E_SCRATCHPAD", "loads[0].lx[0]"),
+    ("program[1].v1[0]", 3 << 20, "SPY_E_SCRATCHPAD", "program[1].dst"),
+    ("a.offset", 1, "SPY_E_BAD_ADDRESS", "a.offset"),                        # a DMA outside its allocation
+    ("b.strides[1]", 131, "SPY_E_BAD_ADDRESS", "b.offset"),
+    ("stores[0].view.strides[2]", 1 << 62, "SPY_E_BAD_ADDRESS", "stores[0].strides[2]"),
+    ("loads[0].view.slot", 7, "SPY_E_INVALID_ARG", "loads[0].slot"),
+    ("m_size[1]", 31, "SPY_E_INVALID_ARG", "m_size"),                        # counts that do not add up
+    ("k_slice[0]", 0, "SPY_E_INVALID_ARG", "k_slice[0]"),
+    ("pm", 8, "SPY_E_INVALID_ARG", "num_cores"),
+    ("nbuf", 9, "SPY_E_INVALID_ARG", "nbuf"),
+    ("batch", 1 << 32, "SPY_E_INVALID_ARG", "batch"),                         # counts that overflow
+    ("batch", 1 << 31, "SPY_E_INVALID_ARG", "makes more than"),
+    ("nslots", 1 << 20, "SPY_E_INVALID_ARG", "nslots"),
+    ("ninstrs", 0, "SPY_E_INVALID_ARG", "ninstrs"),
+    ("in_dtype", lib.SPY_DT_I64, "SPY_E_INVALID_ARG", "in_dtype"),
+])
+def test_a_corrupt_matmul_record_is_refused_naming_its_field(card, path, value, status, field):
+    rec, _ctx = matmul_decided(card)
+    bad, _keep = _corrupt(rec.cdata, path, value)
+    if path == "batch" and value == 1 << 31:  # views broadcast over the batch: only the counts are wrong
+        bad.a.strides[0] = bad.b.strides[0] = 0
+    out = ffi.new("spy_built *")
+    with pytest.raises(SpyreError) as e:
+        built_block(lib.spy_build_matmul, bad, "matmul")
+    assert status in str(e.value) and field in str(e.value), str(e.value)
+    assert lib.spy_build_matmul(bad, out) != lib.SPY_OK and out.data == ffi.NULL and out.bytes == 0  # nothing built

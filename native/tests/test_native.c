@@ -1348,6 +1348,117 @@ static void test_builder(void)
     gr.cmds.failed = true; /* a failed append: the encode says so and builds nothing */
     CHECK(spy_graph_encode(&gr, &b2) == SPY_E_HOST_NOMEM && !b2.data);
     spy_graph_free(&gr);
+
+    /* runs of dependencies, in room reserved: every pair of the runs, each waiting command's in turn */
+    spy_graph_init(&gr);
+    spy_graph_reserve(&gr, 4, 4);
+    c = spy_graph_add(&gr, 4, 0, &first);
+    CHECK(c && gr.cmds.cap >= 4 && gr.after.cap >= 4);
+    for (int i = 0; i < 4; i++)
+        c[i].op = SPY_OP_BARRIER, c[i].core = SPY_CORE_CARD;
+    spy_graph_depend_runs(&gr, 2, 2, 0, 2);
+    CHECK(gr.after.len == 4 && ((int64_t *)gr.after.data)[1] == 2 && ((int64_t *)gr.before.data)[1] == 1 &&
+          ((int64_t *)gr.after.data)[2] == 3 && ((int64_t *)gr.before.data)[2] == 0);
+    CHECK_OK(spy_graph_encode(&gr, &b2));
+    CHECK_OK(spy_job_validate(d, b2.data, b2.bytes, &info));
+    out = (const spy_cmd *)(b2.data + sizeof(spy_job_header));
+    CHECK(out[3].ndeps == 2 && out[3].dep_begin == 2);
+    spy_built_free(&b2);
+    spy_graph_free(&gr);
+    spy_device_close(d);
+}
+
+/* A matmul of 64 x 128 x 256 in fp16 on a group of 2 x 2 x 2 cores (two K slices), its
+ * tiles in the scratchpad as the Python layer would place them. */
+static uint32_t mm_m_size[2] = {32, 32}, mm_n_size[2] = {64, 64};
+static uint64_t mm_k_slice[2] = {128, 128};
+static spy_layout mm_slots[3] = {{64, 256, 2, 128}, {256, 128, 2, 128}, {64, 128, 2, 128}};
+static spy_mm_tiles mm_store = {{2, 0, 0, {0, 128, 1}}, {40960, 45056}, 64, 2, 0, 0};
+static spy_mm_instr mm_round; /* the accumulator rounded into the staging tile */
+
+static spy_matmul_record mm_record(void)
+{
+    spy_operand acc = {SPY_OPND_TILE, SPY_DT_F32, 0, 64, {.off = 24576}};
+    mm_round.ins = (spy_instr){SPY_SFU_MOV, 0, 0, 0, 0, 0, {SPY_OPND_TILE, SPY_DT_F16, 0, 64, {.off = 40960}},
+                               {acc, {0}, {0}}};
+    mm_round.v1[0] = 45056, mm_round.v1[1] = 24576;
+    spy_matmul_record r = {
+        .num_cores = 32, .stick_bytes = 128, .scratchpad_bytes = 2u << 20,
+        .batch = 1, .m = 64, .n = 128, .k = 256, .in_dtype = SPY_DT_F16,
+        .groups = 4, .pk = 2, .pm = 2, .pn = 2, .m_tiles = 2, .n_tiles = 2, .tk = 64, .nbuf = 2,
+        .m_size = mm_m_size, .n_size = mm_n_size, .k_slice = mm_k_slice,
+        .a_lx = {0, 4096}, .b_lx = {8192, 16384}, .acc_lx = 24576, .recv_lx = 32768,
+        .a_pitch = 64, .b_pitch = 64, .c_pitch = 64,
+        .nslots = 3, .nstores = 1, .ninstrs = 1, .slots = mm_slots,
+        .a = {0, 0, 0, {0, 256, 1}}, .b = {1, 0, 0, {0, 128, 1}}, .stores = &mm_store, .program = &mm_round,
+    };
+    return r;
+}
+
+/* The matmul builder: what it builds the validator accepts and the card runs; a corrupt
+ * record is refused whole with a message naming its field, nothing built, nothing leaked. */
+static void test_matmul_builder(void)
+{
+    current = "matmul builder";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    spy_matmul_record r = mm_record();
+    spy_built b = {0};
+    spy_job_info info;
+    CHECK_OK(spy_build_matmul(&r, &b));
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    /* 8 chunks of A and 8 of B, each loaded by one core and sent to the other of its grid row
+     * or column; 16 matmuls (8 cores, 2 K chunks each); split-K: 4 sends and adds; per tile a
+     * program and a store. One program of each kind (one tile shape, one staging slot). */
+    const spy_job_header *h = (const spy_job_header *)b.data;
+    CHECK(info.ncmds == 16 + 16 + 16 + 4 + 4 + 4 + 4 && h->nslots == 3 && h->ninstrs == 1 + 1);
+    const spy_cmd *cmd = (const spy_cmd *)((const spy_slot *)(h + 1) + 3);
+    for (uint32_t i = 1; i < info.ncmds; i++) /* no command waits for a later one */
+        for (uint32_t x = 0; x < cmd[i].ndeps; x++)
+            CHECK(((const uint32_t *)(cmd + info.ncmds))[cmd[i].dep_begin + x] < i);
+    uint64_t addr[3];
+    for (int i = 0; i < 3; i++) {
+        uint64_t bytes;
+        CHECK_OK(spy_layout_bytes(&mm_slots[i], &bytes));
+        CHECK_OK(spy_malloc(d, bytes, SPY_MEM_DATA, &addr[i]));
+    }
+    uint64_t at;
+    CHECK_OK(spy_malloc(d, b.bytes, SPY_MEM_CONTROL, &at));
+    CHECK_OK(spy_mem_write(d, at, b.data, b.bytes));
+    CHECK_OK(spy_program_commit(d, at, &info));
+    double end;
+    CHECK_OK(spy_launch(d, at, addr, 3, 0, &end));
+    CHECK(end > 0);
+    spy_built_free(&b);
+
+    r.a_lx[1] = (2u << 20) - 1024; /* an A tile past the scratchpad's end */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_SCRATCHPAD && strstr(spy_last_error(), "a_lx[1]") && !b.data);
+    r = mm_record();
+    mm_round.v1[0] = 2u << 20; /* the program's destination in slot 1 */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_SCRATCHPAD && strstr(spy_last_error(), "program[0].dst") && !b.data);
+    r = mm_record();
+    r.a.offset = 1; /* the last element of A one past its storage */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_BAD_ADDRESS && strstr(spy_last_error(), "a.offset") && !b.data);
+    r = mm_record();
+    mm_k_slice[0] = 256, mm_k_slice[1] = 0; /* an empty K slice */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "k_slice[1]") && !b.data);
+    mm_k_slice[0] = mm_k_slice[1] = 128;
+    r = mm_record();
+    mm_m_size[1] = 31; /* tiles that do not add up to M */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "m_size") && !b.data);
+    mm_m_size[1] = 32;
+    r.batch = 1u << 31; /* 2^31 blocks (the views broadcast): more commands than a block holds */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "makes more than") && !b.data);
+    r = mm_record();
+    r.pm = 3; /* groups x pk x pm x pn over the card's cores */
+    CHECK(spy_build_matmul(&r, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "num_cores") && !b.data);
+    CHECK(spy_build_matmul(NULL, &b) == SPY_E_INVALID_ARG);
+    r = mm_record();
+    r.batch = 0; /* nothing to compute: the slots alone */
+    CHECK_OK(spy_build_matmul(&r, &b));
+    CHECK(((const spy_job_header *)b.data)->ncmds == 0 && ((const spy_job_header *)b.data)->nslots == 3);
+    spy_built_free(&b);
     spy_device_close(d);
 }
 
@@ -1481,6 +1592,7 @@ int main(void)
     test_profile_figures();
     test_layouts();
     test_builder();
+    test_matmul_builder();
     test_ccl();
     test_timed_job();
     if (failures) {

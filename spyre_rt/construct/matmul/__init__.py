@@ -10,9 +10,12 @@ split-K are added over the ring; the SFU epilogue adds the bias and rounds into 
 tile, which is stored. Operands whose K dimension is not the contiguous one are read
 transposed in place (a weight used as ``W.t()``), and the matmul command says so.
 
-The tiling comes from a cost model over the profile's figures, under the scratchpad
-capacity (checked again by the card when the program is committed); :mod:`.schedule` says
-which core does what, :mod:`.commands` makes the commands.
+Python decides, C builds. The tiling comes from a cost model over the profile's figures,
+under the scratchpad capacity (checked again by the card when the program is committed);
+:mod:`.record` makes every decision of a kernel once (tiles, scratchpad regions, slots,
+views, the per-tile SFU program) into one native record, and each build is one call of
+the native builder (``spy_build_matmul``, native/build_matmul.c), which derives who does
+what and makes the commands, dependencies, DMA patterns and programs.
 """
 
 from __future__ import annotations
@@ -21,26 +24,36 @@ import dataclasses
 
 from ... import dtypes
 from ..context import BuildContext, Refused
-from . import commands
+from .record import MatmulRecord, decide
 from .spec import ITEMSIZE, MatmulSpec, Problem, View
 from .tiling import Tiling, choose
 
-__all__ = ["ITEMSIZE", "MatmulSpec", "Problem", "Tiling", "View", "build", "build_kernel", "choose"]
+__all__ = ["ITEMSIZE", "MatmulRecord", "MatmulSpec", "Problem", "Tiling", "View", "build", "build_kernel", "choose"]
 
 
-def build(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) -> Tiling:
-    """Build the matmul into the context's program; returns its tiling (pass it back to
-    build the same matmul again on the same target without choosing again)."""
-    if spec.alpha != 1 or spec.beta != 1:
-        raise NotImplementedError("matmul alpha/beta other than 1 are lowered to pointwise ops")
-    tiling = tiling or choose(ctx.target, Problem.of(spec))
-    commands.build(ctx, spec, tiling)
-    return tiling
+def build(ctx: BuildContext, spec: MatmulSpec, previous: MatmulRecord | Tiling | None = None) -> MatmulRecord:
+    """Build the matmul into the context's program; returns its decision record (pass it
+    back to build the same matmul again on the same target without deciding again; a
+    tiling passed instead is used in place of the cost model's choice)."""
+    if isinstance(previous, MatmulRecord):
+        if (previous.spec is spec or previous.spec == spec) and previous.fits(ctx):
+            previous.build(ctx)
+            return previous
+        previous = previous.tiling
+    rec = decide(ctx, spec, previous)
+    rec.build(ctx)
+    return rec
 
 
-def build_kernel(ctx: BuildContext, k, tiling: Tiling | None = None) -> Tiling:
+def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = None) -> MatmulRecord:
     """Build a :class:`~spyre_rt.kernels.MatmulKernel` (views relative to their buffers'
-    starts) into the context's program; returns its tiling."""
+    starts) into the context's program; returns its decision record. A launch passes back
+    the record of the kernel's first build: its construction is then one native call."""
+    if isinstance(previous, MatmulRecord):
+        if previous.kernel is k and previous.fits(ctx):
+            previous.build(ctx)
+            return previous
+        previous = previous.tiling
 
     def view(v) -> View:
         name, off, sizes, strides = v
@@ -56,4 +69,7 @@ def build_kernel(ctx: BuildContext, k, tiling: Tiling | None = None) -> Tiling:
     spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
                       bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
                       epilogue=ep)
-    return build(ctx, spec, tiling)
+    rec = decide(ctx, spec, previous)
+    rec.kernel = k
+    rec.build(ctx)
+    return rec

@@ -113,7 +113,7 @@ def _charged(target: Target, rows, cols, e: int):
 
 
 def lx_bytes(target: Target, p: Problem, tm, tn, tk, pk, nbuf):
-    """Scratchpad bytes a core needs (the layout :class:`.commands.Scratchpad` makes):
+    """Scratchpad bytes a core needs (the layout :class:`.record.Scratchpad` makes):
     operand buffers, the fp32 accumulator, the receive buffer of split-K, two staging tiles
     and two bias rows."""
     si = target.stick_bytes // p.e_in

@@ -1,0 +1,205 @@
+"""A matmul's decision record: what is decided once per kernel, for the native builder.
+
+Python decides; C builds. At a matmul's first construction this module decides everything
+that does not change from one launch to the next: the tiling (:mod:`.tiling`), the sizes of
+the M and N tiles and K slices, the scratchpad regions every core uses, the slots and views
+of the buffers, and the per-tile SFU program (zeroing, bias, a fused epilogue, rounding)
+with its operands placed for both staging slots. It hands them over as one
+``spy_matmul_record``, made once; every build, every ``construct``-mode launch included, is
+one call of ``spy_build_matmul`` (native/build_matmul.c), which derives the schedule and
+makes the commands, dependencies, DMA patterns and SFU programs, and encodes the block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import dtypes
+from ...layout import StickLayout
+from ...native import ffi, lib
+from ...program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_TILE, built_block
+from .. import sfu as sfu_ops
+from ..context import BuildContext, ScratchpadPlan, Target, round_up
+from ..sfu import TILE
+from . import epilogue
+from .spec import ITEMSIZE, MatmulSpec, Problem, View
+from .tiling import K_GRANULE, Tiling, choose, granule, preferred_granules, split
+
+NONE = (OPND_NONE, 0, 0, 0, 0)
+MM_INSTR = np.dtype([("ins", INSTR), ("v1", "u8", (4,))])  # spy_mm_instr
+
+
+class Scratchpad:
+    """The regions every core uses, at the same offsets on all of them (a forwarded chunk
+    lands where the receiver reads it)."""
+
+    def __init__(self, target: Target, spec: MatmulSpec, p: Problem, t: Tiling, tm: int, tn: int, depth: int):
+        si = target.stick_bytes // p.e_in
+        lx = ScratchpadPlan(target.scratchpad_bytes)
+        self.a_pitch = round_up(tm, si) if p.trans_a else round_up(depth, si)
+        self.b_pitch = round_up(depth, si) if p.trans_b else round_up(tn, si)
+        a_rows, b_rows = (depth if p.trans_a else tm), (tn if p.trans_b else depth)
+        self.a = [lx.take(a_rows * self.a_pitch * p.e_in) for _ in range(t.nbuf)]
+        self.b = [lx.take(b_rows * self.b_pitch * p.e_in) for _ in range(t.nbuf)]
+        self.c_pitch = round_up(tn, 32)
+        self.acc = lx.take(tm * self.c_pitch * 4)
+        self.recv = lx.take(tm * self.c_pitch * 4) if t.pk > 1 else 0
+        # the staging tiles of each stored tile (pitch, itemsize, two offsets): the product's,
+        # or an epilogue's outputs
+        self.outs = []
+        for e in p.e_stores:
+            pitch = round_up(tn, target.stick_bytes // e)
+            self.outs.append((pitch, e, [lx.take(tm * pitch * e) for _ in range(2)]))
+        if spec.bias is not None:
+            e = ITEMSIZE.get(spec.bias_dtype, 4)
+            pitch = round_up(tn, target.stick_bytes // e)
+            self.bias = (pitch, e, [lx.take(pitch * e) for _ in range(2)])
+        self.epi_in, self.temps = [], []
+        if spec.epilogue is not None:  # landing tiles (rows) of its inputs, its temporaries
+            ep, pl = spec.epilogue, epilogue.plan(spec.epilogue)
+            for dt, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True):
+                e = dtypes.ITEMSIZE[dt]
+                pitch = round_up(tn, target.stick_bytes // e)
+                rows = tm if kind == TILE else 1
+                self.epi_in.append((pitch, e, [lx.take(rows * pitch * e) for _ in range(2)]))
+            self.temps = [lx.take(tm * self.c_pitch * pl.temp_itemsize) for _ in range(pl.ntemps)]
+        self.peak = lx.top  # bytes of each core's scratchpad the program holds
+
+
+class MatmulRecord:
+    """A matmul's decisions (its tiling, scratchpad, slots, views, program) and the native
+    record made of them; :meth:`build` is a launch's whole construction."""
+
+    __slots__ = ("spec", "kernel", "tiling", "target", "layouts", "offsets", "slot_of", "scratchpad_peak", "cdata",
+                 "_sources", "_keep")
+
+    def __init__(self, spec: MatmulSpec, tiling: Tiling, ctx: BuildContext):
+        self.spec, self.tiling, self.target = spec, tiling, ctx.target
+        self.kernel = None
+        self._sources = (ctx.layouts, ctx.offsets)
+        self.slot_of: dict[str, int] = {}
+        self.layouts: dict[str, StickLayout] = {}
+        self.offsets: dict[str, int] = {}
+        self.scratchpad_peak = 0
+        self.cdata = None
+        self._keep: list = []
+
+    def __repr__(self) -> str:
+        return f"MatmulRecord({self.tiling})"
+
+    def fits(self, ctx: BuildContext) -> bool:
+        """Whether a build into `ctx` is one of the same kernel: the same card, and its buffers
+        in the same layouts at the same offsets."""
+        if ctx.target is not self.target and ctx.target != self.target:
+            return False
+        if (ctx.layouts, ctx.offsets) == self._sources:  # the same dicts, as a launch passes
+            return True
+        return all(ctx.layouts.get(n) == lay and ctx.offset(n) == self.offsets[n] for n, lay in self.layouts.items())
+
+    def build(self, ctx: BuildContext) -> None:
+        """The program, built natively from the record into the (fresh) context."""
+        ctx.block = built_block(lib.spy_build_matmul, self.cdata, "building a matmul")
+        ctx.slot_of = dict(self.slot_of)
+        ctx.scratchpad_peak = self.scratchpad_peak
+
+
+def decide(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) -> MatmulRecord:
+    """Every decision of the matmul `spec` into the context's slots (the tiling chosen unless
+    given); the record the native builder builds from."""
+    if spec.alpha != 1 or spec.beta != 1:
+        raise NotImplementedError("matmul alpha/beta other than 1 are lowered to pointwise ops")
+    target = ctx.target
+    p = Problem.of(spec)
+    t = tiling or choose(target, p)
+    rec = MatmulRecord(spec, t, ctx)
+    r = {"num_cores": target.num_cores, "stick_bytes": target.stick_bytes,
+         "scratchpad_bytes": target.scratchpad_bytes, "batch": p.batch, "m": p.m, "n": p.n, "k": p.k}
+    if p.batch * p.m * p.n:
+        _decide(ctx, spec, p, t, rec, r)
+    rec.slot_of = dict(ctx.slot_of)
+    names = ctx.buffers()
+    rec.layouts = {n: ctx.layouts[n] for n in names}
+    rec.offsets = {n: ctx.offset(n) for n in names}
+    slots = ffi.new("spy_layout[]", [tuple(ctx.layouts[n]) for n in names] or 1)
+    r["nslots"], r["slots"] = len(names), slots
+    rec.cdata = ffi.new("spy_matmul_record *", r)
+    rec._keep.append(slots)
+    return rec
+
+
+def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: MatmulRecord, r: dict) -> None:
+    target = ctx.target
+    gm, gn = preferred_granules(target, p)
+    m_size = split(p.m, t.m_tiles, granule(p.m, t.m_tiles, gm))
+    n_size = split(p.n, t.n_tiles, granule(p.n, t.n_tiles, gn))
+    k_slice = split(p.k, t.pk, granule(p.k, t.pk, K_GRANULE)) if p.k else np.zeros(1, dtype=np.int64)
+    tm, tn = int(m_size.max()), int(n_size.max())
+    depth = min(t.tk, int(k_slice.max())) if p.k else 1
+    lx = Scratchpad(target, spec, p, t, tm, tn, depth)
+    rec.scratchpad_peak = lx.peak
+
+    # the slots in the order the buffers are first used: operands, epilogue loads, stores
+    a, b = _view(ctx, spec.a), _view(ctx, spec.b)
+    loads, stores = [], []
+    if spec.bias is not None:
+        bv = spec.bias
+        if bv.strides[1] != 0 and bv.sizes[1] != 1:
+            raise ValueError("a matmul bias must be broadcast over the rows")
+        bv = View(bv.buf, bv.offset, bv.sizes, (bv.strides[0], 0, bv.strides[2]))  # one row per tile
+        loads.append(_tiles(ctx, bv, *lx.bias, row=True))
+    plan = epilogue.plan(spec.epilogue) if spec.epilogue is not None else None
+    if plan is not None:
+        for v, (pitch, e, offs), kind in zip(spec.epilogue.inputs, lx.epi_in, plan.input_kinds, strict=True):
+            loads.append(_tiles(ctx, v, pitch, e, offs, row=kind != TILE))
+    outs = [spec.out] if spec.epilogue is None else list(spec.epilogue.outputs)
+    for v, (pitch, e, offs) in zip(outs, lx.outs, strict=True):
+        stores.append(_tiles(ctx, v, pitch, e, offs))
+
+    slot0, slot1 = (np.array(_program(spec, p, lx, plan, s), dtype=INSTR) for s in (0, 1))
+    program = np.zeros(len(slot0), dtype=MM_INSTR)
+    program["ins"] = slot0
+    program["v1"][:, 0] = slot1["dst"]["v"]
+    program["v1"][:, 1:] = slot1["src"]["v"]
+
+    arrays = {"m_size": ffi.new("uint32_t[]", m_size.tolist()), "n_size": ffi.new("uint32_t[]", n_size.tolist()),
+              "k_slice": ffi.new("uint64_t[]", k_slice.tolist()),
+              "loads": ffi.new("spy_mm_tiles[]", loads or 1), "stores": ffi.new("spy_mm_tiles[]", stores),
+              "program": ffi.cast("spy_mm_instr *", ffi.from_buffer(program))}
+    rec._keep += [*arrays.values(), program]
+    r.update(arrays)
+    r.update({"in_dtype": spec.in_dtype,
+              "flags": (lib.SPY_MM_TRANS_A if p.trans_a else 0) | (lib.SPY_MM_TRANS_B if p.trans_b else 0),
+              "groups": t.groups, "pk": t.pk, "pm": t.pm, "pn": t.pn, "m_tiles": t.m_tiles, "n_tiles": t.n_tiles,
+              "tk": t.tk, "nbuf": t.nbuf, "a_lx": lx.a, "b_lx": lx.b, "acc_lx": lx.acc, "recv_lx": lx.recv,
+              "a_pitch": lx.a_pitch, "b_pitch": lx.b_pitch, "c_pitch": lx.c_pitch, "a": a, "b": b,
+              "nloads": len(loads), "nstores": len(stores), "ninstrs": len(program)})
+
+
+def _view(ctx: BuildContext, v: View) -> dict:
+    return {"slot": ctx.slot(v.buf), "offset": v.offset, "strides": list(v.strides)}
+
+
+def _tiles(ctx: BuildContext, v: View, pitch: int, itemsize: int, offs, row: bool = False) -> dict:
+    return {"view": _view(ctx, v), "lx": list(offs), "pitch": pitch, "itemsize": itemsize, "row": int(row)}
+
+
+def _program(spec: MatmulSpec, p: Problem, lx: Scratchpad, plan, s: int) -> list[tuple]:
+    """The per-tile program for tiles in staging slot `s` (rows and columns left 0): zero
+    the accumulator when K is empty, add the bias, then round into the staging tile or run
+    the fused epilogue."""
+    acc = (OPND_TILE, lib.SPY_DT_F32, 0, lx.c_pitch, lx.acc)
+    zero = (OPND_IMM, lib.SPY_DT_F32, 0, 0, 0)  # 0.0 as the immediate's bits
+    ins = []
+    if p.k == 0:
+        ins.append((lib.SPY_SFU_MOV, 0, 0, 0, 0, 0, acc, [zero, NONE, NONE]))
+    if spec.bias is not None:
+        ins.append((lib.SPY_SFU_ADD, 0, 0, 0, 0, 0, acc, [acc, (OPND_COL, spec.bias_dtype, 0, 0, lx.bias[2][s]), NONE]))
+    if spec.epilogue is None:
+        pitch, _, stage = lx.outs[0]
+        ins.append((lib.SPY_SFU_MOV, 0, 0, 0, 0, 0, (OPND_TILE, spec.out_dtype, 0, pitch, stage[s]),
+                    [acc, NONE, NONE]))
+    else:
+        ins += epilogue.program(spec.epilogue, plan, 0, 0, sfu_ops.Operand(TILE, "float32", lx.acc, lx.c_pitch),
+                                lx.temps, lx.c_pitch, [(offs[s], pitch) for pitch, _, offs in lx.epi_in],
+                                [(offs[s], pitch) for pitch, _, offs in lx.outs])
+    return ins

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from ...kernels import LoopKernel
 from ..context import BuildContext, ScratchpadOverflow
+from ...native import lib
+from ...program import built_block
 from .analysis import CARD_OPS, LOGICAL, Unsupported, analyse
+from .record import LoopRecord, decide
 from .replication import replicate
 from .scratchpad import lay_out
 from .tiling import Tiling, choose_tiling
@@ -39,7 +42,19 @@ def memo() -> dict:
     return {}
 
 
-def build(ctx: BuildContext, k: LoopKernel, tiling: Tiling | None = None) -> Tiling:
+def build(ctx: BuildContext, k: LoopKernel, decided: LoopRecord | None = None) -> LoopRecord:
+    """The kernel's program, built natively from its decision record (made here at the first
+    build); returns the record: pass it back to build the same kernel on the same target and
+    buffers again without deciding anything."""
+    if decided is None:
+        decided = decide(ctx, k)
+    ctx.block = built_block(lib.spy_build_loop, decided.record, "building a loop kernel")
+    ctx.slot_of = decided.slot_of
+    ctx.scratchpad_peak = decided.layout.peak
+    return decided
+
+
+def build_numpy(ctx: BuildContext, k: LoopKernel, tiling: Tiling | None = None) -> Tiling:
     """All tiles' commands, in per-core order, with their dependencies; returns the tiling
     (pass it back to build the same kernel on the same target again without re-deciding it)."""
     if tiling is None:

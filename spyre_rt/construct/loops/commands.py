@@ -346,7 +346,7 @@ def record_tile(em: TileTemplate, stages: StagePrograms, layout: ScratchpadLayou
         key = (lvl, slot, rows, tile.size)
         prog = stage_programs.get(key)
         if prog is None:
-            prog = stage_programs[key] = stages.stage(lvl, slot, rows, tile.size)
+            prog = stage_programs[key] = stages.stage(lvl, slot, rows, tile.size, Program)
         prev = em.sfu(prog, key, deps) if prog.rows else deps
         for v in a.loads:
             if v.op.access.ind and v.level == lvl + 1:

@@ -37,6 +37,23 @@ def _imm(value, dtype: str) -> Operand:
     return Operand(SCALAR, dtype, imm=value)
 
 
+TILE_ROWS = "tile rows"  # the rows of an instruction that covers the tile's rows, whichever tile
+
+
+class Template(Program):
+    """A stage's instructions for every tile of one parity: an instruction over the tile's
+    rows says so (the native builder writes each tile's row count into it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tile_rows: list[bool] = []
+
+    def emit(self, op: int, rows, cols: int, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
+        whole = rows is TILE_ROWS
+        super().emit(op, 0 if whole else rows, cols, dst, *srcs, aux=aux)
+        self.tile_rows.append(whole)
+
+
 class StagePrograms:
     """Writes the SFU programs of one kernel's tiles under one scratchpad layout."""
 
@@ -52,10 +69,12 @@ class StagePrograms:
         return {TILE: (rows, self.columns), ROW: (rows, 1), COL: (1, self.columns), SCALAR: (1, 1)}[kind]
 
     # ---- stages ------------------------------------------------------------------------
-    def stage(self, level: int, slot: int, rows: int, size: int) -> Program:
-        """The instructions of stage `level` for a tile of `rows` rows (`size` blocks)."""
+    def stage(self, level: int, slot: int, rows: int = TILE_ROWS, size: int | None = None,
+              make=Template) -> Program:
+        """The instructions of stage `level` for a tile of `rows` rows (`size` blocks), or by
+        default for any tile (a :class:`Template`)."""
         a, layout = self.analysis, self.layout
-        prog = Program()
+        prog = make()
         for v in a.values.values():
             if v.level == level and v.op.op not in ("load", "store", "constant"):
                 self._compute(prog, v, slot, rows, size)

@@ -367,6 +367,8 @@ typedef struct builder {
     uint32_t *rank;        /* per tile: its class */
     box *boxes;            /* per access: the boxes of the tile being checked */
     bool *moves;
+    int64_t *last;         /* per tile: its last SFU command and its last store, or -1 */
+    void *arena;           /* the arrays above, one allocation */
     spy_vec classes, tcmds, tdeps, tpatches;
     spy_vec pieces;   /* piece */
     pieces_of *cache; /* per access: the pieces of the column its tiles last gathered */
@@ -416,15 +418,7 @@ static void builder_free(builder *st)
                     &st->deps, &st->issued, &st->levels, &st->prev, &st->outs};
     for (size_t i = 0; i < SPY_ARRAY_LEN(v); i++)
         spy_vec_free(v[i]);
-    free(st->cache);
-    free(st->dmas);
-    free(st->table);
-    free(st->shape_of);
-    free(st->starts);
-    free(st->class_of);
-    free(st->rank);
-    free(st->boxes);
-    free(st->moves);
+    free(st->arena);
 }
 
 /* ---- gathers' row pieces -------------------------------------------------------------------- */
@@ -763,7 +757,8 @@ static uint32_t box_dims(const builder *st, const spy_loop_access *a)
 
 static bool direct(const spy_loop_access *a) { return a->op == SPY_OP_LOAD || a->op == SPY_OP_STORE; }
 
-static spy_status shapes_init(builder *st)
+/* The builder's arrays sized by the record, carved from one allocation (8-byte aligned). */
+static spy_status arrays_init(builder *st)
 {
     const spy_loop_record *r = st->r;
     st->width = 2;
@@ -772,13 +767,31 @@ static spy_status shapes_init(builder *st)
     st->table_cap = 16;
     while (st->table_cap < 2ull * r->ntiles)
         st->table_cap *= 2;
-    st->table = calloc(st->table_cap, sizeof *st->table);
-    st->shape_of = malloc((r->ntiles + 1ull) * sizeof *st->shape_of);
-    st->starts = malloc(((uint64_t)r->ntiles * r->naccesses + 1) * sizeof *st->starts);
-    st->rank = malloc((r->ntiles + 1ull) * sizeof *st->rank);
-    st->boxes = malloc((r->naccesses + 1ull) * sizeof *st->boxes);
-    st->moves = calloc(r->naccesses + 1ull, sizeof *st->moves);
-    return st->table && st->shape_of && st->starts && st->rank && st->boxes && st->moves ? SPY_OK : NOMEM();
+    uint64_t nt = r->ntiles, na = r->naccesses;
+    uint64_t sizes[] = {na * sizeof *st->cache, na * sizeof *st->dmas, st->table_cap * sizeof *st->table,
+                        nt * sizeof *st->shape_of, nt * na * sizeof *st->starts, nt * 4 * sizeof *st->class_of,
+                        nt * sizeof *st->rank, na * sizeof *st->boxes, na * sizeof *st->moves,
+                        2 * nt * sizeof *st->last};
+    void **to[] = {(void **)&st->cache, (void **)&st->dmas, (void **)&st->table, (void **)&st->shape_of,
+                   (void **)&st->starts, (void **)&st->class_of, (void **)&st->rank, (void **)&st->boxes,
+                   (void **)&st->moves, (void **)&st->last};
+    uint64_t total = 0;
+    for (size_t i = 0; i < SPY_ARRAY_LEN(sizes); i++)
+        total += (sizes[i] + 7) / 8 * 8; /* counts below 2^32 each: no overflow */
+    uint8_t *at = st->arena = malloc(total + 8);
+    if (!at)
+        return NOMEM();
+    for (size_t i = 0; i < SPY_ARRAY_LEN(sizes); i++) {
+        *to[i] = at;
+        at += (sizes[i] + 7) / 8 * 8;
+    }
+    memset(st->table, 0, st->table_cap * sizeof *st->table);
+    memset(st->class_of, 0xff, nt * 4 * sizeof *st->class_of); /* -1: no class yet */
+    for (uint64_t i = 0; i < na; i++) {
+        st->cache[i] = (pieces_of){-1, 0, 0};
+        st->dmas[i].valid = false;
+    }
+    return SPY_OK;
 }
 
 /* Tile t's shape (its index in st->shapes) and where its boxes start, from its boxes
@@ -1474,26 +1487,10 @@ spy_status spy_build_loop(const spy_loop_record *r, spy_built *out)
     for (size_t i = 0; i < SPY_ARRAY_LEN(lists); i++)
         lists[i]->elem = sizeof(int64_t);
     st.bytes = sizeof(spy_job_header) + (uint64_t)r->nslots * sizeof(spy_slot);
-    st.cache = malloc((r->naccesses + 1) * sizeof *st.cache);
-    st.dmas = calloc(r->naccesses + 1, sizeof *st.dmas);
-    int64_t *last = malloc((2ull * r->ntiles + 1) * sizeof *last); /* per tile: last SFU, last store */
-    if (!st.cache || !st.dmas || !last) {
-        s = NOMEM();
-        goto done;
-    }
-    for (uint32_t i = 0; i < r->naccesses; i++)
-        st.cache[i] = (pieces_of){-1, 0, 0};
-    s = shapes_init(&st);
+    s = arrays_init(&st);
     if (s == SPY_OK)
         s = check_tiles(&st);
-    if (s == SPY_OK) {
-        uint64_t n = st.shapes.len / st.width * 4;
-        st.class_of = malloc((n + 1) * sizeof *st.class_of);
-        if (!st.class_of)
-            s = NOMEM();
-        else
-            memset(st.class_of, 0xff, (n + 1) * sizeof *st.class_of);
-    }
+    int64_t *last = st.last;
     if (s == SPY_OK)
         s = write_instrs(&st);
     uint32_t seq = 0;
@@ -1510,8 +1507,6 @@ spy_status spy_build_loop(const spy_loop_record *r, spy_built *out)
         s = order_listed(&st);
     if (s == SPY_OK)
         s = encode(&st, out);
-done:
-    free(last);
     builder_free(&st);
     return s;
 }

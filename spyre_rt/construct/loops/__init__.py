@@ -49,7 +49,7 @@ def build(ctx: BuildContext, k: LoopKernel, decided: LoopRecord | None = None) -
     if decided is None:
         decided = decide(ctx, k)
     ctx.block = built_block(lib.spy_build_loop, decided.record, "building a loop kernel")
-    ctx.slot_of = decided.slot_of
+    ctx.slot_of = dict(decided.slot_of)
     ctx.scratchpad_peak = decided.layout.peak
     return decided
 

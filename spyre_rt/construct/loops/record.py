@@ -38,13 +38,9 @@ class LoopRecord:
 
     tiling: Tiling
     layout: ScratchpadLayout
-    buffers: tuple[str, ...]  # the program's slots: the buffers, in the order tiles first use them
-    record: object            # the spy_loop_record (cffi), pointing into `arrays`
-    arrays: tuple             # what the record points into, kept alive with it
-
-    @property
-    def slot_of(self) -> dict[str, int]:
-        return {b: i for i, b in enumerate(self.buffers)}
+    slot_of: dict[str, int]  # the program's slots: the buffers, in the order tiles first use them
+    record: object           # the spy_loop_record (cffi), pointing into `arrays`
+    arrays: tuple            # what the record points into, kept alive with it
 
 
 def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
@@ -95,7 +91,7 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         "sizes": list(k.sizes), "slot_extent": extents, "accesses": accesses,
         "tiles": ffi.cast("spy_loop_tile *", tile_buf), "stages": stage_arr,
         "instrs": ffi.cast("spy_loop_instr *", instr_buf), "consts": consts})
-    return LoopRecord(tiling, layout, buffers, rec,
+    return LoopRecord(tiling, layout, slot_of, rec,
                       (extents, accesses, consts, stage_arr, tiles, tile_buf, instrs, instr_buf))
 
 

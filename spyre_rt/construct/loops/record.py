@@ -39,8 +39,8 @@ class LoopRecord:
     tiling: Tiling
     layout: ScratchpadLayout
     slot_of: dict[str, int]  # the program's slots: the buffers, in the order tiles first use them
-    record: object           # the spy_loop_record (cffi), pointing into `arrays`
-    arrays: tuple            # what the record points into, kept alive with it
+    record: object           # the spy_loop_record (cffi): valid while this object lives
+    arrays: tuple            # what the record points into
 
 
 def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
@@ -191,5 +191,5 @@ def _fill_const(rec, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout
         rec.base, rec.unit = acc.const, 1
     else:
         shift, _ = tiling.gathered_columns(acc, v.kind)
-        rec.base, rec.unit = acc.const + ctx.offset(acc.buf) + shift, stages._row_unit(v)
+        rec.base, rec.unit = acc.const + ctx.offset(acc.buf) + shift, stages.row_unit(v)
 

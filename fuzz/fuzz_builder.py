@@ -1,14 +1,17 @@
-"""Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``).
+"""Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``,
+``spy_build_graph``, ``spy_build_loop``).
 
 Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
 ``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
-``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, or ``b"G"`` and a
+``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, ``b"G"`` and a
 ``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
-``graph_record_bytes``). The builder must refuse it with a typed error or build a block.
-Every copy kernel or transfer graph it builds must pass the card's validator
-(``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create`` for a
-transfer graph): the builder never makes what the card would refuse. A graph's commands
-are the caller's, so the validator may refuse them, with a typed error.
+``graph_record_bytes``), or ``b"L"`` and a ``spy_loop_record`` (its fields up to its
+arrays, then each array at most ``LOOP_MAX`` long, as in ``loop_record_bytes``). The
+builder must refuse it with a typed error or build a block. Every copy kernel or transfer
+graph it builds must pass the card's validator (``spy_job_validate`` for a copy kernel with
+commands, ``spy_transfer_create`` for a transfer graph): the builder never makes what the
+card would refuse. A graph's commands and a loop kernel's SFU instructions are the
+caller's, so the validator may refuse those blocks, with a typed error.
 
     python fuzz/fuzz_builder.py --seconds 600 [--seed N] [--runs N] [--asan]
 """
@@ -79,6 +82,38 @@ def copy_record(data: bytes):
     return rec, (extents, ranges)  # the arrays live as long as the record is used
 
 
+LOOP_HEAD = ffi.offsetof("spy_loop_record", "slot_extent")  # the fields before the arrays
+# (array field, its C type, the field that counts it, the most a fuzzed record has)
+LOOP_ARRAYS = (("slot_extent", "uint64_t", "nslots", 16), ("accesses", "spy_loop_access", "naccesses", 16),
+               ("tiles", "spy_loop_tile", "ntiles", 64), ("stages", "spy_loop_stage", "levels", 8),
+               ("instrs", "spy_loop_instr", "ninstrs", 64), ("consts", "spy_loop_const", "nconsts", 16))
+LOOP_MAX_WORK = 1 << 24  # tiles x accesses x scratchpad bytes bound the boxes' elements: more is skipped
+
+
+def loop_record_bytes(rec) -> bytes:
+    out = bytes(ffi.buffer(rec, LOOP_HEAD))
+    for name, ctype, count, _ in LOOP_ARRAYS:
+        out += bytes(ffi.buffer(getattr(rec, name), ffi.sizeof(ctype) * getattr(rec, count)))
+    return out
+
+
+def loop_record(data: bytes):
+    rec = ffi.new("spy_loop_record *")
+    head = data[:LOOP_HEAD]
+    ffi.memmove(rec, head, len(head))
+    keep, at = [], LOOP_HEAD
+    for name, ctype, count, most in LOOP_ARRAYS:
+        n = min(getattr(rec, count), most)
+        setattr(rec, count, n)
+        arr = ffi.new(f"{ctype}[]", max(1, n))
+        chunk = data[at: at + ffi.sizeof(ctype) * n]
+        ffi.memmove(arr, chunk, len(chunk))
+        at += ffi.sizeof(ctype) * n
+        setattr(rec, name, arr)
+        keep.append(arr)
+    return rec, keep
+
+
 def transfer_record(data: bytes):
     rec = ffi.new("spy_transfer_record *")
     raw = data[: ffi.sizeof(rec[0])]
@@ -104,6 +139,13 @@ def target(data: bytes) -> None:
     elif kind == b"G":
         rec, _keep = graph_record(body)
         blob = stage("build", built_block, lib.spy_build_graph, rec, "graph record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+            stage("validate", jobs.validate, card, blob)
+    elif kind == b"L":
+        rec, _keep = loop_record(body)
+        if rec.ntiles * max(1, rec.naccesses) * rec.lx_bytes > LOOP_MAX_WORK:
+            return  # real work, not a finding
+        blob = stage("build", built_block, lib.spy_build_loop, rec, "loop record")
         if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
             stage("validate", jobs.validate, card, blob)
     elif kind == b"T":

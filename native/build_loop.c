@@ -450,13 +450,18 @@ static bool push_pieces(builder *st, const pattern *p, int64_t lx0)
     return true;
 }
 
+#define CUT_BUDGET (1 << 22) /* steps of cutting one gather's row: no real row comes near */
+
 /* Cuts the outermost dimension with more than one step where its steps cross a stick
  * boundary, into as few packed pieces as the patterns allow; 1: columns that leave the
- * row (refused), -1: no host memory. */
+ * row (refused), 2: past the budget of steps (refused), -1: no host memory. */
 static int cut_pieces(builder *st, const spy_layout *l, int64_t c0, uint32_t n, int64_t *counts,
-                      const int64_t *strides, const int64_t *lx, int64_t lx0)
+                      const int64_t *strides, const int64_t *lx, int64_t lx0, uint64_t *budget)
 {
     pattern p;
+    if (*budget < 16)
+        return 2;
+    *budget -= 16;
     if (packed(l, c0, n, counts, strides, lx, &p))
         return push_pieces(st, &p, lx0) ? 0 : -1;
     uint32_t outer = 0;
@@ -469,8 +474,13 @@ static int cut_pieces(builder *st, const spy_layout *l, int64_t c0, uint32_t n, 
     while (i < cnt) {
         bool done = false;
         for (int64_t b = cnt; b > i; b--) { /* the cuts after i, the furthest first */
+            if (!(*budget)--)
+                return 2;
             if (b != cnt && floormod(c0 + b * step, s) != 0)
                 continue;
+            if (*budget < 16)
+                return 2;
+            *budget -= 16;
             counts[outer] = b - i;
             bool ok = packed(l, c0 + i * step, n, counts, strides, lx, &p);
             counts[outer] = cnt;
@@ -484,7 +494,7 @@ static int cut_pieces(builder *st, const spy_layout *l, int64_t c0, uint32_t n, 
         }
         if (!done) { /* not even up to the next boundary: one step, cut further inside */
             counts[outer] = 1;
-            int rc = cut_pieces(st, l, c0 + i * step, n, counts, strides, lx, lx0 + i * lstep);
+            int rc = cut_pieces(st, l, c0 + i * step, n, counts, strides, lx, lx0 + i * lstep, budget);
             counts[outer] = cnt;
             if (rc)
                 return rc;
@@ -549,14 +559,16 @@ static spy_status gather_pieces(builder *st, uint32_t i, const spy_loop_tile *t,
             c->n = 0; /* it moves nothing */
             return SPY_OK;
         }
-    int rc = cut_pieces(st, l, c0, n, counts, strides, lx, lx0);
+    uint64_t budget = CUT_BUDGET;
+    int rc = cut_pieces(st, l, c0, n, counts, strides, lx, lx0, &budget);
     c->n = st->pieces.len - c->first;
     if (rc < 0)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a loop kernel's gathers");
     if (rc > 0) {
         c->c0 = -1;
-        return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: accesses[%u] gathers columns that leave the row "
-                        "its index picks", i);
+        return spy_fail(SPY_E_INVALID_ARG, -1, rc == 1 ? "loop record: accesses[%u] gathers columns that leave "
+                        "the row its index picks" : "loop record: accesses[%u] gathers a row of columns that "
+                        "takes more than 2^22 steps to cut into pieces", i);
     }
     return SPY_OK;
 }
@@ -602,7 +614,7 @@ static bool bounded(const spy_loop_record *r, int64_t c, uint32_t j)
     return c > -BOUND && c < BOUND && !__builtin_mul_overflow(abs64(c), (int64_t)r->sizes[j], &x) && x <= BOUND;
 }
 
-static spy_status check_access(const spy_loop_record *r, uint32_t i)
+static spy_status check_access(const spy_loop_record *r, uint32_t i, uint64_t columns)
 {
     const spy_loop_access *a = &r->accesses[i];
     if (a->op != SPY_OP_LOAD && a->op != SPY_OP_STORE && a->op != SPY_OP_GATHER && a->op != SPY_OP_SCATTER)
@@ -649,12 +661,18 @@ static spy_status check_access(const spy_loop_record *r, uint32_t i)
     if (a->lx_pitch > (1u << 26))
         return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: accesses[%u].lx_pitch %u is more than 2^26", i,
                         a->lx_pitch);
+    if ((a->kind == SPY_OPND_TILE || a->kind == SPY_OPND_COL) && a->lx_pitch < columns)
+        return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: accesses[%u].lx_pitch %u does not hold a tile row of "
+                        "%llu columns", i, a->lx_pitch, (unsigned long long)columns);
     bool gather = a->op == SPY_OP_GATHER || a->op == SPY_OP_SCATTER;
     for (int p = 0; p < 2; p++) {
         if (a->lx_off[p] + region_bytes(a, r->rows_per_tile) > r->lx_bytes)
             return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: accesses[%u].lx_off[%d] %u and %u rows are outside "
                             "the %llu-byte scratchpad layout", i, p, a->lx_off[p], r->rows_per_tile,
                             (unsigned long long)r->lx_bytes);
+        if (gather && a->idx_off[p] % 8)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: accesses[%u].idx_off[%d] %u is not a multiple of "
+                            "its 8-byte indices", i, p, a->idx_off[p]);
         if (gather && a->idx_off[p] + 8ull * r->rows_per_tile > r->lx_bytes)
             return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: accesses[%u].idx_off[%d] %u and %u rows are "
                             "outside the %llu-byte scratchpad layout", i, p, a->idx_off[p], r->rows_per_tile,
@@ -738,7 +756,7 @@ static spy_status check_record(const spy_loop_record *r)
                                 "is outside +-2^56", i, j, (long long)c->coeffs[j]);
     }
     for (uint32_t i = 0; i < r->naccesses; i++) {
-        spy_status s = check_access(r, i);
+        spy_status s = check_access(r, i, cols);
         if (s != SPY_OK)
             return s;
     }

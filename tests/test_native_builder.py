@@ -204,8 +204,7 @@ def loop_record(make=_pointwise):
 
 def test_a_loop_record_builds_a_program_the_card_accepts(card):
     for make in (_pointwise, _gather):
-        decided = loop_record(make)  # held: its record points into its arrays
-        blob = built_block(lib.spy_build_loop, decided.record, "loop")
+        blob = built_block(lib.spy_build_loop, loop_record(make).record, "loop")  # the record keeps its arrays
         info = jobs.validate(card, blob)
         assert info["ncmds"] > 0 and int(blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["total_bytes"][0]) == blob.size
 
@@ -272,6 +271,8 @@ def _set(path, value, *more):
     (_pointwise, _set(("accesses", 0, "masked"), 1, ("accesses", 0, "hi", 0), 38), "SPY_E_INVALID_ARG",
      "accesses[0] masks variable 0 to [lo 0, hi 38)"),
     (_gather, _set(("accesses", 1, "level"), 0), "SPY_E_INVALID_ARG", "accesses[1].level"),
+    (_gather, _set(("accesses", 1, "idx_off", 1), lambda r: r.accesses[1].idx_off[1] + 4), "SPY_E_INVALID_ARG",
+     "accesses[1].idx_off[1]"),
     (_gather, _set(("consts", 0, "unit"), 0), "SPY_E_INVALID_ARG", "consts[0]"),
 ])
 def test_a_corrupt_loop_record_is_refused_naming_its_field(make, corrupt, status, field):

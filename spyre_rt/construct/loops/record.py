@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ from .stages import StagePrograms, element_rows
 from .tiling import Tile, Tiling, choose_tiling
 
 MAX_VARS = lib.SPY_LOOP_MAX_VARS
+# A record's arrays live as long as the record does, whoever holds it (cffi pointers in a
+# structure keep nothing alive by themselves).
+_ARRAYS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,7 @@ class LoopRecord:
     tiling: Tiling
     layout: ScratchpadLayout
     slot_of: dict[str, int]  # the program's slots: the buffers, in the order tiles first use them
-    record: object           # the spy_loop_record (cffi): valid while this object lives
-    arrays: tuple            # what the record points into
+    record: object           # the spy_loop_record (cffi), its arrays kept alive with it
 
 
 def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
@@ -91,8 +94,8 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         "sizes": list(k.sizes), "slot_extent": extents, "accesses": accesses,
         "tiles": ffi.cast("spy_loop_tile *", tile_buf), "stages": stage_arr,
         "instrs": ffi.cast("spy_loop_instr *", instr_buf), "consts": consts})
-    return LoopRecord(tiling, layout, slot_of, rec,
-                      (extents, accesses, consts, stage_arr, tiles, tile_buf, instrs, instr_buf))
+    _ARRAYS_OF[rec] = (extents, accesses, consts, stage_arr, tiles, tile_buf, instrs, instr_buf)
+    return LoopRecord(tiling, layout, slot_of, rec)
 
 
 def _instrs(programs: list) -> np.ndarray:

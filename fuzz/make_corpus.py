@@ -164,7 +164,6 @@ def builder_records() -> dict[str, bytes]:
     from spyre_rt import profile
     from spyre_rt.construct.context import BuildContext, Target
     from spyre_rt.construct.loops.record import decide
-
     from spyre_rt.native import ffi, lib
 
     out = {

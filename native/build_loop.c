@@ -5,9 +5,11 @@
  * accesses as affine boxes); this file does what every launch does: each tile's boxes and
  * their DMA patterns or descriptor lists in the stick layout, the gathers' row pieces, the
  * SFU instructions for the tile's rows and its prologue, the dependencies between tiles on
- * a core, and the encoding (graph.c). The record is checked whole first, in a pass that
- * computes every box and row piece the build will use; a refused record allocates nothing
- * it does not free. */
+ * a core, and the encoding (graph.c's blocks). The record is checked whole first, in a pass
+ * that computes every box and row piece the build will use and sorts the tiles into classes
+ * of alike commands; the first tile of a class is built, the others copy it (see klass). A
+ * refused record allocates nothing it does not free. Commands are made in program order,
+ * each with its dependencies, so the block's sections are written as they come. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -413,9 +415,9 @@ static inline bool push_i64(spy_vec *v, int64_t x)
 
 static void builder_free(builder *st)
 {
-    spy_vec *v[] = {&st->shapes, &st->classes, &st->tcmds, &st->tdeps, &st->tpatches,
-                    &st->cmds, &st->deps32, &st->instrs, &st->descs, &st->pieces, &st->runs, &st->listed, &st->pairs,
-                    &st->deps, &st->issued, &st->levels, &st->prev, &st->outs};
+    spy_vec *v[] = {&st->shapes, &st->classes, &st->tcmds, &st->tdeps, &st->tpatches, &st->cmds, &st->deps32,
+                    &st->instrs, &st->descs, &st->pieces, &st->runs, &st->listed, &st->pairs, &st->deps,
+                    &st->issued, &st->levels, &st->prev, &st->outs};
     for (size_t i = 0; i < SPY_ARRAY_LEN(v); i++)
         spy_vec_free(v[i]);
     free(st->arena);
@@ -1350,7 +1352,8 @@ static spy_status replicate(builder *st, tile_build *tb, const klass *k, int64_t
                                                                                        : (int64_t)tb->first + sym[at]);
     }
     const patch *p = (const patch *)st->tpatches.data + k->patch_first;
-    const int64_t *starts = st->starts + (uint64_t)tb->t * r->naccesses, *rep = st->starts + (uint64_t)k->rep * r->naccesses;
+    const int64_t *starts = st->starts + (uint64_t)tb->t * r->naccesses;
+    const int64_t *rep = st->starts + (uint64_t)k->rep * r->naccesses;
     for (uint64_t i = 0; i < k->npatches; i++) {
         spy_cmd *x = &c[p[i].cmd];
         if (p[i].kind == PATCH_PROLOGUE)

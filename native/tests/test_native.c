@@ -1426,7 +1426,10 @@ static void loop_case_init(loop_case *c)
     r->instrs = c->instrs;
 }
 
-static uint64_t stick_offset(uint64_t row, uint64_t col) { return (col / 32) * LOOP_ROWS * 128 + row * 128 + (col % 32) * 4; }
+static uint64_t stick_offset(uint64_t row, uint64_t col)
+{
+    return (col / 32) * LOOP_ROWS * 128 + row * 128 + (col % 32) * 4;
+}
 
 static void test_loop_builder(void)
 {

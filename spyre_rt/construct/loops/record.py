@@ -62,7 +62,7 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
     moving = [v for v in a.loads + a.stores if v.op.access.ind or any(_moves(tiling, v, t) for t in tiling.tiles)]
     for v in moving:
         if v.op.access.ind:
-            _check_gather(ctx, tiling, stages, v)
+            _check_gather(ctx, tiling, v)
     buffers = _slot_order(tiling, moving)
     slot_of = {b: i for i, b in enumerate(buffers)}
 
@@ -75,7 +75,7 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         at += len(p0) + len(p1)
     accesses = ffi.new("spy_loop_access[]", max(1, len(moving)))
     for i, v in enumerate(moving):
-        _fill_access(accesses[i], ctx, tiling, layout, stages, v, slot_of)
+        _fill_access(accesses[i], ctx, tiling, layout, v, slot_of)
     consts = ffi.new("spy_loop_const[]", max(1, len(layout.tile_consts)))
     for i, c in enumerate(layout.tile_consts):
         _fill_const(consts[i], ctx, tiling, layout, stages, c)
@@ -140,7 +140,7 @@ def _slot_order(tiling: Tiling, moving: list[Value]) -> tuple[str, ...]:
     return tuple(order)
 
 
-def _check_gather(ctx: BuildContext, tiling: Tiling, stages: StagePrograms, v: Value) -> None:
+def _check_gather(ctx: BuildContext, tiling: Tiling, v: Value) -> None:
     """Refuses a gather or scatter the card cannot move: a block of columns that reaches
     more rows than its table has, or columns that step backwards through a table of rows."""
     acc = v.op.access
@@ -157,8 +157,8 @@ def _check_gather(ctx: BuildContext, tiling: Tiling, stages: StagePrograms, v: V
         raise Unsupported("gather/scatter columns that leave the row their index picks")
 
 
-def _fill_access(rec, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout, stages: StagePrograms,
-                 v: Value, slot_of: dict[str, int]) -> None:
+def _fill_access(rec, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout, v: Value,
+                 slot_of: dict[str, int]) -> None:
     acc = v.op.access
     table = ctx.layouts[acc.buf]
     load = v.op.op == "load"

@@ -3,8 +3,9 @@ transfer graphs construct mode builds per launch (each kernel's program upload).
 
 Every figure is host work: CPU time of this thread (the card's host clock), the best of a
 few rounds, recorded in ``extra_info`` side by side in one run: every kind per kernel
-(copies and transfer graphs built by native/construct.c, matmuls by native/build_matmul.c
-from their decision records, the other kinds still in Python and numpy).
+(copies and transfer graphs built by native/construct.c, loop kernels and matmuls by
+native/build_loop.c and native/build_matmul.c from their decision records). A timed run
+fails when loop kernels take more than ``LOOP_US`` each.
 Run ``pytest benchmarks/test_bench_construct.py --benchmark-enable -s`` to see the table.
 """
 
@@ -14,6 +15,7 @@ import time
 
 import pytest
 from granite_kernels import GraniteKernels, per_kind_us
+from targets import check_target
 
 from spyre_rt import jobs
 from spyre_rt.construct import copy
@@ -23,6 +25,7 @@ from spyre_rt.layout import StickLayout
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
 ROUNDS = 5
+LOOP_US = 100  # a loop kernel's construction, per launch (the numpy builder took ~2,000 µs in prefill)
 pytestmark = pytest.mark.slow  # a one-layer Granite 3.3 8B compiles for a minute
 
 
@@ -70,6 +73,8 @@ def test_granite_construction_per_kernel(benchmark, granite, phase):
     benchmark.extra_info.update(info)
     benchmark.pedantic(lambda: [build() for _, _, build in kernels], rounds=1, iterations=1)
     print(f"\n{phase}: {info}")
+    loop_us = table["loop"][1]
+    check_target(benchmark, loop_us <= LOOP_US, f"{phase} loop kernels built in {loop_us:.0f} µs each, over {LOOP_US}")
 
 
 @pytest.mark.benchmark(group="construct")

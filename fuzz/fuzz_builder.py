@@ -1,16 +1,18 @@
 """Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``,
-``spy_build_graph``, ``spy_build_matmul``).
+``spy_build_graph``, ``spy_build_matmul``, ``spy_build_loop``).
 
 Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
 ``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
 ``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, ``b"G"`` and a
 ``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
-``graph_record_bytes``), or ``b"M"`` and a ``spy_matmul_record`` with its arrays (as in
-``matmul_record_bytes``). The builder must refuse it with a typed error or build a block.
-Every copy kernel or transfer graph it builds must pass the card's validator
-(``spy_job_validate`` for a copy kernel with commands, ``spy_transfer_create`` for a
-transfer graph): the builder never makes what the card would refuse. A graph's commands
-are the caller's, so the validator may refuse them, with a typed error. A matmul's
+``graph_record_bytes``), ``b"M"`` and a ``spy_matmul_record`` with its arrays (as in
+``matmul_record_bytes``), or ``b"L"`` and a ``spy_loop_record`` (its fields up to its
+arrays, then each array at most its ``LOOP_ARRAYS`` bound, as in ``loop_record_bytes``).
+The builder must refuse it with a typed error or build a block. Every copy kernel or
+transfer graph it builds must pass the card's validator (``spy_job_validate`` for a copy
+kernel with commands, ``spy_transfer_create`` for a transfer graph): the builder never
+makes what the card would refuse. A graph's commands and a loop kernel's SFU instructions
+are the caller's, so the validator may refuse those blocks, with a typed error. A matmul's
 program (its SFU opcodes, dtypes, element alignment) is the caller's too, but its tiles
 and views are the builder's to check: for a record within the card's figures, the
 validator never finds a range outside the scratchpad or outside a slot.
@@ -119,6 +121,38 @@ def matmul_record(data: bytes):
     return rec, keep
 
 
+LOOP_HEAD = ffi.offsetof("spy_loop_record", "slot_extent")  # the fields before the arrays
+# (array field, its C type, the field that counts it, the most a fuzzed record has)
+LOOP_ARRAYS = (("slot_extent", "uint64_t", "nslots", 16), ("accesses", "spy_loop_access", "naccesses", 16),
+               ("tiles", "spy_loop_tile", "ntiles", 64), ("stages", "spy_loop_stage", "levels", 8),
+               ("instrs", "spy_loop_instr", "ninstrs", 64), ("consts", "spy_loop_const", "nconsts", 16))
+LOOP_MAX_WORK = 1 << 24  # tiles x accesses x scratchpad bytes bound the boxes' elements: more is skipped
+
+
+def loop_record_bytes(rec) -> bytes:
+    out = bytes(ffi.buffer(rec, LOOP_HEAD))
+    for name, ctype, count, _ in LOOP_ARRAYS:
+        out += bytes(ffi.buffer(getattr(rec, name), ffi.sizeof(ctype) * getattr(rec, count)))
+    return out
+
+
+def loop_record(data: bytes):
+    rec = ffi.new("spy_loop_record *")
+    head = data[:LOOP_HEAD]
+    ffi.memmove(rec, head, len(head))
+    keep, at = [], LOOP_HEAD
+    for name, ctype, count, most in LOOP_ARRAYS:
+        n = min(getattr(rec, count), most)
+        setattr(rec, count, n)
+        arr = ffi.new(f"{ctype}[]", max(1, n))
+        chunk = data[at: at + ffi.sizeof(ctype) * n]
+        ffi.memmove(arr, chunk, len(chunk))
+        at += ffi.sizeof(ctype) * n
+        setattr(rec, name, arr)
+        keep.append(arr)
+    return rec, keep
+
+
 def heavy_matmul(rec) -> bool:
     """A matmul the builder would accept with more than MAX_MM_USES matmuls, or tiles bigger
     than 8 MiB scratchpads hold (descriptor lists walk their elements)."""
@@ -175,6 +209,13 @@ def target(data: bytes) -> None:
         blob = stage("build", built_block, lib.spy_build_matmul, rec, "matmul record")
         if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
             stage("validate", validate_matmul, rec, blob)
+    elif kind == b"L":
+        rec, _keep = loop_record(body)
+        if rec.ntiles * max(1, rec.naccesses) * rec.lx_bytes > LOOP_MAX_WORK:
+            return  # real work, not a finding
+        blob = stage("build", built_block, lib.spy_build_loop, rec, "loop record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+            stage("validate", jobs.validate, card, blob)
     elif kind == b"T":
         rec = transfer_record(body)
         if heavy(rec):

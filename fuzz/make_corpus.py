@@ -112,11 +112,58 @@ def hand_made_programs() -> dict[str, bytes]:
     return out
 
 
+def loop_kernels() -> dict:
+    """Small loop kernels, each with its buffers' layouts: a pointwise one, a gather with
+    an index value (a tile constant, two stages), a masked load, a load of every third
+    column (a descriptor list) and a row reduction."""
+    from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
+    from spyre_rt.layout import StickLayout
+
+    def buf(name, dtype, sizes, strides):
+        return Buffer(name, dtype, sizes, strides)
+
+    h = "float16"
+    out = {"pointwise": (LoopKernel("p", (37, 96), 1, False, (
+        Op("x", "load", (), h, Access("x", 0, (96, 1))), Op("v", "exp", ("x",)),
+        Op("y", "store", ("v",), h, Access("y", 0, (96, 1)))),
+        (buf("x", h, (37, 96), (96, 1)), buf("y", h, (37, 96), (96, 1)))),
+        {"x": StickLayout(37, 96, 2), "y": StickLayout(37, 96, 2)})}
+    out["gather"] = (LoopKernel("g", (4, 64), 1, False, (
+        Op("i", "load", (), "int64", Access("idx", 0, (1, 0))),
+        Op("j", "indirect", ("i",), "", None, {"size": 8}),
+        Op("g", "load", (), h, Access("t", 0, (0, 1), (("j", 64),))),
+        Op("r", "index", (), "int64", Access("", 0, (1, 0))), Op("s", "add", ("g", "r")),
+        Op("o", "store", ("s",), h, Access("out", 0, (64, 1)))),
+        (buf("idx", "int64", (4,), (1,)), buf("t", h, (8, 64), (64, 1)), buf("out", h, (4, 64), (64, 1)))),
+        {"idx": StickLayout(1, 4, 8), "t": StickLayout(8, 64, 2), "out": StickLayout(4, 64, 2)})
+    out["masked"] = (LoopKernel("m", (12, 64), 1, False, (
+        Op("x", "load", (), h, Access("x", -128, (64, 1), (), ((0, 2, 10),))),
+        Op("y", "store", ("x",), h, Access("y", 0, (64, 1)))),
+        (buf("x", h, (8, 64), (64, 1)), buf("y", h, (12, 64), (64, 1)))),
+        {"x": StickLayout(8, 64, 2), "y": StickLayout(12, 64, 2)})
+    out["strided"] = (LoopKernel("t", (37, 100), 1, False, (
+        Op("x", "load", (), h, Access("x", 0, (300, 3))),
+        Op("y", "store", ("x",), h, Access("y", 0, (100, 1)))),
+        (buf("x", h, (37, 300), (300, 1)), buf("y", h, (37, 100), (100, 1)))),
+        {"x": StickLayout(37, 300, 2), "y": StickLayout(37, 100, 2)})
+    out["row-sums"] = (LoopKernel("r", (50, 200), 1, True, (
+        Op("x", "load", (), "float32", Access("x", 0, (200, 1))),
+        Op("s", "reduction", ("x",), "float32", None, {"kind": "sum"}),
+        Op("y", "store", ("s",), "float32", Access("y", 0, (1, 0)))),
+        (buf("x", "float32", (50, 200), (200, 1)), buf("y", "float32", (50,), (1,)))),
+        {"x": StickLayout(50, 200, 4), "y": StickLayout(1, 50, 4)})
+    return out
+
+
 def builder_records() -> dict[str, bytes]:
     """Decision records of the native builder: the copy kernels and transfer graphs a
-    Granite-sized step makes, and edge cases (no range, a one-element view)."""
-    from fuzz_builder import copy_record_bytes, graph_record_bytes
+    Granite-sized step makes, small loop kernels of each kind of access, and edge cases
+    (no range, a one-element view)."""
+    from fuzz_builder import copy_record_bytes, graph_record_bytes, loop_record_bytes
 
+    from spyre_rt import profile
+    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.construct.loops.record import decide
     from spyre_rt.native import ffi, lib
 
     out = {
@@ -140,6 +187,9 @@ def builder_records() -> dict[str, bytes]:
                 "offset": offset, "sizes": list(sizes), "strides": list(strides)})
             out[f"transfer-{name}-{'h2d' if direction == lib.SPY_OP_H2D else 'd2h'}"] = b"T" + bytes(ffi.buffer(rec))
     out.update(matmul_records())
+    target = Target.from_profile(profile.load("spyre"))
+    for name, (kernel, layouts) in loop_kernels().items():
+        out[f"loop-{name}"] = b"L" + loop_record_bytes(decide(BuildContext(target, layouts), kernel).record)
     return out
 
 

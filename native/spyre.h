@@ -598,7 +598,7 @@ void spy_transfer_destroy(spy_transfer *t);
 spy_status spy_transfer_run(spy_transfer *t, const uint64_t *bindings, uint32_t nbindings,
                             uint32_t name, double *end_ns);
 
-/* ---- construction (construct.c) ------------------------------------------------------------
+/* ---- construction (construct.c, build_loop.c) ----------------------------------------------
  * The native builder. The layers above decide once per kernel or view what to build (its
  * slots, its ranges, its layout) and hand the decision over as a plain-data record; the
  * builder makes the commands, dependencies and descriptors and encodes the program block
@@ -768,6 +768,110 @@ typedef struct spy_matmul_record {
 } spy_matmul_record;
 
 spy_status spy_build_matmul(const spy_matmul_record *rec, spy_built *out);
+/* A loop kernel (build_loop.c): fused element-wise work, reductions, gathers and scatters,
+ * cut into tiles of rows dealt to the cores (spyre_rt.construct.loops decides all of it once
+ * per kernel). Loop variables 0 .. nvars-1: the leading nrow index a tile's rows, the others
+ * its columns. One row variable, the block variable, is cut into blocks; the row variables
+ * inside it are whole in every tile; those outside it are fixed per tile. Per tile, on its
+ * core, in this order (its parity p is its position on its core modulo 2):
+ *   LOADs of its boxes                  each waits for the last SFU command of the tile two
+ *                                       places back on the core (which used the same regions)
+ *   a prologue SFU command              one IOTA per tile constant (nconsts > 0)
+ *   per stage l: an SFU command         stage l's instructions for parity p (none when it has
+ *                                       none), waiting for the loads and gathers before it, the
+ *                                       prologue, and (stage 0) the stores two tiles back;
+ *                then its GATHERs       the gathers of level l + 1, after it
+ *   STOREs and SCATTERs                 after the last stage
+ * A box is the part of an access a tile moves: its fixed variables outside the mask move
+ * nothing; otherwise the block variable's indices of the tile and every other variable of
+ * its kind (rows for TILE and ROW values, columns for TILE and COL ones) clipped to the
+ * mask. A box moves as a strided DMA where the stick layout allows (up to three outer
+ * dimensions per command, more commands for more), else through a descriptor list; a
+ * gather or scatter moves each tile row's columns in pieces that keep the scratchpad side
+ * packed. Instructions are written once per (stage, parity, tile rows), in the order tiles
+ * first need them, then every tile's prologue in tile order; descriptor lists are grouped
+ * by tiles of alike commands, in the order those first appear. */
+#define SPY_LOOP_MAX_VARS 16
+
+typedef struct spy_loop_access {
+    uint32_t op;           /* SPY_OP_LOAD, _STORE, or _GATHER, _SCATTER through an index */
+    uint32_t kind;         /* SPY_OPND_TILE, _ROW, _COL or _SCALAR: the value's shape in a tile */
+    uint32_t slot;         /* the program slot of its buffer (slot_extent[slot]) */
+    uint32_t level;        /* a gather: the stage its value is read in (1 .. levels - 1) */
+    spy_layout layout;     /* its buffer's storage; stick_bytes the record's */
+    int64_t base;          /* the storage element at loop index 0 (constant plus view offset) */
+    uint32_t itemsize;     /* bytes of its element in the scratchpad */
+    uint32_t masked;       /* bit j: variable j is bounded by [lo[j], hi[j]) */
+    uint32_t element_rows; /* a gather/scatter of single elements of a one-row table */
+    uint32_t lx_pitch;     /* elements from one tile row to the next in its region */
+    uint32_t lx_off[2];    /* its scratchpad region, per tile parity */
+    uint32_t idx_off[2];   /* a gather/scatter: the table row of each tile row, per parity */
+    int64_t coeffs[SPY_LOOP_MAX_VARS]; /* elements per index of each loop variable */
+    int64_t lo[SPY_LOOP_MAX_VARS];
+    int64_t hi[SPY_LOOP_MAX_VARS];
+} spy_loop_access; /* 464 bytes */
+SPY_ABI_SIZE(spy_loop_access, 464)
+
+typedef struct spy_loop_tile {
+    uint32_t core;
+    uint32_t size;                     /* indices of the block variable (rows: size x inner rows) */
+    int64_t start;                     /* its first index of the block variable */
+    int64_t fixed[SPY_LOOP_MAX_VARS];  /* the row variables before the block variable */
+} spy_loop_tile; /* 144 bytes */
+SPY_ABI_SIZE(spy_loop_tile, 144)
+
+/* One SFU stage: instructions [first[p], first[p] + count) of the record's for parity p. */
+typedef struct spy_loop_stage {
+    uint32_t first[2];
+    uint32_t count;
+    uint32_t reserved;
+} spy_loop_stage; /* 16 bytes */
+SPY_ABI_SIZE(spy_loop_stage, 16)
+
+typedef struct spy_loop_instr {
+    spy_instr instr;
+    uint32_t tile_rows; /* nonzero: it covers the tile's rows (instr.rows is not used) */
+    uint32_t reserved;
+} spy_loop_instr; /* 88 bytes */
+SPY_ABI_SIZE(spy_loop_instr, 88)
+
+/* A tile constant: floor((base + sum of coeffs[j] x the tile's first index of each row
+ * variable up to the block variable) / unit), an int64 the prologue writes at lx_off. */
+typedef struct spy_loop_const {
+    uint32_t lx_off;
+    uint32_t reserved;
+    int64_t base;
+    int64_t unit;      /* at least 1 */
+    int64_t coeffs[SPY_LOOP_MAX_VARS];
+} spy_loop_const; /* 152 bytes */
+SPY_ABI_SIZE(spy_loop_const, 152)
+
+typedef struct spy_loop_record {
+    uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
+    uint32_t stick_bytes;      /* a power of two up to 65536 */
+    uint64_t scratchpad_bytes; /* of one core */
+    uint64_t lx_bytes;         /* the kernel's scratchpad layout: every region ends below */
+    uint32_t nvars;            /* 0 .. SPY_LOOP_MAX_VARS */
+    uint32_t nrow;             /* row variables: 0 .. nvars */
+    int32_t block;             /* the block variable (< nrow), or -1 when nrow is 0 */
+    uint32_t rows_per_tile;    /* rows of the largest tile the layout holds */
+    uint32_t levels;           /* SFU stages: 1 or more */
+    uint32_t nslots;
+    uint32_t naccesses;
+    uint32_t ntiles;           /* in per-core order */
+    uint32_t ninstrs;
+    uint32_t nconsts;
+    uint64_t sizes[SPY_LOOP_MAX_VARS];
+    const uint64_t *slot_extent;      /* nslots DRAM slots, in slot order */
+    const spy_loop_access *accesses;  /* the loads, then the stores, in body order */
+    const spy_loop_tile *tiles;
+    const spy_loop_stage *stages;     /* levels */
+    const spy_loop_instr *instrs;
+    const spy_loop_const *consts;
+} spy_loop_record; /* 240 bytes */
+SPY_ABI_SIZE(spy_loop_record, 240)
+
+spy_status spy_build_loop(const spy_loop_record *rec, spy_built *out);
 
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:

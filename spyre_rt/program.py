@@ -80,6 +80,9 @@ PLAN_JOB = np.dtype([("prog_off", "u8"), ("prog_len", "u8"), ("reloc_begin", "u4
                      ("name", "u4"), ("reserved", "u4")])
 RELOC = np.dtype([("binding", "u4"), ("reserved", "u4"), ("offset", "u8")])
 LAYOUT = np.dtype([("rows", "u8"), ("row_len", "u8"), ("itemsize", "u4"), ("stick_bytes", "u4")])
+# a loop kernel's decision record (spy_loop_record): its stage instructions and its tiles
+LOOP_INSTR = np.dtype([("instr", INSTR), ("tile_rows", "u4"), ("reserved", "u4")])
+LOOP_TILE = np.dtype([("core", "u4"), ("size", "u4"), ("start", "i8"), ("fixed", "i8", (lib.SPY_LOOP_MAX_VARS,))])
 
 OPND_NONE, OPND_TILE, OPND_ROW, OPND_COL, OPND_SCALAR, OPND_IMM = 0, 1, 2, 3, 4, 5
 

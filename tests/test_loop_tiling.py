@@ -226,13 +226,16 @@ def test_scratch_areas_exist_only_where_a_stage_needs_working_space():
 
 # ---- build ----------------------------------------------------------------------------------
 
-def test_a_build_returns_a_frozen_tiling_that_a_later_build_takes_back():
+def test_a_build_returns_a_frozen_decision_record_that_a_later_build_takes_back():
     k = pointwise((37, 96))
     layouts = {"x": StickLayout(37, 96, 2), "y": StickLayout(37, 96, 2)}
     first, again = BuildContext(TARGET, layouts), BuildContext(TARGET, layouts)
-    tiling = loops.build(first, k)
-    assert loops.build(again, k, tiling) is tiling
+    decided = loops.build(first, k)
+    assert loops.build(again, k, decided) is decided
     assert first.encode().tobytes() == again.encode().tobytes()
-    assert first.scratchpad_peak == again.scratchpad_peak > 0
+    assert first.scratchpad_peak == again.scratchpad_peak == decided.layout.peak > 0
+    assert first.buffers() == again.buffers() == ["x", "y"]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        tiling.rows_per_tile = 1
+        decided.tiling = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decided.tiling.rows_per_tile = 1

@@ -29,6 +29,8 @@ MIRRORS = {
     "PLAN_JOB": ("spy_plan_job", None, {}),
     "RELOC": ("spy_reloc", None, {}),
     "LAYOUT": ("spy_layout", None, {}),
+    "LOOP_INSTR": ("spy_loop_instr", None, {}),
+    "LOOP_TILE": ("spy_loop_tile", None, {}),
 }
 _C_SCALAR = {"uint8_t": ("u", 1), "uint16_t": ("u", 2), "uint32_t": ("u", 4), "uint64_t": ("u", 8),
              "int32_t": ("i", 4), "int64_t": ("i", 8), "double": ("f", 8)}

@@ -1,22 +1,26 @@
 """The native builder refuses a corrupt decision record whole, with a typed error naming
-the field, before anything is built (native/construct.c; the byte identity of what it
-builds is tests/test_program_digests.py's)."""
+the field, before anything is built (native/construct.c, native/build_loop.c; the byte
+identity of what it builds is tests/test_program_digests.py's)."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 
 from spyre_rt import jobs, profile
 from spyre_rt.card import Card
-from spyre_rt.construct import copy
+from spyre_rt.construct import copy, loops
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.errors import SpyreError, SpyreInvalidCommandError
+from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import ffi, lib
 from spyre_rt.program import JOB_HEADER, built_block
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
 MiB = 1 << 20
+TARGET = Target.from_profile(profile.load("spyre"))
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +236,7 @@ def _corrupt(rec, path: str, value):
             for f in outer:
                 target = getattr(target, f) if not f.endswith("]") else getattr(target, f.split("[")[0])[
                     int(f.split("[")[1][:-1])]
-            _set(target, last, value)
+            _set_field(target, last, value)
         else:
             target[0] = value
         return bad, keep
@@ -240,11 +244,11 @@ def _corrupt(rec, path: str, value):
     target = bad
     for f in outer:
         target = getattr(target, f)
-    _set(target, last, value)
+    _set_field(target, last, value)
     return bad, keep
 
 
-def _set(obj, field: str, value):
+def _set_field(obj, field: str, value):
     if field.endswith("]"):
         name, i = field[:-1].split("[")
         getattr(obj, name)[int(i)] = value
@@ -283,3 +287,122 @@ def test_a_corrupt_matmul_record_is_refused_naming_its_field(card, path, value, 
         built_block(lib.spy_build_matmul, bad, "matmul")
     assert status in str(e.value) and field in str(e.value), str(e.value)
     assert lib.spy_build_matmul(bad, out) != lib.SPY_OK and out.data == ffi.NULL and out.bytes == 0  # nothing built
+# ---- loop kernels (native/build_loop.c) --------------------------------------------------------
+
+def _pointwise(rows=37, cols=96):
+    """y = exp(x) over rows x cols fp16, both contiguous."""
+    body = (Op("x", "load", (), "float16", Access("x", 0, (cols, 1))), Op("v", "exp", ("x",)),
+            Op("y", "store", ("v",), "float16", Access("y", 0, (cols, 1))))
+    buffers = tuple(Buffer(b, "float16", (rows, cols), (cols, 1)) for b in ("x", "y"))
+    return LoopKernel("k", (rows, cols), 1, False, body, buffers), {b: StickLayout(rows, cols, 2) for b in "xy"}
+
+
+def _gather(rows=4, table_rows=8, cols=64):
+    """out[i] = table[idx[i]] + i: a gather, its index's bounds, an index value (a tile constant)."""
+    body = (Op("i", "load", (), "int64", Access("idx", 0, (1, 0))),
+            Op("j", "indirect", ("i",), "", None, {"size": table_rows}),
+            Op("g", "load", (), "float16", Access("t", 0, (0, 1), (("j", cols),))),
+            Op("r", "index", (), "int64", Access("", 0, (1, 0))),
+            Op("s", "add", ("g", "r")),
+            Op("o", "store", ("s",), "float16", Access("out", 0, (cols, 1))))
+    buffers = (Buffer("idx", "int64", (rows,), (1,)), Buffer("t", "float16", (table_rows, cols), (cols, 1)),
+               Buffer("out", "float16", (rows, cols), (cols, 1)))
+    layouts = {"idx": StickLayout(1, rows, 8), "t": StickLayout(table_rows, cols, 2),
+               "out": StickLayout(rows, cols, 2)}
+    return LoopKernel("g", (rows, cols), 1, False, body, buffers), layouts
+
+
+def loop_record(make=_pointwise):
+    kernel, layouts = make()
+    return loops.record.decide(BuildContext(TARGET, layouts), kernel)
+
+
+def test_a_loop_record_builds_a_program_the_card_accepts(card):
+    for make in (_pointwise, _gather):
+        blob = built_block(lib.spy_build_loop, loop_record(make).record, "loop")  # the record keeps its arrays
+        info = jobs.validate(card, blob)
+        assert info["ncmds"] > 0 and int(blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["total_bytes"][0]) == blob.size
+
+
+def test_a_later_build_only_hands_the_record_to_the_builder(monkeypatch):
+    """Python decides once: a build given the record analyses, tiles and lays out nothing."""
+    kernel, layouts = _gather()
+    first = BuildContext(TARGET, layouts)
+    decided = loops.build(first, kernel)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("decided again")
+
+    for name in ("decide",):
+        monkeypatch.setattr(loops, name, refuse)
+    again = BuildContext(TARGET, layouts)
+    assert loops.build(again, kernel, decided) is decided
+    assert bytes(again.encode()) == bytes(first.encode()) and again.buffers() == first.buffers()
+
+
+def _set(path, value, *more):
+    """A corruption of the record: `path` (attribute names and indices) set to `value`
+    (a function of the record: computed from it); then the same for each (path, value) pair
+    in `more`."""
+    def apply(rec):
+        obj = rec
+        for p in path[:-1]:
+            obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+        v = value(rec) if isinstance(value, types.FunctionType) else value
+        if isinstance(path[-1], int):
+            obj[path[-1]] = v
+        else:
+            setattr(obj, path[-1], v)
+        if more:
+            _set(*more)(rec)
+    return apply
+
+
+@pytest.mark.parametrize("make,corrupt,status,field", [
+    # a tile outside the scratchpad
+    (_pointwise, _set(("tiles", 0, "size"), 1000), "SPY_E_SCRATCHPAD", "tiles[0].size"),
+    (_pointwise, _set(("lx_bytes",), 4 * MiB), "SPY_E_SCRATCHPAD", "lx_bytes"),
+    (_pointwise, _set(("accesses", 0, "lx_off", 1), lambda r: r.lx_bytes), "SPY_E_SCRATCHPAD",
+     "accesses[0].lx_off[1]"),
+    (_pointwise, _set(("instrs", 0, "instr", "dst", "v", "off"), lambda r: r.lx_bytes), "SPY_E_SCRATCHPAD",
+     "instrs[0].dst"),
+    (_gather, _set(("consts", 0, "lx_off"), lambda r: r.lx_bytes), "SPY_E_SCRATCHPAD", "consts[0].lx_off"),
+    (_gather, _set(("accesses", 1, "idx_off", 0), lambda r: r.lx_bytes), "SPY_E_SCRATCHPAD",
+     "accesses[1].idx_off[0]"),
+    # a DMA pattern outside its slot
+    (_pointwise, _set(("accesses", 1, "base"), 96), "SPY_E_BAD_ADDRESS", "accesses[1] moves elements"),
+    (_pointwise, _set(("accesses", 0, "coeffs", 0), 97), "SPY_E_BAD_ADDRESS", "accesses[0] moves elements"),
+    (_pointwise, _set(("slot_extent", 0), 64), "SPY_E_BAD_ADDRESS", "outside slot 0"),
+    # counts that overflow, and fields that name nothing
+    (_pointwise, _set(("sizes", 0), 2**41), "SPY_E_INVALID_ARG", "sizes[0]"),
+    (_pointwise, _set(("accesses", 0, "coeffs", 1), 2**60), "SPY_E_INVALID_ARG", "accesses[0].coeffs[1]"),
+    (_pointwise, _set(("nvars",), 17), "SPY_E_INVALID_ARG", "nvars 17"),
+    (_pointwise, _set(("stages", 0, "first", 1), lambda r: r.ninstrs), "SPY_E_INVALID_ARG", "stages[0].first[1]"),
+    (_pointwise, _set(("accesses", 0, "slot"), 9), "SPY_E_INVALID_ARG", "accesses[0].slot"),
+    (_pointwise, _set(("tiles", 1, "core"), 32), "SPY_E_INVALID_ARG", "tiles[1].core"),
+    (_pointwise, _set(("tiles", 1, "start"), 36), "SPY_E_INVALID_ARG", "tiles[1].start"),
+    (_pointwise, _set(("block",), 1), "SPY_E_INVALID_ARG", "block 1"),
+    (_pointwise, _set(("accesses",), ffi.NULL), "SPY_E_INVALID_ARG", "a count without its array"),
+    (_pointwise, _set(("accesses", 0, "masked"), 1, ("accesses", 0, "hi", 0), 38), "SPY_E_INVALID_ARG",
+     "accesses[0] masks variable 0 to [lo 0, hi 38)"),
+    (_gather, _set(("accesses", 1, "level"), 0), "SPY_E_INVALID_ARG", "accesses[1].level"),
+    (_gather, _set(("accesses", 1, "idx_off", 1), lambda r: r.accesses[1].idx_off[1] + 4), "SPY_E_INVALID_ARG",
+     "accesses[1].idx_off[1]"),
+    (_gather, _set(("consts", 0, "unit"), 0), "SPY_E_INVALID_ARG", "consts[0]"),
+])
+def test_a_corrupt_loop_record_is_refused_naming_its_field(make, corrupt, status, field):
+    decided = loop_record(make)
+    corrupt(decided.record)
+    with pytest.raises(SpyreError) as e:
+        built_block(lib.spy_build_loop, decided.record, "loop")
+    assert status in str(e.value) and field in str(e.value), str(e.value)
+
+
+def test_a_refused_loop_record_leaves_no_program():
+    kernel, layouts = _pointwise()
+    decided = loop_record()
+    decided.record.accesses[1].base = 96
+    ctx = BuildContext(TARGET, layouts)
+    with pytest.raises(SpyreInvalidCommandError, match="SPY_E_BAD_ADDRESS"):
+        loops.build(ctx, kernel, decided)
+    assert ctx.block is None

@@ -1462,6 +1462,155 @@ static void test_matmul_builder(void)
     spy_device_close(d);
 }
 
+/* ---- the loop builder (build_loop.c): y = x + 1 over 37 x 96 fp32, tiles of two rows on four cores ---- */
+
+#define LOOP_ROWS 37
+#define LOOP_COLS 96
+
+typedef struct loop_case {
+    spy_loop_record rec;
+    spy_loop_access acc[2];
+    spy_loop_tile tiles[(LOOP_ROWS + 1) / 2];
+    spy_loop_stage stage;
+    spy_loop_instr instrs[2];
+    uint64_t extents[2];
+} loop_case;
+
+static void loop_case_init(loop_case *c)
+{
+    memset(c, 0, sizeof *c);
+    spy_layout lay = {LOOP_ROWS, LOOP_COLS, 4, 128};
+    uint64_t bytes;
+    spy_layout_bytes(&lay, &bytes);
+    uint32_t region = 2 * LOOP_COLS * 4; /* two rows of 96 floats: a whole number of sticks */
+    for (int i = 0; i < 2; i++) {
+        spy_loop_access *a = &c->acc[i];
+        a->op = i ? SPY_OP_STORE : SPY_OP_LOAD;
+        a->kind = SPY_OPND_TILE;
+        a->slot = (uint32_t)i;
+        a->layout = lay;
+        a->itemsize = 4;
+        a->lx_pitch = LOOP_COLS;
+        a->lx_off[0] = (uint32_t)(2 * i) * region;
+        a->lx_off[1] = (uint32_t)(2 * i + 1) * region;
+        a->coeffs[0] = LOOP_COLS;
+        a->coeffs[1] = 1;
+        c->extents[i] = bytes;
+    }
+    uint32_t n = 0, boxes = (LOOP_ROWS + 1) / 2;
+    for (uint32_t core = 0; core < 4; core++) /* round-robin boxes, in per-core order */
+        for (uint32_t b = core; b < boxes; b += 4, n++) {
+            c->tiles[n].core = core;
+            c->tiles[n].start = 2 * b;
+            c->tiles[n].size = 2 * b + 2 <= LOOP_ROWS ? 2 : 1;
+        }
+    for (int p = 0; p < 2; p++) {
+        spy_instr *x = &c->instrs[p].instr;
+        c->instrs[p].tile_rows = 1;
+        x->op = SPY_SFU_ADD;
+        x->cols = LOOP_COLS;
+        x->dst = (spy_operand){SPY_OPND_TILE, SPY_DT_F32, 0, LOOP_COLS, {.off = c->acc[1].lx_off[p]}};
+        x->src[0] = (spy_operand){SPY_OPND_TILE, SPY_DT_F32, 0, LOOP_COLS, {.off = c->acc[0].lx_off[p]}};
+        x->src[1] = (spy_operand){SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = 1.0}};
+    }
+    c->stage = (spy_loop_stage){{0, 1}, 1, 0};
+    spy_loop_record *r = &c->rec;
+    r->num_cores = 4;
+    r->stick_bytes = 128;
+    r->scratchpad_bytes = 2u << 20;
+    r->lx_bytes = 4 * region;
+    r->nvars = 2;
+    r->nrow = 1;
+    r->block = 0;
+    r->rows_per_tile = 2;
+    r->levels = 1;
+    r->nslots = 2;
+    r->naccesses = 2;
+    r->ntiles = n;
+    r->ninstrs = 2;
+    r->sizes[0] = LOOP_ROWS;
+    r->sizes[1] = LOOP_COLS;
+    r->slot_extent = c->extents;
+    r->accesses = c->acc;
+    r->tiles = c->tiles;
+    r->stages = &c->stage;
+    r->instrs = c->instrs;
+}
+
+static uint64_t stick_offset(uint64_t row, uint64_t col)
+{
+    return (col / 32) * LOOP_ROWS * 128 + row * 128 + (col % 32) * 4;
+}
+
+static void test_loop_builder(void)
+{
+    current = "loop builder";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    loop_case c;
+    loop_case_init(&c);
+    spy_built b, again;
+    CHECK_OK(spy_build_loop(&c.rec, &b));
+    spy_job_info info;
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    CHECK(info.ncmds == 3 * c.rec.ntiles && info.cores_used == 4); /* load, SFU, store per tile */
+    CHECK_OK(spy_build_loop(&c.rec, &again)); /* every build makes the same block */
+    CHECK(again.bytes == b.bytes && !memcmp(again.data, b.data, b.bytes));
+    spy_built_free(&again);
+
+    /* it computes y = x + 1 on the card */
+    uint64_t x, y, blob;
+    CHECK_OK(spy_malloc(d, c.extents[0], SPY_MEM_DATA, &x));
+    CHECK_OK(spy_malloc(d, c.extents[1], SPY_MEM_DATA, &y));
+    float *host = calloc(c.extents[0] / 4, 4);
+    for (uint64_t r = 0; r < LOOP_ROWS; r++)
+        for (uint64_t k = 0; k < LOOP_COLS; k++)
+            host[stick_offset(r, k) / 4] = (float)(r * LOOP_COLS + k);
+    CHECK_OK(spy_mem_write(d, x, host, c.extents[0]));
+    CHECK_OK(spy_malloc(d, b.bytes, SPY_MEM_CONTROL, &blob));
+    CHECK_OK(spy_mem_write(d, blob, b.data, b.bytes));
+    CHECK_OK(spy_program_commit(d, blob, NULL));
+    uint64_t bind[2] = {x, y};
+    double end;
+    CHECK_OK(spy_launch(d, blob, bind, 2, 0, &end));
+    CHECK_OK(spy_mem_read(d, y, host, c.extents[1]));
+    bool right = true;
+    for (uint64_t r = 0; r < LOOP_ROWS; r++)
+        for (uint64_t k = 0; k < LOOP_COLS; k++)
+            right &= host[stick_offset(r, k) / 4] == (float)(r * LOOP_COLS + k + 1);
+    CHECK(right);
+    free(host);
+    spy_built_free(&b);
+
+    /* a corrupt record is refused whole, naming the field, and leaves nothing */
+    c.tiles[3].size = 3; /* rows outside the regions laid out for two */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_SCRATCHPAD && !b.data && strstr(spy_last_error(), "tiles[3].size"));
+    loop_case_init(&c);
+    c.acc[1].base = LOOP_COLS; /* one row past the storage in the last tile */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_BAD_ADDRESS && !b.data && strstr(spy_last_error(), "accesses[1]"));
+    loop_case_init(&c);
+    c.extents[0] = 64; /* a slot smaller than its storage */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_BAD_ADDRESS && strstr(spy_last_error(), "accesses[0].layout"));
+    loop_case_init(&c);
+    c.instrs[1].instr.src[0].v.off = c.rec.lx_bytes - 4;
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_SCRATCHPAD && strstr(spy_last_error(), "instrs[1].src[0]"));
+    loop_case_init(&c);
+    c.rec.sizes[1] = 1ull << 41; /* counts that overflow */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "sizes[1]"));
+    loop_case_init(&c);
+    c.acc[0].coeffs[1] = INT64_MIN;
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "accesses[0].coeffs[1]"));
+    loop_case_init(&c);
+    c.stage.count = 2;
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "stages[0].first[1]"));
+    CHECK(spy_build_loop(NULL, &b) == SPY_E_INVALID_ARG);
+    spy_free(d, blob);
+    spy_free(d, x);
+    spy_free(d, y);
+    spy_device_close(d);
+}
+
 /* ---- collectives (ccl.c) and timed jobs: two ranks as two threads of one process ---- */
 
 typedef struct ccl_rank_run {
@@ -1593,6 +1742,7 @@ int main(void)
     test_layouts();
     test_builder();
     test_matmul_builder();
+    test_loop_builder();
     test_ccl();
     test_timed_job();
     if (failures) {

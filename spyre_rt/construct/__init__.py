@@ -6,10 +6,12 @@ computes (a plain-data description, :mod:`spyre_rt.kernels`); construction decid
 card runs it (tiles over the cores, scratchpad regions, DMA patterns, commands).
 
 A kernel kind is a description type with a ``kind`` and a builder registered here: a
-function ``(context, kernel, previous or None) -> decided`` that fills the context's program
-and returns what it decided (its tile choices; a matmul's whole decision record), which a
-later build of the same kernel on the same target takes back instead of deciding again. A builder that cannot build a kernel for the target
-raises :class:`Refused` (a limitation, not a bug): its ops then run on the CPU.
+function ``(context, kernel, decided or None) -> decided`` that fills the context's program
+and returns what it decided (the kernel's whole decision record: tiles, schedules,
+scratchpad regions, access patterns, and the record the native builder takes), which a
+later build of the same kernel on the same target takes back instead of deciding again:
+Python decides once, C builds at every launch. A builder that cannot build a kernel for
+the target raises :class:`Refused` (a limitation, not a bug): its ops then run on the CPU.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ BUILDERS: dict[str, Callable] = {
 }
 
 
-def build(ctx: BuildContext, kernel, tiling=None):
-    """Construct `kernel` into the context's program; returns what its builder decided."""
+def build(ctx: BuildContext, kernel, decided=None):
+    """Construct `kernel` into the context's program; returns its decisions."""
     builder = BUILDERS.get(getattr(kernel, "kind", None))
     if builder is None:
         raise TypeError(f"no builder for a {type(kernel).__name__} (kind {getattr(kernel, 'kind', None)!r})")
-    return builder(ctx, kernel, tiling)
+    return builder(ctx, kernel, decided)

@@ -1,15 +1,15 @@
-"""The SFU programs of a tile: one per stage, and the prologue.
+"""The SFU stage programs of a kernel's tiles: one per stage and tile parity.
 
 Stage ``level`` computes the values of that level (a gather's result is one level after
 its index, so gathers run between stages); the last stage also moves every stored value
 into its store's staging slot. Index arithmetic is written in terms of the tile's origin,
-a per-tile constant the tile's *prologue* writes (one instruction per constant), so all
-tiles of the same shape share one program per stage and slot.
+a per-tile constant the tile's *prologue* writes (one IOTA per constant, made by the native
+builder from the record's formulas), so all tiles of a parity share one program per
+stage: a :class:`Template`, whose instructions over the tile's rows the native builder
+writes for each tile's row count.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from ...kernels import Access
 from ...native import lib
@@ -30,11 +30,28 @@ from ..sfu import (
 )
 from .analysis import Unsupported, Value
 from .scratchpad import ScratchpadLayout
-from .tiling import Tile, Tiling
+from .tiling import Tiling
 
 
 def _imm(value, dtype: str) -> Operand:
     return Operand(SCALAR, dtype, imm=value)
+
+
+TILE_ROWS = "tile rows"  # the rows of an instruction that covers the tile's rows, whichever tile
+
+
+class Template(Program):
+    """A stage's instructions for every tile of one parity: an instruction over the tile's
+    rows says so (the native builder writes each tile's row count into it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tile_rows: list[bool] = []
+
+    def emit(self, op: int, rows, cols: int, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
+        whole = rows is TILE_ROWS
+        super().emit(op, 0 if whole else rows, cols, dst, *srcs, aux=aux)
+        self.tile_rows.append(whole)
 
 
 class StagePrograms:
@@ -47,21 +64,20 @@ class StagePrograms:
         self.layout = layout
         self.columns = tiling.analysis.columns
 
-    def dims(self, kind: str, rows: int) -> tuple[int, int]:
+    def dims(self, kind: str) -> tuple[int | str, int]:
         """(rows, columns) an instruction on a value of `kind` covers."""
-        return {TILE: (rows, self.columns), ROW: (rows, 1), COL: (1, self.columns), SCALAR: (1, 1)}[kind]
+        return {TILE: (TILE_ROWS, self.columns), ROW: (TILE_ROWS, 1), COL: (1, self.columns), SCALAR: (1, 1)}[kind]
 
-    # ---- stages ------------------------------------------------------------------------
-    def stage(self, level: int, slot: int, rows: int, size: int) -> Program:
-        """The instructions of stage `level` for a tile of `rows` rows (`size` blocks)."""
+    def stage(self, level: int, slot: int) -> Template:
+        """The instructions of stage `level` for the tiles of parity `slot`."""
         a, layout = self.analysis, self.layout
-        prog = Program()
+        prog = Template()
         for v in a.values.values():
             if v.level == level and v.op.op not in ("load", "store", "constant"):
-                self._compute(prog, v, slot, rows, size)
+                self._compute(prog, v, slot)
         if level == a.levels - 1:
             for v in a.stores:  # into the staging slots the stores move out
-                r, c = self.dims(v.kind, rows)
+                r, c = self.dims(v.kind)
                 prog.emit(lib.SPY_SFU_MOV, r, c, layout.slots[v.op.id].operand(slot),
                           layout.operand(v.op.args[0], slot))
         for v in a.values.values():
@@ -69,21 +85,21 @@ class StagePrograms:
                 # a gather's rows before the gather, a scatter's with the stored values
                 target = v.level - 1 if v.op.op == "load" else a.levels - 1
                 if target == level:
-                    self._buffer_rows(prog, v, slot, rows, size)
+                    self._buffer_rows(prog, v, slot)
         return prog
 
-    def _compute(self, prog: Program, v: Value, slot: int, rows: int, size: int) -> None:
+    def _compute(self, prog: Program, v: Value, slot: int) -> None:
         op = v.op
-        r, c = self.dims(v.kind, rows)
+        r, c = self.dims(v.kind)
         dst = self.layout.temporaries[op.id]
         args = [self.layout.operand(a, slot) for a in op.args]
         name = op.op
         if name == "index":
-            self._index(prog, v, rows, size, dst)
+            self._index(prog, v, dst)
         elif name == "indirect":
             self._indirect(prog, v, args[0], r, c, dst)
         elif name == "reduction":
-            self._reduction(prog, v, args, rows)
+            self._reduction(prog, v, args)
         elif name == "to_dtype":
             prog.emit(lib.SPY_SFU_MOV, r, c, dst, args[0])
         elif name in COMPARE:
@@ -115,10 +131,11 @@ class StagePrograms:
             prog.emit(lib.SPY_SFU_ADD, r, c, wrapped, dst, _imm(size, "int64"))
             prog.emit(lib.SPY_SFU_SELECT, r, c, dst, neg, wrapped, dst)
 
-    def _reduction(self, prog: Program, v: Value, args: list[Operand], rows: int) -> None:
+    def _reduction(self, prog: Program, v: Value, args: list[Operand]) -> None:
         kind = v.op.attrs["kind"]
         src = self.analysis.values[v.op.args[0]]
         x, dst, columns, scratch = args[0], self.layout.temporaries[v.op.id], self.columns, self.layout.scratch
+        rows = TILE_ROWS
         r = rows if v.kind == ROW else 1
         if src.kind != TILE:  # broadcast over the columns first
             floats = compute_type(src.dtype) == "float32"
@@ -140,15 +157,15 @@ class StagePrograms:
         else:
             prog.emit(REDUCE[kind], r, columns, dst, x)
 
-    def _affine(self, prog: Program, rows: int, size: int, coeffs, dst: Operand, base: Operand, kind: str) -> None:
+    def _affine(self, prog: Program, coeffs, dst: Operand, base: Operand, kind: str) -> None:
         """dst[r, c] = base + sum of coeffs * (the loop variables' values inside the tile)."""
-        r_all, c_all = self.dims(kind, rows)
+        r_all, c_all = self.dims(kind)
         prog.emit(lib.SPY_SFU_MOV, r_all, c_all, dst, base)
         term = Operand(kind, "int64", self.layout.scratch[("i64", 0)],
                        round_up(self.columns, 8) if kind in (TILE, COL) else 1)
         zero, one = _imm(0, "int64"), _imm(1, "int64")
         if kind in (TILE, ROW):
-            for j, count, stride in self.tiling.tile_rows(size):
+            for j, count, stride in self.tiling.tile_rows(0):  # the block's count is the tile's: not used
                 if coeffs[j]:  # the block variable's count is the tile's, never wrapped
                     self._add_term(prog, r_all, c_all, dst, term, (one, zero), stride,
                                    count if j != self.tiling.block else None, coeffs[j])
@@ -169,18 +186,18 @@ class StagePrograms:
         prog.emit(lib.SPY_SFU_MUL, r, c, term, term, _imm(coeff, "int64"))
         prog.emit(lib.SPY_SFU_ADD, r, c, dst, dst, term)
 
-    def _index(self, prog: Program, v: Value, rows: int, size: int, dst: Operand) -> None:
+    def _index(self, prog: Program, v: Value, dst: Operand) -> None:
         base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "index")])
         coeffs = v.op.access.coeffs
         if dst.dtype == "int64":
-            self._affine(prog, rows, size, coeffs, dst, base, v.kind)
+            self._affine(prog, coeffs, dst, base, v.kind)
         else:  # computed in int64, then converted
             tmp = Operand(v.kind, "int64", self.layout.scratch[("i64", 1)], dst.pitch)
-            self._affine(prog, rows, size, coeffs, tmp, base, v.kind)
-            r, c = self.dims(v.kind, rows)
+            self._affine(prog, coeffs, tmp, base, v.kind)
+            r, c = self.dims(v.kind)
             prog.emit(lib.SPY_SFU_MOV, r, c, dst, tmp)
 
-    def _buffer_rows(self, prog: Program, v: Value, slot: int, rows: int, size: int) -> None:
+    def _buffer_rows(self, prog: Program, v: Value, slot: int) -> None:
         """The buffer row each tile row of a gather or scatter reads or writes: the row of
         its first element plus, per index tensor, the index times the rows it steps. An
         index outside its dimension that the table's bounds would not catch (a second
@@ -189,7 +206,8 @@ class StagePrograms:
         element gather of a one-row table (see :func:`element_rows`) a "row" is an element."""
         acc = v.op.access
         table = self.ctx.layouts[acc.buf]
-        unit = self._row_unit(v)
+        unit = self.row_unit(v)
+        rows = TILE_ROWS
         n_units = table.row_len if unit == 1 else table.rows
         row_coeffs = [0] * self.analysis.n_vars
         for j in range(self.analysis.n_row_vars):
@@ -204,7 +222,7 @@ class StagePrograms:
             raise err
         dst = self.layout.index_slots[v.op.id].operand(slot)
         base = Operand(SCALAR, "int64", self.layout.const_off[(v.op.id, "rowbase")])
-        self._affine(prog, rows, size, row_coeffs, dst, base, ROW)
+        self._affine(prog, row_coeffs, dst, base, ROW)
         tmp = Operand(ROW, "int64", self.layout.scratch[("row", 0)], 1)
         for idx, coef in acc.ind:
             prog.emit(lib.SPY_SFU_MUL, rows, 1, tmp, self.layout.operand(idx, slot), _imm(coef // unit, "int64"))
@@ -225,43 +243,7 @@ class StagePrograms:
         op = self.analysis.values[vid].op
         return int(op.attrs["size"]) if op.op == "indirect" and "size" in op.attrs else None
 
-    # ---- the prologue ------------------------------------------------------------------
-    def prologue(self, tile: Tile) -> Program | None:
-        """One instruction per tile constant (the immediates differ from tile to tile)."""
-        if not self.layout.tile_consts:
-            return None
-        prog = Program()
-        for const in self.layout.tile_consts:
-            dst = Operand(SCALAR, "int64", self.layout.const_off[const])
-            prog.emit(lib.SPY_SFU_IOTA, 1, 1, dst, _imm(self._tile_const(const, tile), "int64"), _imm(0, "int64"),
-                      _imm(0, "int64"))
-        return prog
-
-    def _tile_const(self, const: tuple[str, str], tile: Tile) -> int:
-        """The tile's origin in index terms, or the first buffer row of a gather/scatter."""
-        vid, what = const
-        v = self.analysis.values[vid]
-        acc = v.op.access
-        origin = self.tiling.origin(acc, tile)
-        if what == "index":
-            return int(origin)
-        shift, _ = self.tiling.gathered_columns(acc, v.kind)
-        return int((origin + shift + self.ctx.offset(acc.buf)) // self._row_unit(v))
-
-    def tile_consts(self, fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """Every tile's constants at once: tiles x constants (see :meth:`prologue`)."""
-        return np.stack([self._tile_const_column(const, fixed, start) for const in self.layout.tile_consts], axis=1)
-
-    def _tile_const_column(self, const: tuple[str, str], fixed: np.ndarray, start: np.ndarray) -> np.ndarray:
-        vid, what = const
-        v = self.analysis.values[vid]
-        acc: Access = v.op.access
-        if what == "index":
-            return self.tiling.origins(acc, fixed, start)
-        shift, _ = self.tiling.gathered_columns(acc, v.kind)
-        return self.tiling.origins(acc, fixed, start, self.ctx.offset(acc.buf) + shift) // self._row_unit(v)
-
-    def _row_unit(self, v: Value) -> int:
+    def row_unit(self, v: Value) -> int:
         """Elements per row index of a gather or scatter: the table's row length, or one
         element (see :func:`element_rows`)."""
         table = self.ctx.layouts[v.op.access.buf]

@@ -176,17 +176,17 @@ def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def built_block(build, record, context: str) -> np.ndarray:
     """The program block a native builder makes of a decision record (``build(record,
-    spy_built *)``), as an 8-byte aligned uint8 array; the builder's copy is freed. A
-    record the builder refuses raises its typed error, naming the field."""
+    spy_built *)``), as an 8-byte aligned uint8 array over the builder's memory (not a
+    copy: it is freed with the array). A record the builder refuses raises its typed
+    error, naming the field."""
     out = ffi.new("spy_built *")
     check(build(record, out), context)
-    try:
-        n = int(out.bytes)
-        buf = np.empty((n + 7) // 8, dtype=np.uint64).view(np.uint8)[:n]
-        ffi.memmove(ffi.from_buffer(buf), out.data, n)
-        return buf
-    finally:
-        lib.spy_built_free(out)
+    data = ffi.gc(out.data, _free_built, size=int(out.bytes))
+    return np.frombuffer(ffi.buffer(data, int(out.bytes)), dtype=np.uint8)
+
+
+def _free_built(data, free=lib.spy_built_free, new=ffi.new) -> None:
+    free(new("spy_built *", {"data": data}))  # bound now: this may run as the interpreter exits
 
 
 def make_operand(kind: int, dtype: int = 0, off: int = 0, pitch: int = 0) -> tuple:

@@ -42,6 +42,7 @@ from ...kernels import View
 from ..context import BuildContext, Refused
 from .commands import Commands
 from .cost import SFU_INSTRS, SFU_PASSES, block_costs, task_ns
+from .record import Record
 from .scratchpad import Scratchpad
 from .shape import Shape
 from .tasks import (
@@ -68,7 +69,36 @@ __all__ = ["BATCH", "COLUMNS", "CORE", "GROUP", "KV0", "KV1", "KV_HEAD", "LEADER
            "task_ns"]
 
 
-def build(ctx: BuildContext, kernel, tiling: Tiling | None = None) -> Tiling:
+def decide(ctx: BuildContext, kernel) -> Record:
+    """The decisions of an :class:`~spyre_rt.kernels.AttentionKernel` on the context's card:
+    its tiling, scratchpad regions and operands, as the native builder's record."""
+
+    def view(v) -> View | None:
+        if v is None:
+            return None
+        name, off, sizes, strides = v
+        return View(name, off + ctx.offset(name), tuple(sizes), tuple(strides))
+
+    for dt in (kernel.dtype,):
+        if dt not in dtypes.MATMUL:
+            raise Refused(f"attention in {dt}")
+    views = {n: view(getattr(kernel, n)) for n in ("q", "k", "v", "out", "mask")}
+    shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"])
+    tiling = choose(shape, ctx.target)
+    lx = Scratchpad(shape, ctx.target, tiling)
+    return Record(ctx.target, shape, tiling, lx, views, ctx.layouts, kernel.scale)
+
+
+def build(ctx: BuildContext, kernel, record: Record | None = None) -> Record:
+    """Build an :class:`~spyre_rt.kernels.AttentionKernel` into the context's program;
+    returns its decision record (pass it back to build it again on the same target: the
+    native builder alone then runs)."""
+    record = record or decide(ctx, kernel)
+    record.build(ctx)
+    return record
+
+
+def build_numpy(ctx: BuildContext, kernel, tiling: Tiling | None = None) -> Tiling:
     """Build an :class:`~spyre_rt.kernels.AttentionKernel` into the context's program;
     returns its tiling (pass it back to build it again on the same target)."""
 

@@ -184,7 +184,7 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
     const struct { const char *name; uint64_t pitch, width; bool used; } pitches[] = {
         {"q_pitch", x->q_pitch, r->dim, true}, {"k_pitch", x->k_pitch, r->dim, true},
         {"v_pitch", x->v_pitch, r->v_dim, true}, {"m_pitch", x->m_pitch, r->kv_block, mask},
-        {"s_pitch", x->s_pitch, r->kv_block, true}, {"p_pitch", x->p_pitch, r->kv_block, !s->fp32},
+        {"s_pitch", x->s_pitch, r->kv_block, true}, {"p_pitch", x->p_pitch, r->kv_block, true},
         {"o_pitch", x->o_pitch, r->v_dim, true}, {"flag_pitch", x->flag_pitch, r->kv_block, causal},
         {"stage_pitch", x->stage_pitch, r->v_dim, true}};
     for (size_t i = 0; i < SPY_ARRAY_LEN(pitches); i++)
@@ -220,6 +220,9 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
         uint64_t bytes, end;
         if (!g->used)
             continue;
+        if (g->off % 4) /* typed operands start on their element: fp32 ones on 4 bytes */
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.%s %llu is not 4-byte aligned", g->name,
+                            (unsigned long long)g->off);
         if (!spy_mul_ok(g->rows, g->pitch, &bytes) || !spy_mul_ok(bytes, g->itemsize, &bytes) ||
             !spy_add_ok(g->off, bytes, &end) || end > r->scratchpad_bytes)
             return spy_fail(SPY_E_SCRATCHPAD, -1, "attention record: lx.%s at %llu, %llu rows of %llu x %llu bytes, "

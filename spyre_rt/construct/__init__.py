@@ -7,8 +7,9 @@ card runs it (tiles over the cores, scratchpad regions, DMA patterns, commands).
 
 A kernel kind is a description type with a ``kind`` and a builder registered here: a
 function ``(context, kernel, tiling or None) -> tiling`` that fills the context's program
-and returns its tile choices, which a later build of the same kernel on the same target
-takes back instead of choosing again. A builder that cannot build a kernel for the target
+and returns its decisions (its tile choices; for attention the whole decision record the
+native builder reads), which a later build of the same kernel on the same target takes
+back instead of deciding again. A builder that cannot build a kernel for the target
 raises :class:`Refused` (a limitation, not a bug): its ops then run on the CPU.
 """
 

@@ -20,19 +20,22 @@ the first part, which combines them and stores.
 
 Per core the engines overlap: loads of the next blocks (two scratchpad slots each for Q, K,
 V and mask), the matmul S of the next block while the SFU works on this one, then PV.
-Every core lays its scratchpad out alike, so one SFU program serves every block of a kind;
-commands are made for all blocks at once with numpy. Tile sizes and the tasks of each core
-come from a small cost model over the card's figures (:func:`choose`).
+Every core lays its scratchpad out alike, so one SFU program serves every block of a kind.
+Tile sizes and the tasks of each core come from a small cost model over the card's
+figures (:func:`choose`).
 
-A build runs in rooms of one concept each:
+Python decides, once per kernel, and C builds: :func:`decide` makes the kernel's decision
+record (the tiling, one core's scratchpad regions, each operand's slot and view), and every
+build hands it to the native builder (``spy_build_attention``, native/build_attention.c),
+which makes the commands, the DMA patterns, the SFU programs, the dependencies and the
+encoded program. The rooms:
 
 * :mod:`.shape` — the numbers of the attention that shape its tiles;
 * :mod:`.cost` — what a block and a task cost on one core;
 * :mod:`.tasks` — the tasks of a tiling and the cores they run on;
 * :mod:`.scratchpad` — one core's scratchpad regions;
 * :mod:`.tiling` — the choice: every candidate estimated, the fastest that fits;
-* :mod:`.programs`, :mod:`.moves`, :mod:`.commands` — the SFU programs, the DMA of each
-  operand, and every command with its dependencies.
+* :mod:`.record` — the decisions as the native builder reads them.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from __future__ import annotations
 from ... import dtypes
 from ...kernels import View
 from ..context import BuildContext, Refused
-from .commands import Commands
 from .cost import SFU_INSTRS, SFU_PASSES, block_costs, task_ns
 from .record import Record
 from .scratchpad import Scratchpad
@@ -65,8 +67,8 @@ from .tasks import (
 from .tiling import choose, estimate
 
 __all__ = ["BATCH", "COLUMNS", "CORE", "GROUP", "KV0", "KV1", "KV_HEAD", "LEADER", "PART", "PARTS", "Q0", "ROWS",
-           "SFU_INSTRS", "SFU_PASSES", "STEP", "Scratchpad", "Shape", "Tiling", "block_costs", "build", "choose", "estimate", "make_tasks",
-           "task_ns"]
+           "SFU_INSTRS", "SFU_PASSES", "STEP", "Record", "Scratchpad", "Shape", "Tiling", "block_costs", "build",
+           "choose", "decide", "estimate", "make_tasks", "task_ns"]
 
 
 def decide(ctx: BuildContext, kernel) -> Record:
@@ -96,26 +98,3 @@ def build(ctx: BuildContext, kernel, record: Record | None = None) -> Record:
     record = record or decide(ctx, kernel)
     record.build(ctx)
     return record
-
-
-def build_numpy(ctx: BuildContext, kernel, tiling: Tiling | None = None) -> Tiling:
-    """Build an :class:`~spyre_rt.kernels.AttentionKernel` into the context's program;
-    returns its tiling (pass it back to build it again on the same target)."""
-
-    def view(v) -> View | None:
-        if v is None:
-            return None
-        name, off, sizes, strides = v
-        return View(name, off + ctx.offset(name), tuple(sizes), tuple(strides))
-
-    for dt in (kernel.dtype,):
-        if dt not in dtypes.MATMUL:
-            raise Refused(f"attention in {dt}")
-    views = {n: view(getattr(kernel, n)) for n in ("q", "k", "v", "out", "mask")}
-    shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"])
-    tiling = tiling or choose(shape, ctx.target)
-    lx = Scratchpad(shape, ctx.target, tiling)
-    if len(tiling.tasks):
-        Commands(ctx, shape, tiling, lx, views, kernel.scale).add()
-    ctx.scratchpad_peak = lx.top
-    return tiling

@@ -60,6 +60,8 @@ class Record:
 
     @staticmethod
     def _regions(lx: Scratchpad) -> dict:
+        if lx.recv != [lx.recv[0] + i * lx.state_bytes for i in range(len(lx.recv))]:
+            raise ValueError("the record holds the received states as one run of regions")
         return {"q": lx.q, "k": lx.k, "v": lx.v, "mask": lx.mask, "s": lx.s, "p": lx.p or 0, "state": lx.state,
                 "recv": lx.recv[0] if lx.recv else 0, "mn": lx.mn, "safe": lx.safe, "alpha": lx.alpha, "t": lx.t,
                 "flag": lx.flag, "diag": lx.diag, "diag_flag": lx.diag_flag, "stage": lx.stage,

@@ -104,7 +104,8 @@ def _split(shape: Shape, target: Target, units: list) -> np.ndarray:
 
 def _shared(shape: Shape, target: Target, units: list) -> np.ndarray:
     """Each KV head on a group of cores: its tiles dealt round the group, step by step, so
-    that every core of the group reads the same block of keys at once (see Commands)."""
+    that every core of the group reads the same block of keys at once (one of them loads
+    each block and sends it to the others: native/build_attention.c)."""
     per_group = target.num_cores // (shape.batch * shape.kv_heads)
     rows = []
     tiles = -(-shape.q_len // units[0][3])

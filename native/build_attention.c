@@ -1478,22 +1478,22 @@ static spy_status build(attn *a, spy_built *out)
     if (ndeps)
         memcpy(blk.deps, a->deps.data, ndeps * sizeof *blk.deps);
     a->descs = (spy_desc *)(instrs + a->instrs.len);
-    for (uint64_t i = 0; i < nb; i++) {
+    for (uint64_t i = 0; i < nb; i++) { /* every command's header: its core, its dependencies */
         const attn_block *b = &a->blk[i];
-        for (uint64_t k = b->a; k <= mm1_row(b); k++)
-            a->cmds[k].core = b->core;
-        for (uint64_t k = b->b, end = end_row(b) + (b->last ? 1 + (uint64_t)a->tk[b->task].no : 0); k < end; k++)
-            a->cmds[k].core = b->core;
+        uint64_t ranges[2][2] = {{b->a, mm1_row(b) + 1},
+                                 {b->b, end_row(b) + (b->last ? 1 + (uint64_t)a->tk[b->task].no : 0)}};
+        for (int g = 0; g < 2; g++)
+            for (uint64_t k = ranges[g][0]; k < ranges[g][1]; k++) {
+                a->cmds[k].core = b->core;
+                a->cmds[k].dep_begin = a->dep_at[k];
+                a->cmds[k].ndeps = a->dep_at[k + 1] - a->dep_at[k];
+            }
     }
     const int order[5] = {OP_Q, OP_K, OP_V, OP_MASK, OP_OUT}; /* the descriptor lists' order */
     for (int i = 0; i < 5; i++)
         if ((st = fill_moves(a, &a->op[order[i]])) != SPY_OK)
             return st;
     fill_compute(a);
-    for (uint64_t i = 0; i < ncmds; i++) {
-        a->cmds[i].dep_begin = a->dep_at[i];
-        a->cmds[i].ndeps = a->dep_at[i + 1] - a->dep_at[i];
-    }
     return SPY_OK;
 }
 

@@ -15,10 +15,12 @@
  *             block's S while the SFU works on this one's
  *   commands  loads, ring sends, matmuls, the SFU programs as instructions (one program
  *             per kind of block, shared by every block of the kind), finishes and stores
- *   links     the dependencies: a scratchpad slot is free once the block two back on its
- *             core read it, each engine's operands are ready
- * and graph.c encodes the block. The record is checked whole before anything is built;
- * every path frees what it took. */
+ *   links     the dependencies, command by command in program order: a scratchpad slot
+ *             is free once the block two back on its core read it, each engine's
+ *             operands are ready
+ * Every count is known before the block is written, so it is written in place, once
+ * (graph.c's spy_block_alloc), in the order the validator reads. The record is checked
+ * whole before anything is built; every path frees what it took. */
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -504,7 +506,7 @@ typedef struct attn {
     spy_vec instrs;      /* their instructions */
     uint64_t *parts;     /* the other parts of each leader, in task order */
     spy_vec deps;        /* every command's dependencies, in program order */
-    uint32_t *dep_at;    /* where each command's begin in deps */
+    uint32_t *dep_at;    /* where each command's dependencies begin in deps */
     uint64_t linked;     /* the commands whose dependencies are in deps */
     bool deps_over;      /* more than a block holds */
     /* the block being written */
@@ -530,7 +532,6 @@ static void attn_free(attn *a)
     }
     spy_vec_free(&a->instrs);
 }
-
 
 /* A sharing group's member: (group, step, task), sorted to find the members of each. */
 typedef struct attn_member {
@@ -1207,13 +1208,13 @@ static void fill_compute(attn *a)
  * read it (and sent it to its group), an engine's operands are ready. */
 
 /* The next command in program order: its dependencies follow. */
-static void link_next(attn *a)
+static inline void link_next(attn *a)
 {
     a->dep_at[a->linked++] = (uint32_t)a->deps.len;
 }
 
 /* The command being linked waits for commands [before, +n). */
-static void wait_on(attn *a, uint64_t before, uint64_t n)
+static inline void wait_on(attn *a, uint64_t before, uint64_t n)
 {
     spy_vec *v = &a->deps;
     if (v->len + n > SPY_BUILD_MAX_BYTES / sizeof(uint32_t)) { /* refused by the build */
@@ -1430,6 +1431,10 @@ static spy_status build(attn *a, spy_built *out)
             a->op[i].view = views[i];
             a->op[i].load = i != OP_OUT;
         }
+        uint64_t most[5] = {nt, nb, nb, nt, r->mask_kind != SPY_ATTN_MASK_NONE ? nb : 0}; /* tiles per operand */
+        for (int i = 0; i < 5; i++) /* room for them at once: the vectors grow no more */
+            if (most[i] && spy_vec_push(&a->op[i].moves, most[i]))
+                a->op[i].moves.len = 0;
         if (make_moves(a) != SPY_OK)
             return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for the DMA of an attention's tiles");
         ncmds = place(a);

@@ -741,7 +741,6 @@ static spy_status make_moves(attn *a)
     return SPY_OK;
 }
 
-
 /* Rows of a block's commands: group A is its K loads, the Q loads of a core's first task,
  * its mask and V loads, the Q loads of the next task (behind this block's own loads: Q has
  * two slots), the sends of K, then of V, to its group's other cores, the matmul S; group B

@@ -68,8 +68,8 @@ static spy_status view_check(const spy_attention_record *r, const spy_attention_
                         (unsigned long long)bytes);
     for (int i = 0; i < 4; i++)
         if (v->sizes[i] != want[i])
-            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: %s.sizes[%d] %llu is not the shape's %llu", name,
-                            i, (unsigned long long)v->sizes[i], (unsigned long long)want[i]);
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: %s.sizes[%d] %llu is not the shape's %llu",
+                            name, i, (unsigned long long)v->sizes[i], (unsigned long long)want[i]);
     uint64_t last = v->offset;
     for (int i = 0; i < 4; i++) {
         uint64_t reach;
@@ -167,8 +167,8 @@ static spy_status tasks_check(const spy_attention_record *r, attn_shape *s)
                             t->group < -1 ? "group" : "step");
         blocks += ((uint64_t)(t->kv1 - t->kv0) + r->kv_block - 1) / r->kv_block;
         if (blocks > limit)
-            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu] makes more than %llu blocks of keys, "
-                            "a program block of more than %llu bytes", n, (unsigned long long)limit,
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu] makes more than %llu blocks of "
+                            "keys, a program block of more than %llu bytes", n, (unsigned long long)limit,
                             (unsigned long long)SPY_BUILD_MAX_BYTES);
         if ((uint64_t)t->parts > maxparts)
             maxparts = (uint64_t)t->parts;
@@ -281,10 +281,21 @@ typedef struct attn_box {
     uint64_t count[3], stride[3], lx[3];
 } attn_box;
 
+/* The byte of logical element x in a stick layout (a stick holds a power of two elements:
+ * spy_layout_bytes checked it); *column is x's column. */
+static uint64_t phys_at(const spy_layout *l, uint64_t x, uint64_t *column)
+{
+    uint64_t r = x / l->row_len, c = x % l->row_len, s = l->stick_bytes / l->itemsize;
+    unsigned shift = (unsigned)__builtin_ctzll(s);
+    *column = c;
+    return (c >> shift) * ((l->rows ? l->rows : 1) * l->stick_bytes) + r * l->stick_bytes +
+           (c & (s - 1)) * l->itemsize;
+}
+
 static uint64_t phys(const spy_layout *l, uint64_t x)
 {
-    uint64_t s = l->stick_bytes / l->itemsize, r = x / l->row_len, c = x % l->row_len;
-    return c / s * ((l->rows ? l->rows : 1) * l->stick_bytes) + r * l->stick_bytes + c % s * l->itemsize;
+    uint64_t column;
+    return phys_at(l, x, &column);
 }
 
 /* Unit dimensions dropped and neighbours contiguous on both sides fused; then the inner
@@ -656,8 +667,9 @@ static uint64_t add_move(attn_operand *op, uint64_t base, const attn_box *box)
         return UINT64_MAX;
     m->box = *box;
     m->base = base;
-    m->start = phys(l, base);
-    m->column = l->rows > 1 ? base % l->row_len : 0;
+    m->start = phys_at(l, base, &m->column);
+    if (l->rows <= 1)
+        m->column = 0; /* one row: every tile is of one kind */
     uint32_t k = 0;
     while (k < op->nkinds && !same_kind(move_at(op, op->kinds[k]), m))
         k++;
@@ -913,7 +925,10 @@ static spy_operand tile(uint64_t off, uint32_t pitch, uint32_t dtype)
     return (spy_operand){SPY_OPND_TILE, (uint8_t)dtype, 0, pitch, {.off = off}};
 }
 
-static spy_operand row(uint64_t off, uint32_t dtype) { return (spy_operand){SPY_OPND_ROW, (uint8_t)dtype, 0, 1, {.off = off}}; }
+static spy_operand row(uint64_t off, uint32_t dtype)
+{
+    return (spy_operand){SPY_OPND_ROW, (uint8_t)dtype, 0, 1, {.off = off}};
+}
 static spy_operand imm(double value) { return (spy_operand){SPY_OPND_IMM, SPY_DT_F32, 0, 0, {.imm_f = value}}; }
 
 static spy_operand at(spy_operand x, uint64_t off)
@@ -1125,7 +1140,8 @@ static void make_programs(attn *a)
         /* key kv0 + j is past query q0 + i's diagonal when start + j > i */
         int64_t start = (int64_t)b->kv0 - t->q0 - r->q_offset;
         bool diagonal = r->causal && start + (int64_t)b->keys - 1 > 0;
-        const attn_prog *p = program(a, PROG_BLOCK, (uint64_t)t->rows, b->g % 2, b->keys, b->first, diagonal, start, 0);
+        const attn_prog *p =
+            program(a, PROG_BLOCK, (uint64_t)t->rows, b->g % 2, b->keys, b->first, diagonal, start, 0);
         b->prog = p->begin;
         b->nprog = p->n;
     }
@@ -1469,7 +1485,8 @@ static spy_status build(attn *a, spy_built *out)
                         (unsigned long long)ndescs, (unsigned long long)SPY_BUILD_MAX_BYTES);
     total += a->instrs.len * sizeof(spy_instr);
     spy_block_sections blk;
-    if ((st = spy_block_alloc(total, r->nslots, (uint32_t)ncmds, (uint32_t)ndeps, (uint32_t)ndescs, out, &blk)) != SPY_OK)
+    st = spy_block_alloc(total, r->nslots, (uint32_t)ncmds, (uint32_t)ndeps, (uint32_t)ndescs, out, &blk);
+    if (st != SPY_OK)
         return st;
     ((spy_job_header *)out->data)->ninstrs = (uint32_t)a->instrs.len;
     for (uint32_t i = 0; i < r->nslots; i++)

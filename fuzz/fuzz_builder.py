@@ -1,20 +1,23 @@
 """Fuzz target: the native builder (``spy_build_copy``, ``spy_build_transfer``,
-``spy_build_graph``, ``spy_build_matmul``, ``spy_build_loop``).
+``spy_build_graph``, ``spy_build_matmul``, ``spy_build_loop``, ``spy_build_attention``).
 
 Every input is a decision record as the Python layer hands it over: ``b"C"`` and a
 ``spy_copy_record`` (its scalar fields, then up to 16 slot extents and 16 ranges, as in
 ``copy_record_bytes``), ``b"T"`` and a ``spy_transfer_record``, ``b"G"`` and a
 ``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
 ``graph_record_bytes``), ``b"M"`` and a ``spy_matmul_record`` with its arrays (as in
-``matmul_record_bytes``), or ``b"L"`` and a ``spy_loop_record`` (its fields up to its
-arrays, then each array at most its ``LOOP_ARRAYS`` bound, as in ``loop_record_bytes``).
-The builder must refuse it with a typed error or build a block. Every copy kernel or
-transfer graph it builds must pass the card's validator (``spy_job_validate`` for a copy
-kernel with commands, ``spy_transfer_create`` for a transfer graph): the builder never
-makes what the card would refuse. A graph's commands and a loop kernel's SFU instructions
-are the caller's, so the validator may refuse those blocks, with a typed error. A matmul's
-program (its SFU opcodes, dtypes, element alignment) is the caller's too, but its tiles
-and views are the builder's to check: for a record within the card's figures, the
+``matmul_record_bytes``), ``b"L"`` and a ``spy_loop_record`` (its fields up to its arrays,
+then each array at most its ``LOOP_ARRAYS`` bound, as in ``loop_record_bytes``), or
+``b"A"`` and a ``spy_attention_record`` (the struct, its pointers ignored, then up to 256
+tasks and 16 slot extents, as in ``attention_record_bytes``). The builder must refuse it
+with a typed error or build a block. Every copy kernel or transfer graph it builds must
+pass the card's validator (``spy_job_validate`` for a copy kernel with commands,
+``spy_transfer_create`` for a transfer graph): the builder never makes what the card would
+refuse. A graph's commands and a loop kernel's SFU instructions are the caller's, and an
+attention's task table decides which of its commands wait for which (a corrupt sharing
+group can make a cycle), so the validator may refuse those blocks, with a typed error. A
+matmul's program (its SFU opcodes, dtypes, element alignment) is the caller's too, but its
+tiles and views are the builder's to check: for a record within the card's figures, the
 validator never finds a range outside the scratchpad or outside a slot.
 
     python fuzz/fuzz_builder.py --seconds 600 [--seed N] [--runs N] [--asan]
@@ -41,6 +44,10 @@ COPY_HEAD = struct.Struct("<IIQQII")  # num_cores, stick_bytes, chunk_max, scrat
 RANGE = struct.Struct("<IIQQQ")
 MAX_ITEMS = 16
 MAX_ELEMS = 1 << 20  # a bigger transfer that the builder accepts is real work, not a finding: skipped
+MAX_TASKS = 256
+MAX_BLOCKS = 4096  # an attention of more blocks (or a scratchpad past MAX_LX) is real work: skipped
+MAX_LX = 8 << 20
+TASK_BYTES = 96
 
 card = Card(profile.load("spyre"), "functional", 0)
 
@@ -70,6 +77,42 @@ def graph_record(data: bytes):
     rec = ffi.new("spy_graph_record *", {"ncmds": ncmds, "npairs": npairs, "cmds": cmds, "keys": keys,
                                          "after": after, "before": before})
     return rec, (keys, after, before, cmds)
+
+
+def attention_record_bytes(rec, tasks: bytes, extents) -> bytes:
+    """An attention record as bytes: the struct (its pointers zero), then its tasks and
+    slot extents."""
+    plain = ffi.new("spy_attention_record *", rec[0])
+    plain.tasks = plain.slot_extent = ffi.NULL
+    return bytes(ffi.buffer(plain)) + tasks + b"".join(struct.pack("<Q", e) for e in extents)
+
+
+def attention_record(data: bytes):
+    size = ffi.sizeof("spy_attention_record")
+    rec = ffi.new("spy_attention_record *")
+    head = data[:size]
+    ffi.memmove(rec, head, len(head))
+    ntasks, nslots = min(rec.ntasks, MAX_TASKS), min(rec.nslots, MAX_ITEMS)
+    body = data[size:].ljust(TASK_BYTES * ntasks + 8 * nslots, b"\0")
+    tasks = ffi.new("spy_attention_task[]", max(1, ntasks))
+    ffi.memmove(tasks, body[: TASK_BYTES * ntasks], TASK_BYTES * ntasks)
+    at = TASK_BYTES * ntasks
+    extents = ffi.new("uint64_t[]", [struct.unpack_from("<Q", body, at + 8 * i)[0] for i in range(nslots)] or [0])
+    rec.ntasks, rec.nslots, rec.tasks, rec.slot_extent = ntasks, nslots, tasks, extents
+    return rec, (tasks, extents)
+
+
+def heavy_attention(rec) -> bool:
+    """An attention the builder may accept that is real work: many blocks, or tiles as
+    large as a scratchpad past MAX_LX."""
+    if rec.scratchpad_bytes > MAX_LX:
+        return True
+    blocks = 0
+    for i in range(rec.ntasks):
+        t = rec.tasks[i]
+        if rec.kv_block and t.kv1 > t.kv0:
+            blocks += -(-(t.kv1 - t.kv0) // rec.kv_block)
+    return blocks > MAX_BLOCKS
 
 
 def copy_record(data: bytes):
@@ -215,6 +258,13 @@ def target(data: bytes) -> None:
             return  # real work, not a finding
         blob = stage("build", built_block, lib.spy_build_loop, rec, "loop record")
         if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+            stage("validate", jobs.validate, card, blob)
+    elif kind == b"A":
+        rec, _keep = attention_record(body)
+        if heavy_attention(rec):
+            return
+        blob = stage("build", built_block, lib.spy_build_attention, rec, "attention record")
+        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:  # a record without tasks builds none
             stage("validate", jobs.validate, card, blob)
     elif kind == b"T":
         rec = transfer_record(body)

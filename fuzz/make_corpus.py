@@ -190,6 +190,7 @@ def builder_records() -> dict[str, bytes]:
     target = Target.from_profile(profile.load("spyre"))
     for name, (kernel, layouts) in loop_kernels().items():
         out[f"loop-{name}"] = b"L" + loop_record_bytes(decide(BuildContext(target, layouts), kernel).record)
+    out.update(attention_records())
     return out
 
 
@@ -237,6 +238,51 @@ def matmul_records() -> dict[str, bytes]:
                                        layouts={"a": StickLayout(8, 96, 2)}),
         "matmul-empty-k": record(8, 64, 0, layouts={"a": StickLayout(8, 1, 2), "b": StickLayout(1, 64, 2)}),
         "matmul-nothing": record(0, 64, 64),
+    }
+
+
+def attention_records() -> dict[str, bytes]:
+    """The decision records of a few attentions: decode split over the cores, prefill whose
+    cores share a KV head's keys, causal, fp32, and a mask whose tiles move as descriptor
+    lists."""
+    from fuzz_builder import attention_record_bytes
+
+    from spyre_rt import profile
+    from spyre_rt.construct import attention
+    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.kernels import AttentionKernel
+    from spyre_rt.layout import StickLayout
+
+    target = Target.from_profile(profile.load("spyre"))
+
+    def record(q_len, kv_len, dtype="float16", causal=False, mask=None):
+        e = 4 if dtype == "float32" else 2
+        views = {"q": ("q", 0, (1, 8, q_len, 64), (512 * q_len, 64 * q_len, 64, 1)),
+                 "k": ("k", 0, (1, 2, kv_len, 64), (128 * kv_len, 64 * kv_len, 64, 1)),
+                 "v": ("v", 0, (1, 2, kv_len, 64), (128 * kv_len, 64 * kv_len, 64, 1)),
+                 "out": ("out", 0, (1, 8, q_len, 64), (512 * q_len, 64, 512, 1))}
+        layouts = {"q": StickLayout(8 * q_len, 64, e), "k": StickLayout(2 * kv_len, 64, e),
+                   "v": StickLayout(2 * kv_len, 64, e), "out": StickLayout(q_len, 512, e)}
+        if mask:
+            (name, off, sizes, strides), layouts["m"] = mask
+            views["mask"] = (name, off, sizes, strides)
+        kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], dtype, 0.125,
+                                 causal, 0, views.get("mask"), "bool" if mask else "")
+        r = attention.build(BuildContext(target, layouts), kernel)
+        extents = [r.c.slot_extent[i] for i in range(r.c.nslots)]
+        return b"A" + attention_record_bytes(r.c, r.tasks.tobytes(), extents)
+
+    def padding(q_len, kv_len):  # a row of keys per query, broadcast over the heads
+        return ("m", 0, (1, 8, q_len, kv_len), (0, 0, kv_len, 1)), StickLayout(q_len, kv_len, 1)
+
+    return {
+        "attention-decode-split": record(1, 300, mask=padding(1, 300)),
+        "attention-prefill-shared": record(300, 310, mask=padding(300, 310)),
+        "attention-causal": record(40, 40, causal=True),
+        "attention-fp32": record(17, 129, dtype="float32"),
+        # mask rows 3 elements apart in a one-row storage: no compact pattern, descriptor lists
+        "attention-mask-listed": record(5, 40, mask=(("m", 1, (1, 8, 5, 40), (0, 0, 43, 1)),
+                                                     StickLayout(40, 7, 1))),
     }
 
 

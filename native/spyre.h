@@ -872,6 +872,80 @@ typedef struct spy_loop_record {
 SPY_ABI_SIZE(spy_loop_record, 240)
 
 spy_status spy_build_loop(const spy_loop_record *rec, spy_built *out);
+/* An attention kernel (build_attention.c): flash attention over the cores, as
+ * spyre_rt.construct.attention decides it once per kernel. Its tasks (one KV head of one
+ * batch element and a tile of query rows, folded with the group's query heads) are walked
+ * in blocks of kv_block keys; the builder makes, at every call, each block's loads, ring
+ * sends, matmuls and SFU program, each task's finish and store (or a split task's state
+ * sent to its leader and combined there), the DMA patterns or descriptor lists of every
+ * tile, the dependencies, and the encoded block. Checked whole first: a scratchpad region
+ * outside the scratchpad (SPY_E_SCRATCHPAD), a view reaching past its storage or a slot
+ * smaller than its storage (SPY_E_BAD_ADDRESS), tasks outside the shape, out of core
+ * order or counts that overflow (SPY_E_INVALID_ARG). A record without tasks builds a
+ * program of its slots only. */
+#define SPY_ATTN_MASK_NONE 0
+#define SPY_ATTN_MASK_BOOL 1 /* keep the score where the mask is true */
+#define SPY_ATTN_MASK_ADD 2  /* add the mask to the score */
+
+/* One operand: a 4-D view of the storage bound to a DRAM slot. */
+typedef struct spy_attention_view {
+    uint32_t slot;
+    uint32_t reserved;
+    spy_layout layout;   /* of the storage */
+    uint64_t offset;     /* logical elements */
+    uint64_t sizes[4];   /* q, out: (batch, heads, q_len, dim or v_dim); k, v: (batch, kv_heads,
+                            kv_len, dim or v_dim); mask: (batch, heads, q_len, kv_len) */
+    uint64_t strides[4]; /* logical elements */
+} spy_attention_view; /* 104 bytes */
+SPY_ABI_SIZE(spy_attention_view, 104)
+
+/* One task: the columns of spyre_rt.construct.attention's task table. Tasks come grouped
+ * by core, in each core's program order. A task split over cores has parts > 1; its parts
+ * name the first (part 0) as their leader; part 0 is its own leader. Tasks of one group
+ * (>= 0; -1: none) and step walk the same keys in lockstep, one of them loading each block
+ * and sending it to the others over the ring. */
+typedef struct spy_attention_task {
+    int64_t core, batch, kv_head, q0, rows, kv0, kv1, part, parts, leader, group, step;
+} spy_attention_task; /* 96 bytes */
+SPY_ABI_SIZE(spy_attention_task, 96)
+
+/* One core's scratchpad regions (every core lays it out alike): byte offsets; pitches in
+ * elements. Two slots each for Q, K, V, the mask and S; P in the operands' dtype (none
+ * for fp32: P is S); the running state m, l, O (row_bytes, row_bytes, then O) in one
+ * region of state_bytes, and parts - 1 more from `recv` on for the states of a split
+ * task's other parts; rows of the running max, the safe max, the rescale and a temporary;
+ * the flags of rows that saw no key; the iota and flags of the causal diagonal; the
+ * staging tile of the output. */
+typedef struct spy_attention_lx {
+    uint64_t q[2], k[2], v[2], mask[2], s[2];
+    uint64_t p, state, recv, mn, safe, alpha, t, flag, diag, diag_flag, stage;
+    uint32_t q_pitch, k_pitch, v_pitch, m_pitch, s_pitch, p_pitch, o_pitch, flag_pitch, stage_pitch;
+    uint32_t row_bytes, state_bytes, reserved;
+} spy_attention_lx; /* 216 bytes */
+SPY_ABI_SIZE(spy_attention_lx, 216)
+
+typedef struct spy_attention_record {
+    uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
+    uint32_t nslots;           /* DRAM slots of the program, in slot order */
+    uint64_t scratchpad_bytes; /* of one core: 1 .. 2^31 */
+    uint32_t batch, heads, kv_heads, q_len, kv_len, dim, v_dim;
+    uint32_t dtype;            /* of q, k, v and out: SPY_DT_F16, BF16 or F32 */
+    uint32_t mask_kind;        /* SPY_ATTN_MASK_* */
+    uint32_t mask_dtype;       /* BOOL for a BOOL mask, F16, BF16 or F32 for an ADD mask */
+    uint32_t mask_heads;       /* mask rows per query: 1 when the heads share them, else the group */
+    uint32_t causal;           /* 0 or 1: key j of query i is masked past j > i + q_offset */
+    int64_t q_offset;
+    double scale;              /* of the scores */
+    uint32_t q_rows;           /* query rows per head of the largest task */
+    uint32_t kv_block;         /* keys per block */
+    uint64_t ntasks;
+    const spy_attention_task *tasks;
+    const uint64_t *slot_extent; /* nslots extents */
+    spy_attention_view q, k, v, out, mask; /* mask: read only with a mask_kind */
+    spy_attention_lx lx;
+} spy_attention_record;
+
+spy_status spy_build_attention(const spy_attention_record *rec, spy_built *out);
 
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:

@@ -179,13 +179,17 @@ def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def built_block(build, record, context: str) -> np.ndarray:
     """The program block a native builder makes of a decision record (``build(record,
-    spy_built *)``), as an 8-byte aligned uint8 array over the builder's own memory (freed
-    when the array goes). A record the builder refuses raises its typed error, naming the
-    field."""
+    spy_built *)``), as an 8-byte aligned uint8 array over the builder's memory (not a
+    copy: it is freed with the array). A record the builder refuses raises its typed
+    error, naming the field."""
     out = ffi.new("spy_built *")
     check(build(record, out), context)
-    data = ffi.gc(out.data, lambda _, built=out, free=lib.spy_built_free: free(built), size=int(out.bytes))
+    data = ffi.gc(out.data, _free_built, size=int(out.bytes))
     return np.frombuffer(ffi.buffer(data, int(out.bytes)), dtype=np.uint8)
+
+
+def _free_built(data, free=lib.spy_built_free, new=ffi.new) -> None:
+    free(new("spy_built *", {"data": data}))  # bound now: this may run as the interpreter exits
 
 
 def make_operand(kind: int, dtype: int = 0, off: int = 0, pitch: int = 0) -> tuple:

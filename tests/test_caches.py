@@ -1,9 +1,9 @@
 """Every cache's key holds everything its value depends on.
 
-Each cache of construction and of the runtime (DMA patterns and tile classes of loop
-kernels, operand patterns of matmuls, transfer graphs, plan files and the memory plan
-behind them) is checked by varying each input of its key, or against the same work done
-with the cache never hitting.
+Each cache of construction and of the runtime (the decision records later launches build
+loop kernels from, operand patterns of matmuls, transfer graphs, plan files and the memory
+plan behind them) is checked by varying each input of its key, or against the same work
+done with the cache never hitting.
 """
 
 import copy
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
+from spyre_rt import construct
 from spyre_rt import dispatch, fallback, profile
 from spyre_rt import executor as step_mod
 from spyre_rt.construct import loops
@@ -77,17 +78,6 @@ def test_in_place_updates_of_inputs_land_at_their_positions(functional, name, sh
         assert torch.equal(out.cpu(), want_out), f"{mode}: the output"
 
 
-class NeverHit(dict):
-    """A memo that is never hit: every tile is its own class and records its own stage
-    programs and DMA patterns."""
-
-    def get(self, key, default=None):
-        return default
-
-    def __setitem__(self, key, value):
-        super().__setitem__(len(self), value)
-
-
 KERNELS = {
     "in-place add": (lambda a, x: a.add_(x).mul(3), [(37, 96), (37, 96)]),
     "transposed store": (lambda a, x: (a.t() * 2 + x.t()).contiguous(), [(70, 130), (70, 130)]),
@@ -99,7 +89,9 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_loop_kernels_built_with_no_memo_make_the_same_results(functional, monkeypatch, name):
+def test_loop_kernels_built_from_their_record_make_what_a_fresh_decision_makes(functional, monkeypatch, name):
+    """Every construct-mode launch after the first builds from the decision record the first
+    made; deciding afresh at every launch must give the same results."""
     fn, shapes = KERNELS[name]
     g = torch.Generator().manual_seed(7)
     args = [torch.randn(s, generator=g) if s else torch.randint(0, 50, (9,), generator=g) for s in shapes]
@@ -112,10 +104,17 @@ def test_loop_kernels_built_with_no_memo_make_the_same_results(functional, monke
             out = f(*dev)
         return [out.cpu()] + [d.cpu() for d in dev]
 
-    memoised = run()
-    monkeypatch.setattr(loops, "memo", NeverHit)
+    taken_back = run()
+    build, decisions = loops.build, []
+
+    def decide_afresh(ctx, k, decided=None):
+        decisions.append(k.name)
+        return build(ctx, k)
+
+    monkeypatch.setattr(construct, "BUILDERS", {**construct.BUILDERS, "loop": decide_afresh})
     fresh = run()
-    for got, want in zip(fresh, memoised, strict=True):
+    assert len(decisions) > len(set(decisions)), "no launch built a kernel again"
+    for got, want in zip(fresh, taken_back, strict=True):
         assert torch.equal(got, want)
 
 

@@ -1,5 +1,5 @@
 """The native builder refuses a corrupt decision record whole, with a typed error naming
-the field, before anything is built (native/construct.c, native/build_loop.c; the byte
+the field, before anything is built (native/construct.c and native/build_*.c; the byte
 identity of what it builds is tests/test_program_digests.py's)."""
 
 from __future__ import annotations
@@ -406,3 +406,100 @@ def test_a_refused_loop_record_leaves_no_program():
     with pytest.raises(SpyreInvalidCommandError, match="SPY_E_BAD_ADDRESS"):
         loops.build(ctx, kernel, decided)
     assert ctx.block is None
+# ---- attention (native/build_attention.c) ----------------------------------------------------
+
+
+def attention_decision(q_len=1, kv_len=200, mask=False):
+    """The decision record of a small grouped attention (4 query heads over 2 KV heads,
+    fp16), as its first build makes it."""
+    from spyre_rt.construct import attention
+    from spyre_rt.kernels import AttentionKernel
+
+    views = {"q": ("q", 0, (1, 4, q_len, 64), (256 * q_len, 64 * q_len, 64, 1)),
+             "k": ("k", 0, (1, 2, kv_len, 64), (128 * kv_len, 64 * kv_len, 64, 1)),
+             "v": ("v", 0, (1, 2, kv_len, 64), (128 * kv_len, 64 * kv_len, 64, 1)),
+             "out": ("out", 0, (1, 4, q_len, 64), (256 * q_len, 64, 256, 1))}
+    layouts = {"q": StickLayout(4 * q_len, 64, 2), "k": StickLayout(2 * kv_len, 64, 2),
+               "v": StickLayout(2 * kv_len, 64, 2), "out": StickLayout(q_len, 256, 2)}
+    if mask:
+        views["mask"] = ("m", 0, (1, 4, q_len, kv_len), (0, 0, kv_len, 1))
+        layouts["m"] = StickLayout(q_len, kv_len, 1)
+    kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], "float16", 0.125,
+                             mask=views.get("mask"), mask_dtype="bool" if mask else "")
+    ctx = BuildContext(Target.from_profile(profile.load("spyre")), layouts)
+    return attention.build(ctx, kernel), kernel, ctx
+
+
+def test_a_well_formed_attention_record_builds_a_program_the_card_accepts(card):
+    record, _, ctx = attention_decision(q_len=70, kv_len=300, mask=True)
+    info = jobs.validate(card, ctx.block)
+    assert info["ncmds"] == ctx.ncmds and info["cores_used"] == len(set(record.tasks[:, 0])) > 1
+    again = built_block(lib.spy_build_attention, record.c, "attention")
+    assert bytes(again) == bytes(ctx.block)
+
+
+def _tasks_with(record, **columns):
+    """The record's tasks with some cells changed, as a new array it points to."""
+    from spyre_rt.construct import attention as A
+
+    tasks = record.tasks.copy()
+    for name, (row, value) in columns.items():
+        tasks[row, getattr(A, name.upper())] = value
+    record._keep.append(tasks)
+    record.c.tasks = ffi.cast("spy_attention_task *", ffi.from_buffer(tasks))
+
+
+ATTENTION_CORRUPTIONS = {
+    "a tile outside the scratchpad": (lambda r: r.c.lx.k.__setitem__(1, (2 << 20) - 100),
+                                      "SPY_E_SCRATCHPAD", "lx.k[1]"),
+    "a view outside its storage": (lambda r: setattr(r.c.q, "offset", 64), "SPY_E_BAD_ADDRESS", "q.offset 64"),
+    "a slot smaller than its storage": (lambda r: r.c.slot_extent.__setitem__(1, 128), "SPY_E_BAD_ADDRESS",
+                                        "slot 1 of 128 bytes"),
+    "a slot that is not one": (lambda r: setattr(r.c, "nslots", 2), "SPY_E_INVALID_ARG", "v.slot 2"),
+    "a task on no core": (lambda r: _tasks_with(r, core=(0, 32)), "SPY_E_INVALID_ARG", "tasks[0].core 32"),
+    "tasks out of core order": (lambda r: _tasks_with(r, core=(1, 5)), "SPY_E_INVALID_ARG", "tasks[2].core"),
+    "a part that leads itself": (lambda r: _tasks_with(r, leader=(1, 1)), "SPY_E_INVALID_ARG", "tasks[1].leader"),
+    "keys past the cache": (lambda r: _tasks_with(r, kv1=(0, 201)), "SPY_E_INVALID_ARG", "tasks[0].kv0"),
+    "counts that overflow": (lambda r: (setattr(r.c, "kv_len", 2**32 - 1), setattr(r.c, "kv_block", 1),
+                                        _tasks_with(r, kv1=(0, 2**32 - 1))), "SPY_E_INVALID_ARG", "blocks of keys"),
+    "rows narrower than the head": (lambda r: setattr(r.c.lx, "q_pitch", 32), "SPY_E_INVALID_ARG", "lx.q_pitch"),
+    "an unknown mask": (lambda r: setattr(r.c, "mask_kind", 7), "SPY_E_INVALID_ARG", "mask_kind 7"),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CORRUPTIONS)
+def test_a_corrupt_attention_record_is_refused_naming_its_field(case):
+    corrupt, status, field = ATTENTION_CORRUPTIONS[case]
+    record, _, _ = attention_decision()
+    corrupt(record)
+    with pytest.raises(SpyreError) as e:
+        built_block(lib.spy_build_attention, record.c, "attention")
+    assert status in str(e.value) and field in str(e.value), str(e.value)
+
+
+def test_a_refused_attention_record_builds_nothing_into_the_context():
+    record, kernel, ctx = attention_decision()
+    from spyre_rt.construct import attention
+
+    record.c.lx.stage = 2 << 20
+    again = BuildContext(ctx.target, ctx.layouts)
+    with pytest.raises(SpyreError, match=r"lx\.stage"):
+        attention.build(again, kernel, record)
+    assert again.block is None
+
+
+def test_a_later_attention_build_only_calls_the_native_builder(monkeypatch):
+    """The decisions are made once: a build from the record decides nothing again."""
+    from spyre_rt.construct import attention
+
+    record, kernel, ctx = attention_decision(q_len=70, kv_len=300, mask=True)
+
+    def decided_again(*args, **kwargs):
+        raise AssertionError("decided again")
+
+    for name in ("decide", "choose", "Scratchpad", "Shape"):
+        monkeypatch.setattr(attention, name, decided_again)
+    again = BuildContext(ctx.target, ctx.layouts)
+    assert attention.build(again, kernel, record) is record
+    assert bytes(again.block) == bytes(ctx.block) and again.buffers() == ctx.buffers() == ["q", "k", "v", "m", "out"]
+    assert again.scratchpad_peak == ctx.scratchpad_peak

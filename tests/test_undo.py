@@ -107,3 +107,41 @@ def test_an_index_computed_in_the_step_saves_the_input_whole(card):
     cache = next(b.name for b, _ in exe.desc.inputs if b.sizes == (64, 128))
     assert cache in {c.src for c in exe.snapshots}
     assert not exe.row_saves
+
+
+
+def test_a_row_save_construction_refuses_saves_the_input_whole(card, monkeypatch):
+    """Row saves run before every kernel and on every failure, so they cannot run on the
+    host: when construction refuses one, the step saves the cache whole and a fault still
+    puts every input back."""
+    from spyre_rt.construct import Refused, loops
+    from spyre_rt.executor import undo
+
+    decide = loops.decide
+
+    def refuse_saves(ctx, kernel):
+        if kernel.name.startswith((undo.SAVE, undo.RESTORE)):
+            raise Refused("refused for this test")
+        return decide(ctx, kernel)
+
+    monkeypatch.setattr(loops, "decide", refuse_saves)
+    exe = _executable(decode_write)
+    cache = next(b.name for b, _ in exe.desc.inputs if b.sizes == (64, 128))
+    assert not exe.row_saves and cache in {c.src for c in exe.snapshots}
+    assert not exe.host.reasons, "a model kernel ran on the host"
+    assert not [n for n in exe.layouts if n.startswith(undo.SAVE)], "the row buffers stayed in the arena"
+    f = torch.compile(decode_write, backend="spyre_rt", dynamic=False)
+    orig = _args(2)
+    expected = [t.clone() for t in orig]
+    want = decode_write(*expected)
+    args = [t.to(DEV) for t in orig]
+    for mode in dispatch.NAMES:
+        with dispatch_mode(mode):
+            card.fault_inject("command", 3)
+            with pytest.raises(SpyreDeviceError):
+                f(*args)
+            for t, o in zip(args, orig, strict=True):
+                assert torch.equal(t.cpu(), o), mode
+    assert torch.allclose(f(*args).cpu(), want, rtol=1e-5, atol=1e-5)
+    for t, w in zip(args, expected, strict=True):
+        assert torch.allclose(t.cpu(), w, rtol=0, atol=1e-6)

@@ -1611,6 +1611,104 @@ static void test_loop_builder(void)
     spy_device_close(d);
 }
 
+/* An attention of 4 query heads over 2 KV heads, one query row (decode), 200 keys: each
+ * KV head's keys in two parts on cores of their own, combined on the first part's core. */
+static void attention_record(spy_attention_record *r, spy_attention_task *tasks, uint64_t *extents)
+{
+    memset(r, 0, sizeof *r);
+    r->num_cores = 32;
+    r->nslots = 4;
+    r->scratchpad_bytes = 2u << 20;
+    r->batch = 1, r->heads = 4, r->kv_heads = 2, r->q_len = 1, r->kv_len = 200, r->dim = 64, r->v_dim = 64;
+    r->dtype = SPY_DT_F16;
+    r->mask_kind = SPY_ATTN_MASK_NONE;
+    r->mask_heads = 1;
+    r->scale = 0.125;
+    r->q_rows = 1, r->kv_block = 128;
+    for (int i = 0; i < 4; i++) /* core, batch, kv_head, q0, rows, kv0, kv1, part, parts, leader, group, step */
+        tasks[i] = (spy_attention_task){i, 0, i / 2, 0, 1, i % 2 ? 128 : 0, i % 2 ? 200 : 128, i % 2, 2, i / 2 * 2,
+                                        -1, 0};
+    r->ntasks = 4;
+    r->tasks = tasks;
+    extents[0] = extents[3] = 4 * 128, extents[1] = extents[2] = 400 * 128;
+    r->slot_extent = extents;
+    spy_attention_view q = {0, 0, {4, 64, 2, 128}, 0, {1, 4, 1, 64}, {256, 64, 64, 1}};
+    spy_attention_view kv = {1, 0, {400, 64, 2, 128}, 0, {1, 2, 200, 64}, {25600, 12800, 64, 1}};
+    r->q = r->out = q;
+    r->out.slot = 3;
+    r->k = r->v = kv;
+    r->v.slot = 2;
+    /* stick-aligned regions as spyre_rt.construct.attention.Scratchpad lays them out */
+    spy_attention_lx *x = &r->lx;
+    x->q[0] = 0, x->q[1] = 256, x->k[0] = 512, x->k[1] = 16896, x->v[0] = 33280, x->v[1] = 49664;
+    x->s[0] = 66048, x->s[1] = 67072, x->p = 68096, x->state = 68608, x->recv = 69376;
+    x->mn = 70144, x->safe = 70272, x->alpha = 70400, x->t = 70528, x->flag = 70656, x->stage = 70784;
+    x->q_pitch = x->k_pitch = x->v_pitch = x->o_pitch = x->stage_pitch = 64;
+    x->m_pitch = x->s_pitch = x->p_pitch = x->flag_pitch = 128;
+    x->row_bytes = 128, x->state_bytes = 768;
+}
+
+static void test_attention_builder(void)
+{
+    current = "attention builder";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    spy_attention_record r;
+    spy_attention_task tasks[4];
+    uint64_t extents[4];
+    attention_record(&r, tasks, extents);
+    spy_built b, again;
+    spy_job_info info;
+    CHECK_OK(spy_build_attention(&r, &b));
+    CHECK(b.data && ((uintptr_t)b.data & 7) == 0);
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    CHECK(info.total_bytes == b.bytes && info.cores_used == 4);
+    CHECK_OK(spy_build_attention(&r, &again)); /* every build makes the same block */
+    CHECK(again.bytes == b.bytes && !memcmp(again.data, b.data, b.bytes));
+    spy_built_free(&again);
+    /* the parts' states reach their leaders over the ring: one transfer per part 1 */
+    const spy_job_header *h = (const spy_job_header *)b.data;
+    const spy_cmd *cmds = (const spy_cmd *)((const spy_slot *)(h + 1) + h->nslots);
+    uint32_t rings = 0;
+    for (uint32_t i = 0; i < h->ncmds; i++)
+        if (cmds[i].op == SPY_OP_RING) {
+            rings++;
+            CHECK(cmds[i].u.ring.dst_off == r.lx.recv && cmds[i].u.ring.dst_core + 1u == cmds[i].core);
+        }
+    CHECK(rings == 2);
+    spy_built_free(&b);
+
+    /* refused whole, naming the field, with nothing built */
+    struct {
+        const char *field;
+        spy_status status;
+    } cases[] = {
+        {"lx.k[1]", SPY_E_SCRATCHPAD},   {"k.offset", SPY_E_BAD_ADDRESS}, {"slot 2", SPY_E_BAD_ADDRESS},
+        {"tasks[2].core", SPY_E_INVALID_ARG}, {"tasks[1].leader", SPY_E_INVALID_ARG},
+        {"blocks of keys", SPY_E_INVALID_ARG}, {"lx.q_pitch", SPY_E_INVALID_ARG}, {"out.sizes[3]", SPY_E_INVALID_ARG},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        attention_record(&r, tasks, extents);
+        switch (i) {
+        case 0: r.lx.k[1] = r.scratchpad_bytes - 100; break;                /* a tile outside the scratchpad */
+        case 1: r.k.offset = 400 * 64 - 1; break;                           /* a DMA pattern outside its storage */
+        case 2: extents[2] = 1000; break;                                   /* a slot smaller than its storage */
+        case 3: tasks[2].core = 0; break;                                   /* out of core order */
+        case 4: tasks[1].leader = 1; break;                                 /* a part leading itself */
+        case 5: r.kv_len = UINT32_MAX, r.kv_block = 1, tasks[0].kv1 = UINT32_MAX; break; /* counts that overflow */
+        case 6: r.lx.q_pitch = 32; break;                                   /* rows narrower than the head */
+        case 7: r.out.sizes[3] = 65; break;                                 /* a view that is not the shape's */
+        }
+        b.data = (uint8_t *)&b; /* the refusal clears it */
+        spy_status s = spy_build_attention(&r, &b);
+        CHECK(s == cases[i].status && !b.data && b.bytes == 0);
+        CHECK(strstr(spy_last_error(), cases[i].field) != NULL);
+    }
+    CHECK(spy_build_attention(NULL, &b) == SPY_E_INVALID_ARG);
+    spy_device_close(d);
+}
+
 /* ---- collectives (ccl.c) and timed jobs: two ranks as two threads of one process ---- */
 
 typedef struct ccl_rank_run {
@@ -1743,6 +1841,7 @@ int main(void)
     test_builder();
     test_matmul_builder();
     test_loop_builder();
+    test_attention_builder();
     test_ccl();
     test_timed_job();
     if (failures) {

@@ -37,7 +37,7 @@ import torch
 
 from .. import card as cards
 from .. import construct, jobs, kernel_info, tensors
-from ..construct import Refused, copy
+from ..construct import Refused, copy, loops
 from ..construct.context import BuildContext, Target
 from ..construct.facts import kernel_facts, program_facts
 from ..dispatch import DispatchMode, named
@@ -80,8 +80,14 @@ class Executable:
         self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
         self.relocs.update((name, (ARENA, off)) for name, off in mem.arena.items())
         self.arena_bytes = mem.arena_bytes
-        self.row_saves = step.undo().rows
-        self.snapshots = self._plan_snapshots(step.undo().whole)
+        # tile choices per kernel: decided at the first construction (compile time), not
+        # again at every launch; what construct mode repeats is building the job graph
+        self._tilings: dict[str, object] = {}
+        self._plan_saves(step.undo())
+        if self.row_saves and not self._decide_row_saves():
+            self._forget_saves()
+            self.arena_bytes = mem.arena_bytes
+            self._plan_saves(undo.plan(desc, rows_allowed=False))
         # the step's kernels and the row saves' and restores'
         self.kernels = {**desc.kernels, **{k.name: k for r in self.row_saves for k in (r.save, r.restore)}}
         self.save_jobs = (SNAPSHOT,) * bool(self.snapshots) + tuple(r.save.name for r in self.row_saves)
@@ -95,10 +101,7 @@ class Executable:
         # each output storage with the layout the memory plan gave it, which its plans declare
         self._out_specs = [(mem.layouts[n], desc.buffers[n].sizes, desc.buffers[n].strides,
                             torch_dtype_of(desc.buffers[n])) for n in mem.output_bases]
-        # tile choices per kernel: decided at the first construction (compile time), not
-        # again at every launch; what construct mode repeats is building the job graph
-        self._tilings: dict[str, object] = {}
-        self._copy_facts: set[str] = set()  # the snapshot and restore copies whose facts are registered
+        self._registered: set[str] = set()  # the kernels and copies whose facts are registered
         self._plans: tuple[int, list] | None = None  # (reset epoch, plans)
         self._slots: list[_Slot] = []  # the memory of calls, pooled (see take_slot)
         self._slot_lock = threading.Lock()
@@ -144,6 +147,32 @@ class Executable:
             else:
                 out.append((False, index_in[base], delta, sizes, strides))
         return out
+
+    def _plan_saves(self, saves: undo.Undo) -> None:
+        self.row_saves = saves.rows
+        self.snapshots = self._plan_snapshots(saves.whole)
+
+    def _decide_row_saves(self) -> bool:
+        """Decide how the row saves and restores are built, now: they run before every
+        kernel and on every failure, so unlike the step's kernels they cannot run on the
+        host. False when construction refuses one (the step then saves inputs whole)."""
+        ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        try:
+            for r in self.row_saves:
+                for k in (r.save, r.restore):
+                    self._tilings[k.name] = loops.decide(ctx, k)
+        except Refused:
+            for r in self.row_saves:
+                for k in (r.save, r.restore):
+                    self._tilings.pop(k.name, None)
+            return False
+        return True
+
+    def _forget_saves(self) -> None:
+        """Drop the arena buffers the saves were given (before planning them again)."""
+        for name in [c.dst for c in self.snapshots] + [r.buffer.name for r in self.row_saves]:
+            del self.layouts[name], self.relocs[name]
+            self.offsets.pop(name, None)
 
     def _plan_snapshots(self, whole) -> list[copy.Copy]:
         """Arena space for what the step saves: the bytes each input saved whole covers (the
@@ -202,16 +231,19 @@ class Executable:
             copies = self.snapshots if kernel_name == SNAPSHOT else [
                 copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
             copy.build(ctx, copies)
-            if kernel_name not in self._copy_facts:  # once, as a kernel's at its first construction
-                self._copy_facts.add(kernel_name)
+            if kernel_name not in self._registered:  # once, as a kernel's at its first construction
+                self._registered.add(kernel_name)
                 kernel_info.register(self.job_name(kernel_name), {
                     "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
                     "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
         else:
             kernel = self.kernels[kernel_name]
-            first = kernel_name not in self._tilings
-            self._tilings[kernel_name] = construct.build(ctx, kernel, self._tilings.get(kernel_name))
-            if first:  # what it computes and moves, for the trace and the profiler
+            first = kernel_name not in self._registered
+            # the row saves are the runtime's own kernels, decided when the executable was made
+            builder = loops.build if kernel_name.startswith((undo.SAVE, undo.RESTORE)) else construct.build
+            self._tilings[kernel_name] = builder(ctx, kernel, self._tilings.get(kernel_name))
+            if first:
+                self._registered.add(kernel_name)  # what it computes and moves, for the trace and the profiler
                 kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 

@@ -122,8 +122,9 @@ def _row_save(k: LoopKernel, store: Op, number: int) -> RowSave:
     return RowSave(save, restore, buf)
 
 
-def plan(desc: StepDesc) -> Undo:
-    """How each mutated input of the step is saved (see the module docstring)."""
+def plan(desc: StepDesc, rows_allowed: bool = True) -> Undo:
+    """How each mutated input of the step is saved (see the module docstring); with
+    `rows_allowed` false, every one whole (when construction refuses a row save)."""
     inputs = {b.name for b, _ in desc.inputs} | set(desc.constants)
     mutated = [b for b, m in desc.inputs if m]
     writers = {b.name: _writers(desc, b.name) for b in mutated}
@@ -134,7 +135,7 @@ def plan(desc: StepDesc) -> Undo:
                                 and w[1].access.ind and not w[1].access.domain
                                 and _index_ops(*w) is not None for _, w in ws)
 
-    rows = {b.name for b in mutated if by_rows(b)}
+    rows = {b.name for b in mutated if rows_allowed and by_rows(b)}
     # the indices must read what the step has not written yet and does not restore by rows
     changed = True
     while changed:

@@ -1,0 +1,65 @@
+"""One core's scratchpad regions for an attention's tiles."""
+
+from __future__ import annotations
+
+from ... import dtypes
+from ..context import ScratchpadPlan, Target, round_up
+from .shape import Shape
+from .tasks import Tiling
+
+
+class Scratchpad:
+    """One core's scratchpad (every core lays it out alike). Offsets in bytes, pitches in
+    elements; rows of a task's tiles are its query rows of each head of the group.
+
+    The running state (m, l, O) is one contiguous region, so that a part of a split task
+    sends it to its leader in one ring transfer; the leader receives each other part's
+    state into a region of its own."""
+
+    def __init__(self, shape: Shape, target: Target, tiling: Tiling):
+        lx = ScratchpadPlan(target.scratchpad_bytes)
+        rows, keys = tiling.q_rows, tiling.kv_block
+        big = shape.group * rows  # rows of the largest tile
+        e = shape.e_in
+
+        def pitch(n: int, itemsize: int) -> int:
+            return round_up(n, target.stick_bytes // itemsize)
+
+        def pair(nbytes: int) -> list[int]:
+            return [lx.take(nbytes), lx.take(nbytes)]
+
+        self.q_pitch, self.k_pitch, self.v_pitch = pitch(shape.dim, e), pitch(shape.dim, e), pitch(shape.v_dim, e)
+        self.q = pair(big * self.q_pitch * e)
+        self.k = pair(keys * self.k_pitch * e)
+        self.v = pair(keys * self.v_pitch * e)
+        self.e_mask = dtypes.ITEMSIZE.get(shape.mask_dtype, 1)
+        self.m_pitch = pitch(keys, self.e_mask)
+        self.mask = pair(shape.mask_heads * rows * self.m_pitch * self.e_mask) if shape.mask else [0, 0]
+        self.s_pitch = pitch(keys, 4)
+        self.s = pair(big * self.s_pitch * 4)
+        self.p_pitch = self.s_pitch if shape.fp32 else pitch(keys, e)
+        self.p = None if shape.fp32 else lx.take(big * self.p_pitch * e)  # fp32: P is S itself
+        self.o_pitch = pitch(shape.v_dim, 4)
+        self.row_bytes = round_up(big * 4, 128)
+        self.state_bytes = 2 * self.row_bytes + round_up(big * self.o_pitch * 4, 128)
+        self.state = lx.take(self.state_bytes)
+        self.m, self.l, self.o = self.state, self.state + self.row_bytes, self.state + 2 * self.row_bytes
+        parts = tiling.max_parts
+        self.recv = [lx.take(self.state_bytes) for _ in range(parts - 1)]
+        self.mn, self.safe, self.alpha, self.t = (lx.take(big * 4) for _ in range(4))
+        self.flag = lx.take(big)
+        self.flag_pitch = pitch(keys, 1)
+        self.diag = lx.take(rows * self.s_pitch * 4) if shape.causal else 0
+        self.diag_flag = lx.take(rows * self.flag_pitch) if shape.causal else 0
+        self.stage_pitch = pitch(shape.v_dim, e)
+        self.stage = lx.take(big * self.stage_pitch * e)
+        self.top = lx.top
+
+    def state_of(self, part: int) -> int:
+        """Where the state of part `part` of a task is on its leader's core."""
+        return self.state if part == 0 else self.recv[part - 1]
+
+    def sent_bytes(self, rows: int) -> int:
+        """The state of a task of `rows` tile rows: m and l, then O."""
+        return 2 * self.row_bytes + rows * self.o_pitch * 4
+

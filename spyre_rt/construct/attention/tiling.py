@@ -1,0 +1,61 @@
+"""The choice of tiles: each candidate's tasks estimated, the fastest whose scratchpad fits."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..context import ScratchpadOverflow, Target
+from .cost import task_ns
+from .scratchpad import Scratchpad
+from .shape import Shape
+from .tasks import CORE, GROUP, KV0, KV1, ROWS, STEP, Tiling, can_share, make_tasks
+
+
+def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
+    """The slowest core's time (ns): its tasks, with DRAM shared by the active cores, and
+    the first query tile and the last store not overlapped."""
+    t = tiling.tasks
+    active = len(np.unique(t[:, CORE]))
+    rate = min(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / active)
+    tile_bytes = shape.group * tiling.q_rows * (shape.dim + shape.v_dim) * shape.e_in
+    share = np.ones(len(t), dtype=np.int64)
+    grouped = t[:, GROUP] >= 0
+    if grouped.any():
+        _, inverse, counts = np.unique(t[grouped][:, [GROUP, STEP]], axis=0, return_inverse=True, return_counts=True)
+        share[grouped] = counts[inverse.ravel()]
+    kinds, inverse = np.unique(np.column_stack([t[:, ROWS], t[:, KV1] - t[:, KV0], share]), axis=0,
+                               return_inverse=True)
+    ns = np.array([task_ns(shape, target, int(r), int(k), tiling.kv_block, rate, int(n)) for r, k, n in kinds])
+    per_core = np.bincount(t[:, CORE], weights=ns[inverse.ravel()])
+    return float(per_core.max()) + tile_bytes / rate + 2 * target.dma_latency_ns
+
+
+def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
+    """(query rows per head, keys per block, shared), the largest tiles first."""
+    rows = sorted({shape.q_len} | {r for r in (8, 16, 32, 64, 128, 256, 512) if r < shape.q_len}, reverse=True)
+    keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
+    return [(r, k, shared) for r in rows for k in keys
+            for shared in ((True, False) if can_share(shape, target, r) else (False,))]
+
+
+@functools.lru_cache(maxsize=256)
+def choose(shape: Shape, target: Target) -> Tiling:
+    """The tiling with the lowest estimated time whose scratchpad plan fits (made once per
+    shape and card: the layers of a model share it)."""
+    best, best_ns = None, None
+    for rows, keys, shared in candidates(shape, target):
+        tiling = Tiling(rows, keys, make_tasks(shape, target, rows, keys, shared))
+        try:
+            Scratchpad(shape, target, tiling)
+        except ScratchpadOverflow:
+            continue
+        ns = estimate(shape, target, tiling)
+        if best_ns is None or ns < best_ns * 0.98:  # near-ties: the larger tiles, fewer commands
+            best, best_ns = tiling, ns
+    if best is None:
+        raise ScratchpadOverflow(f"no attention tile of head dim {shape.dim} fits the scratchpad")
+    best.tasks.flags.writeable = False  # shared by every build that takes this choice
+    return best
+

@@ -162,9 +162,8 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
-        from blocks import plan_sections
-
         from spyre_rt import plan_cache
+        from spyre_rt.program import plan_tables
 
         compile_models(cache_dir)
         plans, programs = {}, {}
@@ -173,8 +172,8 @@ def main() -> int:
             header = {k: v for k, v in entry.header.items() if k not in ("key", "blocks", "created")}
             plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks)
             for block in entry.blocks:
-                for off, length in plan_sections(block)["programs"]:
-                    blob = block[off: off + length].tobytes()
+                for job in plan_tables(block).jobs:
+                    blob = block[int(job["prog_off"]): int(job["prog_off"]) + int(job["prog_len"])].tobytes()
                     programs.setdefault(hashlib.sha256(blob).hexdigest()[:12], (seed.stem, blob))
         validator = {f"{name}-{digest}": blob for digest, (name, blob) in sorted(programs.items())}
         validator.update(transfer_programs())

@@ -1,6 +1,7 @@
-"""Write the fuzz seed corpus from real compiles and programs.
+"""Write the fuzz seeds from real compiles and programs (fuzz/seeds; the kept corpus of
+fuzz/corpus is written by the targets' --merge).
 
-    python fuzz/make_corpus.py            # rewrites fuzz/corpus/plan_reader and fuzz/corpus/validator
+    python fuzz/make_corpus.py            # rewrites fuzz/seeds/plan_reader, validator and builder
 
 plan_reader/: plan cache files of a few small compiled models (matmuls, fused pointwise
 kernels, reductions, gathers), re-encoded without their creation time so that a rerun
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "corpus"
+OUT = HERE / "seeds"
 
 
 def compile_models(cache_dir: str) -> None:

@@ -6,13 +6,14 @@ input; any other exception is a *finding*. A crash of the process (a signal) is 
 too: the input being tried is always in ``--crash-file`` before it runs.
 
 The native module is an instrumented copy (instrumented.py): every input's edges through
-the native files are recorded (native_coverage.py). Inputs come from
-mutating a working corpus: the seeds (``fuzz/seeds/<target>/``, real compiles written by
+the native files are recorded (native_coverage.py). Inputs come from mutating a working
+corpus: the seeds (``fuzz/seeds/<target>/``, real compiles written by
 make_corpus.py), the kept corpus (``fuzz/corpus/<target>/``, inputs that reached edges the
 seeds do not), and every input that reached a new *feature* (an edge, or an edge taken a
 new number of times) or a new outcome (the stage that answered, the exception type, the
 native status and the message with numbers taken out; the Python stages have no edges).
-``--feedback outcomes`` keeps inputs by outcome only: a run blind to coverage, to compare.
+``--feedback outcomes`` keeps inputs by outcome only, ``--feedback none`` keeps none (a
+blind run): runs to compare with.
 With a fixed ``--seed`` the sequence of inputs is always the same; ``--seconds`` bounds the
 time of the mutated inputs (the seeds and the corpus always run), ``--runs`` their number.
 

@@ -127,8 +127,9 @@ def test_a_run_is_the_same_for_the_same_seed(runs):
     outcomes and new features, in the same order: the digest of the first inputs is one."""
     first, again = _survived(runs["validator"]), _survived(runs["again"])
     assert again["mutated"] == again["digest"]["inputs"] == 200
-    assert first["digest"] == again["digest"]
-    assert first["start"] == again["start"]
+    assert first.get("digest") == again["digest"]
+    start = [{k: v for k, v in run["start"].items() if k != "seconds"} for run in (first, again)]
+    assert start[0] == start[1]
 
 
 def test_the_validator_accepts_or_rejects_every_input_with_a_typed_error(runs):

@@ -290,7 +290,7 @@ class Attempt:
 
     def close(self) -> None:
         os.close(self.fd)
-        self.crash_path.unlink()
+        self.crash_path.unlink(missing_ok=True)  # another run of the target may share it
         self.cov.close()
 
 

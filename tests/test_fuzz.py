@@ -22,7 +22,7 @@ FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
 sys.path.insert(0, str(FUZZ))
 import instrumented  # noqa: E402
 
-SECONDS = 15
+SECONDS = 10
 SEED = 20240611
 MIN_MUTATED = 200  # mutated inputs: far below what either target tries in SECONDS, even on a loaded machine
 ENV = dict(os.environ, PYTHONHASHSEED="0")

@@ -1,5 +1,5 @@
 """Field-aware mutations of program blocks and plan blocks, using the numpy dtypes that
-mirror native/spyre.h (spyre_rt.program)."""
+mirror native/spyre.h and the block reader of spyre_rt.program."""
 
 from __future__ import annotations
 
@@ -27,29 +27,26 @@ from spyre_rt.program import (
     PLAN_JOB,
     RELOC,
     SLOT,
+    PlanLayout,
+    ProgramLayout,
+    plan_layout,
+    plan_tables,
+    program_layout,
+    program_tables,
 )
 
 CMD_VARIANT = {OP_MATMUL: CMD_MM, OP_SFU: CMD_SFU, OP_RING: CMD_RING, OP_GATHER: CMD_GATHER, OP_SCATTER: CMD_GATHER}
 VARIANTS = (CMD_DMA, CMD_MM, CMD_SFU, CMD_RING, CMD_GATHER)
 
 
-def program_sections(buf: np.ndarray, off: int = 0, length: int | None = None) -> dict | None:
-    """Offsets and counts of a program block's sections, or None when its header does not
-    describe a block that fits."""
+def program_sections(buf: np.ndarray, off: int = 0, length: int | None = None) -> ProgramLayout | None:
+    """The layout of the program block at `off`, or None when its header does not describe
+    a block that fits in `length` bytes (default: the rest of `buf`)."""
     end = buf.size if length is None else off + length
     if off < 0 or off + JOB_HEADER.itemsize > end:
         return None
-    h = buf[off: off + JOB_HEADER.itemsize].view(JOB_HEADER)[0]
-    counts = {k: int(h[k]) for k in ("nslots", "ncmds", "ndeps", "ninstrs", "ndescs")}
-    pos = off + JOB_HEADER.itemsize
-    out = {"header": off}
-    for name, size in (("nslots", SLOT.itemsize), ("ncmds", CMD_DMA.itemsize), ("ndeps", 4),
-                       ("ninstrs", INSTR.itemsize), ("ndescs", DESC.itemsize)):
-        out[name] = (pos, counts[name])
-        pos += counts[name] * size if name != "ndeps" else (counts[name] * 4 + 7) & ~7
-        if pos > end:
-            return None
-    return out
+    lay = program_layout(buf, off)
+    return lay if lay.end <= end else None
 
 
 def mutate_program(rng: random.Random, buf: np.ndarray, off: int = 0, length: int | None = None) -> str:
@@ -57,18 +54,20 @@ def mutate_program(rng: random.Random, buf: np.ndarray, off: int = 0, length: in
     sec = program_sections(buf, off, length)
     if sec is None:
         return mutate_record(rng, buf, off, JOB_HEADER) if off + JOB_HEADER.itemsize <= buf.size else "nothing"
+    tables = {"ncmds": (sec.cmds, sec.ncmds), "nslots": (sec.slots, sec.nslots), "ndeps": (sec.deps, sec.ndeps),
+              "ninstrs": (sec.instrs, sec.ninstrs), "ndescs": (sec.descs, sec.ndescs)}
     choices = [("header", 1)]
     for name, weight in (("ncmds", 8), ("nslots", 2), ("ndeps", 2), ("ninstrs", 4), ("ndescs", 2)):
-        if sec[name][1]:
+        if tables[name][1]:
             choices.append((name, weight))
     what = rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
     if what == "header":
         return "job header " + mutate_record(rng, buf, off, JOB_HEADER)
-    pos, count = sec[what]
+    pos, count = tables[what]
     i = rng.randrange(count)
     if what == "ndeps":
         dep = buf[pos + 4 * i: pos + 4 * i + 4].view(np.uint32)
-        dep[0] = mutate_value(rng, int(dep[0]), 32) if rng.random() < 0.5 else rng.randrange(sec["ncmds"][1] + 2)
+        dep[0] = mutate_value(rng, int(dep[0]), 32) if rng.random() < 0.5 else rng.randrange(sec.ncmds + 2)
         return "dependency"
     if what == "nslots":
         return "slot " + mutate_record(rng, buf, pos + i * SLOT.itemsize, SLOT)
@@ -87,20 +86,16 @@ def mutate_program(rng: random.Random, buf: np.ndarray, off: int = 0, length: in
     return "command " + mutate_record(rng, buf, at, variant)
 
 
-def plan_sections(buf: np.ndarray) -> dict | None:
+def plan_sections(buf: np.ndarray) -> tuple[PlanLayout, list[tuple[int, int]]] | None:
+    """The layout of a plan block and (offset, length) of each job's program, or None when
+    its tables do not fit in the block."""
     if buf.size < PLAN_HEADER.itemsize:
         return None
-    h = buf[: PLAN_HEADER.itemsize].view(PLAN_HEADER)[0]
-    njobs, nrelocs = int(h["njobs"]), int(h["nrelocs"])
-    jobs_at = PLAN_HEADER.itemsize
-    relocs_at = jobs_at + njobs * PLAN_JOB.itemsize
-    layouts_at, nbindings = relocs_at + nrelocs * RELOC.itemsize, int(h["nbindings"])
-    if layouts_at + nbindings * LAYOUT.itemsize > buf.size:
+    lay = plan_layout(buf)
+    if lay.end > buf.size:
         return None
-    table = buf[jobs_at: relocs_at].view(PLAN_JOB)
-    programs = [(int(j["prog_off"]), int(j["prog_len"])) for j in table]
-    return {"jobs": (jobs_at, njobs), "relocs": (relocs_at, nrelocs), "layouts": (layouts_at, nbindings),
-            "programs": programs}
+    table = plan_tables(buf).jobs
+    return lay, [(int(j["prog_off"]), int(j["prog_len"])) for j in table]
 
 
 def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
@@ -109,10 +104,11 @@ def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
     sec = plan_sections(buf)
     if sec is None:
         return "plan header " + mutate_record(rng, buf, 0, PLAN_HEADER) if buf.size >= PLAN_HEADER.itemsize else "nothing"
+    lay, programs = sec
     r = rng.random()
     if r < 0.12:
         return "plan header " + mutate_record(rng, buf, 0, PLAN_HEADER)
-    pos, njobs = sec["jobs"]
+    pos, njobs = lay.jobs, lay.njobs
     if r < 0.30 and njobs:
         j = rng.randrange(njobs)
         if rng.random() < 0.15 and njobs > 1:  # two jobs swap their entries
@@ -122,13 +118,13 @@ def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
                 buf[b: b + PLAN_JOB.itemsize].copy(), buf[a: a + PLAN_JOB.itemsize].copy())
             return "plan jobs swapped"
         return "plan job " + mutate_record(rng, buf, pos + j * PLAN_JOB.itemsize, PLAN_JOB)
-    rpos, nrelocs = sec["relocs"]
+    rpos, nrelocs = lay.relocs, lay.nrelocs
     if r < 0.45 and nrelocs:
         return "relocation " + mutate_record(rng, buf, rpos + rng.randrange(nrelocs) * RELOC.itemsize, RELOC)
-    lpos, nbindings = sec["layouts"]
+    lpos, nbindings = lay.layouts, lay.nbindings
     if r < 0.52 and nbindings:
         return "binding layout " + mutate_record(rng, buf, lpos + rng.randrange(nbindings) * LAYOUT.itemsize, LAYOUT)
-    inside = [(o, n) for o, n in sec["programs"] if 0 <= o and o + n <= buf.size]
+    inside = [(o, n) for o, n in programs if 0 <= o and o + n <= buf.size]
     if inside:
         o, n = rng.choice(inside)
         return "program " + mutate_program(rng, buf, o, n)
@@ -137,6 +133,4 @@ def mutate_plan(rng: random.Random, buf: np.ndarray) -> str:
 
 def slot_table(buf: np.ndarray, off: int = 0) -> np.ndarray:
     """The slots of a program block that the card accepted."""
-    sec = program_sections(buf, off)
-    pos, n = sec["nslots"]
-    return buf[pos: pos + n * SLOT.itemsize].view(SLOT)
+    return program_tables(buf, off).slots

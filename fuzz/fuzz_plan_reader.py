@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402, F401, I001 - first: under --asan it swaps in the sanitized native module
 
 import numpy as np  # noqa: E402
-from blocks import mutate_plan, plan_sections, program_sections  # noqa: E402
+from blocks import mutate_plan  # noqa: E402
 from harness import aligned, arguments, mutate_bytes, mutate_record, run, stage  # noqa: E402
 
 from spyre_rt import jobs, plan_cache, profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 from spyre_rt.layout import StickLayout  # noqa: E402
-from spyre_rt.plan import GraphPlan, binding_layouts  # noqa: E402
-from spyre_rt.program import PLAN_JOB, RELOC, SLOT  # noqa: E402
+from spyre_rt.plan import GraphPlan  # noqa: E402
+from spyre_rt.program import plan_tables, program_tables  # noqa: E402
 
 PREFIX = np.dtype([("magic", "u8"), ("format", "u4"), ("nhead", "u4"), ("npay", "u8")])
 MAX_BLOCKS = 16           # blocks of one file given to the card
@@ -58,21 +58,16 @@ def binding_kinds(block: np.ndarray, plan: GraphPlan) -> list[tuple[int, int, St
     to run."""
     kinds = {}
     work = dict.fromkeys(WORK_LIMITS, 0)
-    sec = plan_sections(block)
-    rpos = sec["relocs"][0]
-    table = block[sec["jobs"][0]: rpos].view(PLAN_JOB)
-    for job, (off, length) in zip(table, sec["programs"], strict=True):
+    tables = plan_tables(block)
+    for job in tables.jobs:
+        off, length = int(job["prog_off"]), int(job["prog_len"])
         info = jobs.validate(card, block[off: off + length])
         for k in work:
             work[k] += info[k]
-        spos, nslots = program_sections(block, off)["nslots"]
-        slots = block[spos: spos + nslots * SLOT.itemsize].view(SLOT)
         first = int(job["reloc_begin"])
-        for k, slot in enumerate(slots):
-            binding = int(block[rpos + (first + k) * RELOC.itemsize: rpos + (first + k + 1) * RELOC.itemsize]
-                          .view(RELOC)["binding"][0])
-            kinds[binding] = int(slot["kind"])
-    layouts = [StickLayout(*(int(x) for x in row)) if row["itemsize"] else None for row in binding_layouts(block)]
+        for k, slot in enumerate(program_tables(block, off).slots):
+            kinds[int(tables.relocs["binding"][first + k])] = int(slot["kind"])
+    layouts = [StickLayout(*(int(x) for x in row)) if row["itemsize"] else None for row in tables.layouts]
     extents = [max(plan.extent(b), layouts[b].nbytes if layouts[b] else 0) for b in range(plan.nbindings)]
     if any(work[k] > v for k, v in WORK_LIMITS.items()) or sum(extents) > MAX_BINDING_BYTES:
         return None

@@ -1,6 +1,7 @@
-"""Write the fuzz seed corpus from real compiles and programs.
+"""Write the fuzz seeds from real compiles and programs (fuzz/seeds; the kept corpus of
+fuzz/corpus is written by the targets' --merge).
 
-    python fuzz/make_corpus.py            # rewrites fuzz/corpus/plan_reader and fuzz/corpus/validator
+    python fuzz/make_corpus.py            # rewrites fuzz/seeds/plan_reader, validator and builder
 
 plan_reader/: plan cache files of a few small compiled models (matmuls, fused pointwise
 kernels, reductions, gathers), re-encoded without their creation time so that a rerun
@@ -18,10 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import harness  # noqa: I001 - first, as in the targets: the seeds are checked on the module they fuzz
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "corpus"
+OUT = HERE / "seeds"
 
 
 def compile_models(cache_dir: str) -> None:
@@ -189,7 +191,8 @@ def builder_records() -> dict[str, bytes]:
     out.update(matmul_records())
     target = Target.from_profile(profile.load("spyre"))
     for name, (kernel, layouts) in loop_kernels().items():
-        out[f"loop-{name}"] = b"L" + loop_record_bytes(decide(BuildContext(target, layouts), kernel).record)
+        decided = decide(BuildContext(target, layouts), kernel)  # owns the arrays its record points at
+        out[f"loop-{name}"] = b"L" + loop_record_bytes(decided.record)
     out.update(attention_records())
     return out
 
@@ -226,7 +229,8 @@ def matmul_records() -> dict[str, bytes]:
                              bias=mm.View("bias", 0, (1, m, n), (0, 0, 1)) if bias else None,
                              bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep)
         ctx = BuildContext(target, lay)
-        return b"M" + matmul_record_bytes(mm.build(ctx, spec, tiling).cdata)
+        decided = mm.build(ctx, spec, tiling)  # owns the arrays its record points at
+        return b"M" + matmul_record_bytes(decided.cdata)
 
     return {
         "matmul-bias": record(64, 130, 200, bias=True),
@@ -306,9 +310,8 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
-        from blocks import plan_sections
-
         from spyre_rt import plan_cache
+        from spyre_rt.program import plan_tables
 
         compile_models(cache_dir)
         plans, programs = {}, {}
@@ -317,20 +320,18 @@ def main() -> int:
             header = {k: v for k, v in entry.header.items() if k not in ("key", "blocks", "created")}
             plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks)
             for block in entry.blocks:
-                for off, length in plan_sections(block)["programs"]:
-                    blob = block[off: off + length].tobytes()
+                for job in plan_tables(block).jobs:
+                    blob = block[int(job["prog_off"]): int(job["prog_off"]) + int(job["prog_len"])].tobytes()
                     programs.setdefault(hashlib.sha256(blob).hexdigest()[:12], (seed.stem, blob))
         validator = {f"{name}-{digest}": blob for digest, (name, blob) in sorted(programs.items())}
         validator.update(transfer_programs())
         validator.update(hand_made_programs())
-    from harness import aligned
-
     from spyre_rt import card as cards
     from spyre_rt import jobs
 
     card = cards.get(0)
     for blob in validator.values():
-        jobs.validate(card, aligned(blob))  # every seed is a valid program
+        jobs.validate(card, harness.aligned(blob))  # every seed is a valid program
     for d, files, ext in ((OUT / "plan_reader", plans, ".plan"), (OUT / "validator", validator, ".bin")):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)

@@ -19,7 +19,7 @@ from . import torch_ranges
 from .card import Card
 from .layout import StickLayout
 from .native import check, ffi, lib
-from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, RELOC
+from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, plan_layout, plan_tables
 
 
 class PlanJob(NamedTuple):
@@ -32,34 +32,25 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.
     """The plan block of `jobs` over one binding per entry of `layouts`: the stick layout
     a launch must bind there, or None for memory that records none (an arena). `names`
     is a function from job name to trace id."""
-    nrelocs, nbindings = sum(len(j.relocs) for j in jobs), len(layouts)
-    tables = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize + nrelocs * RELOC.itemsize
-    head = tables + nbindings * LAYOUT.itemsize
-    offsets, pos = [], (head + 7) & ~7
+    hdr = np.zeros(1, dtype=PLAN_HEADER)
+    hdr["magic"], hdr["version"] = lib.SPY_PLAN_MAGIC, lib.SPY_PLAN_VERSION
+    hdr["njobs"], hdr["nrelocs"], hdr["nbindings"] = len(jobs), sum(len(j.relocs) for j in jobs), len(layouts)
+    offsets, pos = [], (plan_layout(hdr.view(np.uint8)).end + 7) & ~7  # the programs follow the tables
     for j in jobs:
         offsets.append(pos)
         pos += (j.blob.size + 7) & ~7
-    total = pos
-    buf = np.zeros(total // 8, dtype=np.uint64).view(np.uint8)
-    hdr = buf[: PLAN_HEADER.itemsize].view(PLAN_HEADER)
-    hdr["magic"] = lib.SPY_PLAN_MAGIC
-    hdr["version"] = lib.SPY_PLAN_VERSION
-    hdr["njobs"] = len(jobs)
-    hdr["nrelocs"] = nrelocs
-    hdr["nbindings"] = nbindings
-    hdr["total_bytes"] = total
-    table = buf[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize].view(PLAN_JOB)
-    rel = np.zeros(nrelocs, dtype=RELOC)
+    hdr["total_bytes"] = pos
+    buf = np.zeros(pos // 8, dtype=np.uint64).view(np.uint8)
+    buf[: PLAN_HEADER.itemsize] = hdr.view(np.uint8)
+    tables = plan_tables(buf)
     r = 0
     for i, j in enumerate(jobs):
-        table[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), 0)
+        tables.jobs[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), 0)
         for b, off in j.relocs:
-            rel[r] = (b, 0, off)
+            tables.relocs[r] = (b, 0, off)
             r += 1
         buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
-    start = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize
-    buf[start: start + rel.nbytes] = rel.view(np.uint8)
-    buf[tables: head] = layout_table(layouts).view(np.uint8)
+    tables.layouts[:] = layout_table(layouts)
     return buf
 
 
@@ -74,10 +65,7 @@ def layout_table(layouts: list[StickLayout | None]) -> np.ndarray:
 
 def binding_layouts(block: np.ndarray) -> np.ndarray:
     """The binding layout table of a plan block the card accepted."""
-    hdr = block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)
-    start = (PLAN_HEADER.itemsize + int(hdr["njobs"][0]) * PLAN_JOB.itemsize
-             + int(hdr["nrelocs"][0]) * RELOC.itemsize)
-    return block[start: start + int(hdr["nbindings"][0]) * LAYOUT.itemsize].view(LAYOUT)
+    return plan_tables(block).layouts
 
 
 def job_names(block: np.ndarray) -> int:
@@ -91,8 +79,8 @@ def set_job_names(block: np.ndarray, names: list[str], intern) -> None:
     njobs = job_names(block)
     if len(names) != njobs:
         raise ValueError(f"{len(names)} names for {njobs} jobs")
-    table = block[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + njobs * PLAN_JOB.itemsize].view(PLAN_JOB)
-    table["name"] = [intern(n) for n in names]
+    lay = plan_layout(block)  # the block is not checked yet: only its job table must be inside
+    block[lay.jobs: lay.relocs].view(PLAN_JOB)["name"] = [intern(n) for n in names]
 
 
 class GraphPlan:
@@ -104,7 +92,7 @@ class GraphPlan:
         out = ffi.new("spy_plan **")
         check(lib.spy_plan_create(card.handle, ffi.from_buffer(block), block.size, out), "creating a graph plan")
         self.handle = ffi.gc(out[0], lib.spy_plan_destroy)
-        self.nbindings = int(np.frombuffer(block[:PLAN_HEADER.itemsize], dtype=PLAN_HEADER)["nbindings"][0])
+        self.nbindings = plan_layout(block).nbindings
         self.njobs = int(lib.spy_plan_num_jobs(self.handle))
         self.name = card.intern(name)
         self._end = ffi.new("double *")

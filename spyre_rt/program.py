@@ -4,9 +4,13 @@ The dtypes below mirror the C structures of ``native/spyre.h`` byte for byte (a 
 checks every offset against the compiled module). Construction code fills whole arrays of
 commands at once; :class:`ProgramBuilder` concatenates blocks of commands, each with its
 own dependency list, and encodes the program block the card validates and runs.
+:func:`program_tables` and :func:`plan_tables` are the one reader of both block layouts
+(program blocks, and the plan blocks of ``plan.py``) that everything else uses.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -167,14 +171,106 @@ class ProgramBuilder:
         return buf
 
 
+# ---- reading blocks: where their tables are ----
+
+class ProgramLayout(NamedTuple):
+    """Where the tables of a program block are, as its header says: byte offsets into the
+    buffer read, and counts. Nothing is checked: a hostile header's tables may run past the
+    buffer (``end``, where they stop, tells)."""
+    at: int
+    slots: int
+    nslots: int
+    cmds: int
+    ncmds: int
+    deps: int
+    ndeps: int
+    instrs: int
+    ninstrs: int
+    descs: int
+    ndescs: int
+    end: int
+
+
+def program_layout(buf: np.ndarray, at: int = 0) -> ProgramLayout:
+    """The layout of the program block at byte `at` of `buf` (its header must be inside)."""
+    h = buf[at: at + JOB_HEADER.itemsize].view(JOB_HEADER)[0]
+    nslots, ncmds, ndeps, ninstrs, ndescs = (int(h[f]) for f in ("nslots", "ncmds", "ndeps", "ninstrs", "ndescs"))
+    slots = at + JOB_HEADER.itemsize
+    cmds = slots + nslots * SLOT.itemsize
+    deps = cmds + ncmds * CMD.itemsize
+    instrs = deps + (ndeps * 4 + 7) // 8 * 8  # the dependency table is padded to 8 bytes
+    descs = instrs + ninstrs * INSTR.itemsize
+    return ProgramLayout(at, slots, nslots, cmds, ncmds, deps, ndeps, instrs, ninstrs, descs, ndescs,
+                         descs + ndescs * DESC.itemsize)
+
+
+class ProgramTables(NamedTuple):
+    """Views of a program block's header (one record) and tables; writes go to the block."""
+    header: np.ndarray
+    slots: np.ndarray
+    cmds: np.ndarray    # as CMD_DMA: view a command as another variant to read its fields
+    deps: np.ndarray    # uint32
+    instrs: np.ndarray
+    descs: np.ndarray
+
+
+def program_tables(buf: np.ndarray, at: int = 0) -> ProgramTables:
+    """The tables of the program block at byte `at` of `buf`."""
+    lay = program_layout(buf, at)
+    if lay.end > buf.size:
+        raise ValueError(f"the program block at {at} has tables up to byte {lay.end}, past {buf.size}")
+    return ProgramTables(buf[at: lay.slots].view(JOB_HEADER), buf[lay.slots: lay.cmds].view(SLOT),
+                         buf[lay.cmds: lay.deps].view(CMD), buf[lay.deps: lay.deps + 4 * lay.ndeps].view(np.uint32),
+                         buf[lay.instrs: lay.descs].view(INSTR), buf[lay.descs: lay.end].view(DESC))
+
+
 def block_sections(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(commands, descriptors) of an encoded program block, as views into it."""
-    h = blob[:JOB_HEADER.itemsize].view(JOB_HEADER)[0]
-    at = JOB_HEADER.itemsize + int(h["nslots"]) * SLOT.itemsize
-    ncmds, ndeps, ninstrs, ndescs = (int(h[f]) for f in ("ncmds", "ndeps", "ninstrs", "ndescs"))
-    cmds = blob[at: at + ncmds * CMD_DMA.itemsize].view(CMD_DMA)
-    at += ncmds * CMD_DMA.itemsize + (ndeps * 4 + 7) // 8 * 8 + ninstrs * INSTR.itemsize
-    return cmds, blob[at: at + ndescs * DESC.itemsize].view(DESC)
+    t = program_tables(blob)
+    return t.cmds, t.descs
+
+
+class PlanLayout(NamedTuple):
+    """Where the tables of a plan block are, as its header says (byte offsets and counts;
+    nothing checked, as for ProgramLayout). The programs are where the job table says."""
+    jobs: int
+    njobs: int
+    relocs: int
+    nrelocs: int
+    layouts: int
+    nbindings: int
+    end: int
+
+
+def plan_layout(buf: np.ndarray) -> PlanLayout:
+    """The layout of a plan block (its header must be inside `buf`)."""
+    h = buf[: PLAN_HEADER.itemsize].view(PLAN_HEADER)[0]
+    njobs, nrelocs, nbindings = int(h["njobs"]), int(h["nrelocs"]), int(h["nbindings"])
+    jobs = PLAN_HEADER.itemsize
+    relocs = jobs + njobs * PLAN_JOB.itemsize
+    layouts = relocs + nrelocs * RELOC.itemsize
+    return PlanLayout(jobs, njobs, relocs, nrelocs, layouts, nbindings, layouts + nbindings * LAYOUT.itemsize)
+
+
+class PlanTables(NamedTuple):
+    """Views of a plan block's header (one record), job table, relocations and binding layouts."""
+    header: np.ndarray
+    jobs: np.ndarray
+    relocs: np.ndarray
+    layouts: np.ndarray
+
+
+def plan_tables(buf: np.ndarray) -> PlanTables:
+    lay = plan_layout(buf)
+    if lay.end > buf.size:
+        raise ValueError(f"the plan block has tables up to byte {lay.end}, past {buf.size}")
+    return PlanTables(buf[: lay.jobs].view(PLAN_HEADER), buf[lay.jobs: lay.relocs].view(PLAN_JOB),
+                      buf[lay.relocs: lay.layouts].view(RELOC), buf[lay.layouts: lay.end].view(LAYOUT))
+
+
+def job_program(buf: np.ndarray, j: int) -> ProgramTables:
+    """The tables of plan job j's program."""
+    return program_tables(buf, int(plan_tables(buf).jobs["prog_off"][j]))
 
 
 def built_block(build, record, context: str) -> np.ndarray:

@@ -26,20 +26,17 @@ from spyre_rt.program import (
     CMD_MM,
     CMD_SFU,
     CORE_CARD,
-    INSTR,
-    JOB_HEADER,
     OP_D2H,
     OP_LOAD,
     OP_MATMUL,
     OP_SFU,
     PLAN_HEADER,
-    PLAN_JOB,
-    RELOC,
-    SLOT,
     SLOT_DRAM,
     SLOT_HOST,
     ProgramBuilder,
     empty_cmds,
+    job_program,
+    plan_tables,
 )
 
 U64_MAX = (1 << 64) - 1
@@ -99,34 +96,21 @@ def step(compiled):
 # ---- views into a plan block ---------------------------------------------------------------
 
 def header(block):
-    return block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)
+    return plan_tables(block).header
 
 
 def job_table(block):
-    n = int(header(block)["njobs"][0])
-    return block[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + n * PLAN_JOB.itemsize].view(PLAN_JOB)
+    return plan_tables(block).jobs
 
 
 def relocs(block):
-    h = header(block)
-    start = PLAN_HEADER.itemsize + int(h["njobs"][0]) * PLAN_JOB.itemsize
-    return block[start: start + int(h["nrelocs"][0]) * RELOC.itemsize].view(RELOC)
+    return plan_tables(block).relocs
 
 
 def program(block, j):
     """(job header, slots, commands, instructions, dependencies) views of job j's program."""
-    off = int(job_table(block)["prog_off"][j])
-    jh = block[off: off + JOB_HEADER.itemsize].view(JOB_HEADER)
-    ns, nc, nd = int(jh["nslots"][0]), int(jh["ncmds"][0]), int(jh["ndeps"][0])
-    pos = off + JOB_HEADER.itemsize
-    slots = block[pos: pos + ns * SLOT.itemsize].view(SLOT)
-    pos += ns * SLOT.itemsize
-    cmds = block[pos: pos + nc * CMD_DMA.itemsize].view(CMD_DMA)
-    pos += nc * CMD_DMA.itemsize
-    deps = block[pos: pos + nd * 4].view(np.uint32)
-    pos += (nd * 4 + 7) & ~7
-    instrs = block[pos: pos + int(jh["ninstrs"][0]) * INSTR.itemsize].view(INSTR)
-    return jh, slots, cmds, instrs, deps
+    t = job_program(block, j)
+    return t.header, t.slots, t.cmds, t.instrs, t.deps
 
 
 def depend(block, on) -> None:

@@ -52,7 +52,7 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     llm = LLM(model=model_dir, dtype=dtype or "float32", max_model_len=256, gpu_memory_utilization=0.002,
-              max_num_seqs=8, max_num_batched_tokens=256)
+              max_num_seqs=4, max_num_batched_tokens=128)
     from spyre_rt.serving.graphs import STATS
 
     started = dict(STATS)   # captures (and vLLM's warm-up runs) at start-up

@@ -304,6 +304,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="use N layers instead of the profile's (a quicker, smaller run)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N",
                    help="vLLM's token budget of a step (default 1024)")
+    p.add_argument("--compare-output", type=positive_int, default=None, metavar="N",
+                   help="output tokens of the runs through the compiled call, which are for the per-step "
+                        "comparison (default: --output)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
 
 
@@ -319,7 +322,7 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
     opts = serve.Options(model=args.model, concurrency=args.concurrency, input_len=args.input_len,
                          output_len=args.output_len, engine=args.engine, layers=args.layers, sim_mode=args.sim_mode,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens, compare_output=args.compare_output)
     try:
         out = serve.measure(opts, console)
     except SpyreProfileError as e:

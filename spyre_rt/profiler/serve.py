@@ -55,7 +55,13 @@ class Options:
     sim_mode: str | None = None          # the card's; None: the model profile's default
     max_num_batched_tokens: int = 1024   # a step's tokens: prefill chunks of several requests
     modes: tuple[str, ...] = MODES
+    compare_output: int | None = None    # output tokens of the runs through the compiled call
     seed: int = 0
+
+    def output_of(self, mode: str) -> int:
+        """Output tokens of a run: the compiled call's runs are for the per-step comparison
+        and may be shorter (a full-size model's step costs seconds of simulation)."""
+        return self.compare_output if mode == "compiled" and self.compare_output else self.output_len
 
 
 @dataclasses.dataclass
@@ -69,6 +75,7 @@ class Step:
     ours_ms: float        # of which inside the model's forward and logits calls
     device_ms: float
     latency_ms: float     # host work and waits for the card
+    wall_ms: float        # wall time, the simulator's own work and other processes included
 
     @property
     def vllm_ms(self) -> float:
@@ -104,12 +111,13 @@ class _Recorder:
     def engine_step(self, step_fn):
         def step():
             self._ours, self._shape = 0.0, (0, 0, False)
+            w0 = time.perf_counter()
             h0, l0, d0 = self.clock.read()
             out = step_fn()
             h1, l1, d1 = self.clock.read()
             if self._shape[0]:
                 self.steps.append(Step(*self._shape, (h1 - h0) / 1e6, self._ours / 1e6, (d1 - d0) / 1e6,
-                                       (l1 - l0) / 1e6))
+                                       (l1 - l0) / 1e6, (time.perf_counter() - w0) * 1e3))
             return out
         return step
 
@@ -220,21 +228,22 @@ def card_model(llm):
     return core.model_executor.driver_worker.worker.model_runner._card_model
 
 
-def run_batch(llm, rec: _Recorder, concurrency: int, opts: Options, round_: int) -> list[Step]:
+def run_batch(llm, rec: _Recorder, concurrency: int, input_len: int, output_len: int, seed: int) -> list[Step]:
+    """`concurrency` requests of `input_len` random tokens, `output_len` tokens each: the steps."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    g = torch.Generator().manual_seed(opts.seed + 1000 * round_ + concurrency)
+    g = torch.Generator().manual_seed(seed)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (opts.input_len,), generator=g).tolist())
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (input_len,), generator=g).tolist())
                for _ in range(concurrency)]
-    params = SamplingParams(temperature=0.0, max_tokens=opts.output_len, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     rec.steps = []
     outs = llm.generate(prompts, params, use_tqdm=False)
     made = sum(len(o.outputs[0].token_ids) for o in outs)
-    if made != concurrency * opts.output_len:
-        raise SpyreProfileError(f"the engine made {made} tokens, not {concurrency * opts.output_len}")
+    if made != concurrency * output_len:
+        raise SpyreProfileError(f"the engine made {made} tokens, not {concurrency * output_len}")
     return rec.steps
 
 
@@ -246,6 +255,7 @@ def summarise(steps: list[Step], concurrency: int, output_len: int) -> dict[str,
         "steps": len(steps), "decode_steps": len(decode),
         "decode": {k: med([getattr(s, k) for s in decode])
                    for k in ("vllm_ms", "ours_ms", "device_ms", "latency_ms", "host_ms")},
+        "output_len": output_len, "wall_s": sum(s.wall_ms for s in steps) / 1e3,
         "latency_ms": latency, "device_ms": sum(s.device_ms for s in steps),
         "host_ms": sum(s.host_ms for s in steps), "ours_ms": sum(s.ours_ms for s in steps),
         "tokens_per_s": concurrency * output_len / (latency / 1e3) if latency else float("nan"),
@@ -290,21 +300,24 @@ def measure(opts: Options, console=None) -> dict[str, Any]:
         runs: dict[str, dict[str, Any]] = {m: {} for m in modes}
         loads: list[float] = []
         for c in opts.concurrency:
-            for mode in modes:
+            for mode in modes:   # interleaved: the machine's drift is shared
                 if driver is not None:
                     driver.replay = mode == "replay"
                 if console is not None:
                     console.print(f"[dim]concurrency {c}, decode {mode} ...[/]")
-                steps = run_batch(llm, rec, c, opts, 0)
-                runs[mode][str(c)] = summarise(steps, c, opts.output_len)
+                # untimed: a short run of the same batch, so that no first call of a shape in
+                # this way of running (the compiled call's first bind of a plan) is measured
+                run_batch(llm, rec, c, min(opts.input_len, 64), min(opts.output_of(mode), 3), opts.seed + 7)
+                steps = run_batch(llm, rec, c, opts.input_len, opts.output_of(mode), opts.seed + c)
+                runs[mode][str(c)] = summarise(steps, c, opts.output_of(mode))
                 loads.append(os.getloadavg()[0])
     layers = opts.layers or int(profile.config["num_hidden_layers"])
     dtype = str(profile.dtype).removeprefix("torch.")
-    roofline = {}
+    roofline: dict[str, dict[str, Any]] = {}
     if opts.engine == "card":
         roof = Roofline.of_profile(_card_of(0).profile)
-        roofline = {str(c): roofline_of(profile.config, layers, c, opts.input_len, opts.output_len, dtype, roof)
-                    for c in opts.concurrency}
+        roofline = {mode: {str(c): roofline_of(profile.config, layers, c, opts.input_len, opts.output_of(mode), dtype,
+                                               roof) for c in opts.concurrency} for mode in modes}
     return {
         "format": FORMAT, "model": profile.name, "layers": layers, "dtype": dtype, "engine": opts.engine,
         "sim_mode": sim_mode if opts.engine == "card" else None, "concurrency": list(opts.concurrency),
@@ -323,8 +336,10 @@ def render(console, out: dict[str, Any]) -> None:
     from rich.table import Table
 
     where = (f"a {out['sim_mode']}-mode card" if out["engine"] == "card" else "the host CPU, eager")
+    outputs = sorted({r["output_len"] for by_c in out["runs"].values() for r in by_c.values()})
     t = Table(title=f"{out['model']} ({out['layers']} layers, {out['dtype']}) served by vLLM on {where}, input "
-                    f"{out['input_len']}, output {out['output_len']}: a decode step (medians, ms) and the throughput",
+                    f"{out['input_len']}, output {'/'.join(map(str, outputs))}: a decode step (medians, ms) and "
+                    "the throughput",
               title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1),
               caption=host.label(out["host"]) + "\nhost figures: CPU time of the engine's thread, the card's "
                       "own work left out; step: host work and waits for the card", caption_justify="left",
@@ -334,7 +349,7 @@ def render(console, out: dict[str, Any]) -> None:
     for mode, by_c in out["runs"].items():
         for c, r in by_c.items():
             d = r["decode"]
-            roof = out["roofline"].get(c)
+            roof = out["roofline"].get(mode, {}).get(c)
             t.add_row(c, mode, _ms(d["vllm_ms"]), _ms(d["ours_ms"]), _ms(d["device_ms"]), _ms(d["latency_ms"]),
                       f"{r['tokens_per_s']:,.0f}", f"{roof['tokens_per_s']:,.0f}" if roof else "—",
                       f"{r['tokens_per_s'] / roof['tokens_per_s'] * 100:.0f} %" if roof else "—")

@@ -564,7 +564,7 @@ def test_profiler_serve_splits_a_served_decode_step_and_sets_throughput_against_
     run = subprocess.run(
         [sys.executable, "-m", "spyre_rt.profiler.cli", "serve", "granite-tiny", "--timing", "--concurrency", "1,2",
          "--input", "24", "--output", "4", "--compare-output", "3", "--max-num-batched-tokens", "64",
-         "--json", str(out)],
+         "--json", str(out), "--trace", str(tmp_path / "serve.trace.json")],
         capture_output=True, text=True, timeout=900, env=_env(),
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -581,6 +581,10 @@ def test_profiler_serve_splits_a_served_decode_step_and_sets_throughput_against_
             assert r["tokens_per_s"] > 0
             assert 0 < r["tokens_per_s"] < got["roofline"][mode][c]["tokens_per_s"]
     assert "decode" in run.stdout and "roofline" in run.stdout
+    # the trace: a host span per engine step of a prefill and a decode step of 2 requests
+    spans = {e["name"] for e in json.loads((tmp_path / "serve.trace.json").read_text())["traceEvents"]
+             if e.get("ph") == "X" and e.get("name", "").startswith(("step", "decode"))}
+    assert any(n.startswith("decode") and "[2 requests, 2 tokens]" in n for n in spans), spans
 
 
 def test_the_profiler_imports_vllm_only_to_serve():

@@ -307,6 +307,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-output", type=positive_int, default=None, metavar="N",
                    help="output tokens of the runs through the compiled call, which are for the per-step "
                         "comparison (default: --output)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a card trace (jobs) of a prefill and a decode step at the largest concurrency, a host "
+                        "span per engine step: read it with `spyre-profile view FILE --span NAME`")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
 
 
@@ -322,12 +325,15 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
     opts = serve.Options(model=args.model, concurrency=args.concurrency, input_len=args.input_len,
                          output_len=args.output_len, engine=args.engine, layers=args.layers, sim_mode=args.sim_mode,
-                         max_num_batched_tokens=args.max_num_batched_tokens, compare_output=args.compare_output)
+                         max_num_batched_tokens=args.max_num_batched_tokens, compare_output=args.compare_output,
+                         trace=args.trace)
     try:
         out = serve.measure(opts, console)
     except SpyreProfileError as e:
         raise InputError(str(e)) from None
     serve.render(console, out)
+    if args.trace:
+        console.print(f"trace written to {args.trace} (read it with `spyre-profile view`)")
     if args.json:
         serve.write_json(out, args.json)
         console.print(f"figures written to {args.json}")

@@ -56,6 +56,7 @@ class Options:
     max_num_batched_tokens: int = 1024   # a step's tokens: prefill chunks of several requests
     modes: tuple[str, ...] = MODES
     compare_output: int | None = None    # output tokens of the runs through the compiled call
+    trace: str | None = None             # a card trace of a prefill and a decode step at the largest batch
     seed: int = 0
 
     def output_of(self, mode: str) -> int:
@@ -105,6 +106,7 @@ class _Recorder:
     def __init__(self, clock: _HostClock) -> None:
         self.clock = clock
         self.steps: list[Step] = []
+        self.spans = False   # each step a host span of the card's trace, named for its batch
         self._ours = 0.0
         self._shape = (0, 0, False)
 
@@ -118,6 +120,11 @@ class _Recorder:
             if self._shape[0]:
                 self.steps.append(Step(*self._shape, (h1 - h0) / 1e6, self._ours / 1e6, (d1 - d0) / 1e6,
                                        (l1 - l0) / 1e6, (time.perf_counter() - w0) * 1e3))
+                if self.spans:
+                    n, tokens, decode = self._shape
+                    self.clock.card.trace_host_span(
+                        f"{'decode' if decode else 'step'} {len(self.steps)} [{n} requests, {tokens} tokens]",
+                        int(l0), int(l1))
             return out
         return step
 
@@ -247,6 +254,26 @@ def run_batch(llm, rec: _Recorder, concurrency: int, input_len: int, output_len:
     return rec.steps
 
 
+def traced(llm, rec: _Recorder, concurrency: int, opts: Options, driver) -> None:
+    """A prefill and a decode step of `concurrency` requests (replayed), traced on the card
+    (jobs, with their kernel info) with a host span per engine step: for `spyre-profile view
+    --span`, which sets the card's time of each op beside its roofline."""
+    from .. import trace
+
+    card = rec.clock.card
+    driver.replay = True
+    card.trace_enable(True, commands=False)
+    rec.spans, first = True, card.trace_count()
+    try:
+        run_batch(llm, rec, concurrency, opts.input_len, 2, opts.seed + concurrency)
+    finally:
+        rec.spans = False
+        card.trace_enable(False)
+    trace.export(card.trace_events(first), card.name_of, opts.trace,
+                 metadata={"model": opts.model, "concurrency": concurrency, "engine": "vllm"},
+                 card_index=card.index, device=card.profile)
+
+
 def summarise(steps: list[Step], concurrency: int, output_len: int) -> dict[str, Any]:
     decode = [s for s in steps if s.decode and s.requests == concurrency]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
@@ -311,6 +338,8 @@ def measure(opts: Options, console=None) -> dict[str, Any]:
                 steps = run_batch(llm, rec, c, opts.input_len, opts.output_of(mode), opts.seed + c)
                 runs[mode][str(c)] = summarise(steps, c, opts.output_of(mode))
                 loads.append(os.getloadavg()[0])
+        if opts.trace and driver is not None:
+            traced(llm, rec, max(opts.concurrency), opts, driver)
     layers = opts.layers or int(profile.config["num_hidden_layers"])
     dtype = str(profile.dtype).removeprefix("torch.")
     roofline: dict[str, dict[str, Any]] = {}

@@ -11,8 +11,15 @@ from transformers import GraniteConfig, GraniteForCausalLM
 
 from spyre_rt import card as cards
 from spyre_rt import plan_cache
-from spyre_rt.bucketing import bucket_length, pad_prompt
 from spyre_rt.profiler import cli
+from spyre_rt.serving.bucketing import (
+    batch_buckets,
+    bucket_length,
+    bucket_of,
+    grid_buckets,
+    pad_prompt,
+    query_buckets,
+)
 
 
 def test_bucket_lengths():
@@ -20,6 +27,18 @@ def test_bucket_lengths():
     assert [bucket_length(n, [16, 32]) for n in (3, 16, 17, 33)] == [16, 16, 32, 64]
     with pytest.raises(ValueError):
         bucket_length(-1)
+
+
+def test_served_step_ladders_are_bounded_and_hold_every_size():
+    assert batch_buckets(1) == [1] and batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(1, least=2) == [2] and batch_buckets(32, least=2) == [2, 4, 8, 16, 32]
+    assert query_buckets(1) == [64] and query_buckets(384) == [64, 128, 256, 384]
+    grids = grid_buckets([2, 4, 8], 256, 256)
+    assert (2, 256) in grids                               # the longest query alone always fits
+    assert all(r * q <= 512 for r, q in grids) and (8, 128) not in grids
+    assert [bucket_of(n, [2, 4, 8]) for n in (1, 2, 3, 8)] == [2, 2, 4, 8]
+    with pytest.raises(ValueError, match="past the largest"):
+        bucket_of(9, [2, 4, 8])
 
 
 def test_padding_goes_on_the_left_with_a_zero_mask():

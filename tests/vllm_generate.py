@@ -1,7 +1,9 @@
 """Runs ``vllm.LLM(model=DIR).generate()`` greedily on token prompts and prints the tokens
 as JSON: one process per engine, as vLLM keeps one engine's state per process. With a
 dtype (``float16``) it prints the prompts' logprobs instead (each token's, given those
-before it), which depend on no sampled token."""
+before it), which depend on no sampled token. With ``faults`` it then injects card faults
+into a prefill step and into a decode step (the project's fault injection, through vLLM's
+``collective_rpc``) and prints how each step's requests ended, and a request served after."""
 
 import json
 import os
@@ -10,16 +12,50 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def _fault_phases(llm, params, prompts) -> dict:
+    """Two requests whose prefill step the card fails; two whose first decode step it fails
+    (a replay); then one request alone."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    ended = {}
+
+    def add(tag: str, prompt) -> None:
+        engine.add_request(tag, TokensPrompt(prompt_token_ids=prompt), params)
+
+    def step_until_done() -> None:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    ended[out.request_id] = [out.outputs[0].finish_reason, len(out.outputs[0].token_ids)]
+
+    for i, p in enumerate(prompts[:2]):
+        add(f"prefill-{i}", p)
+    llm.collective_rpc("inject_card_fault", args=("command", "3"))
+    step_until_done()
+    for i, p in enumerate(prompts[2:4]):
+        add(f"decode-{i}", p)
+    engine.step()                                      # their prefill: a first token each
+    llm.collective_rpc("inject_card_fault", args=("command", "20"))
+    step_until_done()
+    after = list(llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)[0].outputs[0].token_ids)
+    return {"ended": ended, "after": after}
+
+
 def main() -> None:
     model_dir, prompts_json, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    dtype = sys.argv[4] if len(sys.argv) > 4 else None
+    extra = sys.argv[4:]
+    dtype = next((a for a in extra if a.startswith("float")), None)
     prompts = json.loads(prompts_json)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
     llm = LLM(model=model_dir, dtype=dtype or "float32", max_model_len=256, gpu_memory_utilization=0.002,
-              max_num_seqs=8)
+              max_num_seqs=4, max_num_batched_tokens=128)
+    from spyre_rt.serving.graphs import STATS
+
+    started = dict(STATS)   # captures (and vLLM's warm-up runs) at start-up
     if dtype is not None:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
@@ -27,14 +63,18 @@ def main() -> None:
                     for o, p in zip(outs, prompts, strict=True)]
         print("RESULT " + json.dumps({"platform": type(current_platform).__qualname__, "prompt_logprobs": logprobs}))
         return
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # min_tokens keeps the end-of-sequence token from being chosen, as Hugging Face's
+    # min_new_tokens does in the reference
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, min_tokens=max_tokens)
     alone = [list(llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)[0].outputs[0].token_ids)]
     together = [list(o.outputs[0].token_ids)
                 for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)]
-    from spyre_rt.serving.graphs import STATS
-
-    print("RESULT " + json.dumps({"platform": type(current_platform).__qualname__,
-                                  "alone": alone, "together": together, "decode": STATS}))
+    result = {"platform": type(current_platform).__qualname__, "alone": alone, "together": together,
+              "decode": {"captures": started["captures"],
+                         **{k: STATS[k] - started[k] for k in ("replays", "compiled")}}}
+    if "faults" in extra:
+        result["faults"] = _fault_phases(llm, params, prompts)
+    print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

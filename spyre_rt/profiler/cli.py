@@ -270,6 +270,76 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---- serve ---------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers of at least 1, not {text!r}")
+    return sizes
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a model profile name (granite-3.3-8b, granite-3.3-2b, granite-tiny) or a TOML path")
+    p.add_argument("--concurrency", type=_sizes, default=(1, 8, 32), metavar="LIST",
+                   help="concurrent requests of each run (default 1,8,32): the decode batch sizes")
+    p.add_argument("--input", dest="input_len", type=positive_int, default=256, metavar="N",
+                   help="prompt tokens of each request (default 256)")
+    p.add_argument("--output", dest="output_len", type=positive_int, default=128, metavar="N",
+                   help="output tokens of each request, with ignore_eos (default 128)")
+    p.add_argument("--engine", choices=("card", "host"), default="card",
+                   help="card: vLLM on the card (the spyre_rt platform); host: the same vLLM runner with the "
+                        "model eager on the host CPU, the per-step anchor")
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
+                     help="compute every value on the card (slow for full-size models)")
+    sim.add_argument("--timing", dest="sim_mode", action="store_const", const="timing",
+                     help="simulate time only (the default for full-size models)")
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                   help="use N layers instead of the profile's (a quicker, smaller run)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N",
+                   help="vLLM's token budget of a step (default 1024)")
+    p.add_argument("--compare-output", type=positive_int, default=None, metavar="N",
+                   help="output tokens of the runs through the compiled call, which are for the per-step "
+                        "comparison (default: --output)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a card trace (jobs) of a prefill and a decode step at the largest concurrency, a host "
+                        "span per engine step: read it with `spyre-profile view FILE --span NAME`")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+
+
+def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from ..errors import SpyreProfileError
+    from . import run as runmod
+
+    try:
+        runmod.load_model(args.model)
+    except SpyreProfileError as e:
+        raise InputError(str(e)) from None
+    from . import serve  # imports vLLM only when measured
+
+    opts = serve.Options(model=args.model, concurrency=args.concurrency, input_len=args.input_len,
+                         output_len=args.output_len, engine=args.engine, layers=args.layers, sim_mode=args.sim_mode,
+                         max_num_batched_tokens=args.max_num_batched_tokens, compare_output=args.compare_output,
+                         trace=args.trace)
+    try:
+        out = serve.measure(opts, console)
+    except SpyreProfileError as e:
+        raise InputError(str(e)) from None
+    serve.render(console, out)
+    if args.trace:
+        console.print(f"trace written to {args.trace} (read it with `spyre-profile view`)")
+    if args.json:
+        serve.write_json(out, args.json)
+        console.print(f"figures written to {args.json}")
+    return 0
+
+
 # ---- models --------------------------------------------------------------------------------
 
 
@@ -446,6 +516,9 @@ def kernel_info_table(info: dict) -> Table:
 COMMANDS: dict[str, Subcommand] = {
     "run": Subcommand("compile a Granite model and measure prefill and decode in every dispatch mode",
                       _run_arguments, cmd_run),
+    "serve": Subcommand("vLLM serving a Granite model: a decode step split into vLLM's host time, our dispatch "
+                        "and the device, and throughput against the roofline, per concurrency",
+                        _serve_arguments, cmd_serve),
     "models": Subcommand("the model-compatibility matrix: small Hugging Face models of each family on the "
                          "card against CPU eager, run live", _models_arguments, cmd_models),
     "cache": Subcommand("the plan cache: list, inspect, clear, stats", _cache_arguments, cmd_cache),

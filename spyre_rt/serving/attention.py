@@ -2,13 +2,12 @@
 
 Each layer's KV cache is one card tensor ``[2, kv_heads, num_blocks + 1, block_size, head_size]``:
 the blocks vLLM hands out and one more, the *spare block*, where the slots of padding tokens
-are written so that the step needs no branch on them. A step's metadata is tensors only
-(no Python numbers that a compiled step would bake in):
+are written so that the step needs no branch on them. A step's attention runs on a grid of
+``R`` requests by ``Q`` query tokens (:mod:`spyre_rt.serving.steps` lays vLLM's batch out
+so), and its metadata is tensors only (no Python numbers that a compiled step would bake in):
 
-- ``slot_mapping [T]``: the cache slot each new token's key and value are written to;
+- ``slot_mapping [R * Q]``: the cache slot each token's key and value are written to;
 - ``block_table [R, B]``: each request's blocks, in order;
-- ``token_index [T]``: where each token sits in the ``[R * Q]`` grid of queries, ``Q`` the
-  longest query of the step;
 - ``query_pos [R, Q]``: each query's position in its sequence, ``-1`` in padding.
 
 A query at position ``p`` sees the keys at positions ``0..p`` of its own request: the causal
@@ -75,80 +74,64 @@ class SpyreAttentionBackend(AttentionBackend):
 
 @dataclass
 class SpyreAttentionMetadata:
-    slot_mapping: torch.Tensor   # [T] int64
+    """A grid's metadata, on the card for a compiled step."""
+
+    slot_mapping: torch.Tensor   # [R * Q] int64
     block_table: torch.Tensor    # [R, B] int64
-    token_index: torch.Tensor    # [T] int64
     query_pos: torch.Tensor      # [R, Q] int64
 
-
-def step_metadata(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-    num_reqs: int,
-    block_size: int,
-    spare_block: int,
-) -> SpyreAttentionMetadata:
-    """The step's metadata on the host, from vLLM's batch (requests in order, each one's
-    query tokens contiguous). One more request than the batch's, of no query, takes the
-    padding tokens past the batch's last, and reads only the spare block."""
-    qsl = query_start_loc[: num_reqs + 1].to(torch.int64).cpu()
-    lens = seq_lens[:num_reqs].to(torch.int64).cpu()
-    qlen = qsl[1:] - qsl[:-1]
-    n = int(qsl[-1])
-    width = max(int(qlen.max()) if num_reqs else 1, num_tokens - n, 1)
-    blocks_needed = max(int(((lens + block_size - 1) // block_size).max()), 1) if num_reqs else 1
-    table = torch.full((num_reqs + 1, blocks_needed), spare_block, dtype=torch.int64)
-    table[:num_reqs] = block_table[:num_reqs, :blocks_needed].to(torch.int64).cpu()
-
-    offs = torch.arange(width, dtype=torch.int64)
-    first = lens - qlen                                    # the position of each query's first token
-    pos = torch.full((num_reqs + 1, width), -1, dtype=torch.int64)
-    pos[:num_reqs] = torch.where(offs[None, :] < qlen[:, None], first[:, None] + offs[None, :], -1)
-
-    req = torch.repeat_interleave(torch.arange(num_reqs, dtype=torch.int64), qlen)
-    within = torch.arange(n, dtype=torch.int64) - qsl[req]
-    index = num_reqs * width + torch.arange(num_tokens, dtype=torch.int64) - n   # padding: the spare row
-    index[:n] = req * width + within
-
-    slots = spare_block * block_size + torch.arange(num_tokens, dtype=torch.int64) % block_size
-    given = slot_mapping[:num_tokens].to(torch.int64).cpu()
-    keep = (given >= 0) & (torch.arange(num_tokens) < n)
-    slots[keep] = given[keep]
-    return SpyreAttentionMetadata(slot_mapping=slots, block_table=table, token_index=index, query_pos=pos)
+    def to(self, device: torch.device) -> SpyreAttentionMetadata:
+        return SpyreAttentionMetadata(*(t.to(device) for t in (self.slot_mapping, self.block_table, self.query_pos)))
 
 
-class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetadata]):
+@dataclass
+class SpyreStepBatch:
+    """A step's batch as vLLM describes it, on the host: requests in order, each one's new
+    tokens contiguous. What the metadata builder hands the runner's step driver, which lays
+    it out as grids (:func:`spyre_rt.serving.steps.layout`)."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int64
+    seq_lens: torch.Tensor         # [R] int64
+    block_table: torch.Tensor      # [R, max_blocks] int64
+    slot_mapping: torch.Tensor     # [num_tokens] int64, -1 for a token that writes nothing
+    num_tokens: int                # tokens of the step, with vLLM's padding past the last request's
+    num_reqs: int
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+
+class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreStepBatch]):
     # decode steps of one token per request are captured (spyre_rt.serving.graphs)
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.block_size = kv_cache_spec.block_size
-        self.num_blocks = vllm_config.cache_config.num_gpu_blocks
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> SpyreAttentionMetadata:
+    ) -> SpyreStepBatch:
         m = common_attn_metadata
-        return step_metadata(
-            m.query_start_loc_cpu, m.seq_lens, m.block_table_tensor, m.slot_mapping,
-            num_tokens=m.slot_mapping.shape[0], num_reqs=m.num_reqs,
-            block_size=self.block_size, spare_block=self.num_blocks,
+        reqs = m.num_reqs
+        return SpyreStepBatch(
+            query_start_loc=m.query_start_loc_cpu[: reqs + 1].to(torch.int64),
+            seq_lens=m.seq_lens[:reqs].to(torch.int64).cpu(),
+            block_table=m.block_table_tensor[:reqs].to(torch.int64).cpu(),
+            slot_mapping=m.slot_mapping.to(torch.int64).cpu(),
+            num_tokens=int(m.slot_mapping.shape[0]), num_reqs=reqs,
         )
 
 
 def paged_attention(
-    query: torch.Tensor,        # [T, H, D]
-    key: torch.Tensor,          # [T, KVH, D]
-    value: torch.Tensor,        # [T, KVH, D]
+    query: torch.Tensor,        # [R * Q, H, D]
+    key: torch.Tensor,          # [R * Q, KVH, D]
+    value: torch.Tensor,        # [R * Q, KVH, D]
     kv_cache: torch.Tensor,     # [2, KVH, N, S, D]
     meta: SpyreAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Writes the step's keys and values into the cache, then attends: ``[T, H, D]``.
+    """Writes the grid's keys and values into the cache, then attends: ``[R * Q, H, D]``.
 
     The cache is head-major, so that a request's context gathered by its block table is
     already the ``[KVH, R, ctx, D]`` operand of the score and value matmuls: a gather that
@@ -169,18 +152,14 @@ def paged_attention(
     keys = kv_cache[0].index_select(1, blocks).view(kvh, reqs, ctx, d)
     values = kv_cache[1].index_select(1, blocks).view(kvh, reqs, ctx, d)
 
-    q = query.new_zeros(reqs * width, heads, d).index_copy(0, meta.token_index, query)
-    q = q.view(reqs, width, kvh, group, d).permute(2, 0, 3, 1, 4).reshape(kvh, reqs, group * width, d)
+    q = query.view(reqs, width, kvh, group, d).permute(2, 0, 3, 1, 4).reshape(kvh, reqs, group * width, d)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale               # [KVH, R, G*Q, ctx]
     scores = scores.view(kvh, reqs, group, width, ctx)
     visible = torch.arange(ctx, device=query.device)[None, None, :] <= meta.query_pos[:, :, None]
     scores = scores.masked_fill(~visible[None, :, None, :, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).view(kvh, reqs, group * width, ctx)
     out = torch.matmul(probs, values).view(kvh, reqs, group, width, d)
-    # each token's row picked by (request, place) from the attention's own layout: a gather of
-    # the [R * Q] grid through a permuted view loses the request stride when compiled
-    picked = out[:, meta.token_index // width, :, meta.token_index % width]   # [T, KVH, G, D]
-    return picked.reshape(-1, heads, d)
+    return out.permute(1, 3, 0, 2, 4).reshape(reqs * width, heads, d)
 
 
 def _attention_compiled() -> bool:
@@ -211,7 +190,7 @@ class SpyreAttentionImpl(AttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is None:   # the profiling run: no cache yet
+        if not isinstance(attn_metadata, SpyreAttentionMetadata):   # a dummy run: no grid, nothing to attend
             return output
         run = paged_attention if _attention_compiled() else _eager_paged_attention
         out = run(query, key, value, kv_cache, attn_metadata, self.scale)

@@ -11,6 +11,8 @@ import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
+from spyre_rt.serving.bucketing import MIN_ROWS, batch_buckets
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -26,23 +28,22 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def on_host() -> bool:
+    """The model and its KV cache kept on the host CPU, eager, with everything else of the
+    plugin as on the card (``SPYRE_RT_VLLM_DEVICE=cpu``): vLLM's CPU runner with the plugin's
+    torch attention, the per-step anchor of ``spyre-profile serve --engine host`` (vLLM's
+    own CPU kernels are native builds that a CUDA wheel of vLLM does not carry)."""
+    return os.environ.get("SPYRE_RT_VLLM_DEVICE", "spyre").strip().lower() == "cpu"
+
+
 def compile_enabled() -> bool:
     """The forward and the logits compiled with ``backend="spyre_rt"`` (``SPYRE_RT_VLLM_COMPILE=0``: eager)."""
-    return _flag("SPYRE_RT_VLLM_COMPILE")
+    return _flag("SPYRE_RT_VLLM_COMPILE") and not on_host()
 
 
 def replay_enabled() -> bool:
     """Decode steps captured and replayed (``SPYRE_RT_VLLM_REPLAY=0``: the compiled call)."""
     return compile_enabled() and _flag("SPYRE_RT_VLLM_REPLAY")
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes of captured decode steps: powers of two up to ``max_num_seqs``."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_num_seqs]
 
 
 class SpyrePlatform(CpuPlatform):
@@ -118,6 +119,10 @@ class SpyrePlatform(CpuPlatform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = "spyre_rt.serving.worker.SpyreWorker"
+        scheduler = vllm_config.scheduler_config
+        if scheduler.scheduler_cls is None and not scheduler.async_scheduling:
+            # a step the card failed fails its requests, not the engine
+            scheduler.scheduler_cls = "spyre_rt.serving.scheduler.SpyreScheduler"
         # the model runner compiles the forward and the logits itself, with backend="spyre_rt"
         from vllm.config import CompilationMode
 
@@ -128,7 +133,7 @@ class SpyrePlatform(CpuPlatform):
     @classmethod
     def _static_graphs(cls, vllm_config: VllmConfig) -> None:
         """vLLM's FULL_DECODE_ONLY on the card: decode batches padded to the capture sizes
-        (powers of two up to max_num_seqs) and replayed by :class:`SpyreGraphWrapper`. A
+        (2 times powers of two up to max_num_seqs) and replayed by :class:`SpyreGraphWrapper`. A
         cudagraph_mode of NONE, SPYRE_RT_VLLM_REPLAY=0 or an eager model turn it off."""
         from vllm.config import CUDAGraphMode
 
@@ -138,7 +143,7 @@ class SpyrePlatform(CpuPlatform):
             compilation.cudagraph_capture_sizes = []
             compilation.max_cudagraph_capture_size = 0
             return
-        sizes = decode_buckets(vllm_config.scheduler_config.max_num_seqs)
+        sizes = batch_buckets(vllm_config.scheduler_config.max_num_seqs, least=MIN_ROWS)
         compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
         compilation.cudagraph_capture_sizes = sizes
         compilation.max_cudagraph_capture_size = sizes[-1]

@@ -18,8 +18,11 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 import spyre_rt  # noqa: F401  (registers the device)
-from spyre_rt.serving import attention
-from spyre_rt.serving.platform import compile_enabled, decode_buckets  # noqa: F401  (the tests read it here)
+from spyre_rt.errors import SpyreDeviceError, SpyreDeviceLostError
+from spyre_rt.serving import attention, moe
+from spyre_rt.serving.platform import compile_enabled, on_host
+from spyre_rt.serving.scheduler import failed_step
+from spyre_rt.serving.steps import CardModel, Shapes
 
 _log = logging.getLogger("spyre_rt.serving")
 
@@ -29,7 +32,8 @@ def kv_cache_budget(total: int, allocated: int, utilization: float, most_used: i
     """Bytes the KV cache may take: the share ``utilization`` of the card's memory, less what
     is already allocated (the weights); ``gpu_memory_utilization`` means the card's. No more
     than ``most_used``, what the scheduler can fill at once (every sequence it runs at the
-    longest length): on the simulated card every byte of the cache is host memory too. Less
+    longest length, and vLLM's null block): on the simulated card every byte of the cache is
+    host memory too. Less
     than ``one_request`` (one sequence at ``max_model_len``) is a start-up error."""
     budget = int(total * utilization) - allocated
     if budget <= 0:
@@ -53,53 +57,15 @@ def check_one_request(budget: int, one_request: int, max_model_len: int, source:
         )
 
 
-class CardModel:
-    """The model as the runner calls it: host tensors in, the hidden states on the host out;
-    the forward runs on the card (``on_card``, compiled unless ``SPYRE_RT_VLLM_COMPILE=0``)
-    with the step's attention metadata moved there. Other attributes are the model's."""
-
-    def __init__(self, model, on_card, card: torch.device, block_size: int, max_blocks: int) -> None:
-        self.model, self.on_card, self.card = model, on_card, card
-        self.block_size, self.max_blocks = block_size, max_blocks
-        self.spare_block = None   # known once the KV cache is allocated
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["model"], name)
-
-    def __call__(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
-                 **model_kwargs):
-        if intermediate_tensors is not None:
-            raise NotImplementedError("spyre_rt: pipeline parallelism is not supported")
-        to_card = lambda t: None if t is None else t.to(self.card)  # noqa: E731
-        _metadata_to_card(self.card)
-        hidden = self.on_card(input_ids=to_card(input_ids), positions=to_card(positions),
-                              inputs_embeds=to_card(inputs_embeds), **model_kwargs)
-        return hidden.cpu()
-
-
-def _metadata_to_card(card: torch.device) -> None:
-    from vllm.forward_context import get_forward_context
-
-    meta = get_forward_context().attn_metadata
-    if not isinstance(meta, dict):
-        return
-    moved: dict[int, attention.SpyreAttentionMetadata] = {}
-    for name, m in meta.items():
-        if isinstance(m, attention.SpyreAttentionMetadata) and m.slot_mapping.device != card:
-            if id(m) not in moved:
-                moved[id(m)] = attention.SpyreAttentionMetadata(
-                    *(t.to(card) for t in (m.slot_mapping, m.block_table, m.token_index, m.query_pos))
-                )
-            meta[name] = moved[id(m)]
-
-
 class SpyreModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        self.card = torch.device("spyre", torch.spyre.current_device())
+        self.card = torch.device("cpu") if on_host() else torch.device("spyre", torch.spyre.current_device())
         self.block_size = self.cache_config.block_size
         self.max_blocks = -(-self.model_config.max_model_len // self.block_size)
         self._card_model: CardModel | None = None
+        sched = self.scheduler_config
+        self.shapes = Shapes.of(sched.max_num_seqs, self.model_config.max_model_len, sched.max_num_batched_tokens)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         from vllm.platforms import current_platform
@@ -107,6 +73,7 @@ class SpyreModelRunner(CPUModelRunner):
 
         super().load_model(load_dummy_weights=load_dummy_weights)
         model = self.model
+        moe.prepare(model)
         model.to(self.card)
         forward, logits = model.forward, model.compute_logits
         if compile_enabled():
@@ -117,31 +84,58 @@ class SpyreModelRunner(CPUModelRunner):
             forward = constants(torch.compile(forward, backend="spyre_rt", dynamic=True))
             logits = constants(torch.compile(logits, backend="spyre_rt", dynamic=True))
 
-        def compute_logits(hidden_states: torch.Tensor) -> torch.Tensor:
-            return logits(hidden_states.to(self.card)).cpu()
+        shapes = self.shapes
 
+        def compute_logits(hidden_states: torch.Tensor) -> torch.Tensor:
+            # rows padded to a bucket: a plan per bucket, not per number of requests
+            rows = hidden_states.shape[0]
+            padded = shapes.logits_rows(rows)
+            if padded != rows:
+                hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(padded - rows, hidden_states.shape[1])])
+            return logits(hidden_states.to(self.card)).cpu()[:rows]
+
+        self._logits = compute_logits
         # the runner and the sampler take the logits on the host, as they keep the batch there
         model.compute_logits = compute_logits
-        self._card_model = CardModel(model, forward, self.card, self.block_size, self.max_blocks)
+        self._card_model = CardModel(model, forward, self.card, self.block_size, self.max_blocks, self.shapes,
+                                     self.model_config.get_hidden_size())
         self.model = self._card_model
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             wrapper = resolve_obj_by_qualname(current_platform.get_static_graph_wrapper_cls())
             self.model = wrapper(self._card_model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
 
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        """vLLM's step; one the card fails (a command or a DMA: the card keeps its state)
+        is reported as a :class:`~spyre_rt.serving.scheduler.FailedStep` of its requests."""
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        except SpyreDeviceLostError:
+            raise
+        except SpyreDeviceError as e:
+            self.execute_model_state = None
+            return failed_step(list(scheduler_output.num_scheduled_tokens), str(e))
+
     def get_model(self) -> torch.nn.Module:
         return self._card_model.model   # the bare model, as vLLM's callers expect
 
+    @torch.inference_mode()   # as vLLM runs its steps: a compiled step guards on the grad mode
     def capture_model(self) -> int:
-        """Captures the decode step of every capture size vLLM's dispatcher names, at
-        start-up (a progress bar), on padding inputs (they write the spare block only), so
-        that no request waits for a compile or a capture."""
-        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs() or self._card_model.spare_block is None:
+        """At start-up, every step shape of the bounded set (:class:`~spyre_rt.serving.steps.Shapes`),
+        so that no request waits for a compile: the decode step of every capture size vLLM's
+        dispatcher names, captured; the other grids and the logits' rows built. Each runs on
+        padding inputs, which write the spare block only. Progress bars."""
+        if self._card_model.spare_block is None:
             return 0
         from tqdm import tqdm
+        from vllm.forward_context import set_forward_context
 
-        for mode, descs in self.cudagraph_dispatcher.get_capture_descs():
-            for desc in tqdm(descs, desc="spyre_rt: capturing decode steps", unit="batch size"):
-                self._warmup_and_capture(desc, cudagraph_runtime_mode=mode)
+        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            for mode, descs in self.cudagraph_dispatcher.get_capture_descs():
+                for desc in tqdm(descs, desc="spyre_rt: capturing decode steps", unit="batch size"):
+                    self._warmup_and_capture(desc, cudagraph_runtime_mode=mode)
+        with set_forward_context(None, self.vllm_config):
+            self._card_model.build_steps(
+                self._logits, lambda total: tqdm(total=total, desc="spyre_rt: building step shapes", unit="shape"))
         return 0
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
@@ -186,6 +180,15 @@ class SpyreWorker(CPUWorker):
         set_random_seed(self.model_config.seed)
         self.model_runner = SpyreModelRunner(self.vllm_config, self.device)
 
+    def inject_card_fault(self, kind: str, after: str = "0") -> None:
+        """The project's fault injection on this worker's card (``spy_fault_inject``): the
+        `after`-th ``kind`` (command, dma, lost) from now fails. For tests, through vLLM's
+        ``collective_rpc`` (``/collective_rpc`` of a server in ``VLLM_SERVER_DEV_MODE``),
+        which passes arguments as strings."""
+        from spyre_rt import card as cards
+
+        cards.get(torch.spyre.current_device()).fault_inject(kind, int(after))
+
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         return nullcontext()  # no sleep-mode allocator on the card
 
@@ -197,8 +200,12 @@ class SpyreWorker(CPUWorker):
         if explicit is not None:
             check_one_request(int(explicit), per_sequence, longest, "kv_cache_memory_bytes")
             return int(explicit)
+        # every sequence at the longest length, and the block vLLM keeps back as its null block
+        most_used = per_sequence * self.scheduler_config.max_num_seqs + sum(s.page_size_bytes for s in specs)
+        if on_host():
+            return most_used
         free, total = torch.spyre.mem_get_info()
-        most_used = (per_sequence * self.scheduler_config.max_num_seqs) if per_sequence else None
+        most_used = most_used if per_sequence else None
         return kv_cache_budget(total, total - free, self.cache_config.gpu_memory_utilization, most_used,
                                one_request=per_sequence, max_model_len=longest)
 

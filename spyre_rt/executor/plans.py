@@ -53,7 +53,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
             return plans
         except (SpyreError, ValueError) as e:
             cache.reject(key, str(e))
-    built = exe.construct_all(fallback)
+    built = exe.construct_all(fallback, distinct=True)
     segments = exe.device_segments()
     blocks = [build_block(exe, seg, built) for seg in segments]
     plans = [GraphPlan(exe.card, block) for block in blocks]

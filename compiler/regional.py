@@ -13,11 +13,12 @@ step for every call (:mod:`spyre_rt.compiler.regions`): the step still launches 
 
 Dynamo reuses a region's trace only for calls whose inputs are tensors, sizes, constants
 and modules. A transformers KV cache is none of these, so a layer's call hands the region its
-own cache layer as tensors and constants (:class:`_CacheLayer`), and the region rebuilds a
-cache of that one layer to call the layer's forward with. This holds for the caches
-transformers marks compileable (their layers update their tensors in place and nothing
-else); any other cache (a dynamic one grows by rebinding its tensors) is passed as it is,
-and Dynamo then traces every layer.
+own cache layer as tensors and constants (:func:`_flat_cache`), and the region rebuilds a
+cache of that one layer to call the layer's forward with. That is right only for cache
+layers whose update changes nothing but their tensors, in place: a static cache's layers
+(``StaticLayer``). Any other cache is passed as it is (a dynamic cache grows by rebinding
+its tensors, a sliding window counts its tokens in a Python int), and Dynamo then traces
+every layer that has one.
 
 The mark is a subclass of each layer's class whose ``forward`` makes that call, set on the
 layer instances only (the transformers class is left as it is); ``enabled=False`` takes it
@@ -33,6 +34,7 @@ import torch
 _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked forward
 _CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
 _CONSTANTS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_IN_PLACE: set[type] = set()  # cache layer classes whose update only writes their tensors in place
 _STANDINS: dict[type, type] = {}  # a cache class -> the class of a region's cache of one layer
 _MAX_REGIONS = 64  # distinct traces of the region Dynamo keeps (one per distinct layer)
 
@@ -83,58 +85,91 @@ def _marked(cls: type) -> type:
 
 
 def _forward(self, *args, **kwargs):
-    """A marked layer's forward: its call of the region."""
+    """A marked layer's forward: its call of the region, with flat inputs (see :func:`_flat`)."""
     if not torch.compiler.is_compiling():
         return _original(type(self)).forward(self, *args, **kwargs)
     cache = kwargs.get("past_key_values")
-    layer = _cache_layer(cache, self) if cache is not None else None
-    if layer is None:
-        return _region(self, args, kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-    return _region_with_cache(self, layer.kinds, layer.names, layer.constants, layer.tensors,
-                              layer.cache_constants, len(cache.layers), args, kwargs)
+    flat = _flat_cache(cache, self) if cache is not None else None
+    if flat is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+    else:
+        flat = [_PASSED]
+    if not (_flat(args, flat) and _flat(kwargs, flat)):
+        return _region(self, args, kwargs)  # an input that is not plain data: traced every time
+    return _region_flat(self, *flat)
 
 
-class _CacheLayer:
-    """One layer of a transformers cache as a region's inputs: the classes of the cache and
-    of the layer (by index), the layer's constant attributes and its tensors, and the
-    cache's constant attributes."""
+# A region's inputs are one flat list of tensors and constants: Dynamo matches such calls
+# against its earlier traces cheaply, where a nested one (a tuple, a dict) is flattened by
+# tracing torch's pytree functions at every call. Tags say how the list nests:
+_PASSED = "passed"   # the call's own cache, if any, is among its arguments
+_CACHE = "cache"     # then: cache class, layer class (by index), layer count, n, n (name, value) of the
+                     # cache's constants, n, n (name, value) of the layer's attributes
+_LEAF, _TUPLE, _LIST, _DICT = "leaf", "tuple", "list", "dict"  # then: a value; n and n values; n and n (key, value)
+_LEAVES = (torch.Tensor, *_CONSTANTS)
 
-    def __init__(self, kinds: tuple, names: tuple, constants: tuple, tensors: tuple, cache_constants: tuple):
-        self.kinds, self.names, self.constants, self.tensors = kinds, names, constants, tensors
-        self.cache_constants = cache_constants
+
+def _flat(value, out: list) -> bool:
+    """Append `value` to `out` as tags and leaves; False if some part of it is no leaf."""
+    if isinstance(value, _LEAVES):
+        out += [_LEAF, value]
+        return True
+    if isinstance(value, (tuple, list)):
+        out += [_TUPLE if isinstance(value, tuple) else _LIST, len(value)]
+        return all(_flat(v, out) for v in value)
+    if isinstance(value, dict):
+        out += [_DICT, len(value)]
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return False
+            out.append(k)
+            if not _flat(v, out):
+                return False
+        return True
+    return False
 
 
-def _cache_layer(cache, layer: torch.nn.Module) -> _CacheLayer | None:
-    """`layer`'s own layer of `cache`, when the region can take it as tensors and constants."""
+def _unflat(flat: tuple, at: int):
+    """The value that starts at `flat[at]`, and where the next one starts."""
+    tag = flat[at]
+    if tag == _LEAF:
+        return flat[at + 1], at + 2
+    n, at = flat[at + 1], at + 2
+    if tag == _DICT:
+        out = {}
+        for _ in range(n):
+            key = flat[at]
+            out[key], at = _unflat(flat, at + 1)
+        return out, at
+    items = []
+    for _ in range(n):
+        v, at = _unflat(flat, at)
+        items.append(v)
+    return (tuple(items) if tag == _TUPLE else items), at
+
+
+def _flat_cache(cache, layer: torch.nn.Module) -> list | None:
+    """`layer`'s own layer of `cache` as tags and leaves, when it is a layer whose update only
+    writes its tensors in place; else None (the cache is passed as it is)."""
     index = getattr(layer, "_spyre_rt_cache_index", None)
     layers = getattr(cache, "layers", None)
-    if index is None or not isinstance(layers, list) or not 0 <= index < len(layers):
+    standin = _STANDINS.get(type(cache))
+    if standin is None or index is None or not isinstance(layers, list) or not 0 <= index < len(layers):
         return None
     entry = layers[index]
-    if not getattr(type(entry), "is_compileable", False) or not getattr(entry, "is_initialized", False):
+    if type(entry) not in _IN_PLACE or not getattr(entry, "is_initialized", False):
         return None
-    names, constants, tensors = [], [], []
-    for name, value in vars(entry).items():
-        if isinstance(value, torch.Tensor):
-            tensors.append((name, value))
-        elif isinstance(value, _CONSTANTS):
-            names.append(name)
-            constants.append(value)
-        else:
-            return None
-    cache_constants = []
-    for name, value in vars(cache).items():
-        if name == "layers":
-            continue
-        if not isinstance(value, _CONSTANTS):
-            return None
-        cache_constants.append((name, value))
-    standin = _STANDINS.get(type(cache))
-    if standin is None:
+    own = [(k, v) for k, v in vars(cache).items() if k != "layers"]
+    fields = list(vars(entry).items())
+    if not all(isinstance(v, _CONSTANTS) for _, v in own) or not all(isinstance(v, _LEAVES) for _, v in fields):
         return None
-    return _CacheLayer((_kind(standin), _kind(type(entry))), (*names, *(n for n, _ in tensors)),
-                       tuple(constants), tuple(t for _, t in tensors), tuple(cache_constants))
+    out = [_CACHE, _kind(standin), _kind(type(entry)), len(layers), len(own)]
+    for k, v in own:
+        out += [k, v]
+    out.append(len(fields))
+    for k, v in fields:
+        out += [k, v]
+    return out
 
 
 def _kind(cls: type) -> int:
@@ -158,9 +193,10 @@ def _standin_classes() -> None:
     reaches a region's trace, so a guard on it cannot tell one layer's trace from another's.
     Made before any trace (Dynamo cannot make a class)."""
     try:
-        from transformers.cache_utils import Cache
+        from transformers.cache_utils import Cache, StaticLayer
     except ImportError:  # no transformers: no cache to hand a region
         return
+    _IN_PLACE.add(StaticLayer)
     todo = [Cache]
     while todo:
         cls = todo.pop()
@@ -187,16 +223,26 @@ def _at_layer_zero(fn):
     return method
 
 
-def _region_body(layer, kinds, names, constants, tensors, cache_constants, count, args, kwargs):
-    """A layer's forward on a cache of its own layer, rebuilt from the region's inputs."""
-    entry = object.__new__(_CLASSES[kinds[1]])
-    for name, value in zip(names, (*constants, *tensors), strict=True):
-        setattr(entry, name, value)
-    cache = object.__new__(_CLASSES[kinds[0]])
-    for name, value in cache_constants:
-        setattr(cache, name, value)
-    cache.layers = [entry] * count
-    return _original(type(layer)).forward(layer, *args, past_key_values=cache, **kwargs)
+def _region_body(layer, *flat):
+    """A layer's forward on its flat inputs: with a cache of its own layer rebuilt from them."""
+    at = 1
+    kwargs = {}
+    if flat[0] == _CACHE:
+        cache = object.__new__(_CLASSES[flat[1]])
+        entry = object.__new__(_CLASSES[flat[2]])
+        count, n, at = flat[3], flat[4], 5
+        for i in range(n):
+            setattr(cache, flat[at + 2 * i], flat[at + 2 * i + 1])
+        at += 2 * n
+        n, at = flat[at], at + 1
+        for i in range(n):
+            setattr(entry, flat[at + 2 * i], flat[at + 2 * i + 1])
+        at += 2 * n
+        cache.layers = [entry] * count
+        kwargs["past_key_values"] = cache
+    args, at = _unflat(flat, at)
+    more, at = _unflat(flat, at)
+    return _original(type(layer)).forward(layer, *args, **more, **kwargs)
 
 
 def _region_plain(layer, args, kwargs):
@@ -204,4 +250,4 @@ def _region_plain(layer, args, kwargs):
 
 
 _region = torch.compiler.nested_compile_region(_region_plain, max_reuse_entries=_MAX_REGIONS)
-_region_with_cache = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=_MAX_REGIONS)
+_region_flat = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=_MAX_REGIONS)

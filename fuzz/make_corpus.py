@@ -165,13 +165,16 @@ def main() -> int:
         from blocks import plan_sections
 
         from spyre_rt import plan_cache
+        from spyre_rt.plan import program_offsets
 
         compile_models(cache_dir)
         plans, programs = {}, {}
         for seed in sorted(Path(cache_dir).glob("*.seed")):
             entry = plan_cache.decode(seed.read_bytes())
-            header = {k: v for k, v in entry.header.items() if k not in ("key", "blocks", "created")}
-            plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks)
+            header = {k: v for k, v in entry.header.items()
+                      if k not in ("key", "blocks", "pieces", "piece_sizes", "created")}
+            plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks,
+                                                 [program_offsets(b) for b in entry.blocks])
             for block in entry.blocks:
                 for off, length in plan_sections(block)["programs"]:
                     blob = block[off: off + length].tobytes()

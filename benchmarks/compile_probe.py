@@ -6,20 +6,41 @@ for a warm start. A compile is the first call of a freshly compiled prefill and 
 decode step (Dynamo, AOT, Inductor, our descriptions and plans, and one run of each).
 
     python benchmarks/compile_probe.py granite-tiny --seq 8 [--layers N] [--backend inductor] [--regional]
+        [--decode-plan-builds N]
+    python benchmarks/compile_probe.py granite-tiny --prompt-lengths 13,29,30,31
 
 The split comes from torch's own compile-time spans (``torch._dynamo.utils``) and ours
-(``spyre.describe``, ``spyre.plan_build``); ``first_call_s`` is what the two calls cost
-beyond Dynamo's compiles (the runs, and plans loaded or built at a first call).
+(``spyre.describe``, ``spyre.plan_build``), timed on the CPU clock of the compiling thread
+so that other work on the machine does not move them; ``first_call_s`` is what the two
+calls cost beyond Dynamo's compiles (the runs, and plans loaded or built at a first call).
+``total_s`` is the two calls on that clock, ``total_wall_s`` the same on the wall clock, and
+``setup_s`` what came before them (imports, the model built on the card). With
+``--decode-plan-builds N`` the decode step's plans are then built N more times from its
+kernels' descriptions, the plan cache left out (``decode_plan_build_s``: each build).
+
+``--prompt-lengths`` instead calls the model compiled as a user compiles it
+(``torch.compile(model, backend="spyre_rt")``: Dynamo's automatic dynamic shapes) with a
+prompt of each length in turn, and prints each first call's time on the same clock
+(``first_call_s``) and Dynamo's compiles so far.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
-import torch
+_START = time.thread_time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+import torch._dynamo.utils  # noqa: E402
+
+# torch's compile spans read time.time_ns(): here they read the thread's CPU clock
+torch._dynamo.utils.time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
+torch._dynamo.utils.time.time_ns = time.thread_time_ns
 
 # Span names whose time is summed into each phase (every call of the span in the process).
 PHASES = {
@@ -46,7 +67,8 @@ def _model(name: str, layers: int | None, device: str):
     return GraniteForCausalLM(cfg).to(profile.dtype).eval(), profile.dtype
 
 
-def compile_once(name: str, seq: int, layers: int | None, backend: str, regional: bool = False) -> dict:
+def compile_once(name: str, seq: int, layers: int | None, backend: str, regional: bool = False,
+                 plan_builds: int = 0) -> dict:
     from transformers import StaticCache
 
     from spyre_rt import card as cards
@@ -72,12 +94,60 @@ def compile_once(name: str, seq: int, layers: int | None, backend: str, regional
         f = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
         prefill = (torch.zeros(1, seq, dtype=torch.long).to(device), torch.arange(seq)[None].to(device))
         decode = (torch.zeros(1, 1, dtype=torch.long).to(device), torch.tensor([[seq]]).to(device))
-        t0, c0 = time.perf_counter(), time.process_time()
+        setup = time.thread_time() - _START
+        t0, c0 = time.perf_counter(), time.thread_time()
         with torch.no_grad():
             f(*prefill)
             f(*decode)
-        total, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"total_s": total, "total_cpu_s": cpu, **split(total)}
+        wall, total = time.perf_counter() - t0, time.thread_time() - c0
+        out = {"total_s": total, "total_wall_s": wall, "setup_s": setup, **split(total)}
+        if plan_builds:
+            out["decode_plan_build_s"] = decode_plan_builds(plan_builds)
+    return out
+
+
+def decode_plan_builds(n: int) -> list[float]:
+    """The decode step's plans built `n` times afresh, with no plan cache: thread CPU of each."""
+    import dataclasses
+
+    from spyre_rt import dispatch
+    from spyre_rt.executor import CompiledStep, live_steps
+    from spyre_rt.executor.executable import Executable
+
+    # the decode step: the one called with one token
+    step = next(s for s in live_steps() if any(b.dtype == "int64" and tuple(b.sizes) == (1, 1)
+                                                for b, _ in s.desc.inputs))
+    (exe,) = step.executables()
+    geometry = tuple((exe.layouts[n], exe.offsets[n]) for n in exe.binding_names[1:1 + len(step.desc.inputs)
+                                                                                  + len(step.desc.constants)])
+    fresh = CompiledStep(step.desc, step.digest, settings=dataclasses.replace(step.settings, cache_enabled=False))
+    times = []
+    for _ in range(n):
+        again = Executable(fresh, exe.card, geometry)
+        c0 = time.thread_time()
+        again.prepare(dispatch.named("prebuilt"))
+        times.append(time.thread_time() - c0)
+    return times
+
+
+def prompt_lengths(name: str, lengths: list[int]) -> dict:
+    """The first call at each prompt length of a model compiled as a user compiles it."""
+    from torch._dynamo.utils import counters
+
+    from spyre_rt import card as cards
+
+    with cards.configured(None, "timing"):
+        model, _ = _model(name, None, "spyre")
+        f = torch.compile(model, backend="spyre_rt")
+        calls = []
+        with torch.no_grad():
+            for n in lengths:
+                ids = torch.zeros(1, n, dtype=torch.long).to("spyre")
+                c0 = time.thread_time()
+                f(ids)
+                calls.append({"length": n, "first_call_s": time.thread_time() - c0,
+                              "dynamo_compiles": counters["frames"]["ok"]})
+    return {"calls": calls}
 
 
 def split(total: float) -> dict:
@@ -112,9 +182,17 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--backend", default="spyre_rt", choices=("spyre_rt", "inductor"))
     p.add_argument("--regional", action="store_true", help="decoder layers compiled once (compile_layers_once)")
+    p.add_argument("--decode-plan-builds", type=int, default=0, metavar="N",
+                   help="then build the decode step's plans N times, no plan cache")
+    p.add_argument("--prompt-lengths", default="", metavar="N,N,...",
+                   help="instead: the first call at each prompt length (automatic dynamic shapes)")
     p.add_argument("--spans", action="store_true", help="every span's total too (to stderr)")
     args = p.parse_args(argv)
-    print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend, args.regional)))
+    if args.prompt_lengths:
+        print(json.dumps(prompt_lengths(args.model, [int(n) for n in args.prompt_lengths.split(",")])))
+        return 0
+    print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend, args.regional,
+                                  args.decode_plan_builds)))
     if args.spans:
         from torch._dynamo.utils import compilation_time_metrics
 

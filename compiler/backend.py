@@ -8,6 +8,7 @@ backend="spyre_rt")`` works without importing spyre_rt first. The graph goes thr
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -19,6 +20,7 @@ from .errors import OptionError
 from .inductor import STATIC_INPUTS
 from .version import compiler_version
 
+log = logging.getLogger("spyre_rt.compiler.backend")
 _registered = False
 _lock = threading.Lock()
 
@@ -150,8 +152,10 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "compiler_version": compiler_version(),
     }
 
-    check_fake_kernels(gm)  # AOT traces every op with fake tensors
-    use_card_attention(gm)  # before AOT would decompose it into its math
+    for graph in gm.modules():  # the graph and its compile regions' bodies
+        if isinstance(graph, torch.fx.GraphModule):
+            check_fake_kernels(graph)  # AOT traces every op with fake tensors
+            use_card_attention(graph)  # before AOT would decompose it into its math
 
     inner = functools.partial(_inner_compile, patch=patch)
     try:
@@ -165,6 +169,13 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         ours = _our_error(e)
         if ours is None:
             raise
+        if getattr(ours, "inline_regions", False):
+            # a region the card cannot call as it is (see lowering._install_region_writes):
+            # this graph compiles with its regions' bodies inlined, as if never marked
+            from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+
+            log.info("spyre_rt: %s; compiling this graph with its regions inlined", ours)
+            return spyre_rt_backend(inline_invoke_subgraph(gm), example_inputs, options, mode)
         raise ours from None
 
 

@@ -344,10 +344,35 @@ def _eval_namespace() -> dict[str, Callable]:
 
 
 def _compile_expr(expr: sympy.Expr, symbols: list[sympy.Symbol]) -> Callable[..., int]:
-    names = [s.name for s in symbols]
-    text = sympy.printing.str.sstr(expr)
+    return _compiled(_python(expr), tuple(s.name for s in symbols))
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(text: str, names: tuple[str, ...]) -> Callable[..., int]:
+    """An index expression's Python text as a function of `names` (kernels of one layer
+    repeat the same expressions: each is compiled once)."""
     code = compile(f"lambda {', '.join(names)}: {text}", "<index>", "eval")
     return eval(code, _eval_namespace())  # our own sympy output, evaluated on ints
+
+
+_CALLS = frozenset(_eval_namespace())
+
+
+def _python(expr: sympy.Expr) -> str:
+    """Python text of an index expression: sums, products and the calls of
+    :func:`_eval_namespace` written directly (sympy's printer orders the terms of every
+    sum first, which is most of the time a description takes); anything else as sympy
+    prints it."""
+    if expr.is_Integer:
+        return str(int(expr))
+    if expr.is_Symbol:
+        return expr.name
+    if expr.is_Add or expr.is_Mul:
+        return "(" + (" + " if expr.is_Add else " * ").join(_python(a) for a in expr.args) + ")"
+    name = type(expr).__name__
+    if name in _CALLS:
+        return f"{name}({', '.join(_python(a) for a in expr.args)})"
+    return f"({sympy.printing.str.sstr(expr)})"
 
 
 def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[int]:
@@ -409,7 +434,8 @@ def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extr
     extra = list(extra_syms)
     sub = {s: node_sub[s](canon) for s in node_syms}
     full = expr.xreplace(sub) if sub else expr
-    f = _compile_expr(full, canon + extra)
+    text = _python(full)
+    f = _compiled(text, tuple(s.name for s in canon + extra))
     zero = [0] * (ncan + len(extra))
     base = int(f(*zero))
     coeffs = []
@@ -420,7 +446,7 @@ def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extr
         pt = list(zero)
         pt[j] = 1
         coeffs.append(int(f(*pt)) - base)
-    rng = random.Random(hash((str(expr), tuple(canon_sizes))) & 0xFFFFFFFF)
+    rng = random.Random(hash((text, tuple(canon_sizes))) & 0xFFFFFFFF)
     for trial in range(48):
         pt = [rng.randrange(n) for n in canon_sizes] + [rng.randrange(0, 7) for _ in extra]
         if trial < ncan:  # also the far corner along each variable

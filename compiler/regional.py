@@ -4,23 +4,39 @@
     fast = torch.compile(model, backend="spyre_rt")
 
 A Hugging Face decoder's layers (the classes its ``_no_split_modules`` names, in a
-``ModuleList``) are the same graph many times. Their ``forward`` is marked with
-``torch.compiler.nested_compile_region``: Dynamo traces a layer once and reuses the trace
-for every layer it fits (a layer that traces differently, a sliding-window layer beside a
-global one, gets a region of its own), AOT and Inductor compile each region once, and the
-backend describes its kernels once and puts a copy in the step for every call
-(:mod:`spyre_rt.compiler.regions`): the step still launches as one plan.
+``ModuleList``) are the same graph many times. Each layer's call goes through one function
+marked with ``torch.compiler.nested_compile_region``: Dynamo traces it once and stamps out
+that trace for every later layer whose inputs match (a layer that traces differently, a
+sliding-window layer beside a global one, gets a region of its own), AOT and Inductor
+compile each region once, and the backend describes its kernels once and puts a copy in the
+step for every call (:mod:`spyre_rt.compiler.regions`): the step still launches as one plan.
 
-The mark is a subclass of each layer's class whose ``forward`` is the marked one, set on the
+Dynamo reuses a region's trace only for calls whose inputs are tensors, sizes, constants
+and modules. A transformers KV cache is none of these, so a layer's call hands the region its
+own cache layer as tensors and constants (:func:`_flat_cache`), and the region rebuilds a
+cache of that one layer to call the layer's forward with. That is right only for cache
+layers whose update changes nothing but their tensors, in place: a static cache's layers
+(``StaticLayer``). Any other cache is passed as it is (a dynamic cache grows by rebinding
+its tensors, a sliding window counts its tokens in a Python int), and Dynamo then traces
+every layer that has one.
+
+The mark is a subclass of each layer's class whose ``forward`` makes that call, set on the
 layer instances only (the transformers class is left as it is); ``enabled=False`` takes it
 off again. In eager mode the marked forward is the layer's own.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked forward
+_CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
+_CONSTANTS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_IN_PLACE: set[type] = set()  # cache layer classes whose update only writes their tensors in place
+_STANDINS: dict[type, type] = {}  # a cache class -> the class of a region's cache of one layer
+_MAX_REGIONS = 64  # distinct traces of the region Dynamo keeps (one per distinct layer)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,6 +55,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def compile_layers_once(model: torch.nn.Module, enabled: bool = True) -> int:
     """Mark `model`'s decoder layers as compile regions (or, with ``enabled=False``, unmark
     them); the number of layers changed."""
+    _standin_classes()
     changed = 0
     for layer in decoder_layers(model):
         cls = type(layer)
@@ -46,6 +63,9 @@ def compile_layers_once(model: torch.nn.Module, enabled: bool = True) -> int:
         if cls is not want:
             layer.__class__ = want
             changed += 1
+        if enabled:
+            # read here, not by Dynamo: a guard on it would differ for every layer
+            layer._spyre_rt_cache_index = _layer_index(layer)
     return changed
 
 
@@ -55,12 +75,179 @@ def _original(cls: type) -> type:
 
 def _marked(cls: type) -> type:
     if cls not in _MARKED:
-        # one subclass, and one marked function, per layer class: every layer of the class
-        # calls the same region, which is what lets Dynamo reuse its trace
         _MARKED[cls] = type(cls.__name__, (cls,), {
-            "forward": torch.compiler.nested_compile_region(cls.forward),
+            "forward": _forward,
             "_spyre_rt_unmarked": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
         })
     return _MARKED[cls]
+
+
+def _forward(self, *args, **kwargs):
+    """A marked layer's forward: its call of the region, with flat inputs (see :func:`_flat`)."""
+    if not torch.compiler.is_compiling():
+        return _original(type(self)).forward(self, *args, **kwargs)
+    cache = kwargs.get("past_key_values")
+    flat = _flat_cache(cache, self) if cache is not None else None
+    if flat is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+    else:
+        flat = [_PASSED]
+    if not (_flat(args, flat) and _flat(kwargs, flat)):
+        return _region(self, args, kwargs)  # an input that is not plain data: traced every time
+    return _region_flat(self, *flat)
+
+
+# A region's inputs are one flat list of tensors and constants: Dynamo matches such calls
+# against its earlier traces cheaply, where a nested one (a tuple, a dict) is flattened by
+# tracing torch's pytree functions at every call. Tags say how the list nests:
+_PASSED = "passed"   # the call's own cache, if any, is among its arguments
+_CACHE = "cache"     # then: cache class, layer class (by index), layer count, n, n (name, value) of the
+                     # cache's constants, n, n (name, value) of the layer's attributes
+_LEAF, _TUPLE, _LIST, _DICT = "leaf", "tuple", "list", "dict"  # then: a value; n and n values; n and n (key, value)
+_LEAVES = (torch.Tensor, *_CONSTANTS)
+
+
+def _flat(value, out: list) -> bool:
+    """Append `value` to `out` as tags and leaves; False if some part of it is no leaf."""
+    if isinstance(value, _LEAVES):
+        out += [_LEAF, value]
+        return True
+    if isinstance(value, (tuple, list)):
+        out += [_TUPLE if isinstance(value, tuple) else _LIST, len(value)]
+        return all(_flat(v, out) for v in value)
+    if isinstance(value, dict):
+        out += [_DICT, len(value)]
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return False
+            out.append(k)
+            if not _flat(v, out):
+                return False
+        return True
+    return False
+
+
+def _unflat(flat: tuple, at: int):
+    """The value that starts at `flat[at]`, and where the next one starts."""
+    tag = flat[at]
+    if tag == _LEAF:
+        return flat[at + 1], at + 2
+    n, at = flat[at + 1], at + 2
+    if tag == _DICT:
+        out = {}
+        for _ in range(n):
+            key = flat[at]
+            out[key], at = _unflat(flat, at + 1)
+        return out, at
+    items = []
+    for _ in range(n):
+        v, at = _unflat(flat, at)
+        items.append(v)
+    return (tuple(items) if tag == _TUPLE else items), at
+
+
+def _flat_cache(cache, layer: torch.nn.Module) -> list | None:
+    """`layer`'s own layer of `cache` as tags and leaves, when it is a layer whose update only
+    writes its tensors in place; else None (the cache is passed as it is)."""
+    index = getattr(layer, "_spyre_rt_cache_index", None)
+    layers = getattr(cache, "layers", None)
+    standin = _STANDINS.get(type(cache))
+    if standin is None or index is None or not isinstance(layers, list) or not 0 <= index < len(layers):
+        return None
+    entry = layers[index]
+    if type(entry) not in _IN_PLACE or not getattr(entry, "is_initialized", False):
+        return None
+    own = [(k, v) for k, v in vars(cache).items() if k != "layers"]
+    fields = list(vars(entry).items())
+    if not all(isinstance(v, _CONSTANTS) for _, v in own) or not all(isinstance(v, _LEAVES) for _, v in fields):
+        return None
+    out = [_CACHE, _kind(standin), _kind(type(entry)), len(layers), len(own)]
+    for k, v in own:
+        out += [k, v]
+    out.append(len(fields))
+    for k, v in fields:
+        out += [k, v]
+    return out
+
+
+def _kind(cls: type) -> int:
+    if cls not in _CLASSES:
+        _CLASSES.append(cls)
+    return _CLASSES.index(cls)
+
+
+def _layer_index(layer: torch.nn.Module) -> int | None:
+    """The cache index of a decoder layer: the ``layer_idx`` its attention (or itself) keeps."""
+    for m in layer.modules():
+        index = getattr(m, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return None
+
+
+def _standin_classes() -> None:
+    """For every transformers cache class, the class of the cache a region builds: one whose
+    methods that take a ``layer_idx`` use the one layer it has. The layer's own index never
+    reaches a region's trace, so a guard on it cannot tell one layer's trace from another's.
+    Made before any trace (Dynamo cannot make a class)."""
+    try:
+        from transformers.cache_utils import Cache, StaticLayer
+    except ImportError:  # no transformers: no cache to hand a region
+        return
+    _IN_PLACE.add(StaticLayer)
+    todo = [Cache]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls in _STANDINS or cls in _STANDINS.values():
+            continue
+        methods = {}
+        for name, fn in inspect.getmembers(cls, inspect.isfunction):
+            if "layer_idx" in inspect.signature(fn).parameters:
+                methods[name] = _at_layer_zero(fn)
+        _STANDINS[cls] = type(f"{cls.__name__}OfOneLayer", (cls,), methods)
+
+
+def _at_layer_zero(fn):
+    position = list(inspect.signature(fn).parameters).index("layer_idx") - 1  # after self
+
+    def method(self, *args, **kwargs):
+        if "layer_idx" in kwargs:
+            kwargs = {**kwargs, "layer_idx": 0}
+        elif len(args) > position:
+            args = (*args[:position], 0, *args[position + 1:])
+        return fn(self, *args, **kwargs)
+
+    return method
+
+
+def _region_body(layer, *flat):
+    """A layer's forward on its flat inputs: with a cache of its own layer rebuilt from them."""
+    at = 1
+    kwargs = {}
+    if flat[0] == _CACHE:
+        cache = object.__new__(_CLASSES[flat[1]])
+        entry = object.__new__(_CLASSES[flat[2]])
+        count, n, at = flat[3], flat[4], 5
+        for i in range(n):
+            setattr(cache, flat[at + 2 * i], flat[at + 2 * i + 1])
+        at += 2 * n
+        n, at = flat[at], at + 1
+        for i in range(n):
+            setattr(entry, flat[at + 2 * i], flat[at + 2 * i + 1])
+        at += 2 * n
+        cache.layers = [entry] * count
+        kwargs["past_key_values"] = cache
+    args, at = _unflat(flat, at)
+    more, at = _unflat(flat, at)
+    return _original(type(layer)).forward(layer, *args, **more, **kwargs)
+
+
+def _region_plain(layer, args, kwargs):
+    return _original(type(layer)).forward(layer, *args, **kwargs)
+
+
+_region = torch.compiler.nested_compile_region(_region_plain, max_reuse_entries=_MAX_REGIONS)
+_region_flat = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=_MAX_REGIONS)

@@ -15,13 +15,12 @@ storage as they are).
 from __future__ import annotations
 
 import dataclasses
-import json
 
-from spyre_rt.kernels import StepDesc, from_json, to_json
+from spyre_rt.kernels import StepDesc
 
 from .errors import CompileFailed
 
-# Fields of a description whose strings are never buffer or kernel names.
+# Fields of a description whose strings are never buffer or kernel names (and JSON's tag).
 _NOT_NAMES = frozenset({"__type__", "origins", "source", "module", "op", "dtype", "dtypes", "id", "args_of"})
 
 
@@ -49,32 +48,30 @@ def inline(step: StepDesc, call: str, operands: list) -> Inlined:
     names = {b.name: f"{call}_{b.name}" for b, _ in step.inputs}
     names.update((n, f"{call}_{n}") for n in (*step.buffers, *step.aliases, *step.kernels))
     names.update((op.name, f"{call}_{op.name}") for kind, op in step.sequence if kind == "cpu")
-    renamed = from_json(json.dumps(_rename(json.loads(to_json(
-        [step.kernels, step.buffers, step.aliases, list(step.sequence), list(step.outputs)])), names)))
-    kernels, buffers, aliases, sequence, outputs = renamed
+    kernels, buffers, aliases, sequence, outputs = _rename(
+        (step.kernels, step.buffers, dict(step.aliases), tuple(step.sequence), tuple(step.outputs)), names)
     for (b, _), view in zip(step.inputs, operands, strict=True):
         aliases[names[b.name]] = tuple(view)
     mutated = {view[0] for (b, written), view in zip(step.inputs, operands, strict=True) if written}
-    return Inlined(kernels=kernels, sequence=[_tuples(item) for item in sequence], buffers=buffers,
-                   aliases={k: _tuples(v) for k, v in aliases.items()}, outputs=[_tuples(o) for o in outputs],
-                   mutated=mutated,
+    return Inlined(kernels=kernels, sequence=list(sequence), buffers=buffers, aliases=aliases,
+                   outputs=list(outputs), mutated=mutated,
                    sources={names[k]: v for k, v in step.sources.items() if k in names},
                    kernel_names={k: names[k] for k in step.kernels})
 
 
 def _rename(obj, names: dict[str, str]):
+    """`obj` with every buffer, alias and kernel name in it renamed (descriptions rebuilt,
+    plain data: a call's copy shares nothing that changes with the region's)."""
     if isinstance(obj, str):
         return names.get(obj, obj)
+    if isinstance(obj, tuple):
+        return tuple(_rename(x, names) for x in obj)
     if isinstance(obj, list):
         return [_rename(x, names) for x in obj]
     if isinstance(obj, dict):
         return {names.get(k, k) if k not in _NOT_NAMES else k: (v if k in _NOT_NAMES else _rename(v, names))
                 for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: (v if f.name in _NOT_NAMES else _rename(v, names))
+                            for f in dataclasses.fields(obj) for v in (getattr(obj, f.name),)})
     return obj
-
-
-def _tuples(value):
-    """JSON arrays back to the tuples a step holds (descriptions decode their own)."""
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value

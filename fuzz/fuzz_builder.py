@@ -140,8 +140,11 @@ MAX_MM_USES = 1 << 14  # a bigger matmul that the builder accepts is real work, 
 
 
 def matmul_record_bytes(rec) -> bytes:
-    """A ``spy_matmul_record`` (cdata) and its arrays as one input body."""
-    out = bytes(ffi.buffer(rec))
+    """A ``spy_matmul_record`` (cdata, its pointers zero) and its arrays as one input body."""
+    plain = ffi.new("spy_matmul_record *", rec[0])
+    for field, *_ in MM_ARRAYS:
+        setattr(plain, field, ffi.NULL)
+    out = bytes(ffi.buffer(plain))
     for field, count, ctype, _ in MM_ARRAYS:
         out += bytes(ffi.buffer(getattr(rec, field), ffi.sizeof(ctype) * getattr(rec, count)))
     return out

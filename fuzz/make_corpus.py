@@ -311,14 +311,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
         from spyre_rt import plan_cache
+        from spyre_rt.plan import program_offsets
         from spyre_rt.program import plan_tables
 
         compile_models(cache_dir)
         plans, programs = {}, {}
         for seed in sorted(Path(cache_dir).glob("*.seed")):
             entry = plan_cache.decode(seed.read_bytes())
-            header = {k: v for k, v in entry.header.items() if k not in ("key", "blocks", "created")}
-            plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks)
+            header = {k: v for k, v in entry.header.items()
+                      if k not in ("key", "blocks", "pieces", "piece_sizes", "created")}
+            plans[seed.stem] = plan_cache.encode(entry.key, header, entry.blocks,
+                                                 [program_offsets(b) for b in entry.blocks])
             for block in entry.blocks:
                 for job in plan_tables(block).jobs:
                     blob = block[int(job["prog_off"]): int(job["prog_off"]) + int(job["prog_len"])].tobytes()

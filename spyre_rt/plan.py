@@ -68,6 +68,14 @@ def binding_layouts(block: np.ndarray) -> np.ndarray:
     return plan_tables(block).layouts
 
 
+def program_offsets(block: np.ndarray) -> list[int]:
+    """Where each job's program starts in a plan block (a plan file stores each distinct
+    program once: see :mod:`spyre_rt.plan_cache`)."""
+    njobs = job_names(block)
+    table = block[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + njobs * PLAN_JOB.itemsize].view(PLAN_JOB)
+    return [int(x) for x in table["prog_off"]]
+
+
 def job_names(block: np.ndarray) -> int:
     """Number of jobs of a plan block (its header's count)."""
     return int(block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)["njobs"][0])

@@ -6,9 +6,12 @@ device profile, the compiler and torch versions and the compile options. A file 
 data, never pickle or code:
 
     magic "SPYPLAN\\0" | format u32 | header length u32 | payload length u64 | sha256 (32 B)
-    | header (JSON) | payload (the plan blocks, 8-byte aligned)
+    | header (JSON) | payload (pieces of the plan blocks, each 8-byte aligned)
 
-The checksum covers header and payload. A file that is truncated, corrupt, of another
+A block is stored as pieces (a plan block's tables, each job's program): each distinct
+piece once, and per block the list of pieces it is made of (the header's ``pieces`` and
+``piece_sizes``). The 40 layers of a decoder run the same programs, so a file holds each
+once. The checksum covers header and payload. A file that is truncated, corrupt, of another
 format or for another key is detected, logged, counted and rebuilt; the plan blocks are
 validated again by the card when the plans are created. Writes go to a temporary file in
 the cache directory and are renamed into place, so concurrent writers leave one valid file
@@ -39,7 +42,7 @@ from .errors import SpyrePlanCacheError
 log = logging.getLogger("spyre_rt.plan_cache")
 
 MAGIC = b"SPYPLAN\0"
-FORMAT = 1
+FORMAT = 2  # 1 stored each block whole
 _PREFIX = struct.Struct("<8sIIQ32s")  # magic, format, header length, payload length, sha256
 SUFFIX = ".plan"
 STATS_FILE = "stats.json"
@@ -77,13 +80,32 @@ def digest(*parts) -> str:
     return h.hexdigest()
 
 
-def encode(key: str, header: dict, blocks: list[np.ndarray]) -> bytes:
-    header = dict(header, key=key, blocks=[int(b.size) for b in blocks])
+def encode(key: str, header: dict, blocks: list[np.ndarray], cuts: list[list[int]] | None = None) -> bytes:
+    """The file of `blocks`; ``cuts[i]`` are the offsets where block i's pieces start (its
+    job programs: see :func:`spyre_rt.plan.program_offsets`), each distinct piece stored once."""
+    ids: dict[bytes, int] = {}
+    pieces: list[bytes] = []
+    layout = []
+    for i, b in enumerate(blocks):
+        raw = memoryview(np.ascontiguousarray(b).view(np.uint8)).cast("B")
+        bounds = [0, *sorted({c for c in (cuts[i] if cuts else ()) if 0 < c < len(raw)}), len(raw)]
+        made = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            piece = bytes(raw[lo:hi])
+            n = ids.get(piece)
+            if n is None:
+                n = ids[piece] = len(pieces)
+                pieces.append(piece)
+            made.append(n)
+        layout.append(made)
+    header = dict(header, key=key, blocks=[int(b.size) for b in blocks], pieces=layout,
+                  piece_sizes=[len(p) for p in pieces])
     head = json.dumps(header, sort_keys=True).encode()
     head += b" " * (-len(head) % 8)
-    payload = b"".join(bytes(b) + b"\0" * (-b.size % 8) for b in blocks)
-    check = hashlib.sha256(head + payload).digest()
-    return _PREFIX.pack(MAGIC, FORMAT, len(head), len(payload), check) + head + payload
+    payload = b"".join(p + b"\0" * (-len(p) % 8) for p in pieces)
+    h = hashlib.sha256(head)
+    h.update(payload)
+    return _PREFIX.pack(MAGIC, FORMAT, len(head), len(payload), h.digest()) + head + payload
 
 
 def decode(data: bytes, key: str | None = None) -> Entry:
@@ -114,15 +136,28 @@ def decode(data: bytes, key: str | None = None) -> Entry:
         raise SpyrePlanCacheError("header lacks its key")
     if key is not None and header["key"] != key:
         raise SpyrePlanCacheError("a file for another key (foreign or stale)")
-    blocks, pos = [], nhead
-    for size in header["blocks"]:
-        if type(size) is not int or size < 0 or pos + size > nhead + npay:
-            raise SpyrePlanCacheError("block table points outside the payload")
-        raw = np.frombuffer(body[pos: pos + size], dtype=np.uint8)
+    sizes, layout, piece_sizes = header["blocks"], header.get("pieces"), header.get("piece_sizes")
+    if (not isinstance(layout, list) or len(layout) != len(sizes) or not isinstance(piece_sizes, list)
+            or not all(type(n) is int and n >= 0 for n in (*sizes, *piece_sizes))):
+        raise SpyrePlanCacheError("header lacks the piece table")
+    starts, pos = [], nhead
+    for n in piece_sizes:
+        starts.append(pos)
+        pos += n + (-n % 8)
+    if pos != nhead + npay:
+        raise SpyrePlanCacheError("piece table points outside the payload")
+    blocks = []
+    for size, made in zip(sizes, layout, strict=True):
+        if (not isinstance(made, list) or not all(type(i) is int and 0 <= i < len(piece_sizes) for i in made)
+                or sum(piece_sizes[i] for i in made) != size):
+            raise SpyrePlanCacheError("a block's pieces do not make the block")
         aligned = np.zeros((size + 7) // 8, dtype=np.uint64).view(np.uint8)[:size]
-        aligned[:] = raw
+        at = 0
+        for i in made:
+            n = piece_sizes[i]
+            aligned[at: at + n] = np.frombuffer(body[starts[i]: starts[i] + n], dtype=np.uint8)
+            at += n
         blocks.append(aligned)
-        pos += size + (-size % 8)
     return Entry(header["key"], header, blocks)
 
 
@@ -166,8 +201,8 @@ class PlanCache:
         with contextlib.suppress(OSError):
             self.path(key).unlink()
 
-    def store(self, key: str, header: dict, blocks: list[np.ndarray]) -> None:
-        data = encode(key, header, blocks)
+    def store(self, key: str, header: dict, blocks: list[np.ndarray], cuts: list[list[int]] | None = None) -> None:
+        data = encode(key, header, blocks, cuts)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=self.dir)

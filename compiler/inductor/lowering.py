@@ -263,9 +263,10 @@ def _install_region_writes() -> None:
                 # AOT made a copy for the region to write and copies it back after the
                 # call; the copy back is not ordered after the call (wrong results seen
                 # with Gemma 2's decode step), so refuse rather than compute wrongly
-                raise compile_error("a compile region that writes a copy of its caller's tensor "
-                                    f"({operand.get_name()}) is not supported on spyre: compile this model's "
-                                    "layers whole (compile_layers_once(model, enabled=False))", [])
+                err = compile_error("a compile region that writes a copy of its caller's tensor "
+                                    f"({operand.get_name()}) is not supported on spyre", [])
+                err.inline_regions = True  # the backend compiles the graph again with its regions inlined
+                raise err
             ir.MutationOutput(ir.NoneLayout(device=operand.get_device()), operand, call)
         return result
 

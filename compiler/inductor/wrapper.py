@@ -97,6 +97,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         self.region_step: StepDesc | None = None  # a region's step, once generated
         self._regions: dict[str, tuple] = {}  # region graph -> (its step, its wrapper)
         self._region_writes: set[str] = set()  # the caller's buffers region calls write
+        self._inlined_kernels: set[str] = set()  # kernels of region calls (concrete)
         self.spyre_kernels: dict = {}
         # (extern node, index path of a result) -> the view of the argument it returns
         self._returned_args: dict[tuple[str, tuple], tuple] = {}
@@ -139,6 +140,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         wrapper = self._regions_by_step(line.step)
         for k, new in region.kernel_names.items():
             self.spyre_kernels[new] = region.kernels[new]
+            self._inlined_kernels.add(new)
             self.kernel_nodes[new] = wrapper.kernel_nodes.get(k, set())
             self.kernel_indexing[new] = wrapper.kernel_indexing.get(k, set())
             self.kernel_sources[new] = region.sources.get(new, "")
@@ -356,9 +358,16 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             sources={k: v for k, v in self.kernel_sources.items() if v and k in self.spyre_kernels},
         )
         _check_unused(read_back, step)
-        if step.options["fuse_epilogues"] and not _is_symbolic(step):
+        if step.options["fuse_epilogues"] and not self._symbolic(step):
             step = fuse_epilogues(step)  # a symbolic step's are fused once its sizes are known
         return step
+
+    def _symbolic(self, step: StepDesc) -> bool:
+        """Whether sizes in `step` are expressions of size symbols. The kernels inlined from
+        regions are not (a region with dynamic sizes is refused): the walk skips them."""
+        inlined = self._inlined_kernels
+        return _is_symbolic(dataclasses.replace(
+            step, kernels={k: v for k, v in step.kernels.items() if k not in inlined}))
 
     def _inputs(self) -> tuple[list, list]:
         """The tensor inputs (and whether the step mutates them), and where each size symbol
@@ -430,7 +439,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         if self.region:  # the calling step inlines it (see codegen_invoke_subgraph)
             self.region_step = step
             return ValueWithLineMap("", []), ValueWithLineMap("", [])
-        symbolic = _is_symbolic(step)
+        symbolic = self._symbolic(step)
         loader = "spyre_rt.compiler.specialize" if symbolic else "spyre_rt.executor"
         text = to_json(step)
         from .. import options

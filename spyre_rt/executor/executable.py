@@ -48,6 +48,7 @@ from ..layout import StickLayout, layout_for, storage_numel
 from ..native import ffi
 from . import memory, plans, undo
 from .cpu_ops import CpuOps
+from .distinct import DistinctBuilds
 from .host_kernels import HostKernels
 from .segments import Call, DeviceSegment, cut
 from .stats import stats
@@ -247,15 +248,18 @@ class Executable:
                 kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 
-    def construct_all(self, fallback: bool = True) -> dict[str, tuple[np.ndarray, list[str]]]:
+    def construct_all(self, fallback: bool = True, distinct: bool = False) -> dict[str, tuple[np.ndarray, list[str]]]:
         """Construct every kernel of the device segments once: their programs by name. A
         kernel construction refuses runs on the host from then on (with `fallback` false,
-        or CPU fallback off in the step's options, a SpyreRefusedError names them)."""
+        or CPU fallback off in the step's options, a SpyreRefusedError names them). With
+        `distinct` (a plan build), kernels of one form share the first one's program
+        (:mod:`.distinct`)."""
         built, refused, indirect = {}, {}, set()
+        build = DistinctBuilds(self).build if distinct else self.build
         for seg in self.device_segments():
             for name in seg.kernels:
                 try:
-                    built[name] = self.build(name)
+                    built[name] = build(name)
                 except Refused as e:
                     refused[name] = str(e) or type(e).__name__
                     if getattr(e, "indirect", False):

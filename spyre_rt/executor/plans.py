@@ -18,7 +18,7 @@ import torch
 from .. import kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
-from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, set_job_names
+from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, program_offsets, set_job_names
 from ..plan import encode as encode_plan
 from ..version import __version__, runtime_version
 from .segments import DeviceSegment
@@ -53,7 +53,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
             return plans
         except (SpyreError, ValueError) as e:
             cache.reject(key, str(e))
-    built = exe.construct_all(fallback)
+    built = exe.construct_all(fallback, distinct=True)
     segments = exe.device_segments()
     blocks = [build_block(exe, seg, built) for seg in segments]
     plans = [GraphPlan(exe.card, block) for block in blocks]
@@ -66,7 +66,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
                   "arena_bytes": exe.arena_bytes, "created": time.time(),
                   "kernel_info": {exe.job_name(k): info for n in names for k in n
                                   if (info := kernel_info.lookup(exe.job_name(k))) is not None}}
-        cache.store(key, header, blocks)
+        cache.store(key, header, blocks, [program_offsets(b) for b in blocks])
     return plans
 
 

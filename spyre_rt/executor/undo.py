@@ -111,13 +111,15 @@ def _row_save(k: LoopKernel, store: Op, number: int) -> RowSave:
     rows = Access(buf.name, 0, buf.strides)
     used = {o.access.buf for o in index if o.access is not None and o.access.buf} | {store.access.buf}
     buffers = (*(b for b in k.buffers if b.name in used), buf)
+    # op ids name no save: the saves of a decoder's layers are then one form, built once
+    # per plan (executor.distinct)
     save = LoopKernel(name, k.sizes, k.ncols, False,
-                      (*index, Op(f"{name}v", "load", (), store.dtype, store.access),
-                       Op(f"{name}s", "store", (f"{name}v",), store.dtype, rows)),
+                      (*index, Op(f"{SAVE}v", "load", (), store.dtype, store.access),
+                       Op(f"{SAVE}s", "store", (f"{SAVE}v",), store.dtype, rows)),
                       buffers, k.origins, k.module)
     restore = LoopKernel(f"{RESTORE}{number}", k.sizes, k.ncols, False,
-                         (*index, Op(f"{name}r", "load", (), store.dtype, rows),
-                          Op(f"{name}w", "store", (f"{name}r",), store.dtype, store.access)),
+                         (*index, Op(f"{SAVE}r", "load", (), store.dtype, rows),
+                          Op(f"{SAVE}w", "store", (f"{SAVE}r",), store.dtype, store.access)),
                          buffers, k.origins, k.module)
     return RowSave(save, restore, buf)
 

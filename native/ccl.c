@@ -13,11 +13,18 @@
 #include "internal.h"
 
 #define CCL_MAGIC 0x5350434cu /* "SPCL" */
-#define CCL_VERSION 1u
+#define CCL_VERSION 2u
 #define CCL_LINE 64u
 #define CCL_ALIGN(x) (((x) + CCL_LINE - 1) / CCL_LINE * CCL_LINE)
 
-enum { KIND_ALLREDUCE = 1, KIND_ALLGATHER, KIND_REDUCE_SCATTER, KIND_BROADCAST, KIND_ALLTOALL, KIND_BARRIER };
+enum {
+    KIND_ALLREDUCE = SPY_CCL_KIND_ALLREDUCE,
+    KIND_ALLGATHER = SPY_CCL_KIND_ALLGATHER,
+    KIND_REDUCE_SCATTER = SPY_CCL_KIND_REDUCE_SCATTER,
+    KIND_BROADCAST = SPY_CCL_KIND_BROADCAST,
+    KIND_ALLTOALL,
+    KIND_BARRIER
+};
 static const char *const KIND_NAMES[] = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                          "all_to_all", "barrier"};
 
@@ -29,7 +36,8 @@ typedef struct ccl_header {
 } ccl_header;
 
 /* One rank's control block: its two sequence numbers on lines of their own (the peers spin
- * on them), then the descriptor of its current call and its process id. */
+ * on them), then the descriptor of its current call, its process id and its clock (when its
+ * card is ready for the call: see spy_ccl_set_clock). */
 typedef struct ccl_rank {
     uint64_t arrive;
     uint8_t pad0[CCL_LINE - 8];
@@ -37,7 +45,8 @@ typedef struct ccl_rank {
     uint8_t pad1[CCL_LINE - 8];
     uint64_t desc[5]; /* kind, total size, dtype, op, root (or the caller's tag) */
     int64_t pid;
-    uint8_t pad2[CCL_LINE - 48];
+    double clock;
+    uint8_t pad2[CCL_LINE - 56];
 } ccl_rank;
 _Static_assert(sizeof(ccl_rank) == 3 * CCL_LINE, "ccl_rank is three cache lines");
 
@@ -49,6 +58,7 @@ struct spy_ccl {
     uint8_t *slots;
     uint32_t rank, nranks;
     uint64_t slot_bytes, timeout_ns, round;
+    double clock, clock_max; /* this rank's clock for the next call; the latest of every rank's at the last */
 };
 
 static size_t segment_bytes(uint32_t nranks, uint64_t slot_bytes)
@@ -140,6 +150,16 @@ void spy_ccl_close(spy_ccl *c)
 
 uint64_t spy_ccl_rounds(const spy_ccl *c) { return c ? c->round : 0; }
 
+uint32_t spy_ccl_size(const spy_ccl *c) { return c ? c->nranks : 0; }
+
+void spy_ccl_set_clock(spy_ccl *c, double clock)
+{
+    if (c)
+        c->clock = clock;
+}
+
+double spy_ccl_clock(const spy_ccl *c) { return c ? c->clock_max : 0.0; }
+
 void spy_ccl_abort(spy_ccl *c, const char *reason)
 {
     if (!c)
@@ -227,6 +247,7 @@ static spy_status round_begin(spy_ccl *c, const uint64_t desc[5])
     if (s != SPY_OK)
         return s;
     memcpy(c->ranks[c->rank].desc, desc, sizeof c->ranks[c->rank].desc);
+    c->ranks[c->rank].clock = c->clock;
     return SPY_OK;
 }
 
@@ -253,6 +274,11 @@ static spy_status round_exchange(spy_ccl *c)
             return spy_fail(SPY_E_CCL_MISMATCH, -1, "%s", why);
         }
     }
+    double latest = c->ranks[0].clock;
+    for (uint32_t j = 1; j < c->nranks; j++)
+        if (c->ranks[j].clock > latest)
+            latest = c->ranks[j].clock;
+    c->clock_max = latest;
     return SPY_OK;
 }
 
@@ -267,6 +293,8 @@ static uint32_t elem_size(uint32_t dtype)
     }
     return 0;
 }
+
+uint32_t spy_ccl_elem_size(uint32_t dtype) { return elem_size(dtype); }
 
 static spy_status check_reduction(const char *what, uint32_t dtype, uint32_t op)
 {
@@ -424,12 +452,41 @@ spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t cou
     return SPY_OK;
 }
 
-spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nbytes)
+/* Bytes [first, first + n) of a rank's part, split in chunks of `chunk` bytes, copied to
+ * where rank j's chunks go in a whole of nranks parts: chunk k of rank j at (k*nranks + j).
+ * `to_whole` copies part -> whole, else whole -> part. */
+static void chunked_copy(uint8_t *whole, uint8_t *part, uint64_t first, uint64_t n, uint64_t chunk,
+                         uint32_t nranks, uint32_t j, bool to_whole)
+{
+    while (n) {
+        uint64_t k = first / chunk, w = first % chunk, m = chunk - w < n ? chunk - w : n;
+        uint8_t *at = whole + (k * nranks + j) * chunk + w;
+        if (to_whole)
+            memcpy(at, part, m);
+        else
+            memcpy(part, at, m);
+        part += m;
+        first += m;
+        n -= m;
+    }
+}
+
+static spy_status check_chunk(const char *what, uint64_t total, uint64_t chunk)
+{
+    if (total && (chunk == 0 || total % chunk))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "%s: chunks of %llu bytes do not divide %llu bytes", what,
+                        (unsigned long long)chunk, (unsigned long long)total);
+    return SPY_OK;
+}
+
+spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nbytes, uint64_t chunk)
 {
     spy_status s = check_group(c, "all_gather", in, out, nbytes);
+    if (s == SPY_OK)
+        s = check_chunk("all_gather", nbytes, chunk);
     if (s != SPY_OK)
         return s;
-    uint64_t desc[5] = {KIND_ALLGATHER, nbytes, 0, 0, 0}, done = 0;
+    uint64_t desc[5] = {KIND_ALLGATHER, nbytes, 0, 0, chunk}, done = 0;
     do {
         uint64_t n = nbytes - done < c->slot_bytes ? nbytes - done : c->slot_bytes;
         if ((s = round_begin(c, desc)) != SPY_OK)
@@ -438,23 +495,26 @@ spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nby
         if ((s = round_exchange(c)) != SPY_OK)
             return s;
         for (uint32_t j = 0; j < c->nranks; j++)
-            memcpy((uint8_t *)out + j * nbytes + done, slot_of(c, j), n);
+            chunked_copy(out, slot_of(c, j), done, n, chunk, c->nranks, j, true);
         round_end(c);
         done += n;
     } while (done < nbytes);
     return SPY_OK;
 }
 
-spy_status spy_ccl_reduce_scatter(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op)
+spy_status spy_ccl_reduce_scatter(spy_ccl *c, const void *in, void *out, uint64_t count, uint64_t chunk,
+                                  uint32_t dtype, uint32_t op)
 {
     spy_status s = check_reduction("reduce_scatter", dtype, op);
     if (s == SPY_OK)
         s = check_group(c, "reduce_scatter", in, out, count);
+    if (s == SPY_OK)
+        s = check_chunk("reduce_scatter", count, chunk);
     if (s != SPY_OK)
         return s;
     /* each round carries a piece of every rank's block: nranks pieces per slot */
     uint64_t es = elem_size(dtype), per_round = c->slot_bytes / es / c->nranks;
-    uint64_t desc[5] = {KIND_REDUCE_SCATTER, count, dtype, op, 0}, done = 0;
+    uint64_t desc[5] = {KIND_REDUCE_SCATTER, count, dtype, op, chunk}, done = 0;
     if (per_round == 0)
         return spy_fail(SPY_E_INVALID_ARG, -1, "reduce_scatter: slots of %llu bytes are too small for %u ranks",
                         (unsigned long long)c->slot_bytes, c->nranks);
@@ -463,7 +523,8 @@ spy_status spy_ccl_reduce_scatter(spy_ccl *c, const void *in, void *out, uint64_
         if ((s = round_begin(c, desc)) != SPY_OK)
             return s;
         for (uint32_t j = 0; j < c->nranks; j++)
-            memcpy(slot_of(c, c->rank) + j * n * es, (const uint8_t *)in + (j * count + done) * es, n * es);
+            chunked_copy((uint8_t *)(uintptr_t)in, slot_of(c, c->rank) + j * n * es, done * es, n * es, chunk * es,
+                         c->nranks, j, false);
         if ((s = round_exchange(c)) != SPY_OK)
             return s;
         reduce_slots(c, c->rank * n * es, n, dtype, op, (uint8_t *)out + done * es);
@@ -525,6 +586,17 @@ spy_status spy_ccl_barrier(spy_ccl *c)
     if (s != SPY_OK)
         return s;
     uint64_t desc[5] = {KIND_BARRIER, 0, 0, 0, 0};
+    if ((s = round_begin(c, desc)) != SPY_OK || (s = round_exchange(c)) != SPY_OK)
+        return s;
+    round_end(c);
+    return SPY_OK;
+}
+
+spy_status spy_ccl_sync(spy_ccl *c, const uint64_t desc[5])
+{
+    spy_status s = check_group(c, "collective", NULL, NULL, 0);
+    if (s != SPY_OK)
+        return s;
     if ((s = round_begin(c, desc)) != SPY_OK || (s = round_exchange(c)) != SPY_OK)
         return s;
     round_end(c);

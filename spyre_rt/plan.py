@@ -22,16 +22,22 @@ from .native import check, ffi, lib
 from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, RELOC
 
 
+PROGRAM = lib.SPY_PLAN_JOB_PROGRAM
+COLLECTIVE = lib.SPY_PLAN_JOB_COLLECTIVE
+
+
 class PlanJob(NamedTuple):
-    blob: np.ndarray                    # an encoded program block
+    blob: np.ndarray                    # an encoded program block, or a collective (spy_collective)
     relocs: tuple[tuple[int, int], ...]  # per slot: (binding, byte offset)
     name: str
+    kind: int = PROGRAM
 
 
-def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.ndarray:
+def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names, ngroups: int = 0) -> np.ndarray:
     """The plan block of `jobs` over one binding per entry of `layouts`: the stick layout
     a launch must bind there, or None for memory that records none (an arena). `names`
-    is a function from job name to trace id."""
+    is a function from job name to trace id; `ngroups` the process groups its collective
+    jobs run in."""
     nrelocs, nbindings = sum(len(j.relocs) for j in jobs), len(layouts)
     tables = PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize + nrelocs * RELOC.itemsize
     head = tables + nbindings * LAYOUT.itemsize
@@ -47,12 +53,13 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.
     hdr["njobs"] = len(jobs)
     hdr["nrelocs"] = nrelocs
     hdr["nbindings"] = nbindings
+    hdr["ngroups"] = ngroups
     hdr["total_bytes"] = total
     table = buf[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + len(jobs) * PLAN_JOB.itemsize].view(PLAN_JOB)
     rel = np.zeros(nrelocs, dtype=RELOC)
     r = 0
     for i, j in enumerate(jobs):
-        table[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), 0)
+        table[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), j.kind)
         for b, off in j.relocs:
             rel[r] = (b, 0, off)
             r += 1
@@ -96,14 +103,18 @@ def set_job_names(block: np.ndarray, names: list[str], intern) -> None:
 
 
 class GraphPlan:
-    """A plan created on a card from a plan block."""
+    """A plan created on a card from a plan block. `groups` are the rings its collective
+    jobs run in (objects with a ``handle``, kept alive as long as the plan), by group index."""
 
-    def __init__(self, card: Card, block: np.ndarray, name: str = "step"):
+    def __init__(self, card: Card, block: np.ndarray, name: str = "step", groups=()):
         self.card = card
         self.block = block
         out = ffi.new("spy_plan **")
         check(lib.spy_plan_create(card.handle, ffi.from_buffer(block), block.size, out), "creating a graph plan")
         self.handle = ffi.gc(out[0], lib.spy_plan_destroy)
+        self.groups = tuple(groups)
+        for i, ring in enumerate(self.groups):
+            check(lib.spy_plan_set_group(self.handle, i, ring.handle), f"attaching process group {i} to a graph plan")
         self.nbindings = int(np.frombuffer(block[:PLAN_HEADER.itemsize], dtype=PLAN_HEADER)["nbindings"][0])
         self.njobs = int(lib.spy_plan_num_jobs(self.handle))
         self.name = card.intern(name)

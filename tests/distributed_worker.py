@@ -214,6 +214,83 @@ def case_interconnect_time():
                 expect(t, torch.full((4096,), float(W), dtype=torch.float16), "the all_reduce's data")
 
 
+def _collectives_step(x, w, b):
+    """Every collective a compiled graph can hold as a job of its plan, between card kernels."""
+    y = x @ w
+    y = funcol.all_reduce(y, "sum", dist.group.WORLD)
+    m = funcol.all_reduce(y * 0.5, "max", dist.group.WORLD)
+    h = funcol.all_reduce(y.half(), "sum", dist.group.WORLD)
+    g = funcol.all_gather_tensor(y + 1, 0, dist.group.WORLD)  # rows of 40 fp32: two stick columns
+    s = funcol.reduce_scatter_tensor(g * 2, "sum", 0, dist.group.WORLD)
+    c = funcol.broadcast(b + 1, 1, dist.group.WORLD)
+    return torch.relu(y), m, h, g, s, c
+
+
+def _collectives_inputs(seeds):
+    """Every rank's x (4, 40), w (40, 40) and b (4, 40)."""
+    return [[value(r, shape, seed=s) for r in range(W)] for s, shape in zip(seeds, ((4, 40), (40, 40), (4, 40)),
+                                                                             strict=True)]
+
+
+def _collectives_expected(xs, ws, bs):
+    y = sum(x @ w for x, w in zip(xs, ws, strict=True))
+    m = torch.stack([0.5 * y] * W).amax(0)
+    h = sum(y.half().float() for _ in range(W)).half()
+    g = torch.cat([y + 1] * W)
+    s = (2 * W * (y + 1))
+    return [torch.relu(y), m, h, g, s, bs[1] + 1]
+
+
+def case_compiled_collectives():
+    """A compiled graph's functional collectives are jobs of its one plan (no CPU op), in
+    every dispatch mode, and a torch.spyre.graph replay runs them again."""
+    from spyre_rt.dispatch import dispatch_mode
+    from spyre_rt.executor import live_steps
+
+    step = torch.compile(_collectives_step, backend="spyre_rt", fullgraph=True)
+    every = _collectives_inputs((1, 2, 3))
+    args = [vals[R] for vals in every]
+    want = _collectives_expected(*every)
+    dev = [spyre(a) for a in args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spyre_rt.fallback.SpyreFallbackWarning)  # no collective on the CPU
+        for mode in ("prebuilt", "construct"):
+            with dispatch_mode(mode):
+                outs = step(*dev)
+            for i, (o, w) in enumerate(zip(outs, want, strict=True)):
+                expect(o, w, f"output {i} in {mode}", tol=1e-5 if o.dtype == torch.float32 else 1e-3)
+    exes = [e for st in live_steps() for e in st.executables()
+            if any(k.kind == "collective" for k in e.desc.kernels.values())]
+    assert len(exes) == 1 and len(exes[0].segments) == 1, [e.segments for e in exes]
+    assert sum(k.kind == "collective" for k in exes[0].desc.kernels.values()) == 6
+    g = torch.spyre.SpyreGraph()
+    with torch.spyre.graph(g):
+        outs = step(*dev)
+    assert g.launches == 1, g.launches
+    new = _collectives_inputs((4, 5, 6))
+    for d, vals in zip(dev, new, strict=True):
+        d.copy_(spyre(vals[R]))
+    g.replay()
+    for i, (o, w) in enumerate(zip(outs, _collectives_expected(*new), strict=True)):
+        expect(o, w, f"output {i} of a replay", tol=1e-5 if o.dtype == torch.float32 else 1e-3)
+
+
+def case_compiled_collectives_time():
+    """In timing mode a compiled step's collectives move no data and put each card's
+    collectives at the same time: the ranks' steps end together."""
+    with spyre_rt.card.configured(sim_mode="timing"):
+        step = torch.compile(_collectives_step, backend="spyre_rt", fullgraph=True)
+        dev = [spyre(vals[R]) for vals in _collectives_inputs((1, 2, 3))]
+        card = spyre_rt.tensors.card_of(dev[0])
+        start = card.device_finish_ns()
+        step(*dev)
+        end = torch.tensor([card.device_finish_ns()], dtype=torch.float64)
+        ends = [torch.empty_like(end) for _ in range(W)]
+        dist.all_gather(ends, end)
+        assert all(float(e) == float(end) for e in ends), f"the ranks' steps end apart: {ends}"
+        assert float(end) > start
+
+
 # ---- the faults suite ----
 
 def case_mismatched_shapes():
@@ -250,21 +327,30 @@ def case_rank_dies():
 
 # ---- the tensor-parallel suite ----
 
-def tiny_checkpoint(family: str) -> str:
-    """A 2-layer model of `family` from its config, random weights, saved by rank 0 to a
-    directory every rank then loads (the path comes through the store)."""
+def tiny_checkpoint(family: str, layers: int = 2) -> str:
+    """A model of `family` from its config, random weights, saved by rank 0 to a directory
+    every rank then loads (the path comes through the store)."""
     import tempfile
 
-    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     store = dist.distributed_c10d._get_default_store()
-    key = f"checkpoint/{family}"
+    key = f"checkpoint/{family}/{layers}"
     if R == 0:
-        cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "granite": (GraniteForCausalLM, GraniteConfig)}[family]
+        cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "granite": (GraniteForCausalLM, GraniteConfig),
+                    "mixtral": (MixtralForCausalLM, MixtralConfig)}[family]
+        moe = {"num_local_experts": 4, "num_experts_per_tok": 2} if family == "mixtral" else {}
         torch.manual_seed(0)
-        model = cls(cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        model = cls(cfg(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        tie_word_embeddings=False))
+                        tie_word_embeddings=False, **moe))
         path = tempfile.mkdtemp(prefix=f"spyre-tp-{family}-")
         model.save_pretrained(path)
         store.set(key, path)
@@ -315,13 +401,80 @@ def case_tp_granite():
     _tp_parity("granite")
 
 
+def _tp_compiled(family: str, generate: bool = False, replay: bool = False):
+    """from_pretrained(tp_plan="auto") compiled for the card: every collective a job of the
+    step's one plan, logits within 1e-4 of one CPU process; optionally generate()'s tokens
+    on a static cache equal, and a torch.spyre.graph replay of the forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from spyre_rt.executor import live_steps
+
+    path = tiny_checkpoint(family, layers=1)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 3, 7]])
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mesh = init_device_mesh("spyre", (W,))
+    tp = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto", device_mesh=mesh).eval()
+    sharded = tp.model.layers[0].mlp.experts.gate_up_proj if family == "mixtral" else tp.model.layers[0].mlp.up_proj.weight
+    local = sharded.to_local() if hasattr(sharded, "to_local") else sharded
+    whole = ref.model.layers[0].mlp.experts.gate_up_proj if family == "mixtral" else ref.model.layers[0].mlp.up_proj.weight
+    assert local.device.type == "spyre" and local.numel() * W == whole.numel(), f"not sharded: {local.shape}"
+    tp.forward = torch.compile(tp.forward, backend="spyre_rt")
+    before = {id(st) for st in live_steps()}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", spyre_rt.fallback.SpyreFallbackWarning)  # nothing of the step on the CPU
+        got = tp(ids.to("spyre"), use_cache=False).logits
+        expect(got.float(), ref(ids).logits, f"{family} compiled logits under tp_plan=auto", tol=1e-4)
+    exes = [e for st in live_steps() if id(st) not in before for e in st.executables()]
+    assert exes and all(len(e.segments) == 1 for e in exes), [e.segments for e in exes]
+    assert sum(k.kind == "collective" for e in exes for k in e.desc.kernels.values()) >= 2
+    with torch.no_grad():
+        if generate:
+            want = ref.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
+            got = tp.generate(ids.to("spyre"), max_new_tokens=4, do_sample=False, cache_implementation="static")
+            assert torch.equal(got.cpu(), want), f"{family} compiled generate: {got} != {want}"
+        if replay:
+            static = ids.to("spyre")
+            g = torch.spyre.SpyreGraph()
+            with torch.spyre.graph(g):
+                out = tp(static, use_cache=False).logits
+            assert g.launches == 1, g.launches
+            other = torch.tensor([[2, 4, 8, 16, 32, 64, 5, 9]])
+            static.copy_(other.to("spyre"))
+            g.replay()
+            expect(out, ref(other).logits, f"{family} replayed logits", tol=1e-4)
+    dist.barrier()
+
+
+def case_tp_compiled_llama():
+    _tp_compiled("llama", generate=True, replay=True)
+
+
+def case_tp_compiled_granite():
+    _tp_compiled("granite")
+
+
+def case_tp_compiled_mixtral():
+    _tp_compiled("mixtral")
+
+
+def case_tp_compiled_generate_granite():
+    _tp_compiled("granite", generate=True)
+
+
+def case_tp_compiled_generate_mixtral():
+    _tp_compiled("mixtral", generate=True, replay=True)
+
+
 SUITES = {
     "collectives": [case_device_of_rank, case_all_reduce_ops, case_all_reduce_noncontiguous_and_cpu,
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
                     case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
-                    case_interconnect_time],
+                    case_interconnect_time, case_compiled_collectives, case_compiled_collectives_time],
     "faults": [case_mismatched_shapes, case_rank_dies],
-    "tp": [case_tp_llama, case_tp_granite],
+    "tp": [case_tp_llama, case_tp_granite, case_tp_compiled_llama, case_tp_compiled_granite,
+           case_tp_compiled_mixtral],
+    "tp_generate": [case_tp_compiled_generate_granite, case_tp_compiled_generate_mixtral],
 }
 
 
@@ -337,7 +490,7 @@ def main(suite: str) -> int:
         except Exception:
             failed += 1
             print(f"CASE {case.__name__} FAILED on rank {R}\n{traceback.format_exc()}", flush=True)
-    if suite in ("collectives", "tp"):
+    if suite in ("collectives", "tp", "tp_generate"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(1 if failed else 0)  # faults suites leave groups that cannot be torn down cleanly

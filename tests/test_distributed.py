@@ -49,7 +49,7 @@ def collectives(two_card_profile):
 
 CASES = ["device_of_rank", "all_reduce_ops", "all_reduce_noncontiguous_and_cpu", "all_gather", "reduce_scatter",
          "broadcast_reduce_gather_scatter", "all_to_all", "send_recv_barrier", "functional_collectives",
-         "sub_groups", "large_message", "interconnect_time"]
+         "sub_groups", "large_message", "interconnect_time", "compiled_collectives", "compiled_collectives_time"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -79,7 +79,34 @@ def test_a_rank_that_dies_is_an_error_on_the_survivor(faults):
 @pytest.fixture(scope="module")
 def tensor_parallel(two_card_profile):
     pytest.importorskip("accelerate")
-    return torchrun("tp", two_card_profile)
+    return torchrun("tp", two_card_profile, timeout=900)
+
+
+def _ok(run, case: str) -> None:
+    ok = run.stdout.count(f"CASE case_{case} OK")
+    assert ok == NPROC, f"{case}: OK on {ok} of {NPROC} ranks\n{run.stdout}\n{run.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("family", ["llama", "granite", "mixtral"])
+def test_hf_tp_plan_auto_compiled_matches_one_cpu_process(tensor_parallel, family):
+    """The same model compiled for the card (Mixtral's experts sharded): each collective a
+    job of the step's one plan, logits within 1e-4 of one CPU process; for Llama also
+    generate()'s tokens on a static cache and a torch.spyre.graph replay of the forward."""
+    _ok(tensor_parallel, f"tp_compiled_{family}")
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_generate(two_card_profile):
+    pytest.importorskip("accelerate")
+    return torchrun("tp_generate", two_card_profile, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granite", "mixtral"])
+def test_hf_tp_plan_auto_compiled_generate(tensor_parallel_generate, family):
+    """generate() through the compiled tensor-parallel Granite and Mixtral: the tokens of one
+    CPU process (Mixtral's forward replayed through torch.spyre.graph too)."""
+    _ok(tensor_parallel_generate, f"tp_compiled_generate_{family}")
 
 
 @pytest.mark.parametrize("family", ["llama", "granite"])

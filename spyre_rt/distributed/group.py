@@ -131,6 +131,11 @@ class ProcessGroupSpyre(dist.ProcessGroup):
             Ring.unlink(name)
         return ring
 
+    @property
+    def ring(self) -> Ring:
+        """The group's native ring (what compiled steps' collectives run in)."""
+        return self._ring
+
     # ---- names ----
     def getBackendName(self) -> str:
         return BACKEND_NAME

@@ -337,9 +337,11 @@ spy_status spy_job_collective(spy_device *d, spy_ccl *ring, const spy_collective
 }
 
 /* Host memory of [addr, +len) on a locked device, checked: inside a live data allocation
- * (one the collective may write when `written`). NULL in *host when nothing backs it. */
-static spy_status collective_memory(spy_device *d, uint64_t addr, uint64_t len, bool written, const char *what,
-                                    uint8_t **host)
+ * (one the collective may write when `written`); a storage that starts at addr and records
+ * a stick layout must record the one `tag` names, when it names one (the layout the bytes
+ * are reduced as on every rank). NULL in *host when nothing backs it. */
+static spy_status collective_memory(spy_device *d, uint64_t addr, uint64_t len, bool written, uint64_t tag,
+                                    const char *what, uint8_t **host)
 {
     spy_block *b = spy_alloc_find(&d->mem, addr, len ? len : 1);
     if (!b)
@@ -348,6 +350,11 @@ static spy_status collective_memory(spy_device *d, uint64_t addr, uint64_t len, 
     if (b->kind != SPY_MEM_DATA || (written && (b->prog || b->plan_owned)))
         return spy_fail(SPY_E_BAD_ADDRESS, -1, "collective %s: 0x%llx is not data memory", what,
                         (unsigned long long)addr);
+    if (tag && b->addr == addr && b->layout.itemsize && tag != ((b->layout.rows << 32) | b->layout.row_len))
+        return spy_fail(SPY_E_LAYOUT, -1, "collective %s: the storage records %llu x %llu elements, the collective "
+                        "was made for %llu x %llu", what, (unsigned long long)b->layout.rows,
+                        (unsigned long long)b->layout.row_len, (unsigned long long)(tag >> 32),
+                        (unsigned long long)(tag & 0xffffffffu));
     *host = b->backing ? b->backing + (addr - b->addr) : NULL;
     return SPY_OK;
 }
@@ -364,8 +371,8 @@ spy_status spy_collective_launch(spy_device *d, spy_ccl *ring, const spy_collect
         SPY_LEAVE(d, s);
     uint64_t host_t = spy_host_clock_locked(d);
     uint8_t *in_host = NULL, *out_host = NULL;
-    if ((s = collective_memory(d, in, coll->in_bytes, false, "input", &in_host)) != SPY_OK ||
-        (s = collective_memory(d, out, coll->out_bytes, true, "output", &out_host)) != SPY_OK)
+    if ((s = collective_memory(d, in, coll->in_bytes, false, coll->tag, "input", &in_host)) != SPY_OK ||
+        (s = collective_memory(d, out, coll->out_bytes, true, 0, "output", &out_host)) != SPY_OK)
         SPY_LEAVE(d, s);
     uint64_t first = d->job_seq;
     double end = 0;

@@ -930,9 +930,11 @@ typedef struct spy_collective {
 SPY_ABI_SIZE(spy_collective, 64)
 
 /* Run one collective on this card's memory, outside a plan: in and out are device
- * addresses inside live allocations of in_bytes and out_bytes. It starts no sooner than the
- * host clock (a launch) and *end_ns (if not NULL) is its end. A failure of the ring aborts
- * the group (ccl.h). */
+ * addresses inside live allocations of in_bytes and out_bytes; an input that is a whole
+ * storage recording a stick layout must record the one the tag names (rows << 32 | row
+ * length; SPY_E_LAYOUT otherwise, before anything moves). It starts no sooner than the host
+ * clock (a launch) and *end_ns (if not NULL) is its end. A failure of the ring aborts the
+ * group (ccl.h). */
 spy_status spy_collective_launch(spy_device *dev, spy_ccl *ring, const spy_collective *coll, uint64_t in,
                                  uint64_t out, uint32_t name, double *end_ns);
 

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -203,6 +204,12 @@ static bool peer_gone(const spy_ccl *c, uint32_t j)
     return close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X');
 }
 
+/* A wait spins, then yields the core, and after CCL_YIELDS turns naps between looks: a
+ * rank that waits long for its peers (ranks still compiling, more processes than cores)
+ * does not take the cores they need. */
+#define CCL_YIELDS 4096u
+static const struct timespec CCL_NAP = {0, 200000}; /* 0.2 ms */
+
 /* Wait until every rank's counter (arrive or done, by `which`) reaches `target`. */
 static spy_status wait_all(spy_ccl *c, int which, uint64_t target, uint32_t kind)
 {
@@ -214,8 +221,11 @@ static spy_status wait_all(spy_ccl *c, int which, uint64_t target, uint32_t kind
                 return aborted_error(c);
             if (spins < 64)
                 continue;
-            sched_yield(); /* the peer may need this core */
-            if (spins % 256)
+            if (spins < CCL_YIELDS)
+                sched_yield(); /* the peer may need this core */
+            else
+                nanosleep(&CCL_NAP, NULL); /* a long wait (more ranks than cores): leave the cores to them */
+            if (spins % 256 && spins < CCL_YIELDS)
                 continue;
             uint64_t now = spy_now_ns();
             if (!start)

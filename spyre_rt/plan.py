@@ -21,7 +21,6 @@ from .layout import StickLayout
 from .native import check, ffi, lib
 from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, RELOC
 
-
 PROGRAM = lib.SPY_PLAN_JOB_PROGRAM
 COLLECTIVE = lib.SPY_PLAN_JOB_COLLECTIVE
 

@@ -18,7 +18,16 @@ from torch._inductor import ir
 
 from spyre_rt.kernels import CollectiveKernel
 
-from .record import buffer_info, dtype_name, fx_origins, module_of, on_cpu, stored_buffer, stored_view, view_of
+from .record import (
+    buffer_info,
+    dtype_name,
+    fx_origins,
+    module_of,
+    on_cpu,
+    stored_buffer,
+    stored_view,
+    view_of,
+)
 
 _C10D = "_c10d_functional"
 # op name -> (the collective, whether it writes its input in place)

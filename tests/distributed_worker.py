@@ -310,6 +310,67 @@ def case_mismatched_shapes():
         raise AssertionError("an aborted group ran a collective")
 
 
+def case_tensors_of_two_cards():
+    """A collective on tensors of two cards is refused before anything moves, on every rank;
+    the group goes on."""
+    pg = dist.new_group(list(range(W)))
+    x = torch.ones(4).to(f"spyre:{R}")
+    outs = [torch.empty(4, device=f"spyre:{1 - R}") for _ in range(W)]
+    for call in (lambda: dist.all_gather(outs, x, group=pg),
+                 lambda: pg.allreduce([x, torch.ones(4).to(f"spyre:{1 - R}")])):
+        try:
+            call()
+        except ValueError as e:
+            assert "one card" in str(e) and "spyre:0" in str(e) and "spyre:1" in str(e), e
+        else:
+            raise AssertionError("a collective of tensors on two cards ran")
+    dist.all_reduce(x, group=pg)
+    expect(x, torch.full((4,), float(W)), "the group after a refused call")
+
+
+def _cached_matmul_all_reduce(cache, x, w, group):
+    """A tensor-parallel step's shape: a cache the step updates in place, a matmul, and the
+    all-reduce of its product, last."""
+    cache.add_(x)
+    return funcol.all_reduce(cache @ w, "sum", group)
+
+
+def case_card_fault_in_a_compiled_step():
+    """A card fault on rank 0 in the middle of a compiled tensor-parallel step: rank 0 gets
+    the card's error, rank 1 (waiting in the step's all-reduce) a SpyreCollectiveError
+    naming it, the group is aborted, and every rank's cache is as it was before the call."""
+    pg = dist.new_group(list(range(W)), timeout=timedelta(seconds=60))
+    step = torch.compile(_cached_matmul_all_reduce, backend="spyre_rt", fullgraph=True)
+    cache, x, w = spyre(value(R, (8, 64))), spyre(value(R, (8, 64), seed=1)), spyre(value(R, (64, 64), seed=2))
+    step(cache, x, w, pg)  # warm: compiled, plans built
+    card = spyre_rt.tensors.card_of(cache)
+    card.trace_clear()
+    card.trace_enable(True, True)
+    step(cache, x, w, pg)
+    card.trace_enable(False)
+    commands = int((card.trace_events()["kind"] == spyre_rt.card.EV_CMD).sum())
+    card.trace_clear()
+    before = cache.cpu()
+    if R == 0:
+        card.fault_inject("command", commands // 2)
+    try:
+        step(cache, x, w, pg)
+    except spyre_rt.distributed.SpyreCollectiveError as e:
+        assert R != 0 and "its card failed" in str(e), e
+    except spyre_rt.errors.SpyreDeviceError as e:
+        assert R == 0, e
+    else:
+        raise AssertionError(f"rank {R}: the step with a card fault on rank 0 succeeded")
+    expect(cache, before, "the cache the failed step mutates")
+    try:
+        step(cache, x, w, pg)
+    except spyre_rt.distributed.SpyreCollectiveError as e:
+        assert "aborted" in str(e), e
+    else:
+        raise AssertionError("a step ran in an aborted group")
+    expect(cache, before, "the cache after a step refused by the aborted group")
+
+
 def case_rank_dies():
     pg = dist.new_group(list(range(W)), timeout=timedelta(seconds=30))
     dist.barrier(group=pg)
@@ -471,7 +532,7 @@ SUITES = {
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
                     case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
                     case_interconnect_time, case_compiled_collectives, case_compiled_collectives_time],
-    "faults": [case_mismatched_shapes, case_rank_dies],
+    "faults": [case_mismatched_shapes, case_tensors_of_two_cards, case_card_fault_in_a_compiled_step, case_rank_dies],
     "tp": [case_tp_llama, case_tp_granite, case_tp_compiled_llama, case_tp_compiled_granite,
            case_tp_compiled_mixtral],
     "tp_generate": [case_tp_compiled_generate_granite, case_tp_compiled_generate_mixtral],

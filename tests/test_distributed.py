@@ -71,6 +71,16 @@ def test_mismatched_shapes_fail_on_every_rank(faults):
     assert faults.stdout.count("CASE case_mismatched_shapes OK") == NPROC, faults.stdout + faults.stderr[-3000:]
 
 
+def test_a_collective_on_tensors_of_two_cards_is_refused(faults):
+    _ok(faults, "tensors_of_two_cards")
+
+
+def test_a_card_fault_in_a_compiled_step_aborts_the_group_and_restores_the_inputs(faults):
+    """Rank 0's card fails mid-step: rank 0 gets the card's error, rank 1 a collective error
+    naming it instead of waiting, and both ranks' mutated inputs are as they were."""
+    _ok(faults, "card_fault_in_a_compiled_step")
+
+
 def test_a_rank_that_dies_is_an_error_on_the_survivor(faults):
     """Rank 1 leaves after the barrier; rank 0's all_reduce fails (its peer exited) instead of waiting."""
     assert faults.stdout.count("CASE case_rank_dies OK") == 1, faults.stdout + faults.stderr[-3000:]

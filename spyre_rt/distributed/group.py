@@ -76,11 +76,15 @@ def _whole_storage(t: torch.Tensor):
 
 
 def _kind(ts) -> str:
-    """"spyre" or "cpu": the device of every tensor of a call (a mix is an error)."""
+    """"spyre" or "cpu": the device of every tensor of a call (a mix, or two cards, is an error)."""
     kinds = {t.device.type for t in ts}
     if kinds <= {"cpu"}:
         return "cpu"
     if kinds == {"spyre"}:
+        cards_ = {t.device.index for t in ts}
+        if len(cards_) > 1:
+            raise ValueError("spyreccl: one collective's tensors must be on one card (a rank's card), not on "
+                             + " and ".join(f"spyre:{i}" for i in sorted(cards_)))
         return "spyre"
     raise ValueError(f"spyreccl: one collective's tensors must all be on the CPU or all on spyre, not on {sorted(kinds)}")
 
@@ -217,9 +221,10 @@ class ProcessGroupSpyre(dist.ProcessGroup):
                     self._card_all_reduce(t, opts.reduceOp if opts is not None else dist.ReduceOp.SUM):
                 return _done(tensor_list)
         opts = opts or dist.AllreduceOptions()
+        kind = _kind(tensor_list)
         if not self._on_interconnect("all_reduce", tensor_list, sum(t.numel() * t.element_size() for t in tensor_list)):
             return _done(tensor_list)
-        if (_kind(tensor_list) == "cpu" and all(t.is_contiguous() for t in tensor_list)
+        if (kind == "cpu" and all(t.is_contiguous() for t in tensor_list)
                 and opts.reduceOp != dist.ReduceOp.AVG):  # gloo has no average
             return self._gloo.allreduce(tensor_list, opts)
         whole = [_whole_storage(t) for t in tensor_list]

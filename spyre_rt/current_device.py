@@ -9,8 +9,9 @@ CUDA device.
   index from the device guard before dispatch, and the guard a Python backend registers
   reports device 0 (its trampoline forwards only ``type_``). :func:`install` therefore
   gives ``Tensor.to`` the current index for an index-less spyre device, before torch sees
-  it; ``Module.to`` goes through it, and ``torch.tensor(..., device="spyre")`` through
-  ``Tensor.to`` of its CPU tensor.
+  it; ``Module.to`` goes through it. ``torch.tensor``, ``torch.as_tensor`` and
+  ``torch.asarray`` with ``device="spyre"`` make their tensor in C++ and ask the same guard,
+  so they are given the index the same way.
 """
 
 from __future__ import annotations
@@ -69,4 +70,19 @@ def install() -> None:
         return to(self, *args, **kwargs)
 
     torch.Tensor.to = to_current
+    for name in ("tensor", "as_tensor", "asarray"):
+        setattr(torch, name, _with_current_device(getattr(torch, name)))
     _installed = True
+
+
+def _with_current_device(make):
+    """`make` (a torch function whose ``device`` is a keyword) with an index-less spyre
+    device given the current card's index."""
+
+    @functools.wraps(make)
+    def on_current(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _indexed(kwargs["device"])
+        return make(*args, **kwargs)
+
+    return on_current

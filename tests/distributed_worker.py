@@ -52,6 +52,10 @@ def case_device_of_rank():
     assert torch.accelerator.current_device_index() == R
     assert torch.ones(2).to("spyre").device == torch.device("spyre", R)
     assert torch.zeros(2, device="spyre").device == torch.device("spyre", R)
+    for make in (torch.tensor, torch.as_tensor, torch.asarray):  # made in C++ from the data
+        assert make([1.0, 2.0], device="spyre").device == torch.device("spyre", R), make
+    assert torch.tensor(3, device=torch.device("spyre")).device == torch.device("spyre", R)
+    assert torch.tensor([1.0], device="spyre:0").device == torch.device("spyre", 0)  # an index is kept
 
 
 def case_all_reduce_ops():

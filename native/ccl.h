@@ -1,4 +1,5 @@
-/* ccl.h -- collectives between the cards of one machine (ccl.c), included by spyre.h.
+/* ccl.h -- collectives between cards (ccl.c), included by spyre.h: through shared memory
+ * between the processes of one machine, through sockets between machines.
  *
  * The ranks of a group share one POSIX shared-memory segment: a header, one control block
  * per rank (two sequence numbers and the descriptor of its current call) and one slot of
@@ -45,6 +46,16 @@ typedef struct spy_ccl spy_ccl;
  * rank has opened it (spy_ccl_unlink): the mapping stays. */
 spy_status spy_ccl_open(const char *name, uint32_t rank, uint32_t nranks, uint64_t slot_bytes, int32_t create,
                         uint64_t timeout_ns, spy_ccl **out);
+/* Open rank `rank` of `nranks` whose peers are on other machines: fds[j] is a connected
+ * stream socket to rank j (fds[rank] unused). The group takes the sockets (closed by
+ * spy_ccl_close, or by this call when it fails). A round is then a frame to every peer and
+ * one from each (its descriptor, clock and slot's bytes) instead of the shared slots; a
+ * peer whose connection ends is SPY_E_CCL_PEER, and an abort is a frame telling the peers
+ * why before the sockets shut. */
+spy_status spy_ccl_open_tcp(uint32_t rank, uint32_t nranks, const int32_t *fds, uint64_t slot_bytes,
+                            uint64_t timeout_ns, spy_ccl **out);
+/* 1 for a group between machines (spy_ccl_open_tcp), 0 for one shared-memory ring. */
+int32_t spy_ccl_is_tcp(const spy_ccl *c);
 spy_status spy_ccl_unlink(const char *name);
 /* Unmap. Peers still in a collective see SPY_E_CCL_PEER once this process exits. */
 void spy_ccl_close(spy_ccl *c);

@@ -125,3 +125,40 @@ def test_hf_tp_plan_auto_matches_one_cpu_process(tensor_parallel, family):
     the cards, logits within 1e-5 of one CPU process and generate()'s tokens equal."""
     ok = tensor_parallel.stdout.count(f"CASE case_tp_{family} OK")
     assert ok == NPROC, f"{family}: OK on {ok} of {NPROC} ranks\n{tensor_parallel.stdout}\n{tensor_parallel.stderr[-3000:]}"
+
+
+def torchrun_nodes(suite: str, profile: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Two torchrun "nodes" on 127.0.0.1, one process each, told they are on different hosts."""
+    port = free_port()
+    procs = []
+    for node in range(2):
+        env = dict(os.environ, SPYRE_RT_SIM_MODE="functional", SPYRE_RT_DEVICE_PROFILE=profile, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(HERE), SPYRE_RT_HOST_ID=f"node{node}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.1",
+               str(HERE / "distributed_worker.py"), suite]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return subprocess.CompletedProcess(["torchrun --nnodes 2"], max(p.returncode for p in procs),
+                                       "".join(o for o, _ in outs), "".join(e for _, e in outs))
+
+
+@pytest.fixture(scope="module")
+def nodes(two_card_profile):
+    return torchrun_nodes("nodes", two_card_profile)
+
+
+NODE_CASES = ["between_machines", "all_reduce_ops", "all_gather", "reduce_scatter", "broadcast_reduce_gather_scatter",
+              "functional_collectives", "large_message", "interconnect_time", "compiled_collectives",
+              "card_fault_in_a_compiled_step"]
+
+
+@pytest.mark.parametrize("case", NODE_CASES)
+def test_two_machines_over_sockets(nodes, case):
+    """torchrun --nnodes 2 on 127.0.0.1, the nodes told they are two hosts: the group's ring
+    goes over TCP, with the same data, results, faults and (the network's) timing."""
+    _ok(nodes, case)
+
+
+def test_a_rank_of_another_machine_that_dies_is_an_error_on_the_survivor(nodes):
+    assert nodes.stdout.count("CASE case_rank_dies OK") == 1, nodes.stdout + nodes.stderr[-3000:]

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "internal.h" /* the builder's common part (graph.c) is tested here too */
 
@@ -1441,6 +1443,64 @@ static void test_ccl(void)
     CHECK(spy_ccl_rounds(c0) == spy_ccl_rounds(c1));
     spy_ccl_close(c0);
     spy_ccl_close(c1);
+
+    /* the same calls between "machines": two ranks over a pair of connected stream sockets */
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    int32_t fds0[2] = {-1, sv[0]}, fds1[2] = {sv[1], -1};
+    CHECK(spy_ccl_open_tcp(0, 2, fds0, 100, 1000000, &c0) == SPY_E_INVALID_ARG); /* not whole lines: closes sv[0] */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    fds1[0] = sv[1];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    CHECK_OK(spy_ccl_open_tcp(1, 2, fds1, 256, 5000000000ull, &c1));
+    if (c0 && c1) {
+        CHECK(spy_ccl_is_tcp(c0) == 1);
+        ccl_rank_run tcp[2] = {{.c = c0, .rank = 0}, {.c = c1, .rank = 1}};
+        for (int i = 0; i < 2; i++)
+            pthread_create(&threads[i], NULL, ccl_rank_main, &tcp[i]);
+        for (int i = 0; i < 2; i++)
+            pthread_join(threads[i], NULL);
+        for (int i = 0; i < 2; i++) {
+            ccl_rank_run *r = &tcp[i];
+            for (int k = 0; k < 6; k++)
+                CHECK(r->s[k] == SPY_OK);
+            for (int e = 0; e < 100; e++)
+                CHECK(r->sum[e] == (float)(2 * e + 100));
+            CHECK(r->interleaved[0] == 0 && r->interleaved[1] == 10 && r->interleaved[2] == 1);
+            CHECK(r->scattered_chunks[0] == (i ? 5.0 : 3.0) && r->scattered_chunks[1] == (i ? 9.0 : 7.0));
+            for (int b = 0; b < 300; b++)
+                CHECK(r->bcast[b] == (uint8_t)b);
+            CHECK(r->a2a[0] == i && r->a2a[1] == 2 + i);
+            CHECK(r->s[6] == SPY_E_CCL_MISMATCH || r->s[6] == SPY_E_CCL_PEER);
+            CHECK(r->s[7] == SPY_E_CCL_PEER);
+        }
+    }
+    spy_ccl_close(c0);
+    spy_ccl_close(c1);
+    /* an abort between machines reaches the peer with its reason */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    fds1[0] = sv[1];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    CHECK_OK(spy_ccl_open_tcp(1, 2, fds1, 256, 5000000000ull, &c1));
+    if (c0 && c1) {
+        spy_ccl_abort(c1, "its card failed");
+        CHECK(spy_ccl_barrier(c0) == SPY_E_CCL_PEER);
+        CHECK(strstr(spy_last_error(), "its card failed") != NULL);
+    }
+    spy_ccl_close(c0);
+    spy_ccl_close(c1);
+    /* a peer that leaves: its end of the stream closes, the wait ends at once */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    close(sv[1]);
+    if (c0) {
+        CHECK(spy_ccl_barrier(c0) == SPY_E_CCL_PEER);
+        CHECK(strstr(spy_last_error(), "closed its connection") != NULL);
+        spy_ccl_close(c0);
+    }
 
     /* a peer that never arrives: the wait ends at the timeout */
     snprintf(name, sizeof name, "/spyreccl-test-lone-%ld", (long)time(NULL));

@@ -26,7 +26,7 @@ from torch.futures import Future
 from .. import card as cards
 from .. import tensors
 from ..native import check, ffi, lib
-from . import interconnect
+from . import interconnect, sockets
 from .ring import Ring, SpyreCollectiveError, card_collective, reducible
 
 BACKEND_NAME = "spyreccl"
@@ -135,9 +135,14 @@ class ProcessGroupSpyre(dist.ProcessGroup):
 
     @staticmethod
     def _open_ring(store, rank, size, timeout) -> Ring:
-        """Rank 0 makes the segment and names it in the store; once every rank has opened
-        it, rank 0 unlinks the name (the mappings stay), so a crash leaves nothing behind."""
+        """The ranks of one machine share a segment: rank 0 makes it and names it in the
+        store; once every rank has opened it, rank 0 unlinks the name (the mappings stay), so
+        a crash leaves nothing behind. Ranks on several machines (their host ids differ,
+        :func:`.sockets.host_id`) connect a socket to each other instead, as NCCL falls back
+        to sockets."""
         seconds = timeout.total_seconds()
+        if not sockets.one_machine(store, rank, size, timeout):
+            return Ring.over_sockets(rank, size, sockets.connect(store, rank, size, timeout), seconds)
         if rank == 0:
             name = f"/spyreccl-{os.getpid()}-{secrets.token_hex(6)}"
             ring = Ring(name, rank, size, True, seconds)
@@ -206,7 +211,7 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         key = (card.profile.digest, kind, nbytes)
         timed = self._costs.get(key)
         if timed is None:
-            c = interconnect.cost(card.profile, kind, nbytes, self._size)
+            c = interconnect.cost(card.profile, kind, nbytes, self._size, self._ring.between_machines)
             timed = self._costs[key] = None if c is None else (c.ns, f"{kind} ({c.algorithm})")
         if timed is not None:
             check(lib.spy_timed_job(card.handle, float(arrival[0]), timed[0], card.intern(timed[1]), ffi_null),
@@ -272,7 +277,7 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         if lay is None or lay.numel != t.numel() or lay.itemsize != t.element_size() or not reducible(t.dtype, op):
             return None
         kind, nbytes = "all_reduce", t.numel() * t.element_size()
-        cost = interconnect.cost(card.profile, kind, nbytes, self._size)
+        cost = interconnect.cost(card.profile, kind, nbytes, self._size, self._ring.between_machines)
         name = f"{kind} ({cost.algorithm})" if cost is not None else kind
         coll = card_collective(kind, t.dtype, _op_name(op), self._size, lay, lay,
                                duration_ns=cost.ns if cost is not None else 0.0)

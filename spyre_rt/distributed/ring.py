@@ -85,7 +85,10 @@ def _ptr(t: torch.Tensor):
 
 
 class Ring:
-    """One rank's end of a group's shared-memory segment."""
+    """One rank's end of a group's ring: a shared-memory segment between the processes of one
+    machine, or (:meth:`over_sockets`) a socket to each peer between machines."""
+
+    between_machines = False  # the group's ranks are on several machines (its time is the network's)
 
     def __init__(self, name: str, rank: int, size: int, create: bool, timeout_s: float,
                  slot_bytes: int = DEFAULT_SLOT_BYTES):
@@ -94,6 +97,19 @@ class Ring:
         self._check(lib.spy_ccl_open(name.encode(), rank, size, slot_bytes, int(create),
                                      max(1, int(timeout_s * 1e9)), out), "opening the ring")
         self.handle = ffi.gc(out[0], lib.spy_ccl_close)
+
+    @classmethod
+    def over_sockets(cls, rank: int, size: int, fds: list[int], timeout_s: float,
+                     slot_bytes: int = DEFAULT_SLOT_BYTES) -> Ring:
+        """The ring of a group whose ranks are on several machines: `fds[j]` a connected
+        stream socket to rank j (the ring takes them)."""
+        ring = cls.__new__(cls)
+        ring.name, ring.rank, ring.size, ring.between_machines = "", rank, size, True
+        out = ffi.new("spy_ccl **")
+        ring._check(lib.spy_ccl_open_tcp(rank, size, ffi.new("int32_t[]", fds), slot_bytes,
+                                         max(1, int(timeout_s * 1e9)), out), "joining the ranks' sockets")
+        ring.handle = ffi.gc(out[0], lib.spy_ccl_close)
+        return ring
 
     def _check(self, status: int, what: str) -> None:
         if status == lib.SPY_OK:

@@ -90,7 +90,8 @@ class Collectives:
             layouts.append(layout)
         dtype = torch_dtype(kernel.dtype)
         nbytes = _logical_bytes(kernel, dtype.itemsize)
-        cost = interconnect.cost(exe.card.profile, kernel.collective, nbytes, kernel.ranks)
+        cost = interconnect.cost(exe.card.profile, kernel.collective, nbytes, kernel.ranks,
+                                 ring_of(kernel.group).between_machines)
         try:
             coll = card_collective(kernel.collective, dtype, kernel.op, kernel.ranks, layouts[0], layouts[1],
                                    root=kernel.root, group=self.names.index(kernel.group),

@@ -228,7 +228,7 @@ class Session:
         dtype = self.profile.dtype
         torch.manual_seed(opts.seed)
         if opts.tp > 1:
-            from .tp import sharded_model
+            from ..distributed.tensor_parallel import sharded_model
 
             model = sharded_model(GraniteForCausalLM, cfg, dtype, mode, opts.tp)
         elif mode == "timing":

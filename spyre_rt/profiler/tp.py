@@ -38,8 +38,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-
 from ..errors import SpyreError
 from . import run as runmod
 
@@ -47,27 +45,6 @@ RANK_TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank 
 
 
 # ---- a rank ----------------------------------------------------------------------------
-
-
-def sharded_model(cls, cfg, dtype: torch.dtype, sim_mode: str, tp: int):
-    """`cls(cfg)` sharded over the `tp` cards of the default process group by its
-    tensor-parallel plan, on this rank's card (random values on a functional card; none on a
-    timing-mode card, which keeps no data)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-    with torch.device("meta"):
-        model = cls(cfg).to(dtype).eval()
-    apply_tensor_parallelism(model, init_device_mesh("spyre", (tp,)), model.tp_plan)
-    model = model.to_empty(device="spyre")
-    if sim_mode == "functional":
-        with torch.no_grad():
-            for p in model.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                local.copy_((torch.randn(local.shape) * 0.02).to(local.dtype))
-            rotary = model.model.rotary_emb  # buffers computed from the config, not left empty
-            model.model.rotary_emb = type(rotary)(config=cfg).to("spyre")
-    return model
 
 
 def _compile_in_turn(lock_dir: str, local_rank: int, slots: int) -> None:

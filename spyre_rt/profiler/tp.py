@@ -1,7 +1,7 @@
 """``spyre-profile run MODEL --tp N``: the model sharded over N cards, against one card.
 
-The run is made twice: on one card in this process (as ``run`` makes it), then on N
-cards, one process per card as ``torchrun`` starts them (``RANK``, ``LOCAL_RANK``,
+The run is made twice: on one card (as ``run`` makes it), then on N cards, one process
+per card as ``torchrun`` starts them (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, the store on 127.0.0.1), in a ``spyreccl`` group. Each rank builds the
 model on the meta device, shards it with Hugging Face's tensor-parallel plan
 (``apply_tensor_parallelism`` on a ``"spyre"`` device mesh: attention heads and MLP columns
@@ -118,7 +118,8 @@ def launch(opts: runmod.Options, console) -> list[dict]:
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r],
                                   stderr=subprocess.STDOUT)
                  for r in range(tp)]
-        console.print(f"[dim]{tp} ranks, one process per card, {slots} compiling at a time[/]")
+        console.print(f"[dim]{opts.model} on {tp} card{'s' if tp > 1 else ''}: a process per card, "
+                      f"{min(slots, tp)} compiling at a time[/]")
         try:
             failed = _wait(procs)
         except BaseException:
@@ -162,7 +163,8 @@ def _wait(procs: list[subprocess.Popen]) -> int | None:
 def measure(opts: runmod.Options, sizes: tuple[int, ...], console) -> dict:
     """The one-card run, then a run on each number of cards in `sizes`; the figures of each
     against one card. With several sizes a trace file gets the size in its name."""
-    one = runmod.measure(dataclasses.replace(opts, tp=1, trace=None), console)
+    # in a process of its own as the ranks are: this one stays small while they run
+    one = launch(dataclasses.replace(opts, tp=1, trace=None), console)[0]
     runs = []
     for tp in sizes:
         trace = opts.trace

@@ -280,6 +280,33 @@ def case_compiled_collectives():
         expect(o, w, f"output {i} of a replay", tol=1e-5 if o.dtype == torch.float32 else 1e-3)
 
 
+def _gather_rows(x):
+    return funcol.all_gather_tensor(x * 2, 0, dist.group.WORLD)
+
+
+def case_collective_the_ring_cannot_move():
+    """A gather of single rows that are not whole sticks (33 fp32 elements) does not line
+    up for the ring: refused like a kernel the card cannot build, it runs through the group
+    on the host, with the same result; the reference evaluation of a collective (what a
+    kernel refused at a call runs) is the group's functional collective."""
+    from spyre_rt import reference
+    from spyre_rt.kernels import CollectiveKernel
+
+    step = torch.compile(_gather_rows, backend="spyre_rt", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = step(spyre(value(R, (33,))))
+    expect(got, torch.cat([2 * value(r, (33,)) for r in range(W)]), "a gather of unaligned rows")
+    assert any("all_gather" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    group = dist.group.WORLD.group_name
+    kernel = CollectiveKernel("k0", "all_reduce", group, W, ("x", 0, (6,), (1,)), ("x", 0, (6,), (1,)), "float32")
+    flat = torch.zeros(8)
+    flat[1:7] = value(R, (6,))
+    reference.run(kernel, {"x": reference.Place(flat, 1)})
+    expect(flat[1:7], sum(value(r, (6,)) for r in range(W)), "the reference all_reduce", tol=1e-6)
+    assert flat[0] == 0 and flat[7] == 0
+
+
 def case_compiled_collectives_time():
     """In timing mode a compiled step's collectives move no data and put each card's
     collectives at the same time: the ranks' steps end together."""
@@ -546,7 +573,8 @@ SUITES = {
     "collectives": [case_device_of_rank, case_all_reduce_ops, case_all_reduce_noncontiguous_and_cpu,
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
                     case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
-                    case_interconnect_time, case_compiled_collectives, case_compiled_collectives_time],
+                    case_interconnect_time, case_compiled_collectives, case_collective_the_ring_cannot_move,
+                    case_compiled_collectives_time],
     "faults": [case_mismatched_shapes, case_tensors_of_two_cards, case_card_fault_in_a_compiled_step, case_rank_dies],
     "tp": [case_tp_llama, case_tp_granite, case_tp_compiled_llama, case_tp_compiled_granite,
            case_tp_compiled_mixtral],

@@ -49,7 +49,8 @@ def collectives(two_card_profile):
 
 CASES = ["device_of_rank", "all_reduce_ops", "all_reduce_noncontiguous_and_cpu", "all_gather", "reduce_scatter",
          "broadcast_reduce_gather_scatter", "all_to_all", "send_recv_barrier", "functional_collectives",
-         "sub_groups", "large_message", "interconnect_time", "compiled_collectives", "compiled_collectives_time"]
+         "sub_groups", "large_message", "interconnect_time", "compiled_collectives", "collective_the_ring_cannot_move",
+         "compiled_collectives_time"]
 
 
 @pytest.mark.parametrize("case", CASES)

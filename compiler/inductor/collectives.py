@@ -20,6 +20,7 @@ from spyre_rt.kernels import CollectiveKernel
 
 from .record import (
     buffer_info,
+    computing_origins,
     dtype_name,
     fx_origins,
     module_of,
@@ -55,6 +56,10 @@ def describe(node, name: str) -> tuple[CollectiveKernel, list] | None:
     if not isinstance(node, ir._CollectiveKernel) or namespace != _C10D or opname not in _IN_PLAN:
         return None
     if on_cpu(node) or len(node.inputs) != 1:
+        return None
+    from .. import options
+
+    if computing_origins([node]) & set(options.cpu_nodes):  # refused for the ring: a compile again put it here
         return None
     collective, in_place = _IN_PLAN[opname]
     args = list(node.constant_args)

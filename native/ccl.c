@@ -371,7 +371,7 @@ static spy_status tcp_exchange(spy_ccl *c, uint64_t used)
     memcpy(mine.desc, c->ranks[me].desc, sizeof mine.desc);
     ccl_frame in[SPY_CCL_MAX_RANKS];
     uint64_t sent[SPY_CCL_MAX_RANKS] = {0}, got[SPY_CCL_MAX_RANKS] = {0};
-    char reason[sizeof c->hdr->reason];
+    static _Thread_local char reasons[SPY_CCL_MAX_RANKS][sizeof((ccl_header *)0)->reason]; /* of abort frames */
     struct pollfd pfd[SPY_CCL_MAX_RANKS];
     uint32_t who[SPY_CCL_MAX_RANKS];
     const uint64_t out_total = sizeof mine + used;
@@ -419,7 +419,7 @@ static spy_status tcp_exchange(spy_ccl *c, uint64_t used)
                 left = sizeof(ccl_frame) - got[j];
             } else {
                 uint64_t at = got[j] - sizeof(ccl_frame);
-                to = (in[j].magic == CCL_FRAME_ABORT ? (uint8_t *)reason : slot_of(c, j)) + at;
+                to = (in[j].magic == CCL_FRAME_ABORT ? (uint8_t *)reasons[j] : slot_of(c, j)) + at;
                 left = in[j].bytes - at;
             }
             ssize_t n = left ? recv(c->fds[j], to, left, MSG_DONTWAIT) : 0;
@@ -432,14 +432,15 @@ static spy_status tcp_exchange(spy_ccl *c, uint64_t used)
             if (got[j] == sizeof(ccl_frame) && n > 0) { /* a frame just arrived: check it */
                 bool abort = in[j].magic == CCL_FRAME_ABORT;
                 if ((!abort && in[j].magic != CCL_FRAME_DATA) || in[j].rank != j ||
-                    in[j].bytes > (abort ? sizeof reason - 1 : c->slot_bytes) || (!abort && in[j].round != c->round))
+                    in[j].bytes > (abort ? sizeof reasons[j] - 1 : c->slot_bytes) ||
+                    (!abort && in[j].round != c->round))
                     return tcp_fail(c, SPY_E_CCL_PEER, j, "sent a malformed frame");
             }
             if (got[j] >= sizeof(ccl_frame) && in[j].magic == CCL_FRAME_ABORT &&
                 got[j] == sizeof(ccl_frame) + in[j].bytes) {
-                reason[in[j].bytes] = '\0';
-                spy_ccl_abort(c, reason); /* its reason, passed on to the other peers */
-                memcpy(c->hdr->reason, reason, in[j].bytes + 1);
+                reasons[j][in[j].bytes] = '\0';
+                spy_ccl_abort(c, reasons[j]); /* its reason, passed on to the other peers */
+                memcpy(c->hdr->reason, reasons[j], in[j].bytes + 1);
                 return aborted_error(c);
             }
         }

@@ -23,7 +23,7 @@ def main(port: int) -> None:
     pg = ProcessGroupSpyre(store, 1, 2, timedelta(seconds=60))
     for line in sys.stdin:
         case, calls = line.split()
-        call = CASES[case](pg)
+        _, call = CASES[case](pg)
         for _ in range(int(calls)):
             call()
         print("done", flush=True)

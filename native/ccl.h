@@ -1,4 +1,5 @@
-/* ccl.h -- collectives between the cards of one machine (ccl.c), included by spyre.h.
+/* ccl.h -- collectives between cards (ccl.c), included by spyre.h: through shared memory
+ * between the processes of one machine, through sockets between machines.
  *
  * The ranks of a group share one POSIX shared-memory segment: a header, one control block
  * per rank (two sequence numbers and the descriptor of its current call) and one slot of
@@ -45,23 +46,40 @@ typedef struct spy_ccl spy_ccl;
  * rank has opened it (spy_ccl_unlink): the mapping stays. */
 spy_status spy_ccl_open(const char *name, uint32_t rank, uint32_t nranks, uint64_t slot_bytes, int32_t create,
                         uint64_t timeout_ns, spy_ccl **out);
+/* Open rank `rank` of `nranks` whose peers are on other machines: fds[j] is a connected
+ * stream socket to rank j (fds[rank] unused). The group takes the sockets (closed by
+ * spy_ccl_close, or by this call when it fails). A round is then a frame to every peer and
+ * one from each (its descriptor, clock and slot's bytes) instead of the shared slots; a
+ * peer whose connection ends is SPY_E_CCL_PEER, and an abort is a frame telling the peers
+ * why before the sockets shut. */
+spy_status spy_ccl_open_tcp(uint32_t rank, uint32_t nranks, const int32_t *fds, uint64_t slot_bytes,
+                            uint64_t timeout_ns, spy_ccl **out);
+/* 1 for a group between machines (spy_ccl_open_tcp), 0 for one shared-memory ring. */
+int32_t spy_ccl_is_tcp(const spy_ccl *c);
 spy_status spy_ccl_unlink(const char *name);
 /* Unmap. Peers still in a collective see SPY_E_CCL_PEER once this process exits. */
 void spy_ccl_close(spy_ccl *c);
 /* Abort the group: every rank's current and later calls fail with SPY_E_CCL_PEER. */
 void spy_ccl_abort(spy_ccl *c, const char *reason);
 uint64_t spy_ccl_rounds(const spy_ccl *c);
+/* The number of ranks of the group. */
+uint32_t spy_ccl_size(const spy_ccl *c);
 
 /* out[i] = op over ranks of in[i], i < count (in and out may be the same buffer). `tag`
  * is compared across ranks like the size (the caller's word for how the elements are laid
  * out: a card's storage layout, say). */
 spy_status spy_ccl_allreduce(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype, uint32_t op,
                              uint64_t tag);
-/* out = rank 0's in, then rank 1's, ...: nranks * nbytes bytes. */
-spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nbytes);
-/* in holds nranks blocks of count elements; out[i] = op over ranks of their block `rank`. */
-spy_status spy_ccl_reduce_scatter(spy_ccl *c, const void *in, void *out, uint64_t count, uint32_t dtype,
-                                  uint32_t op);
+/* out = rank 0's in, then rank 1's, ...: nranks * nbytes bytes, by chunks of `chunk` bytes:
+ * chunk k of rank j's in is chunk k*nranks + j of out (chunk = nbytes: one block per rank).
+ * A card storage's sticks are stored stick-major, so the rows of nranks storages that share
+ * their row length interleave so, a stick column at a time. */
+spy_status spy_ccl_allgather(spy_ccl *c, const void *in, void *out, uint64_t nbytes, uint64_t chunk);
+/* The reverse, reduced: in holds nranks * count elements, out[i] (i < count) is op over ranks
+ * of their element (k*nranks + rank)*chunk + i%chunk of in, k = i / chunk (chunk = count:
+ * in is nranks blocks of count elements and out the reduction of the blocks `rank`). */
+spy_status spy_ccl_reduce_scatter(spy_ccl *c, const void *in, void *out, uint64_t count, uint64_t chunk,
+                                  uint32_t dtype, uint32_t op);
 /* Every rank's buf becomes root's. */
 spy_status spy_ccl_broadcast(spy_ccl *c, void *buf, uint64_t nbytes, uint32_t root);
 /* in and out hold nranks blocks of block_bytes; out block j = rank j's in block `rank`. */

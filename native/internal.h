@@ -4,9 +4,9 @@
  * file that defines it; a file-local function stays static in its file. The files form
  * layers, and a file calls only into layers below its own (status.c into none):
  *
- *   layer 1  device.c plan.c transfer.c dlpack.c construct.c build_matmul.c build_loop.c build_attention.c ccl.c   entry points, the builders, the ring
+ *   layer 1  device.c plan.c transfer.c dlpack.c construct.c build_matmul.c build_loop.c build_attention.c   entry points, the builders
  *   layer 2  job.c memory.c graph.c                one job's run; the memory API; blocks under construction
- *   layer 3  sim.c alloc.c                         the timeline; the address space
+ *   layer 3  sim.c alloc.c ccl.c                   the timeline; the address space; the ring between processes
  *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures
  *   layer 5  gemm.c sfu.c                          the arithmetic units
  *   layer 6  half.c status.c                       conversions, errors
@@ -170,6 +170,24 @@ spy_block *spy_alloc_find(spy_allocator *a, uint64_t addr, uint64_t len);
 void spy_alloc_stats(const spy_allocator *a, spy_mem_stats *out);
 /* Drop the committed program resident in b, if any: b was written. */
 void spy_block_uncommit(spy_block *b);
+
+/* ---- ccl.c: the ring's clock and its rounds without data (collectives of card jobs) ---- */
+
+/* The time this rank's card is ready for its next collective (ns of its timeline): every
+ * round publishes it beside the call's descriptor. */
+void spy_ccl_set_clock(spy_ccl *c, double clock);
+/* The latest of every rank's clock at the last round: when the collective can start. */
+double spy_ccl_clock(const spy_ccl *c);
+/* One round that moves no data: the descriptor (kind, size, dtype, op, root/tag) compared
+ * and the clocks exchanged, as a collective of timing-mode cards does. */
+spy_status spy_ccl_sync(spy_ccl *c, const uint64_t desc[5]);
+/* Bytes of one element of a ccl element type, 0 for an unknown type. */
+uint32_t spy_ccl_elem_size(uint32_t dtype);
+/* ccl.c's kind numbers, for a descriptor of spy_ccl_sync */
+#define SPY_CCL_KIND_ALLREDUCE 1
+#define SPY_CCL_KIND_ALLGATHER 2
+#define SPY_CCL_KIND_REDUCE_SCATTER 3
+#define SPY_CCL_KIND_BROADCAST 4
 
 /* ---- trace.c: the trace buffer ------------------------------------------------------------ */
 
@@ -419,5 +437,12 @@ spy_status spy_job_run_bound(spy_device *dev, spy_block *blk, const uint64_t *ad
 /* Run a job whose slots are resolved in the device's slot scratch (plans). */
 spy_status spy_job_execute(spy_device *dev, spy_program *g, double not_before,
                            uint32_t name, double *end);
+/* SPY_OK if c describes a collective the ring can run (kind, sizes, type, op, root, time). */
+spy_status spy_collective_check(const spy_collective *c);
+/* Run collective c through ring on the host memory behind its input and output (both NULL
+ * on a timing-mode card: the clocks alone are exchanged), starting no sooner than not_before
+ * and the card being free; *end is its end (see spy_collective_launch). */
+spy_status spy_job_collective(spy_device *dev, spy_ccl *ring, const spy_collective *c, uint8_t *in, uint8_t *out,
+                              double not_before, uint32_t name, double *end);
 
 #endif

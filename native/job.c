@@ -224,3 +224,161 @@ spy_status spy_launch(spy_device *d, uint64_t prog_addr, const uint64_t *binding
         *job_end_ns = end;
     SPY_LEAVE(d, s);
 }
+
+/* ---- collectives of card memory ----------------------------------------------------------- */
+
+spy_status spy_collective_check(const spy_collective *c)
+{
+    if (!c)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective: no descriptor");
+    uint32_t es = spy_ccl_elem_size(c->dtype);
+    bool reduces = c->kind == SPY_COLL_ALL_REDUCE || c->kind == SPY_COLL_REDUCE_SCATTER;
+    if (c->kind < SPY_COLL_ALL_REDUCE || c->kind > SPY_COLL_BROADCAST)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective: unknown kind %u", c->kind);
+    if (c->nranks == 0 || c->nranks > SPY_CCL_MAX_RANKS || c->root >= c->nranks)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective: %u ranks (1 to %d), root %u", c->nranks,
+                        SPY_CCL_MAX_RANKS, c->root);
+    if (!es || c->op > SPY_CCL_AVG || (reduces && c->op == SPY_CCL_AVG && c->dtype >= SPY_CCL_I32))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective: element type %u with reduction %u", c->dtype, c->op);
+    if (!isfinite(c->duration_ns) || c->duration_ns < 0)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective: a duration of %g ns", c->duration_ns);
+    const uint64_t limit = 1ull << 48;
+    uint64_t whole = 0; /* the bytes of all ranks: what the chunks interleave */
+    bool sizes_ok = c->in_bytes < limit && c->out_bytes < limit;
+    switch (c->kind) {
+    case SPY_COLL_ALL_GATHER:
+        sizes_ok = sizes_ok && spy_mul_ok(c->in_bytes, c->nranks, &whole) && whole == c->out_bytes &&
+                   (c->chunk_bytes == 0 || (c->chunk_bytes <= c->in_bytes && c->in_bytes % c->chunk_bytes == 0));
+        break;
+    case SPY_COLL_REDUCE_SCATTER:
+        sizes_ok = sizes_ok && spy_mul_ok(c->out_bytes, c->nranks, &whole) && whole == c->in_bytes &&
+                   c->out_bytes % es == 0 &&
+                   (c->chunk_bytes == 0 || (c->chunk_bytes % es == 0 && c->chunk_bytes <= c->out_bytes &&
+                                            c->out_bytes % c->chunk_bytes == 0));
+        break;
+    default:
+        sizes_ok = sizes_ok && c->in_bytes == c->out_bytes && (c->kind != SPY_COLL_ALL_REDUCE || c->in_bytes % es == 0);
+        break;
+    }
+    if (!sizes_ok)
+        return spy_fail(SPY_E_INVALID_ARG, -1,
+                        "collective of kind %u over %u ranks: %llu input bytes, %llu output bytes and chunks of %llu "
+                        "do not fit it (elements of %u bytes)",
+                        c->kind, c->nranks, (unsigned long long)c->in_bytes, (unsigned long long)c->out_bytes,
+                        (unsigned long long)c->chunk_bytes, es);
+    return SPY_OK;
+}
+
+/* The ring's descriptor of a collective of timing-mode cards: the data call's, marked as
+ * moving none (a functional and a timing card in one call are mismatched collectives). */
+static void sync_descriptor(const spy_collective *c, uint64_t desc[5])
+{
+    static const uint32_t kinds[] = {0, SPY_CCL_KIND_ALLREDUCE, SPY_CCL_KIND_ALLGATHER, SPY_CCL_KIND_REDUCE_SCATTER,
+                                     SPY_CCL_KIND_BROADCAST};
+    desc[0] = kinds[c->kind] | 0x100u;
+    desc[1] = c->kind == SPY_COLL_REDUCE_SCATTER ? c->out_bytes : c->in_bytes;
+    desc[2] = c->dtype;
+    desc[3] = c->op;
+    desc[4] = c->kind == SPY_COLL_BROADCAST ? c->root : c->tag;
+}
+
+static spy_status move_data(spy_ccl *ring, const spy_collective *c, uint8_t *in, uint8_t *out)
+{
+    uint32_t es = spy_ccl_elem_size(c->dtype);
+    switch (c->kind) {
+    case SPY_COLL_ALL_REDUCE:
+        return spy_ccl_allreduce(ring, in, out, c->in_bytes / es, c->dtype, c->op, c->tag);
+    case SPY_COLL_ALL_GATHER:
+        return spy_ccl_allgather(ring, in, out, c->in_bytes, c->chunk_bytes ? c->chunk_bytes : c->in_bytes);
+    case SPY_COLL_REDUCE_SCATTER:
+        return spy_ccl_reduce_scatter(ring, in, out, c->out_bytes / es,
+                                      (c->chunk_bytes ? c->chunk_bytes : c->out_bytes) / es, c->dtype, c->op);
+    default:
+        if (in != out)
+            memmove(out, in, c->in_bytes);
+        return spy_ccl_broadcast(ring, out, c->in_bytes, c->root);
+    }
+}
+
+spy_status spy_job_collective(spy_device *d, spy_ccl *ring, const spy_collective *c, uint8_t *in, uint8_t *out,
+                              double not_before, uint32_t name, double *end)
+{
+    if (spy_ccl_size(ring) != c->nranks)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "collective for %u ranks run in a group of %u", c->nranks,
+                        spy_ccl_size(ring));
+    double ready = d->device_free > not_before ? d->device_free : not_before;
+    if (not_before > d->device_free)
+        d->counters.device_idle_host_ns += not_before - d->device_free;
+    /* The ring stands in for the interconnect: its walk is the card's work, not the host's. */
+    bool outermost = spy_card_work_begin(d);
+    spy_ccl_set_clock(ring, ready);
+    spy_status s;
+    if (in && out) {
+        s = move_data(ring, c, in, out);
+    } else {
+        uint64_t desc[5];
+        sync_descriptor(c, desc);
+        s = spy_ccl_sync(ring, desc);
+    }
+    spy_card_work_end(d, outermost);
+    if (s != SPY_OK)
+        return s;
+    double start = spy_ccl_clock(ring);
+    if (start < ready)
+        start = ready;
+    spy_trace_job(d, d->job_seq, start, start + c->duration_ns, name, 0);
+    d->device_free = start + c->duration_ns;
+    d->device_work += c->duration_ns;
+    d->counters.device_busy_ns += c->duration_ns;
+    d->counters.jobs++;
+    d->job_seq++;
+    *end = d->device_free;
+    return SPY_OK;
+}
+
+/* Host memory of [addr, +len) on a locked device, checked: inside a live data allocation
+ * (one the collective may write when `written`); a storage that starts at addr and records
+ * a stick layout must record the one `tag` names, when it names one (the layout the bytes
+ * are reduced as on every rank). NULL in *host when nothing backs it. */
+static spy_status collective_memory(spy_device *d, uint64_t addr, uint64_t len, bool written, uint64_t tag,
+                                    const char *what, uint8_t **host)
+{
+    spy_block *b = spy_alloc_find(&d->mem, addr, len ? len : 1);
+    if (!b)
+        return spy_fail(SPY_E_BAD_ADDRESS, -1, "collective %s: [0x%llx, +%llu) is not inside a live allocation",
+                        what, (unsigned long long)addr, (unsigned long long)len);
+    if (b->kind != SPY_MEM_DATA || (written && (b->prog || b->plan_owned)))
+        return spy_fail(SPY_E_BAD_ADDRESS, -1, "collective %s: 0x%llx is not data memory", what,
+                        (unsigned long long)addr);
+    if (tag && b->addr == addr && b->layout.itemsize && tag != ((b->layout.rows << 32) | b->layout.row_len))
+        return spy_fail(SPY_E_LAYOUT, -1, "collective %s: the storage records %llu x %llu elements, the collective "
+                        "was made for %llu x %llu", what, (unsigned long long)b->layout.rows,
+                        (unsigned long long)b->layout.row_len, (unsigned long long)(tag >> 32),
+                        (unsigned long long)(tag & 0xffffffffu));
+    *host = b->backing ? b->backing + (addr - b->addr) : NULL;
+    return SPY_OK;
+}
+
+spy_status spy_collective_launch(spy_device *d, spy_ccl *ring, const spy_collective *coll, uint64_t in,
+                                 uint64_t out, uint32_t name, double *end_ns)
+{
+    SPY_ENTER(d);
+    SPY_REFUSE_IF_LOST(d);
+    if (!ring)
+        SPY_LEAVE(d, spy_fail(SPY_E_INVALID_ARG, -1, "collective: no ring"));
+    spy_status s = spy_collective_check(coll);
+    if (s != SPY_OK)
+        SPY_LEAVE(d, s);
+    uint64_t host_t = spy_host_clock_locked(d);
+    uint8_t *in_host = NULL, *out_host = NULL;
+    if ((s = collective_memory(d, in, coll->in_bytes, false, coll->tag, "input", &in_host)) != SPY_OK ||
+        (s = collective_memory(d, out, coll->out_bytes, true, 0, "output", &out_host)) != SPY_OK)
+        SPY_LEAVE(d, s);
+    uint64_t first = d->job_seq;
+    double end = 0;
+    s = spy_job_collective(d, ring, coll, in_host, out_host, (double)host_t, name, &end);
+    spy_trace_launch(d, name, host_t, first, d->job_seq - first);
+    if (end_ns)
+        *end_ns = end;
+    SPY_LEAVE(d, s);
+}

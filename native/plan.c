@@ -2,6 +2,7 @@
  * relocation table that derives every job's slot addresses from a few plan bindings
  * (spyre.h). Create validates the whole block and uploads and commits every program; a
  * launch checks each binding once, patches the table and runs every job (job.c). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,8 +14,11 @@ struct spy_plan {
     struct plan_job {
         uint64_t prog_addr;
         spy_program *prog;   /* committed when the plan was created; owned by its block */
-        uint32_t reloc_begin, nslots, name;
+        uint32_t reloc_begin, nslots, name, kind;
+        spy_collective coll; /* a collective job's (kind SPY_PLAN_JOB_COLLECTIVE) */
     } *jobs;
+    uint32_t ngroups;
+    spy_ccl **groups;         /* per group: the ring its collectives run in (the caller's) */
     spy_reloc *relocs;
     uint64_t *extent;      /* per binding: bytes the launch must provide */
     uint8_t *binding_used; /* per binding: some slot is relocated against it (all DRAM) */
@@ -45,6 +49,30 @@ static void release_plan_blocks(spy_device *d, spy_plan *p)
         (void)spy_alloc_put(&d->mem, p->jobs[j].prog_addr);
         p->jobs[j].prog_addr = 0;
     }
+}
+
+/* A collective job (validated): its descriptor, and its two slots' extents. */
+static void add_collective(spy_plan *p, uint32_t j, const spy_plan_job *pj, const uint8_t *coll)
+{
+    struct plan_job *job = &p->jobs[j];
+    job->kind = SPY_PLAN_JOB_COLLECTIVE;
+    job->reloc_begin = pj->reloc_begin;
+    job->nslots = 2;
+    job->name = pj->name;
+    memcpy(&job->coll, coll, sizeof job->coll);
+    const uint64_t bytes[2] = {job->coll.in_bytes, job->coll.out_bytes};
+    for (uint32_t k = 0; k < 2; k++) {
+        const spy_reloc *r = &p->relocs[pj->reloc_begin + k];
+        uint64_t need = r->offset + bytes[k]; /* checked not to overflow by spy_plan_create */
+        if (need > p->extent[r->binding])
+            p->extent[r->binding] = need;
+        p->binding_used[r->binding] = 1;
+        if (k == 1)
+            p->binding_written[r->binding] = 1;
+    }
+    if (p->max_slots < 2)
+        p->max_slots = 2;
+    p->upload_bytes += sizeof job->coll;
 }
 
 static spy_status plan_fail(spy_plan *p, spy_status s)
@@ -88,7 +116,26 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
         if (!spy_add_ok(pj[j].reloc_begin, pj[j].nslots, &end) || end > h->nrelocs)
             return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: relocations [%u, +%u) outside the %u",
                             j, pj[j].reloc_begin, pj[j].nslots, h->nrelocs);
+        if (pj[j].kind > SPY_PLAN_JOB_COLLECTIVE)
+            return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: unknown kind %u", j, pj[j].kind);
+        if (pj[j].kind == SPY_PLAN_JOB_COLLECTIVE) {
+            spy_collective c;
+            if (pj[j].prog_len != sizeof c || pj[j].nslots != 2)
+                return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: a collective is %zu bytes with 2 slots, not "
+                                "%llu bytes with %u", j, sizeof c, (unsigned long long)pj[j].prog_len, pj[j].nslots);
+            memcpy(&c, (const uint8_t *)blob + pj[j].prog_off, sizeof c);
+            if (spy_collective_check(&c) != SPY_OK)
+                return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: %s", j, spy_last_error());
+            if (c.group >= h->ngroups)
+                return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: group %u of %u", j, c.group, h->ngroups);
+            const uint64_t bytes[2] = {c.in_bytes, c.out_bytes};
+            for (uint32_t k = 0; k < 2; k++)
+                if (!spy_add_ok(rl[pj[j].reloc_begin + k].offset, bytes[k], &end))
+                    return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u slot %u: offset overflows", j, k);
+        }
     }
+    if (h->ngroups > SPY_CCL_MAX_RANKS * 64u)
+        return spy_fail(SPY_E_BAD_PROGRAM, -1, "plan block header: %u groups", h->ngroups);
     for (uint32_t r = 0; r < h->nrelocs; r++)
         if (rl[r].binding >= h->nbindings)
             return spy_fail(SPY_E_BAD_PROGRAM, -1, "relocation %u names binding %u of %u", r,
@@ -111,8 +158,10 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->binding_host = calloc((size_t)h->nbindings + 1, sizeof *p->binding_host);
     p->checked = calloc((size_t)h->nbindings + 1, sizeof *p->checked);
     p->layout = malloc(((size_t)h->nbindings + 1) * sizeof *p->layout);
+    p->ngroups = h->ngroups;
+    p->groups = calloc((size_t)h->ngroups + 1, sizeof *p->groups);
     if (!p->jobs || !p->relocs || !p->extent || !p->binding_used || !p->binding_written || !p->binding_host ||
-        !p->checked || !p->layout)
+        !p->checked || !p->layout || !p->groups)
         return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
     memcpy(p->layout, lay, (size_t)h->nbindings * sizeof *lay);
@@ -126,6 +175,10 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     }
     s = SPY_OK;
     for (uint32_t j = 0; j < h->njobs && s == SPY_OK; j++) {
+        if (pj[j].kind == SPY_PLAN_JOB_COLLECTIVE) {
+            add_collective(p, j, &pj[j], (const uint8_t *)blob + pj[j].prog_off);
+            continue;
+        }
         uint64_t addr;
         s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);
         if (s != SPY_OK)
@@ -207,6 +260,7 @@ void spy_plan_destroy(spy_plan *p)
     free(p->binding_used);
     free(p->binding_written);
     free(p->layout);
+    free(p->groups);
     free(p->binding_host);
     free(p->checked);
     free(p);
@@ -222,6 +276,33 @@ spy_status spy_plan_binding_extent(const spy_plan *p, uint32_t binding, uint64_t
 
 uint32_t spy_plan_num_jobs(const spy_plan *p) { return p ? p->njobs : 0; }
 
+spy_status spy_plan_set_group(spy_plan *p, uint32_t index, spy_ccl *ring)
+{
+    spy_clear_error();
+    if (!p || !ring || index >= p->ngroups)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "plan group %u: no plan, no ring, or not one of its %u groups", index,
+                        p ? p->ngroups : 0);
+    for (uint32_t j = 0; j < p->njobs; j++)
+        if (p->jobs[j].kind == SPY_PLAN_JOB_COLLECTIVE && p->jobs[j].coll.group == index &&
+            p->jobs[j].coll.nranks != spy_ccl_size(ring))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "plan group %u: job %u was built for %u ranks, the ring has %u",
+                            index, j, p->jobs[j].coll.nranks, spy_ccl_size(ring));
+    p->groups[index] = ring;
+    return SPY_OK;
+}
+
+/* A job of the launch failed: abort the plan's groups, so that the other ranks' collectives
+ * fail instead of waiting for this rank's (the first reason given to a ring stays). */
+static void abort_groups(spy_plan *p, uint32_t job)
+{
+    if (!p->ngroups)
+        return;
+    char reason[200];
+    snprintf(reason, sizeof reason, "its card failed in job %u of a plan: %s", job, spy_last_error());
+    for (uint32_t g = 0; g < p->ngroups; g++)
+        spy_ccl_abort(p->groups[g], reason);
+}
+
 /* One plan's launch on its locked device: check its bindings, patch, run every job. */
 static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t nbindings, uint32_t name,
                                 double *step_end_ns)
@@ -232,6 +313,9 @@ static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t 
         return spy_fail(SPY_E_NOT_COMMITTED, -1, "the plan was made before the device was reset; rebuild it");
     if (nbindings != p->nbindings || (nbindings && !bindings))
         return spy_fail(SPY_E_INVALID_ARG, -1, "plan takes %u bindings, %u given", p->nbindings, nbindings);
+    for (uint32_t g = 0; g < p->ngroups; g++)
+        if (!p->groups[g])
+            return spy_fail(SPY_E_INVALID_ARG, -1, "plan group %u has no ring attached (spy_plan_set_group)", g);
     /* Bounds of every binding, once: the commands were checked against slot extents, and
      * each slot is a binding plus an offset inside the binding's extent. The same bindings
      * as the last launch that passed, with no free or commit on the device since, still
@@ -288,9 +372,15 @@ static spy_status launch_locked(spy_plan *p, const uint64_t *bindings, uint32_t 
             const spy_reloc *r = &p->relocs[job->reloc_begin + k];
             slot_host[k] = p->binding_host[r->binding] ? p->binding_host[r->binding] + r->offset : NULL;
         }
-        s = spy_job_execute(d, job->prog, j == 0 ? not_before : 0, job->name, &end);
-        if (s != SPY_OK)
+        if (job->kind == SPY_PLAN_JOB_COLLECTIVE)
+            s = spy_job_collective(d, p->groups[job->coll.group], &job->coll, slot_host[0], slot_host[1],
+                                   j == 0 ? not_before : 0, job->name, &end);
+        else
+            s = spy_job_execute(d, job->prog, j == 0 ? not_before : 0, job->name, &end);
+        if (s != SPY_OK) {
             spy_note_error_job(j);
+            abort_groups(p, j);
+        }
     }
     spy_card_work_end(d, outermost);
     d->counters.plan_launches++;

@@ -946,6 +946,8 @@ typedef struct spy_attention_record {
 } spy_attention_record;
 
 spy_status spy_build_attention(const spy_attention_record *rec, spy_built *out);
+/* ---- collectives between processes (ccl.c) ------------------------------------------ */
+#include "ccl.h"
 
 /* ---- plans (plan.c) ---------------------------------------------------------------------
  * Plan block layout:
@@ -960,10 +962,15 @@ spy_status spy_build_attention(const spy_attention_record *rec, spy_built *out);
  * binding with a layout (itemsize != 0) must be the start of an allocation that records
  * that layout (SPY_E_LAYOUT otherwise, before any job runs); a zero layout is not checked
  * (an arena of intermediates, which records none).
+ * A collective job (kind SPY_PLAN_JOB_COLLECTIVE) holds a spy_collective instead of a
+ * program, and two slots: its input and its output. It runs in group `group` of the plan,
+ * a ring the caller attaches once the plan exists (spy_plan_set_group); a launch refuses a
+ * plan with a group unattached. A launch that fails in any job aborts the plan's groups, so
+ * that the other ranks' collectives fail instead of waiting for this one (NCCL's abort).
  * spy_plan_create validates the whole block, uploads and commits every program. */
 
 #define SPY_PLAN_MAGIC 0x4E4C5053u /* "SPLN" */
-#define SPY_PLAN_VERSION 2u
+#define SPY_PLAN_VERSION 3u
 
 typedef struct spy_plan_header {
     uint32_t magic;
@@ -971,19 +978,22 @@ typedef struct spy_plan_header {
     uint32_t njobs;
     uint32_t nrelocs;
     uint32_t nbindings;   /* bindings a launch must pass */
-    uint32_t reserved0;
+    uint32_t ngroups;     /* process groups its collective jobs run in (spy_plan_set_group) */
     uint64_t total_bytes;
     uint64_t reserved[4];
 } spy_plan_header; /* 64 bytes */
 SPY_ABI_SIZE(spy_plan_header, 64)
 
+#define SPY_PLAN_JOB_PROGRAM 0    /* a program block: the card's commands */
+#define SPY_PLAN_JOB_COLLECTIVE 1 /* a spy_collective between the cards of a group */
+
 typedef struct spy_plan_job {
-    uint64_t prog_off;    /* from the start of the plan block */
+    uint64_t prog_off;    /* from the start of the plan block: its program or collective */
     uint64_t prog_len;
     uint32_t reloc_begin;
-    uint32_t nslots;
+    uint32_t nslots;      /* a collective's: 2 (its input, its output) */
     uint32_t name;        /* trace label id */
-    uint32_t reserved;
+    uint32_t kind;        /* SPY_PLAN_JOB_* */
 } spy_plan_job; /* 32 bytes */
 SPY_ABI_SIZE(spy_plan_job, 32)
 
@@ -998,6 +1008,10 @@ typedef struct spy_plan spy_plan;
 
 spy_status spy_plan_create(spy_device *dev, const void *blob, uint64_t len, spy_plan **out);
 void spy_plan_destroy(spy_plan *plan);
+/* Attach the ring of group `index` (< the header's ngroups): it must have the number of
+ * ranks the plan's collectives of that group were built for, and outlive the plan's
+ * launches (the caller keeps it). */
+spy_status spy_plan_set_group(spy_plan *plan, uint32_t index, spy_ccl *ring);
 /* Declared minimum size for each binding (computed from the relocated slot extents). */
 spy_status spy_plan_binding_extent(const spy_plan *plan, uint32_t binding, uint64_t *extent);
 uint32_t spy_plan_num_jobs(const spy_plan *plan);
@@ -1135,8 +1149,50 @@ spy_status spy_fault_inject(spy_device *dev, uint32_t kind, uint64_t after_n);
  * its end. Traced as a job named `name`. (job.c) */
 spy_status spy_timed_job(spy_device *dev, double not_before, double duration_ns, uint32_t name, double *end_ns);
 
-/* ---- collectives between processes (ccl.c) ------------------------------------------ */
-#include "ccl.h"
+
+/* ---- collectives of card memory (job.c) --------------------------------------------------
+ * A collective between the cards of a process group, as a job of each card's timeline: it
+ * starts when every rank's card is ready for it (the latest of the ranks' clocks, exchanged
+ * with its first round) and lasts duration_ns (the interconnect's time, which the caller
+ * computes from the profile). On functional cards the ring moves the data of card memory in
+ * place -- the input and output bytes of the storages as they lie, stick layout included --
+ * on timing-mode cards one round of the ring exchanges the clocks and no data.
+ *
+ * all_reduce      out = op over ranks of in, elementwise (count = in_bytes / element size);
+ *                 in and out may be the same memory
+ * all_gather      out (nranks * in_bytes) = every rank's in, by chunks (spy_ccl_allgather)
+ * reduce_scatter  out (in_bytes / nranks) = op over ranks of their blocks (spy_ccl_reduce_scatter)
+ * broadcast       out = root's in (in and out the same memory)
+ * The walk of the ring is the card's work (the interconnect's), not the host's. */
+#define SPY_COLL_ALL_REDUCE 1
+#define SPY_COLL_ALL_GATHER 2
+#define SPY_COLL_REDUCE_SCATTER 3
+#define SPY_COLL_BROADCAST 4
+
+typedef struct spy_collective {
+    uint32_t kind;        /* SPY_COLL_* */
+    uint32_t dtype;       /* SPY_CCL_F32...: the elements reduced */
+    uint32_t op;          /* SPY_CCL_SUM...: reductions */
+    uint32_t nranks;      /* the group's size */
+    uint32_t root;        /* broadcast */
+    uint32_t group;       /* in a plan: which of its groups */
+    uint64_t in_bytes;    /* this rank's input */
+    uint64_t out_bytes;   /* this rank's output */
+    uint64_t chunk_bytes; /* all_gather, reduce_scatter: the chunk of the interleaving (of out,
+                             of in: its stick column); 0 = the whole block */
+    uint64_t tag;         /* compared across ranks like the sizes (the storage's layout) */
+    double duration_ns;   /* time on the interconnect */
+} spy_collective; /* 64 bytes */
+SPY_ABI_SIZE(spy_collective, 64)
+
+/* Run one collective on this card's memory, outside a plan: in and out are device
+ * addresses inside live allocations of in_bytes and out_bytes; an input that is a whole
+ * storage recording a stick layout must record the one the tag names (rows << 32 | row
+ * length; SPY_E_LAYOUT otherwise, before anything moves). It starts no sooner than the host
+ * clock (a launch) and *end_ns (if not NULL) is its end. A failure of the ring aborts the
+ * group (ccl.h). */
+spy_status spy_collective_launch(spy_device *dev, spy_ccl *ring, const spy_collective *coll, uint64_t in,
+                                 uint64_t out, uint32_t name, double *end_ns);
 
 #ifdef __cplusplus
 }

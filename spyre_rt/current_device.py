@@ -9,8 +9,11 @@ CUDA device.
   index from the device guard before dispatch, and the guard a Python backend registers
   reports device 0 (its trampoline forwards only ``type_``). :func:`install` therefore
   gives ``Tensor.to`` the current index for an index-less spyre device, before torch sees
-  it; ``Module.to`` goes through it, and ``torch.tensor(..., device="spyre")`` through
-  ``Tensor.to`` of its CPU tensor.
+  it; ``Module.to`` goes through it. ``torch.tensor``, ``torch.as_tensor`` and
+  ``torch.asarray`` with ``device="spyre"`` make their tensor in C++ and ask the same guard,
+  so they are given the index the same way. A device context (``with torch.device("meta")``,
+  ``torch.set_default_device``) still gives them its device: torch recognises its factory
+  functions by identity (:func:`_keep_device_context`).
 """
 
 from __future__ import annotations
@@ -69,4 +72,41 @@ def install() -> None:
         return to(self, *args, **kwargs)
 
     torch.Tensor.to = to_current
+    originals = []
+    for name in ("tensor", "as_tensor", "asarray"):
+        originals.append(getattr(torch, name))
+        setattr(torch, name, _with_current_device(originals[-1]))
+    _keep_device_context(originals)
     _installed = True
+
+
+def _with_current_device(make):
+    """`make` (a torch function whose ``device`` is a keyword) with an index-less spyre
+    device given the current card's index."""
+
+    @functools.wraps(make)
+    def on_current(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _indexed(kwargs["device"])
+        return make(*args, **kwargs)
+
+    return on_current
+
+
+def _keep_device_context(originals) -> None:
+    """A device context gives its device to the factory functions in
+    ``torch.utils._device._device_constructors()``, a set torch builds on first use from the
+    functions ``torch`` then holds (once :func:`install` ran, the wrappers) and tests by
+    identity against the function torch dispatches: the C++ original the wrapper calls.
+    Without the originals in the set, ``torch.tensor([])`` under ``torch.device("meta")``
+    lands on the CPU (and Hugging Face, which asks exactly that to learn whether a model is
+    built on the meta device, initialises the meta model and then never its buffers)."""
+    import torch.utils._device as device_context
+
+    constructors = device_context._device_constructors
+
+    @functools.lru_cache(1)
+    def with_originals():
+        return constructors() | set(originals)
+
+    device_context._device_constructors = with_originals

@@ -7,6 +7,7 @@ import threading
 import warnings
 
 import torch
+import torch.distributed as dist
 
 _warned: set[tuple[str, str]] = set()  # (subject, what) of warn_once
 _warned_lock = threading.Lock()
@@ -115,3 +116,13 @@ class SpyreLayoutError(SpyreError):
 class SpyreGraphError(SpyreError):
     """A graph capture or replay was refused: eager work inside a capture, a replay after
     the card was reset or after a static input was pointed at other memory."""
+
+
+class SpyreCollectiveError(SpyreError, dist.DistBackendError):
+    """A collective between cards failed: a peer timed out or exited, the ranks' calls did
+    not match, or the group was aborted by an earlier failure (a card fault on a peer during
+    a compiled step, say). The group refuses every later call, as NCCL's does."""
+
+    def __init__(self, message: str, status: str = ""):
+        super().__init__(message)
+        self.status = status

@@ -211,6 +211,38 @@ class AttentionKernel:
 
 @description
 @dataclass(frozen=True)
+class CollectiveKernel:
+    """A collective between the cards of a process group (a functional collective of the
+    graph, ``_c10d_functional.all_reduce_`` and its kin): a job of the step's plan that the
+    card runs with its peers, in place on the card's memory.
+
+    ``collective`` is ``all_reduce`` (``out`` is ``inp``), ``all_gather`` (``out`` holds
+    ``ranks`` inputs along its first dimension), ``reduce_scatter`` (``inp`` holds
+    ``ranks`` outputs) or ``broadcast`` (from ``root``; ``out`` is ``inp``). ``group`` is
+    the process group's name, resolved through ``torch.distributed`` when the step runs;
+    ``ranks`` is its size when the step was compiled."""
+
+    name: str
+    collective: str
+    group: str
+    ranks: int
+    inp: View
+    out: View
+    dtype: str
+    op: str = "sum"          # reductions: sum, avg, max, min, product
+    root: int = 0
+    buffers: tuple[Buffer, ...] = ()
+    origins: tuple[str, ...] = ()
+    module: str = ""
+
+    kind = "collective"
+
+    def views(self) -> list[View]:
+        return [self.inp, self.out]
+
+
+@description
+@dataclass(frozen=True)
 class CpuOp:
     """An op that runs on the host inside a compiled step (CPU fallback), called as its
     schema says: ``op`` names a ``torch.ops`` overload (``aten.cumsum.default``,
@@ -271,7 +303,8 @@ def _tensor_args(a) -> list:
 class StepDesc:
     """A compiled graph: what runs, in which order, on which buffers.
 
-    ``sequence`` items are ``("run", kernel name)``, ``("cpu", CpuOp)`` or
+    ``sequence`` items are ``("run", kernel name)`` (a kernel of the card, or a
+    collective), ``("cpu", CpuOp)`` or
     ``("pick", (tuple-output buffer, index path, buffer))``. Views are
     ``(buffer, offset, sizes, strides)`` in logical elements."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import _native
 from .errors import (
+    SpyreCollectiveError,
     SpyreDeviceError,
     SpyreDeviceLostError,
     SpyreDMAError,
@@ -26,6 +27,9 @@ _INVALID = {
     lib.SPY_E_BAD_PROGRAM,
     lib.SPY_E_NOT_COMMITTED,
 }
+
+
+_COLLECTIVE = {lib.SPY_E_CCL_TIMEOUT, lib.SPY_E_CCL_MISMATCH, lib.SPY_E_CCL_PEER}
 
 
 def last_error() -> tuple[str, int]:
@@ -60,6 +64,8 @@ def _typed_error(status: int, context: str) -> SpyreError:
         return SpyreLayoutError(f"{text} [{name}]")
     if status == lib.SPY_E_PROFILE:
         return SpyreProfileError(text)
+    if status in _COLLECTIVE:
+        return SpyreCollectiveError(f"{text} [{name}]", name)
     return SpyreError(f"{text} [{name}]")
 
 

@@ -21,20 +21,26 @@ from .layout import StickLayout
 from .native import check, ffi, lib
 from .program import LAYOUT, PLAN_HEADER, PLAN_JOB, plan_layout, plan_tables
 
+PROGRAM = lib.SPY_PLAN_JOB_PROGRAM
+COLLECTIVE = lib.SPY_PLAN_JOB_COLLECTIVE
+
 
 class PlanJob(NamedTuple):
-    blob: np.ndarray                    # an encoded program block
+    blob: np.ndarray                    # an encoded program block, or a collective (spy_collective)
     relocs: tuple[tuple[int, int], ...]  # per slot: (binding, byte offset)
     name: str
+    kind: int = PROGRAM
 
 
-def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.ndarray:
+def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names, ngroups: int = 0) -> np.ndarray:
     """The plan block of `jobs` over one binding per entry of `layouts`: the stick layout
     a launch must bind there, or None for memory that records none (an arena). `names`
-    is a function from job name to trace id."""
+    is a function from job name to trace id; `ngroups` the process groups its collective
+    jobs run in."""
     hdr = np.zeros(1, dtype=PLAN_HEADER)
     hdr["magic"], hdr["version"] = lib.SPY_PLAN_MAGIC, lib.SPY_PLAN_VERSION
     hdr["njobs"], hdr["nrelocs"], hdr["nbindings"] = len(jobs), sum(len(j.relocs) for j in jobs), len(layouts)
+    hdr["ngroups"] = ngroups
     offsets, pos = [], (plan_layout(hdr.view(np.uint8)).end + 7) & ~7  # the programs follow the tables
     for j in jobs:
         offsets.append(pos)
@@ -45,7 +51,7 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names) -> np.
     tables = plan_tables(buf)
     r = 0
     for i, j in enumerate(jobs):
-        tables.jobs[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), 0)
+        tables.jobs[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), j.kind)
         for b, off in j.relocs:
             tables.relocs[r] = (b, 0, off)
             r += 1
@@ -71,9 +77,7 @@ def binding_layouts(block: np.ndarray) -> np.ndarray:
 def program_offsets(block: np.ndarray) -> list[int]:
     """Where each job's program starts in a plan block (a plan file stores each distinct
     program once: see :mod:`spyre_rt.plan_cache`)."""
-    njobs = job_names(block)
-    table = block[PLAN_HEADER.itemsize: PLAN_HEADER.itemsize + njobs * PLAN_JOB.itemsize].view(PLAN_JOB)
-    return [int(x) for x in table["prog_off"]]
+    return [int(x) for x in plan_tables(block).jobs["prog_off"]]
 
 
 def job_names(block: np.ndarray) -> int:
@@ -92,14 +96,18 @@ def set_job_names(block: np.ndarray, names: list[str], intern) -> None:
 
 
 class GraphPlan:
-    """A plan created on a card from a plan block."""
+    """A plan created on a card from a plan block. `groups` are the rings its collective
+    jobs run in (objects with a ``handle``, kept alive as long as the plan), by group index."""
 
-    def __init__(self, card: Card, block: np.ndarray, name: str = "step"):
+    def __init__(self, card: Card, block: np.ndarray, name: str = "step", groups=()):
         self.card = card
         self.block = block
         out = ffi.new("spy_plan **")
         check(lib.spy_plan_create(card.handle, ffi.from_buffer(block), block.size, out), "creating a graph plan")
         self.handle = ffi.gc(out[0], lib.spy_plan_destroy)
+        self.groups = tuple(groups)
+        for i, ring in enumerate(self.groups):
+            check(lib.spy_plan_set_group(self.handle, i, ring.handle), f"attaching process group {i} to a graph plan")
         self.nbindings = plan_layout(block).nbindings
         self.njobs = int(lib.spy_plan_num_jobs(self.handle))
         self.name = card.intern(name)

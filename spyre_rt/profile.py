@@ -212,7 +212,8 @@ def parse(text: str, path: str = "<string>") -> DeviceProfile:
 
 # The figures an [interconnect] table may give (all optional; a profile without them has
 # no model of collectives' time): name -> unit.
-INTERCONNECT = {"p2p_bandwidth_gbps": "GB/s", "p2p_latency_ns": "ns"}
+INTERCONNECT = {"p2p_bandwidth_gbps": "GB/s", "p2p_latency_ns": "ns", "network_bandwidth_gbps": "GB/s",
+                "network_latency_ns": "ns"}
 
 
 def load(name_or_path: str) -> DeviceProfile:

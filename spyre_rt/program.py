@@ -78,10 +78,14 @@ JOB_HEADER = np.dtype([
 ])
 PLAN_HEADER = np.dtype([
     ("magic", "u4"), ("version", "u4"), ("njobs", "u4"), ("nrelocs", "u4"), ("nbindings", "u4"),
-    ("reserved0", "u4"), ("total_bytes", "u8"), ("reserved", "u8", (4,)),
+    ("ngroups", "u4"), ("total_bytes", "u8"), ("reserved", "u8", (4,)),
 ])
 PLAN_JOB = np.dtype([("prog_off", "u8"), ("prog_len", "u8"), ("reloc_begin", "u4"), ("nslots", "u4"),
-                     ("name", "u4"), ("reserved", "u4")])
+                     ("name", "u4"), ("kind", "u4")])
+COLLECTIVE = np.dtype([
+    ("kind", "u4"), ("dtype", "u4"), ("op", "u4"), ("nranks", "u4"), ("root", "u4"), ("group", "u4"),
+    ("in_bytes", "u8"), ("out_bytes", "u8"), ("chunk_bytes", "u8"), ("tag", "u8"), ("duration_ns", "f8"),
+])
 RELOC = np.dtype([("binding", "u4"), ("reserved", "u4"), ("offset", "u8")])
 LAYOUT = np.dtype([("rows", "u8"), ("row_len", "u8"), ("itemsize", "u4"), ("stick_bytes", "u4")])
 # a loop kernel's decision record (spy_loop_record): its stage instructions and its tiles

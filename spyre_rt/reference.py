@@ -25,7 +25,7 @@ from .construct.loops.analysis import _dtype, _reduction_dtype
 from .construct.sfu import compute_type, parse_constant
 from .dtypes import torch_dtype
 from .errors import SpyreError, SpyreIndexError
-from .kernels import AttentionKernel, LoopKernel, MatmulKernel
+from .kernels import AttentionKernel, CollectiveKernel, LoopKernel, MatmulKernel
 
 
 class Place(NamedTuple):
@@ -46,6 +46,8 @@ def run(kernel, memory: Memory) -> None:
         _matmul(kernel, memory)
     elif isinstance(kernel, AttentionKernel):
         _attention(kernel, memory)
+    elif isinstance(kernel, CollectiveKernel):
+        _collective(kernel, memory)
     else:
         raise SpyreError(f"no reference evaluation for a {type(kernel).__name__}")
 
@@ -95,7 +97,7 @@ def extents(kernel) -> dict[str, tuple[int, int] | None]:
                 add(acc.buf, _span(acc.const, terms))
         return out
     views = [kernel.a, kernel.b, kernel.bias] if isinstance(kernel, MatmulKernel) else \
-        [kernel.q, kernel.k, kernel.v, kernel.mask]
+        [kernel.inp] if isinstance(kernel, CollectiveKernel) else [kernel.q, kernel.k, kernel.v, kernel.mask]
     views += [kernel.out]
     if isinstance(kernel, MatmulKernel) and kernel.epilogue is not None:
         views += [*kernel.epilogue.inputs, *kernel.epilogue.outputs]
@@ -335,3 +337,22 @@ def _attention(k: AttentionKernel, memory: Memory) -> None:
         scores = scores.masked_fill(~keep, -math.inf)
     out = _view(memory, k.out)
     out.copy_(torch.matmul(torch.softmax(scores, dim=-1), v).to(out.dtype))
+
+
+def _collective(k: CollectiveKernel, memory: Memory) -> None:
+    """A collective between cards, on host tensors: the functional collective of its group
+    (whose process group serves host tensors too)."""
+    import torch.distributed._functional_collectives as funcol
+
+    x = _view(memory, k.inp).contiguous()
+    if k.collective == "all_reduce":
+        y = funcol.all_reduce(x, k.op, k.group)
+    elif k.collective == "all_gather":
+        y = funcol.all_gather_tensor(x, 0, k.group)
+    elif k.collective == "reduce_scatter":
+        y = funcol.reduce_scatter_tensor(x, k.op, 0, k.group)
+    elif k.collective == "broadcast":
+        y = funcol.broadcast(x, k.root, k.group)
+    else:
+        raise SpyreError(f"no reference evaluation for the collective {k.collective!r}")
+    _view(memory, k.out).copy_(funcol.wait_tensor(y))

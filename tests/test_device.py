@@ -105,6 +105,27 @@ def test_model_to_spyre_and_to_empty():
     assert empty.weight.device.type == "spyre" and empty.weight.shape == (4, 4)
 
 
+def test_a_device_context_still_places_the_tensors_made_from_data():
+    """torch.tensor, torch.as_tensor and torch.asarray (which the card wraps to give
+    "spyre" the current card's index) still take the device of a device context: Hugging
+    Face builds a checkpoint's model on the meta device and tells it so by asking
+    torch.tensor([]).device; a wrong answer left its rotary buffers uninitialised."""
+    with torch.device("meta"):
+        made = (torch.tensor([]), torch.as_tensor([1.0]), torch.asarray([1.0]), torch.tensor(2.0, device="cpu"))
+    assert [t.device.type for t in made] == ["meta", "meta", "meta", "cpu"]
+    assert torch.tensor([1.0]).device.type == "cpu"  # and none outside it
+
+
+def test_a_checkpoint_loaded_with_the_card_registered_has_its_rotary_buffers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    want = transformers.LlamaForCausalLM(cfg).model.rotary_emb.inv_freq
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, want)
+
+
 def test_item_and_printing():
     t = torch.tensor([[1.5, 2.5]]).to("spyre")
     assert t[0, 1].item() == 2.5

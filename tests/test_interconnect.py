@@ -16,9 +16,11 @@ def spyre():
 
 def test_the_profile_gives_the_links_figures_with_sources(spyre):
     ic = spyre.interconnect
-    assert set(ic) == {"p2p_bandwidth_gbps", "p2p_latency_ns"}
+    assert set(ic) == {"p2p_bandwidth_gbps", "p2p_latency_ns", "network_bandwidth_gbps", "network_latency_ns"}
     assert ic["p2p_bandwidth_gbps"].kind == "derived" and "[pcie5]" in ic["p2p_bandwidth_gbps"].source
     assert ic["p2p_latency_ns"].kind == "assumption"
+    assert ic["network_bandwidth_gbps"].kind == "assumption" and "[ieee802.3]" in ic["network_bandwidth_gbps"].source
+    assert ic["network_bandwidth_gbps"].value == pytest.approx(100 / 8)  # 100 Gb/s Ethernet, one direction
     # PCIe Gen5 x16: 32 GT/s x 16 lanes x 128/130 / 8 bits
     assert ic["p2p_bandwidth_gbps"].value == pytest.approx(32 * 16 * 128 / 130 / 8, rel=1e-3)
 
@@ -52,3 +54,13 @@ def test_a_profile_without_links_has_no_model_and_bad_links_are_refused(spyre):
         profile.parse(bad)
     with pytest.raises(SpyreProfileError, match="unknown interconnect figure"):
         profile.parse(text.replace("[interconnect]\n", '[interconnect]\nhops = { value = 1, unit = "x", kind = "assumption", source = "s" }\n'))
+
+
+def test_a_group_on_several_machines_goes_at_the_networks_figures(spyre):
+    """Between machines the slowest links are the network's: the ring's steps at its latency
+    and its bandwidth."""
+    bw, alpha = spyre.interconnect["network_bandwidth_gbps"].value, spyre.interconnect["network_latency_ns"].value
+    one = interconnect.cost(spyre, "all_reduce", 8192, 2)
+    two = interconnect.cost(spyre, "all_reduce", 8192, 2, between_machines=True)
+    assert two.algorithm == "ring" and two.ns == pytest.approx(8192 / bw + 2 * alpha)
+    assert two.ns > 10 * one.ns

@@ -27,6 +27,7 @@ MIRRORS = {
     "JOB_HEADER": ("spy_job_header", None, {}),
     "PLAN_HEADER": ("spy_plan_header", None, {}),
     "PLAN_JOB": ("spy_plan_job", None, {}),
+    "COLLECTIVE": ("spy_collective", None, {}),
     "RELOC": ("spy_reloc", None, {}),
     "LAYOUT": ("spy_layout", None, {}),
     "LOOP_INSTR": ("spy_loop_instr", None, {}),

@@ -34,7 +34,7 @@ from ..errors import compile_error, source_of
 from ..fusion import fuse_epilogues
 from ..prebuild import prebuild
 from ..regions import Inlined, inline
-from . import STATIC_INPUTS
+from . import STATIC_INPUTS, collectives
 from .record import (
     buffer_info,
     computing_origins,
@@ -291,6 +291,16 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 if hasattr(node, "spyre_kernel"):  # the card runs it
                     seq.append(("run", self._card_kernel(node).name))
                     continue
+                if collectives.is_wait(node):  # the plan's collectives complete in order
+                    continue
+                described = collectives.describe(node, self.new_kernel_name())
+                if described is not None:  # a job of the plan between the cards
+                    kernel, made = described
+                    self.spyre_kernels[kernel.name] = kernel
+                    self._remember(kernel.name, [node])
+                    buffers.update((b.name, b) for b in made)
+                    seq.append(("run", kernel.name))
+                    continue
                 op = self._cpu_op(node)
                 seq.append(("cpu", op))
                 for o in op.outputs:
@@ -374,8 +384,12 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         comes from at a call: an int argument, or a size or stride of a tensor argument."""
         g = V.graph
         inputs, symbols, bound = [], [], set()
-        for position, name in enumerate(g.graph_input_names):
+        position = -1
+        for name in g.graph_input_names:
             inp = g.graph_inputs[name]
+            if isinstance(inp, ir.TorchBindObject):  # an opaque object (a device mesh): dropped by call()
+                continue
+            position += 1
             if isinstance(inp, sympy.Basic):
                 if not isinstance(inp, sympy.Symbol):
                     raise compile_error(f"graph input {name} is a size expression ({inp})", [])
@@ -448,15 +462,26 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         # every kernel constructed now: what construction refuses is a compile-time event
         with dynamo_timed("spyre.plan_build"):
             prebuild(step, text, settings, self.kernel_nodes, symbolic, self.kernel_indexing)
+        opaque = _opaque_inputs()
         src = (
             "# spyre_rt: a compiled step (generated; the description is plain data)\n"
             f"from {loader} import load_step\n"
             f"_step = load_step({text!r}, {settings!r})\n"
             "def call(args):\n"
-            "    # constants are attached to this module after it is loaded\n"
+            + (f"    args[:] = [a for i, a in enumerate(args) if i not in {opaque!r}]  # opaque objects\n"
+               if opaque else "")
+            + "    # constants are attached to this module after it is loaded\n"
             "    return _step(args, globals())\n"
         )
         return ValueWithLineMap(src, []), ValueWithLineMap("", [])
+
+
+def _opaque_inputs() -> frozenset[int]:
+    """Positions of the graph's inputs that are opaque objects (the device mesh DTensor
+    parameters carry): the step reads none of them."""
+    g = V.graph
+    return frozenset(i for i, name in enumerate(g.graph_input_names) if isinstance(g.graph_inputs[name],
+                                                                                 ir.TorchBindObject))
 
 
 def _placed_view(view: tuple, placed: dict) -> tuple:

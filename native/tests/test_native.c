@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "internal.h" /* the builder's common part (graph.c) is tested here too */
 
@@ -786,7 +788,7 @@ static void test_plan(void)
     total += 2 * plen;
     uint8_t *blob = aligned_alloc(8, total);
     memset(blob, 0, total);
-    spy_plan_header h = {SPY_PLAN_MAGIC, SPY_PLAN_VERSION, 2, 4, 3, 0, total, {0}};
+    spy_plan_header h = {SPY_PLAN_MAGIC, SPY_PLAN_VERSION, 2, 4, 3, 0, total, {0}}; /* no groups */
     memcpy(blob, &h, sizeof h);
     spy_plan_job jobs[2] = {{off0, plen, 0, 2, 0, 0}, {off1, plen, 2, 2, 0, 0}};
     memcpy(blob + sizeof h, jobs, sizeof jobs);
@@ -1717,8 +1719,8 @@ typedef struct ccl_rank_run {
     spy_status s[8];
     float sum[100];
     uint16_t half_max[3];
-    int32_t gathered[4];
-    double scattered[2];
+    int32_t gathered[4], interleaved[4];
+    double scattered[2], scattered_chunks[2];
     uint8_t bcast[300];
     int64_t a2a[2];
 } ccl_rank_run;
@@ -1733,9 +1735,15 @@ static void *ccl_rank_main(void *arg)
     uint16_t h[3] = {r->rank ? 0x4000 : 0x3c00, r->rank ? 0x3c00 : 0x4200, 0xc000}; /* 1,2 | 3,1 | -2,-2 */
     r->s[1] = spy_ccl_allreduce(r->c, h, r->half_max, 3, SPY_CCL_F16, SPY_CCL_MAX, 0);
     int32_t mine[2] = {(int32_t)r->rank * 10, (int32_t)r->rank * 10 + 1};
-    r->s[2] = spy_ccl_allgather(r->c, mine, r->gathered, sizeof mine);
+    r->s[2] = spy_ccl_allgather(r->c, mine, r->gathered, sizeof mine, sizeof mine);
+    /* by chunks of one element: rank 0's first, rank 1's first, rank 0's second... */
+    if (r->s[2] == SPY_OK)
+        r->s[2] = spy_ccl_allgather(r->c, mine, r->interleaved, sizeof mine, sizeof mine[0]);
     double blocks[4] = {1 + r->rank, 2 + r->rank, 3 + r->rank, 4 + r->rank};
-    r->s[3] = spy_ccl_reduce_scatter(r->c, blocks, r->scattered, 2, SPY_CCL_F64, SPY_CCL_AVG);
+    r->s[3] = spy_ccl_reduce_scatter(r->c, blocks, r->scattered, 2, 2, SPY_CCL_F64, SPY_CCL_AVG);
+    /* the reverse of the interleaving: element k*2 + rank of each chunk column, summed */
+    if (r->s[3] == SPY_OK)
+        r->s[3] = spy_ccl_reduce_scatter(r->c, blocks, r->scattered_chunks, 2, 1, SPY_CCL_F64, SPY_CCL_SUM);
     for (int i = 0; i < 300; i++)
         r->bcast[i] = r->rank ? (uint8_t)i : 0;
     r->s[4] = spy_ccl_broadcast(r->c, r->bcast, sizeof r->bcast, 1);
@@ -1779,8 +1787,11 @@ static void test_ccl(void)
             CHECK(r->sum[e] == (float)(2 * e + 100));
         CHECK(r->half_max[0] == 0x4000 && r->half_max[1] == 0x4200 && r->half_max[2] == 0xc000);
         CHECK(r->gathered[0] == 0 && r->gathered[1] == 1 && r->gathered[2] == 10 && r->gathered[3] == 11);
+        CHECK(r->interleaved[0] == 0 && r->interleaved[1] == 10 && r->interleaved[2] == 1 && r->interleaved[3] == 11);
         /* block `rank` of {1,2,3,4} and {2,3,4,5}, averaged */
         CHECK(r->scattered[0] == (i ? 3.5 : 1.5) && r->scattered[1] == (i ? 4.5 : 2.5));
+        /* elements rank and 2 + rank of both, summed */
+        CHECK(r->scattered_chunks[0] == (i ? 5.0 : 3.0) && r->scattered_chunks[1] == (i ? 9.0 : 7.0));
         for (int b = 0; b < 300; b++)
             CHECK(r->bcast[b] == (uint8_t)b);
         CHECK(r->a2a[0] == i && r->a2a[1] == 2 + i);
@@ -1791,6 +1802,64 @@ static void test_ccl(void)
     spy_ccl_close(c0);
     spy_ccl_close(c1);
 
+    /* the same calls between "machines": two ranks over a pair of connected stream sockets */
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    int32_t fds0[2] = {-1, sv[0]}, fds1[2] = {sv[1], -1};
+    CHECK(spy_ccl_open_tcp(0, 2, fds0, 100, 1000000, &c0) == SPY_E_INVALID_ARG); /* not whole lines: closes sv[0] */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    fds1[0] = sv[1];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    CHECK_OK(spy_ccl_open_tcp(1, 2, fds1, 256, 5000000000ull, &c1));
+    if (c0 && c1) {
+        CHECK(spy_ccl_is_tcp(c0) == 1);
+        ccl_rank_run tcp[2] = {{.c = c0, .rank = 0}, {.c = c1, .rank = 1}};
+        for (int i = 0; i < 2; i++)
+            pthread_create(&threads[i], NULL, ccl_rank_main, &tcp[i]);
+        for (int i = 0; i < 2; i++)
+            pthread_join(threads[i], NULL);
+        for (int i = 0; i < 2; i++) {
+            ccl_rank_run *r = &tcp[i];
+            for (int k = 0; k < 6; k++)
+                CHECK(r->s[k] == SPY_OK);
+            for (int e = 0; e < 100; e++)
+                CHECK(r->sum[e] == (float)(2 * e + 100));
+            CHECK(r->interleaved[0] == 0 && r->interleaved[1] == 10 && r->interleaved[2] == 1);
+            CHECK(r->scattered_chunks[0] == (i ? 5.0 : 3.0) && r->scattered_chunks[1] == (i ? 9.0 : 7.0));
+            for (int b = 0; b < 300; b++)
+                CHECK(r->bcast[b] == (uint8_t)b);
+            CHECK(r->a2a[0] == i && r->a2a[1] == 2 + i);
+            CHECK(r->s[6] == SPY_E_CCL_MISMATCH || r->s[6] == SPY_E_CCL_PEER);
+            CHECK(r->s[7] == SPY_E_CCL_PEER);
+        }
+    }
+    spy_ccl_close(c0);
+    spy_ccl_close(c1);
+    /* an abort between machines reaches the peer with its reason */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    fds1[0] = sv[1];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    CHECK_OK(spy_ccl_open_tcp(1, 2, fds1, 256, 5000000000ull, &c1));
+    if (c0 && c1) {
+        spy_ccl_abort(c1, "its card failed");
+        CHECK(spy_ccl_barrier(c0) == SPY_E_CCL_PEER);
+        CHECK(strstr(spy_last_error(), "its card failed") != NULL);
+    }
+    spy_ccl_close(c0);
+    spy_ccl_close(c1);
+    /* a peer that leaves: its end of the stream closes, the wait ends at once */
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    fds0[1] = sv[0];
+    CHECK_OK(spy_ccl_open_tcp(0, 2, fds0, 256, 5000000000ull, &c0));
+    close(sv[1]);
+    if (c0) {
+        CHECK(spy_ccl_barrier(c0) == SPY_E_CCL_PEER);
+        CHECK(strstr(spy_last_error(), "closed its connection") != NULL);
+        spy_ccl_close(c0);
+    }
+
     /* a peer that never arrives: the wait ends at the timeout */
     snprintf(name, sizeof name, "/spyreccl-test-lone-%ld", (long)time(NULL));
     CHECK_OK(spy_ccl_open(name, 0, 2, 256, 1, 50000000ull, &lone));
@@ -1800,6 +1869,119 @@ static void test_ccl(void)
         CHECK(strstr(spy_last_error(), "within the timeout") != NULL);
         spy_ccl_close(lone);
     }
+}
+
+/* Two cards, one per thread, each running a plan of one collective job (an all-reduce of
+ * binding 0 in place) in a group of two: the data, the time (the later card's readiness plus
+ * the duration), the group to attach, and a failure that aborts the group for the peer. */
+typedef struct plan_rank_run {
+    spy_device *d;
+    spy_plan *plan;
+    uint64_t buf;
+    double ready, end;
+    spy_status s, s2;
+} plan_rank_run;
+
+static void *plan_rank_main(void *arg)
+{
+    plan_rank_run *r = arg;
+    CHECK_OK(spy_timed_job(r->d, r->ready, 0, 0, NULL)); /* the card is busy until `ready` */
+    r->s = spy_plan_launch(r->plan, &r->buf, 1, 0, &r->end);
+    return NULL;
+}
+
+static uint8_t *collective_plan(const spy_collective *coll, uint64_t *len)
+{
+    uint64_t head = sizeof(spy_plan_header) + sizeof(spy_plan_job) + 2 * sizeof(spy_reloc) + sizeof(spy_layout);
+    *len = head + sizeof *coll;
+    uint8_t *blob = aligned_alloc(8, *len);
+    memset(blob, 0, *len);
+    spy_plan_header h = {SPY_PLAN_MAGIC, SPY_PLAN_VERSION, 1, 2, 1, 1, *len, {0}};
+    spy_plan_job job = {head, sizeof *coll, 0, 2, 0, SPY_PLAN_JOB_COLLECTIVE};
+    spy_reloc rel[2] = {{0, 0, 0}, {0, 0, 0}};
+    memcpy(blob, &h, sizeof h);
+    memcpy(blob + sizeof h, &job, sizeof job);
+    memcpy(blob + sizeof h + sizeof job, rel, sizeof rel);
+    memcpy(blob + head, coll, sizeof *coll);
+    return blob;
+}
+
+static void test_plan_collective(void)
+{
+    current = "plan collective";
+    spy_profile pr = test_profile();
+    char name[64];
+    snprintf(name, sizeof name, "/spyreccl-plan-%ld", (long)time(NULL));
+    spy_ccl *c[2] = {NULL, NULL};
+    CHECK_OK(spy_ccl_open(name, 0, 2, 256, 1, 5000000000ull, &c[0]));
+    CHECK_OK(spy_ccl_open(name, 1, 2, 256, 0, 5000000000ull, &c[1]));
+    CHECK_OK(spy_ccl_unlink(name));
+    spy_collective coll = {SPY_COLL_ALL_REDUCE, SPY_CCL_F32, SPY_CCL_SUM, 2, 0, 0, 512, 512, 0, 0, 250.0};
+    uint64_t len;
+    uint8_t *blob = collective_plan(&coll, &len);
+    plan_rank_run runs[2];
+    memset(runs, 0, sizeof runs);
+    for (int i = 0; i < 2 && c[0] && c[1]; i++) {
+        CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, (uint32_t)i, &runs[i].d));
+        CHECK_OK(spy_plan_create(runs[i].d, blob, len, &runs[i].plan));
+        CHECK_OK(spy_malloc(runs[i].d, 512, SPY_MEM_DATA, &runs[i].buf));
+        float x[128];
+        for (int e = 0; e < 128; e++)
+            x[e] = (float)(e + 1000 * i);
+        CHECK_OK(spy_mem_write(runs[i].d, runs[i].buf, x, sizeof x));
+        runs[i].ready = i ? 5e9 : 1e9; /* later than the launches (host clock) */
+    }
+    if (!runs[0].plan || !runs[1].plan)
+        goto out;
+    double end;
+    CHECK(spy_plan_launch(runs[0].plan, &runs[0].buf, 1, 0, &end) == SPY_E_INVALID_ARG); /* no ring attached */
+    CHECK(spy_plan_set_group(runs[0].plan, 1, c[0]) == SPY_E_INVALID_ARG);             /* one group only */
+    for (int i = 0; i < 2; i++)
+        CHECK_OK(spy_plan_set_group(runs[i].plan, 0, c[i]));
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&threads[i], NULL, plan_rank_main, &runs[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        CHECK(runs[i].s == SPY_OK);
+        float y[128];
+        CHECK_OK(spy_mem_read(runs[i].d, runs[i].buf, y, sizeof y));
+        for (int e = 0; e < 128; e++)
+            CHECK(y[e] == (float)(2 * e + 1000));
+        CHECK(runs[i].end == 5e9 + 250.0); /* the later card's readiness, then the duration */
+    }
+    /* a fault on rank 0 before its collective aborts the group: rank 1 fails instead of waiting */
+    spy_ccl_abort(c[0], "its card failed");
+    CHECK(spy_plan_launch(runs[1].plan, &runs[1].buf, 1, 0, &end) == SPY_E_CCL_PEER);
+    CHECK(strstr(spy_last_error(), "its card failed") != NULL);
+    CHECK(spy_last_error_job() == 0);
+    /* hostile descriptors are refused when the plan is made */
+    spy_collective bad = coll;
+    bad.out_bytes = 256;
+    uint8_t *bad_blob = collective_plan(&bad, &len);
+    spy_plan *p = NULL;
+    CHECK(spy_plan_create(runs[0].d, bad_blob, len, &p) == SPY_E_BAD_PROGRAM && !p);
+    free(bad_blob);
+    bad = coll;
+    bad.group = 1;
+    bad_blob = collective_plan(&bad, &len);
+    CHECK(spy_plan_create(runs[0].d, bad_blob, len, &p) == SPY_E_BAD_PROGRAM && !p);
+    free(bad_blob);
+    bad = coll;
+    bad.kind = SPY_COLL_ALL_GATHER;
+    bad.out_bytes = 1024;
+    bad.chunk_bytes = 384; /* does not divide the 512 bytes */
+    bad_blob = collective_plan(&bad, &len);
+    CHECK(spy_plan_create(runs[0].d, bad_blob, len, &p) == SPY_E_BAD_PROGRAM && !p);
+    free(bad_blob);
+out:
+    for (int i = 0; i < 2; i++) {
+        spy_plan_destroy(runs[i].plan);
+        spy_device_close(runs[i].d);
+        spy_ccl_close(c[i]);
+    }
+    free(blob);
 }
 
 static void test_timed_job(void)
@@ -1843,6 +2025,7 @@ int main(void)
     test_loop_builder();
     test_attention_builder();
     test_ccl();
+    test_plan_collective();
     test_timed_job();
     if (failures) {
         fprintf(stderr, "%d native check(s) failed\n", failures);

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from .. import card as cards
 from .. import tensors
 from ..native import check, ffi, lib
-from . import interconnect
-from .ring import Ring, SpyreCollectiveError, reducible
+from . import interconnect, sockets
+from .ring import Ring, SpyreCollectiveError, card_collective, reducible
 
 BACKEND_NAME = "spyreccl"
 
@@ -75,13 +76,32 @@ def _whole_storage(t: torch.Tensor):
 
 
 def _kind(ts) -> str:
-    """"spyre" or "cpu": the device of every tensor of a call (a mix is an error)."""
+    """"spyre" or "cpu": the device of every tensor of a call (a mix, or two cards, is an error)."""
     kinds = {t.device.type for t in ts}
     if kinds <= {"cpu"}:
         return "cpu"
     if kinds == {"spyre"}:
+        cards_ = {t.device.index for t in ts}
+        if len(cards_) > 1:
+            raise ValueError("spyreccl: one collective's tensors must be on one card (a rank's card), not on "
+                             + " and ".join(f"spyre:{i}" for i in sorted(cards_)))
         return "spyre"
     raise ValueError(f"spyreccl: one collective's tensors must all be on the CPU or all on spyre, not on {sorted(kinds)}")
+
+
+_JOBS = 256  # card all-reduces a group remembers (one per storage it reduces, say a layer's output)
+
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
+             dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def _op_key(op):
+    """A hashable key of a ReduceOp (or RedOpType)."""
+    return op.op if type(op) is dist.ReduceOp else op
+
+
+def _op_name(op) -> str:
+    return _OP_NAMES[_op_key(op)]
 
 
 def _equal_splits(splits, total: int, size: int) -> bool:
@@ -99,6 +119,7 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         self._gloo = self._make_gloo(store, rank, size, timeout)
         self._ring = self._open_ring(store, rank, size, timeout)
         self._clock = ffi.new("spy_clock *")
+        self._jobs: dict = {}  # (storage base, numel, dtype, op) -> a card all-reduce (see _card_job)
         self._arrival = torch.zeros(1, dtype=torch.float64)
         self._costs: dict = {}  # (profile digest, kind, bytes) -> (ns, trace name) or None
 
@@ -114,9 +135,14 @@ class ProcessGroupSpyre(dist.ProcessGroup):
 
     @staticmethod
     def _open_ring(store, rank, size, timeout) -> Ring:
-        """Rank 0 makes the segment and names it in the store; once every rank has opened
-        it, rank 0 unlinks the name (the mappings stay), so a crash leaves nothing behind."""
+        """The ranks of one machine share a segment: rank 0 makes it and names it in the
+        store; once every rank has opened it, rank 0 unlinks the name (the mappings stay), so
+        a crash leaves nothing behind. Ranks on several machines (their host ids differ,
+        :func:`.sockets.host_id`) connect a socket to each other instead, as NCCL falls back
+        to sockets."""
         seconds = timeout.total_seconds()
+        if not sockets.one_machine(store, rank, size, timeout):
+            return Ring.over_sockets(rank, size, sockets.connect(store, rank, size, timeout), seconds)
         if rank == 0:
             name = f"/spyreccl-{os.getpid()}-{secrets.token_hex(6)}"
             ring = Ring(name, rank, size, True, seconds)
@@ -130,6 +156,11 @@ class ProcessGroupSpyre(dist.ProcessGroup):
             store.wait(["ring_all_opened"], timeout)
             Ring.unlink(name)
         return ring
+
+    @property
+    def ring(self) -> Ring:
+        """The group's native ring (what compiled steps' collectives run in)."""
+        return self._ring
 
     # ---- names ----
     def getBackendName(self) -> str:
@@ -180,7 +211,7 @@ class ProcessGroupSpyre(dist.ProcessGroup):
         key = (card.profile.digest, kind, nbytes)
         timed = self._costs.get(key)
         if timed is None:
-            c = interconnect.cost(card.profile, kind, nbytes, self._size)
+            c = interconnect.cost(card.profile, kind, nbytes, self._size, self._ring.between_machines)
             timed = self._costs[key] = None if c is None else (c.ns, f"{kind} ({c.algorithm})")
         if timed is not None:
             check(lib.spy_timed_job(card.handle, float(arrival[0]), timed[0], card.intern(timed[1]), ffi_null),
@@ -189,10 +220,16 @@ class ProcessGroupSpyre(dist.ProcessGroup):
 
     # ---- collectives ----
     def allreduce(self, tensor_list, opts=None):
+        if len(tensor_list) == 1:  # one card tensor that is its whole storage: one native call
+            t = tensor_list[0]
+            if not t.is_cpu and t.is_contiguous() and not t.storage_offset() and t.device.type == "spyre" and \
+                    self._card_all_reduce(t, opts.reduceOp if opts is not None else dist.ReduceOp.SUM):
+                return _done(tensor_list)
         opts = opts or dist.AllreduceOptions()
+        kind = _kind(tensor_list)
         if not self._on_interconnect("all_reduce", tensor_list, sum(t.numel() * t.element_size() for t in tensor_list)):
             return _done(tensor_list)
-        if (_kind(tensor_list) == "cpu" and all(t.is_contiguous() for t in tensor_list)
+        if (kind == "cpu" and all(t.is_contiguous() for t in tensor_list)
                 and opts.reduceOp != dist.ReduceOp.AVG):  # gloo has no average
             return self._gloo.allreduce(tensor_list, opts)
         whole = [_whole_storage(t) for t in tensor_list]
@@ -208,6 +245,45 @@ class ProcessGroupSpyre(dist.ProcessGroup):
                 self._gloo.allreduce([t], opts).wait()
         staged.write_back()
         return _done(tensor_list)
+
+    def _card_all_reduce(self, t: torch.Tensor, op) -> bool:
+        """An all-reduce of a card tensor that is its whole storage, in place, as one native
+        call (spy_collective_launch): the ranks' readiness and the data in one round of the
+        ring, the reduction on the card's memory as it lies, the time on the interconnect.
+        False when it is not such a tensor (the general path then runs)."""
+        base = t.untyped_storage().data_ptr()
+        key = (base, t.numel(), t.dtype, op.op if type(op) is dist.ReduceOp else op)
+        job = self._jobs.get(key)
+        if job is None:
+            job = self._card_job(t, base, op)
+            if job is None:
+                return False
+            if len(self._jobs) >= _JOBS:
+                self._jobs.clear()
+            self._jobs[key] = job
+        status = lib.spy_collective_launch(job[0], self._ring.handle, job[1], base, base, job[2], ffi_null)
+        if status == lib.SPY_E_LAYOUT:  # another storage at the same address since: describe it again
+            del self._jobs[key]
+            return self._card_all_reduce(t, op)
+        check(status, "all_reduce")
+        return True
+
+    def _card_job(self, t: torch.Tensor, base: int, op):
+        """(card handle, spy_collective *, trace name) of an all-reduce of `t`, the whole of its
+        storage at `base`, or None when it is not such a tensor. The card checks at every
+        launch that the storage at `base` still records the layout it was made for."""
+        card = cards.owner(base)
+        lay = card.layout_of(base) if card is not None else None
+        if lay is None or lay.numel != t.numel() or lay.itemsize != t.element_size() or not reducible(t.dtype, op):
+            return None
+        kind, nbytes = "all_reduce", t.numel() * t.element_size()
+        cost = interconnect.cost(card.profile, kind, nbytes, self._size, self._ring.between_machines)
+        name = f"{kind} ({cost.algorithm})" if cost is not None else kind
+        coll = card_collective(kind, t.dtype, _op_name(op), self._size, lay, lay,
+                               duration_ns=cost.ns if cost is not None else 0.0)
+        ptr = ffi.new("spy_collective *")
+        ffi.memmove(ptr, coll.tobytes(), ffi.sizeof("spy_collective"))
+        return card.handle, ptr, card.intern(name)
 
     def _all_reduce_storage(self, card, base: int, layout, dtype, op) -> None:
         """An all-reduce of a card tensor that is its whole storage, in its stick layout:

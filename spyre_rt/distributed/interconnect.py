@@ -1,5 +1,6 @@
 """Time on the interconnect: what a collective between cards lasts, from the device
-profile's ``[interconnect]`` figures (peer-to-peer bandwidth and the latency of one step).
+profile's ``[interconnect]`` figures (peer-to-peer bandwidth and the latency of one step
+between the cards of one machine; the network's between machines).
 
 The cost of each algorithm is the usual alpha-beta model of collective libraries, for p
 ranks, M bytes (the full tensor), BW the peer-to-peer bandwidth and α one step's latency:
@@ -27,17 +28,21 @@ class Cost(NamedTuple):
     algorithm: str  # "ring" or "tree"
 
 
-def _figures(profile: DeviceProfile) -> tuple[float, float] | None:
-    """(bytes per ns, ns per step), or None for a profile without an interconnect."""
+def _figures(profile: DeviceProfile, between_machines: bool) -> tuple[float, float] | None:
+    """(bytes per ns, ns per step) of the cards' links (of the machines' network when the
+    group spans machines), or None for a profile without them."""
     ic = profile.interconnect
-    if "p2p_bandwidth_gbps" not in ic or "p2p_latency_ns" not in ic:
+    bw, alpha = ("network_bandwidth_gbps", "network_latency_ns") if between_machines else \
+        ("p2p_bandwidth_gbps", "p2p_latency_ns")
+    if bw not in ic or alpha not in ic:
         return None
-    return ic["p2p_bandwidth_gbps"].value, ic["p2p_latency_ns"].value  # GB/s is bytes per ns
+    return ic[bw].value, ic[alpha].value  # GB/s is bytes per ns
 
 
-def cost(profile: DeviceProfile, kind: str, nbytes: int, ranks: int) -> Cost | None:
-    """The time of one collective of `kind` over `ranks` cards moving a tensor of `nbytes`."""
-    figs = _figures(profile)
+def cost(profile: DeviceProfile, kind: str, nbytes: int, ranks: int, between_machines: bool = False) -> Cost | None:
+    """The time of one collective of `kind` over `ranks` cards moving a tensor of `nbytes`;
+    a group on several machines goes at the network's figures (its slowest links)."""
+    figs = _figures(profile, between_machines)
     if figs is None or ranks < 2:
         return None if figs is None else Cost(0.0, "none")
     bw, alpha = figs

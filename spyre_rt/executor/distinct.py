@@ -62,7 +62,7 @@ class DistinctBuilds:
         of its form was."""
         exe = self.exe
         kernel = exe.kernels.get(name)  # the step's and the row saves'
-        if kernel is None:  # the snapshot and restore copies
+        if kernel is None or kernel.kind == "collective":  # the snapshot copies; a ring's job (its own tag)
             return exe.build(name)
         key, names = form(kernel, exe.layouts, exe.offsets)
         made = self._made.get(key)

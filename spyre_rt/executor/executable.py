@@ -47,6 +47,7 @@ from ..kernels import Buffer
 from ..layout import StickLayout, layout_for, storage_numel
 from ..native import ffi
 from . import memory, plans, undo
+from .collectives import Collectives
 from .cpu_ops import CpuOps
 from .distinct import DistinctBuilds
 from .host_kernels import HostKernels
@@ -95,6 +96,7 @@ class Executable:
         for name in desc.aliases:
             self.relocs[name] = self.relocs[self.base_of(name)]
         self.host = HostKernels(self)  # kernels construction refused, run on the host
+        self.collectives = Collectives(self)  # collectives between cards: jobs of the plans
         self.segments = self.cut_for(())
         self._named = self._buffers_by_name()
         self.cpu = CpuOps(self)
@@ -237,6 +239,8 @@ class Executable:
                 kernel_info.register(self.job_name(kernel_name), {
                     "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
                     "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
+        elif self.kernels[kernel_name].kind == "collective":  # a job of the ring, not a program
+            return self.collectives.job(self.kernels[kernel_name])
         else:
             kernel = self.kernels[kernel_name]
             first = kernel_name not in self._registered
@@ -308,7 +312,11 @@ class Executable:
                 card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
             slots = [table[b] + off for b, off in (self.relocs[n] for n in bufs)]
             try:
-                jobs.run_once(card, blob, slots, self.job_name(name), prebuilt_transfer=mode.prebuilt_transfers)
+                kernel = self.kernels.get(name)
+                if kernel is not None and kernel.kind == "collective":
+                    self.collectives.launch(kernel, blob, slots)
+                else:
+                    jobs.run_once(card, blob, slots, self.job_name(name), prebuilt_transfer=mode.prebuilt_transfers)
             except SpyreError as e:
                 e.job = position  # as a plan launch names its failing job
                 raise

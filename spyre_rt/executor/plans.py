@@ -18,7 +18,7 @@ import torch
 from .. import kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
-from ..plan import GraphPlan, PlanJob, binding_layouts, layout_table, program_offsets, set_job_names
+from ..plan import COLLECTIVE, PROGRAM, GraphPlan, PlanJob, binding_layouts, layout_table, program_offsets, set_job_names
 from ..plan import encode as encode_plan
 from ..version import __version__, runtime_version
 from .segments import DeviceSegment
@@ -56,7 +56,8 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
     built = exe.construct_all(fallback, distinct=True)
     segments = exe.device_segments()
     blocks = [build_block(exe, seg, built) for seg in segments]
-    plans = [GraphPlan(exe.card, block) for block in blocks]
+    rings = exe.collectives.rings()
+    plans = [GraphPlan(exe.card, block, groups=rings) for block in blocks]
     stats["plans_built"] += len(plans)
     if cache:
         names = [list(seg.kernels) for seg in segments]
@@ -84,7 +85,8 @@ def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
         raise SpyreError("the plan file names other jobs than this step's segments run")
     for block, segment_names in zip(entry.blocks, names, strict=True):
         set_job_names(block, [exe.job_name(n) for n in segment_names], exe.card.intern)
-    plans = [GraphPlan(exe.card, block) for block in entry.blocks]
+    rings = exe.collectives.rings()
+    plans = [GraphPlan(exe.card, block, groups=rings) for block in entry.blocks]
     if any(p.nbindings != len(exe.binding_names) for p in plans):
         raise SpyreError("plans bind a different number of buffers")
     _check_extents(exe, plans)
@@ -132,8 +134,10 @@ def build_block(exe, segment, built: dict | None = None):
     jobs = []
     for name in segment.kernels:
         blob, bufs = built[name] if built and name in built else exe.build(name)
-        jobs.append(PlanJob(blob, tuple(exe.relocs[b] for b in bufs), exe.job_name(name)))
-    return encode_plan(jobs, binding_layouts_of(exe), exe.card.intern)
+        kernel = exe.kernels.get(name)
+        kind = COLLECTIVE if kernel is not None and kernel.kind == "collective" else PROGRAM
+        jobs.append(PlanJob(blob, tuple(exe.relocs[b] for b in bufs), exe.job_name(name), kind))
+    return encode_plan(jobs, binding_layouts_of(exe), exe.card.intern, len(exe.collectives.names))
 
 
 def binding_layouts_of(exe) -> list:

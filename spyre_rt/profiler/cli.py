@@ -202,6 +202,13 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _card_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(positive_int(x.strip()) for x in text.split(",") if x.strip())
+    if not counts:
+        raise argparse.ArgumentTypeError(f"expected numbers of cards, e.g. 2 or 2,4,8, not {text!r}")
+    return counts
+
+
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     from .run import MODES as RUN_MODES
 
@@ -232,6 +239,9 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help="draw the what-if curve (speedup against construction per kernel) as a PNG "
                         "(needs matplotlib; without it, or without this option, it is drawn in the terminal)")
     p.add_argument("--json", metavar="FILE", help="write every figure of the report as JSON")
+    p.add_argument("--tp", type=_card_counts, default=(1,), metavar="N[,N...]",
+                   help="shard the model over N cards (tensor parallelism, a process per card) and report it "
+                        "against one card; several counts share the one-card run (default 1)")
     p.add_argument("--py-spy", dest="py_spy", nargs="?", const="", default=None, metavar="FILE",
                    help="record the host dispatch path with py-spy (speedscope file; default: beside the trace)")
     p.add_argument("--sweep", action="store_true",
@@ -253,14 +263,24 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
                           repeats=args.repeats, modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
                           trace=args.trace, trace_detail=args.trace_detail, whatif_plot=args.whatif_plot, py_spy=py_spy)
+    sizes = tuple(n for n in args.tp if n > 1)
     try:
         runmod.load_model(args.model)
     except SpyreProfileError as e:
         raise InputError(str(e)) from None
-    out = runmod.measure(opts, console)
-    runmod.render(console, out, args.whatif_plot)
-    if args.trace:
-        console.print(f"trace written to {args.trace} (open it in ui.perfetto.dev or with `spyre-profile view`)")
+    if sizes:
+        if args.sweep:
+            raise InputError("--sweep runs on one card: leave out --tp")
+        from . import tp as tpmod
+
+        out = tpmod.measure(opts, sizes, console)
+        tpmod.render(console, out)
+    else:
+        out = runmod.measure(opts, console)
+        runmod.render(console, out, args.whatif_plot)
+    for path in [r["trace"] for r in out.get("runs", ())] if sizes else [args.trace]:
+        if path:
+            console.print(f"trace written to {path} (open it in ui.perfetto.dev or with `spyre-profile view`)")
     if args.sweep:
         sizes = sweepmod.parse_sizes(args.sweep_batch, args.sweep_seq)
         out["sweep"] = sweepmod.sweep(opts, sizes, console, args.plot)

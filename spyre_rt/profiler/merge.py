@@ -232,3 +232,29 @@ def _shift_at(starts: np.ndarray, shifts: list[float], ts: float) -> float:
         return 0.0
     k = int(np.searchsorted(starts, ts, "right")) - 1
     return shifts[max(k, 0)]
+
+
+def merge_ranks(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """The card traces of the ranks of one run (``spyre-profile run --tp N``; rank r's card
+    is spyre:r) as one trace, a device process per card. Each rank's host tracks keep their
+    process and move to tracks of their own (``host · rank r``); the ranks' cards are on
+    one time axis already (their collectives start together). The metadata is rank 0's."""
+    events: list[dict[str, Any]] = []
+    named: set[tuple] = set()
+    for rank, t in enumerate(traces):
+        for ev in t["traceEvents"]:
+            if ev.get("pid") == trace_format.HOST_PID and rank and isinstance(ev.get("tid"), int) \
+                    and ev["tid"] % trace_format.LANE < trace_format.TID_LAUNCH_BASE and ev["tid"]:
+                ev = {**ev, "tid": ev["tid"] + rank}  # a host-span track of this rank
+                if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+                    ev["args"] = {**ev.get("args", {}), "name": f"{ev['args'].get('name', 'host')} · rank {rank}"}
+            if ev.get("ph") == "M":  # the host process is named by every rank: once
+                key = (ev.get("name"), ev.get("pid"), ev.get("tid"))
+                if key in named:
+                    continue
+                named.add(key)
+            events.append(ev)
+    merged = {k: v for k, v in traces[0].items() if k != "traceEvents"}
+    merged["traceEvents"] = events
+    merged["spyre_rt"] = {**merged.get("spyre_rt", {}), "ranks": len(traces)}
+    return merged

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import card as cards
+from .. import kernel_info
 from .. import profile as profiles
 from .. import trace as trace_format
 from ..dispatch import NAMES as DISPATCH
@@ -161,6 +162,7 @@ class Options:
     whatif_plot: str | None = None  # a PNG of the what-if curve (with matplotlib)
     py_spy: str | None = None
     seed: int = 0
+    tp: int = 1                   # cards the model is sharded over (tensor parallelism: see .tp)
 
 
 class Phase:
@@ -209,7 +211,8 @@ class Session:
         # Cards of its own, current only while the session works (see active): a process
         # that runs a session (a benchmark, a test) keeps the cards it had for the rest.
         self.card_set = cards.open_set(None, mode)
-        self.card = self.card_set.cards[0]
+        # a rank of a tensor-parallel run is on its card (LOCAL_RANK's), else spyre:0
+        self.card = self.card_set.cards[torch.spyre.current_device() if opts.tp > 1 else 0]
         with self.active():
             self._build(opts, mode)
 
@@ -224,7 +227,11 @@ class Session:
         self.cfg = cfg
         dtype = self.profile.dtype
         torch.manual_seed(opts.seed)
-        if mode == "timing":
+        if opts.tp > 1:
+            from ..distributed.tensor_parallel import sharded_model
+
+            model = sharded_model(GraniteForCausalLM, cfg, dtype, mode, opts.tp)
+        elif mode == "timing":
             with torch.device("meta"):
                 model = GraniteForCausalLM(cfg).to(dtype).eval()
             model = model.to_empty(device="spyre")  # time only: the card keeps no data
@@ -232,7 +239,7 @@ class Session:
             model = GraniteForCausalLM(cfg).to(dtype).eval().to("spyre")
         self.model = model
         self.cache = StaticCache(config=cfg, max_cache_len=opts.seq + opts.decode_steps + 1)
-        self.cache.early_initialization(batch_size=opts.batch, num_heads=cfg.num_key_value_heads,
+        self.cache.early_initialization(batch_size=opts.batch, num_heads=cfg.num_key_value_heads // opts.tp,
                                         head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=dtype,
                                         device="spyre")
         cache = self.cache
@@ -363,6 +370,18 @@ class Session:
         first, end = self.marks[phase]
         ev = self.card.trace_events(first)[: end - first]
         return [self.card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
+
+    def collective_ms(self, phase: str) -> float:
+        """The card's time in collectives (jobs on the interconnect) in `phase` of the last
+        traced run."""
+        first, end = self.marks[phase]
+        ev = self.card.trace_events(first)[: end - first]
+        jobs = ev[ev["kind"] == cards.EV_JOB]
+        total = 0.0
+        for a, start, stop in zip(jobs["a"].tolist(), jobs["start_ns"].tolist(), jobs["end_ns"].tolist(), strict=True):
+            if (kernel_info.lookup(self.card.name_of(int(a))) or {}).get("kind") == "collective":
+                total += stop - start
+        return total / 1e6
 
 
 def median_of(samples: list[dict]) -> dict:
@@ -517,10 +536,16 @@ def _warm_up(session: Session, opts: Options, step) -> dict[str, list[str]]:
     for mode in opts.modes:
         step(f"warm-up [{mode}]")
         counted = mode == _census_mode(opts)
-        session.run(mode, trace="jobs" if counted else None, decode_steps=min(1, opts.decode_steps))
+        figures = session.run(mode, trace="jobs" if counted else None, decode_steps=min(1, opts.decode_steps))
         step()
         if counted:
             census = {phase: session.job_names(phase) for phase in session.marks}
+            # the card's time in collectives per prefill and per decode token, and its share of each
+            session.collectives = {
+                phase: {"ms": (ms := session.collective_ms(phase)),
+                        "share": ms / figures["phases"][phase]["latency_ms"] if figures["phases"][phase]["latency_ms"]
+                        else 0.0}
+                for phase in session.marks}
     return census
 
 
@@ -582,6 +607,8 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "implied": implied,
         "whatif": published.whatif(results, implied, kernels),
         "timings": timings,
+        "tp": opts.tp,
+        "collectives": getattr(session, "collectives", {}),
     }
 
 

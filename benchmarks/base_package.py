@@ -52,9 +52,12 @@ def make(rev: str, out: Path) -> Path:
 
 
 def _build_native(src: Path, pkg: Path) -> None:
-    code = ("import sys; sys.path.insert(0, 'native'); from build import ffibuilder; "
-            "print(ffibuilder.compile(tmpdir='build-native'))")
-    built = subprocess.run([sys.executable, "-c", code], cwd=src, check=True, capture_output=True, text=True)
+    # built inside native/, its sources named from there: older build scripts name them
+    # relative to the working directory, which a build in another directory breaks
+    code = "import sys; sys.path.insert(0, '.'); from build import ffibuilder; print(ffibuilder.compile(tmpdir='.'))"
+    built = subprocess.run([sys.executable, "-c", code], cwd=src / "native", capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"building the native module of the base revision:\n{built.stderr[-4000:]}")
     shutil.copy2(built.stdout.strip().splitlines()[-1], pkg)
 
 

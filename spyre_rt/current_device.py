@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 
 import torch
@@ -72,11 +73,13 @@ def install() -> None:
         return to(self, *args, **kwargs)
 
     torch.Tensor.to = to_current
-    originals = []
+    originals, wrappers = [], []
     for name in ("tensor", "as_tensor", "asarray"):
         originals.append(getattr(torch, name))
-        setattr(torch, name, _with_current_device(originals[-1]))
+        wrappers.append(_with_current_device(originals[-1]))
+        setattr(torch, name, wrappers[-1])
     _keep_device_context(originals)
+    _keep_script_builtins(originals, wrappers)
     _installed = True
 
 
@@ -91,6 +94,22 @@ def _with_current_device(make):
         return make(*args, **kwargs)
 
     return on_current
+
+
+def _keep_script_builtins(originals, wrappers) -> None:
+    """TorchScript also recognises torch's functions by identity (``torch.jit._builtins``'
+    table, built once): a scripted function that calls ``torch.tensor`` (Hugging Face's
+    DeBERTa-v2 scripts one at import) must find the wrapper there as the aten op, or it
+    tries to compile the wrapper's Python. A table built after this holds the wrappers
+    already: it is made from the functions ``torch`` then holds."""
+    builtins = sys.modules.get("torch.jit._builtins")
+    table = getattr(builtins, "_builtin_table", None)
+    if table is None:
+        return
+    for original, wrapper in zip(originals, wrappers, strict=True):
+        op = table.get(id(original))
+        if op is not None:
+            table[id(wrapper)] = op
 
 
 def _keep_device_context(originals) -> None:

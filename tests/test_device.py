@@ -146,3 +146,14 @@ def test_float64_tensors_are_stored_exactly_and_computed_on_the_cpu():
     spyre_rt.fallback.forget_warnings("aten::mul")  # each op warns once per process
     with pytest.warns(spyre_rt.SpyreFallbackWarning):
         torch.testing.assert_close((d * 2).cpu(), x * 2, rtol=0, atol=0)
+
+
+def test_a_scripted_function_calling_torch_tensor_scripts_and_runs():
+    """TorchScript finds torch.tensor (wrapped for the current card) as the aten op: Hugging
+    Face's DeBERTa-v2 scripts such a function when its module is imported."""
+
+    def sign_times(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(-1.0) + torch.as_tensor(2.0)
+
+    scripted = torch.jit.script(sign_times)
+    assert torch.equal(scripted(torch.ones(3)), torch.full((3,), 1.0))

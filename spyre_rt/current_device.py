@@ -13,7 +13,8 @@ CUDA device.
   ``torch.asarray`` with ``device="spyre"`` make their tensor in C++ and ask the same guard,
   so they are given the index the same way. A device context (``with torch.device("meta")``,
   ``torch.set_default_device``) still gives them its device: torch recognises its factory
-  functions by identity (:func:`_keep_device_context`).
+  functions by identity (:func:`_keep_device_context`); a context of ``"spyre"`` without an
+  index gives them the current card (:func:`_context_device`).
 """
 
 from __future__ import annotations
@@ -89,11 +90,29 @@ def _with_current_device(make):
 
     @functools.wraps(make)
     def on_current(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _indexed(kwargs["device"])
+        device = kwargs.get("device")
+        if device is None:
+            device = _context_device()
+        if device is not None:
+            kwargs["device"] = _indexed(device)
         return make(*args, **kwargs)
 
     return on_current
+
+
+def _context_device():
+    """The device an active device context (``with torch.device(...)``,
+    ``torch.set_default_device``) would give a factory function, if it is spyre without an
+    index: the context would hand it on as it is, and the C++ constructor would then ask the
+    guard (device 0). Any other context's device is left for the context to give."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            device = mode.device
+            return device if device.type == "spyre" and device.index is None else None
+    return None
 
 
 def _keep_script_builtins(originals, wrappers) -> None:

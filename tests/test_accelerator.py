@@ -171,6 +171,27 @@ TWO_CARDS = {
         torch.accelerator.set_device_index(-1)  # torch: a negative index does nothing
         assert torch.spyre.current_device() == 0
     """,
+    "device_context_of_the_current_card": """
+        # "spyre" without an index, given by a device context, means the current card for
+        # the tensors made from data as for the factory functions
+        torch.spyre.set_device(1)
+        with torch.device("spyre"):
+            made = (torch.tensor([1.0]), torch.as_tensor([1.0]), torch.asarray([1.0]), torch.zeros(2),
+                    torch.tensor([1.0], device=None), torch.tensor(1.0, device="cpu"))
+        assert [str(t.device) for t in made] == ["spyre:1"] * 5 + ["cpu"], made
+        assert made[0].cpu().tolist() == [1.0]
+        with torch.device("spyre:0"):
+            assert torch.tensor([1.0]).device == torch.device("spyre", 0)
+        with torch.device("spyre"), torch.device("meta"):  # the innermost context wins
+            assert torch.tensor([1.0]).device.type == "meta"
+        torch.set_default_device("spyre")
+        try:
+            assert torch.tensor([1.0]).device == torch.device("spyre", 1)
+            assert torch.get_default_device() == torch.device("spyre", 1)
+        finally:
+            torch.set_default_device(None)
+        assert torch.tensor([1.0]).device.type == "cpu"
+    """,
 }
 
 

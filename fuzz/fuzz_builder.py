@@ -236,39 +236,37 @@ def heavy(rec) -> bool:
     return MAX_ELEMS < n < 1 << 64
 
 
+def _build_job(build, rec, what: str, validate=None) -> None:
+    """Build `rec` with `build`, then validate the job it made (the card runs no empty
+    program: a record without work builds a job of no commands, not validated)."""
+    blob = stage("build", built_block, build, rec, what)
+    if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
+        if validate is None:
+            stage("validate", jobs.validate, card, blob)
+        else:
+            stage("validate", validate, rec, blob)
+
+
 def target(data: bytes) -> None:
     kind, body = data[:1], data[1:]
     if kind == b"C":
         rec, _keep = copy_record(body)
-        blob = stage("build", built_block, lib.spy_build_copy, rec, "copy record")
-        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:  # the card runs no empty program
-            stage("validate", jobs.validate, card, blob)
+        _build_job(lib.spy_build_copy, rec, "copy record")
     elif kind == b"G":
         rec, _keep = graph_record(body)
-        blob = stage("build", built_block, lib.spy_build_graph, rec, "graph record")
-        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
-            stage("validate", jobs.validate, card, blob)
+        _build_job(lib.spy_build_graph, rec, "graph record")
     elif kind == b"M":
         rec, _keep = matmul_record(body)
-        if heavy_matmul(rec):
-            return
-        blob = stage("build", built_block, lib.spy_build_matmul, rec, "matmul record")
-        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
-            stage("validate", validate_matmul, rec, blob)
+        if not heavy_matmul(rec):
+            _build_job(lib.spy_build_matmul, rec, "matmul record", validate_matmul)
     elif kind == b"L":
         rec, _keep = loop_record(body)
-        if rec.ntiles * max(1, rec.naccesses) * rec.lx_bytes > LOOP_MAX_WORK:
-            return  # real work, not a finding
-        blob = stage("build", built_block, lib.spy_build_loop, rec, "loop record")
-        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:
-            stage("validate", jobs.validate, card, blob)
+        if rec.ntiles * max(1, rec.naccesses) * rec.lx_bytes <= LOOP_MAX_WORK:  # above: real work, not a finding
+            _build_job(lib.spy_build_loop, rec, "loop record")
     elif kind == b"A":
         rec, _keep = attention_record(body)
-        if heavy_attention(rec):
-            return
-        blob = stage("build", built_block, lib.spy_build_attention, rec, "attention record")
-        if blob[:JOB_HEADER.itemsize].view(JOB_HEADER)["ncmds"][0]:  # a record without tasks builds none
-            stage("validate", jobs.validate, card, blob)
+        if not heavy_attention(rec):
+            _build_job(lib.spy_build_attention, rec, "attention record")
     elif kind == b"T":
         rec = transfer_record(body)
         if heavy(rec):

@@ -88,6 +88,29 @@ static size_t segment_bytes(uint32_t nranks, uint64_t slot_bytes)
 
 static uint8_t *slot_of(const spy_ccl *c, uint32_t rank) { return c->slots + (size_t)rank * c->slot_bytes; }
 
+/* Where the header, the ranks' records and the slots lie in a group's segment: the same
+ * layout whether the segment is shared memory or (over TCP) this rank's own copy. */
+static void lay_out(spy_ccl *c, void *base, uint32_t rank, uint32_t nranks, uint64_t slot_bytes,
+                    uint64_t timeout_ns)
+{
+    c->base = base;
+    c->hdr = base;
+    c->ranks = (ccl_rank *)(c->base + CCL_ALIGN(sizeof(ccl_header)));
+    c->slots = (uint8_t *)(c->ranks + nranks);
+    c->rank = rank;
+    c->nranks = nranks;
+    c->slot_bytes = slot_bytes;
+    c->timeout_ns = timeout_ns;
+}
+
+static void write_header(spy_ccl *c)
+{
+    c->hdr->magic = CCL_MAGIC;
+    c->hdr->version = CCL_VERSION;
+    c->hdr->nranks = c->nranks;
+    c->hdr->slot_bytes = c->slot_bytes;
+}
+
 spy_status spy_ccl_open(const char *name, uint32_t rank, uint32_t nranks, uint64_t slot_bytes, int32_t create,
                         uint64_t timeout_ns, spy_ccl **out)
 {
@@ -125,20 +148,10 @@ spy_status spy_ccl_open(const char *name, uint32_t rank, uint32_t nranks, uint64
         munmap(base, bytes);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "ccl open: out of host memory");
     }
-    c->base = base;
+    lay_out(c, base, rank, nranks, slot_bytes, timeout_ns);
     c->map_bytes = bytes;
-    c->hdr = base;
-    c->ranks = (ccl_rank *)(c->base + CCL_ALIGN(sizeof(ccl_header)));
-    c->slots = (uint8_t *)(c->ranks + nranks);
-    c->rank = rank;
-    c->nranks = nranks;
-    c->slot_bytes = slot_bytes;
-    c->timeout_ns = timeout_ns;
     if (create) {
-        c->hdr->magic = CCL_MAGIC;
-        c->hdr->version = CCL_VERSION;
-        c->hdr->nranks = nranks;
-        c->hdr->slot_bytes = slot_bytes;
+        write_header(c);
         __atomic_store_n(&c->hdr->ready, 1u, __ATOMIC_RELEASE);
     } else if (__atomic_load_n(&c->hdr->ready, __ATOMIC_ACQUIRE) != 1u || c->hdr->magic != CCL_MAGIC ||
                c->hdr->version != CCL_VERSION || c->hdr->nranks != nranks || c->hdr->slot_bytes != slot_bytes) {
@@ -185,20 +198,10 @@ spy_status spy_ccl_open_tcp(uint32_t rank, uint32_t nranks, const int32_t *fds, 
         if (own[j] >= 0)
             fcntl(own[j], F_SETFL, fcntl(own[j], F_GETFL) | O_NONBLOCK);
     }
-    c->base = base;
-    c->hdr = (ccl_header *)(void *)base;
-    c->ranks = (ccl_rank *)(c->base + CCL_ALIGN(sizeof(ccl_header)));
-    c->slots = (uint8_t *)(c->ranks + nranks);
-    c->rank = rank;
-    c->nranks = nranks;
-    c->slot_bytes = slot_bytes;
-    c->timeout_ns = timeout_ns;
+    lay_out(c, base, rank, nranks, slot_bytes, timeout_ns);
     c->fds = own;
     c->send_mid = mid;
-    c->hdr->magic = CCL_MAGIC;
-    c->hdr->version = CCL_VERSION;
-    c->hdr->nranks = nranks;
-    c->hdr->slot_bytes = slot_bytes;
+    write_header(c);
     c->ranks[rank].pid = (int64_t)getpid();
     *out = c;
     return SPY_OK;

@@ -223,13 +223,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
                    help="modes to compare: the dispatch modes and replay, the prebuilt plans driven by "
                         f"captured graphs (default: {','.join(RUN_MODES)})")
-    sim = p.add_mutually_exclusive_group()
-    sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
-                     help="compute every value on the card (slow for full-size models)")
-    sim.add_argument("--timing", dest="sim_mode", action="store_const", const="timing",
-                     help="simulate time only (the default for full-size models)")
-    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
-                   help="use N layers instead of the profile's (a quicker, smaller run)")
+    _sim_arguments(p)
     p.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace of the last measured run of each mode (gzip if FILE ends in .gz)")
     p.add_argument("--trace-detail", choices=("jobs", "commands"), default="jobs",
@@ -303,6 +297,17 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _sim_arguments(p: argparse.ArgumentParser) -> None:
+    """How the card is simulated and how much of the model runs: shared by run and serve."""
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
+                     help="compute every value on the card (slow for full-size models)")
+    sim.add_argument("--timing", dest="sim_mode", action="store_const", const="timing",
+                     help="simulate time only (the default for full-size models)")
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                   help="use N layers instead of the profile's (a quicker, smaller run)")
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a model profile name (granite-3.3-8b, granite-3.3-2b, granite-tiny) or a TOML path")
@@ -315,13 +320,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("card", "host"), default="card",
                    help="card: vLLM on the card (the spyre_rt platform); host: the same vLLM runner with the "
                         "model eager on the host CPU, the per-step anchor")
-    sim = p.add_mutually_exclusive_group()
-    sim.add_argument("--functional", dest="sim_mode", action="store_const", const="functional",
-                     help="compute every value on the card (slow for full-size models)")
-    sim.add_argument("--timing", dest="sim_mode", action="store_const", const="timing",
-                     help="simulate time only (the default for full-size models)")
-    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
-                   help="use N layers instead of the profile's (a quicker, smaller run)")
+    _sim_arguments(p)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N",
                    help="vLLM's token budget of a step (default 1024)")
     p.add_argument("--compare-output", type=positive_int, default=None, metavar="N",

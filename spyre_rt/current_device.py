@@ -15,6 +15,8 @@ CUDA device.
   ``torch.set_default_device``) still gives them its device: torch recognises its factory
   functions by identity (:func:`_keep_device_context`); a context of ``"spyre"`` without an
   index gives them the current card (:func:`_context_device`).
+- ``Tensor.new_tensor`` and ``Tensor.new`` make their tensor in C++ from the tensor's
+  dispatch key (a device type without an index): they are given the tensor's own card.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def install() -> None:
         return to(self, *args, **kwargs)
 
     torch.Tensor.to = to_current
+    for name in ("new_tensor", "new"):
+        setattr(torch.Tensor, name, _on_own_card(getattr(torch.Tensor, name)))
     originals, wrappers = [], []
     for name in ("tensor", "as_tensor", "asarray"):
         originals.append(getattr(torch, name))
@@ -98,6 +102,25 @@ def _with_current_device(make):
         return make(*args, **kwargs)
 
     return on_current
+
+
+def _on_own_card(make):
+    """A ``Tensor.new_*`` method that makes its tensor in C++ from the tensor's dispatch key,
+    which names the device type without its index (so the guard's device 0), given the
+    tensor's own card. ``new`` of a single tensor aliases it and is left alone."""
+
+    alias_of_one_tensor = make.__name__ == "new"
+
+    @functools.wraps(make)
+    def on_own_card(self, *args, **kwargs):
+        if self.device.type == "spyre" and kwargs.get("device") is None:
+            if alias_of_one_tensor and not args and not kwargs:
+                return self.new_empty((0,))  # new() ignores a device given with no sizes
+            if not (alias_of_one_tensor and len(args) == 1 and isinstance(args[0], torch.Tensor)):
+                kwargs["device"] = self.device
+        return make(self, *args, **kwargs)
+
+    return on_own_card
 
 
 def _context_device():

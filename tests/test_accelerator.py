@@ -192,6 +192,20 @@ TWO_CARDS = {
             torch.set_default_device(None)
         assert torch.tensor([1.0]).device.type == "cpu"
     """,
+    "new_tensors_on_the_tensors_own_card": """
+        # Tensor.new_tensor and Tensor.new make their tensor in C++ from the dispatch key (no
+        # index): they stay on the tensor's card, not the current one
+        b = torch.arange(6.0).reshape(2, 3).to("spyre:1")
+        made = {"new_tensor": b.new_tensor([1.0, 2.0]), "new_tensor of a tensor": b.new_tensor(b),
+                "new(sizes)": b.new(2, 2), "new(data)": b.new([1.0]), "new()": b.new(),
+                "new_tensor, device given": b.new_tensor([1.0], device="spyre:0")}
+        devices = {k: str(v.device) for k, v in made.items()}
+        assert devices == {**dict.fromkeys(made, "spyre:1"), "new_tensor, device given": "spyre:0"}, devices
+        assert made["new_tensor"].cpu().tolist() == [1.0, 2.0] and made["new()"].shape == (0,)
+        assert made["new_tensor of a tensor"].cpu().tolist() == b.cpu().tolist()
+        assert b.new(b) is b or b.new(b).data_ptr() == b.data_ptr()  # new of one tensor aliases it
+        assert torch.ones(2).new_tensor([3.0]).device.type == "cpu"
+    """,
 }
 
 

@@ -112,6 +112,46 @@ def test_an_unknown_dispatch_mode_is_a_clear_error(monkeypatch):
         dispatch.named("fast")
 
 
+def test_prebuilt_transfer_does_the_construct_work_less_the_transfer_graph_builds():
+    """In the steady state, a call in prebuilt-transfer uploads each constructed kernel's
+    program with a cached transfer graph (every upload a hit, none built or validated)
+    and otherwise does what construct does: the same jobs, kernels and commits, one native
+    call fewer per upload (construct's spy_transfer_create), and fewer commands validated
+    by exactly the transfer graphs' (a cached graph is validated once, at its creation)."""
+    from spyre_rt.executor.stats import stats
+
+    card = cards.get(0)
+    f = torch.compile(mlp, backend="spyre_rt", dynamic=False)
+    args = [a.to("spyre") for a in _args()]
+    seen = {}
+    for mode in ("construct", "prebuilt-transfer", "construct", "prebuilt-transfer"):
+        with dispatch_mode(mode):
+            f(*args)  # warm: the mode's transfer graphs are cached
+            card.synchronize()
+            cache, built, c0 = card.transfers, stats["kernels_built"], card.counters()
+            hits, misses = cache.hits, cache.misses
+            f(*args)
+            card.synchronize()
+            c1 = card.counters()
+        seen[mode] = {k: c1[k] - c0[k] for k in ("native_calls", "jobs", "commits", "validated_commands",
+                                                 "commands")}
+        seen[mode].update(kernels=stats["kernels_built"] - built, hits=cache.hits - hits,
+                          misses=cache.misses - misses)
+    c, t = seen["construct"], seen["prebuilt-transfer"]
+    uploads = c["commits"]
+    assert uploads >= 4 and c["hits"] == c["misses"] == 0
+    assert t["misses"] == 0 and t["hits"] == uploads  # one cached graph per upload, none built
+    for same in ("jobs", "commits", "kernels", "commands"):
+        assert t[same] == c[same], same
+    assert c["native_calls"] - t["native_calls"] == uploads
+    # construct validates every command it runs (each kernel's program at its commit, each
+    # upload's new transfer graph at its creation); prebuilt-transfer all but the uploads'
+    upload_graph_commands = c["validated_commands"] - t["validated_commands"]
+    assert upload_graph_commands >= uploads
+    assert c["validated_commands"] == c["commands"]
+    assert t["validated_commands"] == t["commands"] - upload_graph_commands
+
+
 def _native_calls(card, fn, args, mode) -> int:
     with dispatch_mode(mode):
         fn(*args)  # warm: plans and transfer graphs exist

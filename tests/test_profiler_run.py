@@ -402,3 +402,20 @@ def test_the_run_names_its_clock_and_reports_wall_time_beside_host_time(cli_run)
     assert "CLOCK_THREAD_CPUTIME_ID" in text and "in wall time" in text
     assert "pt_utilization" in out["roofline_assumptions"]
     assert "the roofline rests on figures that are assumptions" in " ".join(text.split())
+
+
+def test_speedups_are_medians_of_each_rounds_ratio_not_ratios_of_medians():
+    """A round runs every mode once; a speedup pairs construct with the mode of the same
+    round, so a round in which the whole host ran slow cancels out of its own ratio."""
+    def r(prefill, decode):
+        return {"prefill_ms": prefill, "decode_ms_per_token": decode}
+
+    samples = {"construct": [r(100.0, 10.0), r(200.0, 20.0), r(400.0, 40.0)],
+               "prebuilt": [r(40.0, 5.0), r(200.0, 10.0), r(100.0, 20.0)]}
+    speedups = runmod.speedups_of(samples)
+    assert speedups["prebuilt"]["prefill"] == pytest.approx(2.5)  # rounds 2.5, 1, 4; medians would give 2
+    assert speedups["prebuilt"]["decode"] == pytest.approx(2.0)
+    assert speedups["construct"] == {"prefill": 1.0, "decode": 1.0}
+    relative = runmod.relative_latencies(speedups)
+    assert relative["prebuilt"]["prefill_ms"] == pytest.approx(0.4)
+    assert runmod.speedups_of({"prebuilt": samples["prebuilt"]}) == {}  # no construct, no speedups

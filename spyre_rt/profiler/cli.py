@@ -218,8 +218,9 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=positive_int, default=1024, metavar="N", help="prompt length (default 1024)")
     p.add_argument("--decode-steps", type=positive_int, default=4, metavar="N",
                    help="greedy decode steps measured per mode (default 4)")
-    p.add_argument("--repeats", type=positive_int, default=2, metavar="N",
-                   help="measured runs per mode, interleaved across modes; medians are reported (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                   help="measured rounds, each running every mode once (interleaved); latencies are medians "
+                        "over the rounds, speedups medians of each round's ratio to construct (default 5)")
     p.add_argument("--modes", type=_modes, default=None, metavar="LIST",
                    help="modes to compare: the dispatch modes and replay, the prebuilt plans driven by "
                         f"captured graphs (default: {','.join(RUN_MODES)})")

@@ -153,7 +153,7 @@ class Options:
     batch: int = 1
     seq: int = 1024
     decode_steps: int = 4
-    repeats: int = 2              # measured runs per mode, interleaved; medians reported
+    repeats: int = 5              # measured rounds, the modes interleaved in each; medians reported
     modes: tuple[str, ...] = MODES
     sim_mode: str | None = None   # None: the model profile's default
     layers: int | None = None     # override the number of layers (quick runs)
@@ -384,6 +384,12 @@ class Session:
         return total / 1e6
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def median_of(samples: list[dict]) -> dict:
     """Figure by figure, the median of several runs' results (nested dicts of numbers)."""
     out: dict = {}
@@ -392,9 +398,7 @@ def median_of(samples: list[dict]) -> dict:
         if isinstance(first, dict):
             out[key] = median_of(values)
         elif isinstance(first, int | float):
-            ordered = sorted(values)
-            mid = len(ordered) // 2
-            out[key] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            out[key] = _median(values)
         else:
             out[key] = first
     return out
@@ -405,14 +409,24 @@ KEYS = {"prefill": "prefill_ms", "decode": "decode_ms_per_token"}
 WALL_KEYS = {"prefill": "prefill_wall_ms", "decode": "decode_wall_ms_per_token"}
 
 
-def speedups_of(results: dict, keys: dict[str, str] = KEYS) -> dict:
-    base = results.get("construct")
-    out = {}
-    if base is None:
-        return out
-    for mode, r in results.items():
-        out[mode] = {phase: base[key] / r[key] for phase, key in keys.items()}
-    return out
+def speedups_of(samples: dict[str, list[dict]], keys: dict[str, str] = KEYS) -> dict:
+    """Per mode and phase, the median over the rounds of construct's latency over the
+    mode's in the same round. The rounds run the modes interleaved, so the two sides of a
+    ratio share the host's state of that moment (its load, the speed another process leaves
+    it); a ratio of the modes' medians would pair one round's construct with another round's
+    mode, and carry the host's drift between rounds into the speedup."""
+    base = samples.get("construct")
+    if not base:
+        return {}
+    return {mode: {phase: _median([b[key] / r[key] for b, r in zip(base, runs_, strict=True)])
+                   for phase, key in keys.items()}
+            for mode, runs_ in samples.items()}
+
+
+def relative_latencies(speedups: dict) -> dict:
+    """Each mode's latencies relative to construct's (1 / speedup), keyed as the results
+    are: what the shares of the gain are computed from."""
+    return {mode: {key: 1 / sp[phase] for phase, key in KEYS.items()} for mode, sp in speedups.items()}
 
 
 def compute_share_of(results: dict) -> dict:
@@ -577,6 +591,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
             timings: dict[str, float]) -> dict:
     """Every figure of the report from the measured samples and the census of kernels."""
     results = {mode: median_of(runs_) for mode, runs_ in samples.items()}
+    speedups = speedups_of(samples)
     reference = load_reference(session.profile.name, opts.batch, opts.seq)
     kernels = {phase: len(efficiency.kernel_names(names)) for phase, names in census.items()}
     implied = published.implied(results, reference, kernels)
@@ -595,11 +610,11 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "host": host.describe(),
         "clock": CLOCK,
         "results": results,
-        "speedups": speedups_of(results),
+        "speedups": speedups,
         "spread": spread_of(samples),
-        "wall": {"speedups": speedups_of(results, WALL_KEYS), "spread": spread_of(samples, WALL_KEYS)},
-        "compute_share": compute_share_of(results),
-        "path_shares": path_shares_of(results),
+        "wall": {"speedups": speedups_of(samples, WALL_KEYS), "spread": spread_of(samples, WALL_KEYS)},
+        "compute_share": compute_share_of(relative_latencies(speedups)),
+        "path_shares": path_shares_of(relative_latencies(speedups)),
         "efficiency": efficiency_of(session, opts, results, census),
         "roofline_assumptions": roofline_assumptions(session.card.profile),
         "reference": reference,
@@ -685,7 +700,8 @@ def _latency_table(out: dict):
 
     title = (f"{out['model']} ({out['layers']} layers, {out['dtype']}), batch {out['batch']}, "
              f"sequence {out['seq']}, {out['decode_steps']} decode steps — {out['device_profile']}, "
-             f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} runs per mode")
+             f"{out['sim_mode']} mode; medians of {out.get('repeats', 1)} interleaved rounds "
+             "(speedups: of each round's ratio)")
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
               caption="\n".join(x for x in (host.label(out["host"]) if out.get("host") else None,
                                              clock_label(out)) if x),

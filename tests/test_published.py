@@ -40,6 +40,15 @@ def test_the_implied_cost_per_kernel_by_hand():
     assert dec["measured_us_per_kernel"] == pytest.approx(1_290_000 / 920)  # 1,402 µs
 
 
+def test_ours_follows_the_runs_paired_speedup_when_given():
+    """The run's speedups are medians of per-round ratios: ours is that speedup's excess over
+    the mode's latency, so the two tables of the report agree."""
+    got = published.implied(RESULTS, REFERENCE, KERNELS, speedups={"prebuilt": {"prefill": 4.0}})["prebuilt"]
+    assert got["prefill"]["measured_speedup"] == 4.0
+    assert got["prefill"]["measured_ms_per_step"] == pytest.approx(3 * 1100.0)
+    assert got["decode"]["measured_ms_per_step"] == pytest.approx(1290.0)  # no paired figure: the latencies'
+
+
 def test_nothing_is_implied_without_a_reference_or_a_baseline():
     assert published.implied(RESULTS, None, KERNELS) == {}
     assert published.implied({"prebuilt": RESULTS["prebuilt"]}, REFERENCE, KERNELS) == {}

@@ -594,7 +594,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
     speedups = speedups_of(samples)
     reference = load_reference(session.profile.name, opts.batch, opts.seq)
     kernels = {phase: len(efficiency.kernel_names(names)) for phase, names in census.items()}
-    implied = published.implied(results, reference, kernels)
+    implied = published.implied(results, reference, kernels, speedups=speedups)
     return {
         "format": FORMAT,
         "model": session.profile.name,

@@ -109,14 +109,14 @@ def _on_own_card(make):
     which names the device type without its index (so the guard's device 0), given the
     tensor's own card. ``new`` of a single tensor aliases it and is left alone."""
 
-    alias_of_one_tensor = make.__name__ == "new"
+    legacy_new = make.__name__ == "new"
 
     @functools.wraps(make)
     def on_own_card(self, *args, **kwargs):
         if self.device.type == "spyre" and kwargs.get("device") is None:
-            if alias_of_one_tensor and not args and not kwargs:
+            if legacy_new and not args and not kwargs:
                 return self.new_empty((0,))  # new() ignores a device given with no sizes
-            if not (alias_of_one_tensor and len(args) == 1 and isinstance(args[0], torch.Tensor)):
+            if not (legacy_new and len(args) == 1 and isinstance(args[0], torch.Tensor)):
                 kwargs["device"] = self.device
         return make(self, *args, **kwargs)
 

@@ -364,10 +364,15 @@ def _metric(server, name: str) -> float:
 def test_a_cancelled_stream_frees_its_kv_blocks(server, client):
     stream = client.completions.create(model=server["model"], prompt=_words(list(range(10, 90))), max_tokens=170,
                                        temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    # the request holds blocks: the gauge is set as the frontend takes in a step's outputs,
+    # which on a loaded host can come a few tokens behind the stream
+    holds = False
     for pieces, _ in enumerate(stream, 1):
-        if pieces == 3:
-            assert _metric(server, "vllm:kv_cache_usage_perc") > 0   # the request holds blocks
+        if pieces >= 3 and _metric(server, "vllm:kv_cache_usage_perc") > 0:
+            holds = True
+        if holds or pieces == 100:
             break
+    assert holds, "the streaming request showed no KV blocks in use in its first 100 tokens"
     stream.close()   # the client disconnects mid-stream
     deadline = time.monotonic() + 60
     while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:kv_cache_usage_perc"):

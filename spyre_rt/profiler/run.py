@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -384,12 +385,6 @@ class Session:
         return total / 1e6
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def median_of(samples: list[dict]) -> dict:
     """Figure by figure, the median of several runs' results (nested dicts of numbers)."""
     out: dict = {}
@@ -398,7 +393,7 @@ def median_of(samples: list[dict]) -> dict:
         if isinstance(first, dict):
             out[key] = median_of(values)
         elif isinstance(first, int | float):
-            out[key] = _median(values)
+            out[key] = statistics.median(values)
         else:
             out[key] = first
     return out
@@ -409,18 +404,24 @@ KEYS = {"prefill": "prefill_ms", "decode": "decode_ms_per_token"}
 WALL_KEYS = {"prefill": "prefill_wall_ms", "decode": "decode_wall_ms_per_token"}
 
 
+def round_ratios(samples: dict[str, list[dict]], keys: dict[str, str] = KEYS) -> dict:
+    """Per mode and phase, construct's latency over the mode's, round by round (empty
+    without construct): what the speedups and their spread are made of."""
+    base = samples.get("construct")
+    if not base:
+        return {}
+    return {mode: {phase: [b[key] / r[key] for b, r in zip(base, runs_, strict=True)] for phase, key in keys.items()}
+            for mode, runs_ in samples.items()}
+
+
 def speedups_of(samples: dict[str, list[dict]], keys: dict[str, str] = KEYS) -> dict:
     """Per mode and phase, the median over the rounds of construct's latency over the
     mode's in the same round. The rounds run the modes interleaved, so the two sides of a
     ratio share the host's state of that moment (its load, the speed another process leaves
     it); a ratio of the modes' medians would pair one round's construct with another round's
     mode, and carry the host's drift between rounds into the speedup."""
-    base = samples.get("construct")
-    if not base:
-        return {}
-    return {mode: {phase: _median([b[key] / r[key] for b, r in zip(base, runs_, strict=True)])
-                   for phase, key in keys.items()}
-            for mode, runs_ in samples.items()}
+    return {mode: {phase: statistics.median(r) for phase, r in by_phase.items()}
+            for mode, by_phase in round_ratios(samples, keys).items()}
 
 
 def relative_latencies(speedups: dict) -> dict:
@@ -592,6 +593,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
     """Every figure of the report from the measured samples and the census of kernels."""
     results = {mode: median_of(runs_) for mode, runs_ in samples.items()}
     speedups = speedups_of(samples)
+    relative = relative_latencies(speedups)
     reference = load_reference(session.profile.name, opts.batch, opts.seq)
     kernels = {phase: len(efficiency.kernel_names(names)) for phase, names in census.items()}
     implied = published.implied(results, reference, kernels, speedups=speedups)
@@ -613,8 +615,8 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
         "speedups": speedups,
         "spread": spread_of(samples),
         "wall": {"speedups": speedups_of(samples, WALL_KEYS), "spread": spread_of(samples, WALL_KEYS)},
-        "compute_share": compute_share_of(relative_latencies(speedups)),
-        "path_shares": path_shares_of(relative_latencies(speedups)),
+        "compute_share": compute_share_of(relative),
+        "path_shares": path_shares_of(relative),
         "efficiency": efficiency_of(session, opts, results, census),
         "roofline_assumptions": roofline_assumptions(session.card.profile),
         "reference": reference,
@@ -648,12 +650,8 @@ def spread_of(samples: dict[str, list[dict]], keys: dict[str, str] = KEYS) -> di
     against the construct run of the same round."""
     latency = {mode: {phase: _min_max([r[key] for r in runs_]) for phase, key in keys.items()}
                for mode, runs_ in samples.items()}
-    base = samples.get("construct")
-    speedups = {}
-    if base:
-        for mode, runs_ in samples.items():
-            speedups[mode] = {phase: _min_max([b[key] / r[key] for b, r in zip(base, runs_, strict=True)])
-                              for phase, key in keys.items()}
+    speedups = {mode: {phase: _min_max(r) for phase, r in by_phase.items()}
+                for mode, by_phase in round_ratios(samples, keys).items()}
     return {"latency_ms": latency, "speedups": speedups}
 
 

@@ -165,6 +165,27 @@ def test_replay_picks_the_tokens_the_compiled_calls_pick():
             assert torch.equal(tok, tokens["construct"][0][0]) and torch.equal(pos, tokens["construct"][0][1]), mode
 
 
+def test_the_session_compiles_its_decoder_layers_once_and_picks_the_same_tokens():
+    """By default the layers, one graph, are a compile region: Inductor compiles one region
+    per graph (the prefill's and the decode step's), called once per layer; with
+    ``regional=False`` (``--no-regional``) every layer is traced. The tokens are the same."""
+    from torch._dynamo.utils import counters
+
+    got = {}
+    for regional in (True, False):
+        counters["spyre_rt"].clear()
+        session = runmod.Session(runmod.Options(model="granite-tiny", seq=8, decode_steps=2, layers=3,
+                                                sim_mode="functional", regional=regional))
+        session.run("prebuilt")
+        with session.active():
+            got[regional] = (session.tok.cpu(), session.tok_pos.cpu(), dict(counters["spyre_rt"]))
+    count = got[True][2]
+    assert (count.get("regions_compiled"), count.get("region_calls")) == (2, 6), count
+    assert "regions_compiled" not in got[False][2], got[False][2]
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert cli.build_parser().parse_args(["run", "granite-tiny", "--no-regional"]).regional is False
+
+
 def test_the_trace_of_a_run_loads_and_views(cli_run, capsys):
     _, _, tr = cli_run
     loaded = trace.load(str(tr))

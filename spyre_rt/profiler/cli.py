@@ -239,6 +239,9 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                         "against one card; several counts share the one-card run (default 1)")
     p.add_argument("--py-spy", dest="py_spy", nargs="?", const="", default=None, metavar="FILE",
                    help="record the host dispatch path with py-spy (speedscope file; default: beside the trace)")
+    p.add_argument("--no-regional", dest="regional", action="store_false",
+                   help="trace and compile every decoder layer (by default the layers, one graph, are "
+                        "compiled once: regional compilation)")
     p.add_argument("--sweep", action="store_true",
                    help="also sweep batch sizes and sequence lengths and plot speedup against size")
     p.add_argument("--sweep-batch", default="1,2,4", metavar="LIST", help="batch sizes of the sweep (default 1,2,4)")
@@ -257,7 +260,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         py_spy = (os.path.splitext(args.trace)[0] if args.trace else "spyre-profile") + ".speedscope.json"
     opts = runmod.Options(model=args.model, batch=args.batch, seq=args.seq, decode_steps=args.decode_steps,
                           repeats=args.repeats, modes=args.modes or runmod.MODES, sim_mode=args.sim_mode, layers=args.layers,
-                          trace=args.trace, trace_detail=args.trace_detail, whatif_plot=args.whatif_plot, py_spy=py_spy)
+                          trace=args.trace, trace_detail=args.trace_detail, whatif_plot=args.whatif_plot, py_spy=py_spy,
+                          regional=args.regional)
     sizes = tuple(n for n in args.tp if n > 1)
     try:
         runmod.load_model(args.model)

@@ -38,6 +38,7 @@ from .. import card as cards
 from .. import kernel_info
 from .. import profile as profiles
 from .. import trace as trace_format
+from ..compiler.regional import compile_layers_once
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
@@ -164,6 +165,7 @@ class Options:
     py_spy: str | None = None
     seed: int = 0
     tp: int = 1                   # cards the model is sharded over (tensor parallelism: see .tp)
+    regional: bool = True         # decoder layers compiled once (spyre_rt.compiler.regional)
 
 
 class Phase:
@@ -239,6 +241,10 @@ class Session:
         else:
             model = GraniteForCausalLM(cfg).to(dtype).eval().to("spyre")
         self.model = model
+        if opts.regional:
+            # the layers are one graph: Dynamo traces it once, Inductor compiles it once and
+            # the plan build constructs its kernels once, for a step that still launches as one plan
+            compile_layers_once(model)
         self.cache = StaticCache(config=cfg, max_cache_len=opts.seq + opts.decode_steps + 1)
         self.cache.early_initialization(batch_size=opts.batch, num_heads=cfg.num_key_value_heads // opts.tp,
                                         head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=dtype,

@@ -329,16 +329,26 @@ for _cls in (Buffer, Access, Op):
     description(_cls)
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a description class -> its field names
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def _encode(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        out = {"__type__": type(obj).__name__}
-        for f in dataclasses.fields(obj):
-            out[f.name] = _encode(getattr(obj, f.name))
-        return out
     if isinstance(obj, (list, tuple)):
         return [_encode(x) for x in obj]
     if isinstance(obj, dict):
         return {k: _encode(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj):
+        out = {"__type__": type(obj).__name__}
+        for name in _fields(type(obj)):
+            out[name] = _encode(getattr(obj, name))
+        return out
     return obj
 
 
@@ -351,23 +361,21 @@ def _tuples(value: Any) -> Any:
     return value
 
 
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict) and "__type__" in obj:
-        cls = _TYPES.get(obj["__type__"])
-        if cls is None:
-            raise ValueError(f"unknown kernel description type {obj['__type__']!r}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in obj:
-                raise ValueError(f"{cls.__name__} description lacks {f.name!r}")
-            v = _decode(obj[f.name])
-            kwargs[f.name] = _tuples(v)
-        return cls(**kwargs)
-    if isinstance(obj, list):
-        return [_decode(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _decode(v) for k, v in obj.items()}
-    return obj
+def _decoded(obj: dict) -> Any:
+    """A JSON object as the parser meets it, innermost first: a description's own object
+    (its fields decoded already) becomes the dataclass, any other stays a dict."""
+    kind = obj.get("__type__")
+    if kind is None:
+        return obj
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown kernel description type {kind!r}")
+    kwargs = {}
+    for name in _fields(cls):
+        if name not in obj:
+            raise ValueError(f"{cls.__name__} description lacks {name!r}")
+        kwargs[name] = _tuples(obj[name])
+    return cls(**kwargs)
 
 
 def to_json(obj: Any) -> str:
@@ -375,4 +383,4 @@ def to_json(obj: Any) -> str:
 
 
 def from_json(text: str) -> Any:
-    return _decode(json.loads(text))
+    return json.loads(text, object_hook=_decoded)

@@ -22,6 +22,7 @@ from .stats import stats
 # Fields that name or document a kernel and never change its program: its own name, the
 # aten ops and module it came from, the loop kernel an epilogue was.
 _NOT_PROGRAM = frozenset({"name", "origins", "module", "fused"})
+_PROGRAM_FIELDS: dict[type, tuple[str, ...]] = {}  # a description class -> the fields above left out
 
 
 def form(kernel, layouts: dict, offsets: dict) -> tuple[tuple, list[str]]:
@@ -40,13 +41,17 @@ def _numbered(x, numbers: dict[str, int]):
     if isinstance(x, str):
         n = numbers.get(x)
         return x if n is None else ("#", n)
-    if dataclasses.is_dataclass(x):
-        return (type(x).__name__, *(_numbered(getattr(x, f.name), numbers)
-                                    for f in dataclasses.fields(x) if f.name not in _NOT_PROGRAM))
     if isinstance(x, (tuple, list)):
         return tuple(_numbered(v, numbers) for v in x)
     if isinstance(x, dict):
         return tuple(sorted((k, _numbered(v, numbers)) for k, v in x.items()))
+    if dataclasses.is_dataclass(x):
+        cls = type(x)
+        names = _PROGRAM_FIELDS.get(cls)
+        if names is None:
+            names = _PROGRAM_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)
+                                                 if f.name not in _NOT_PROGRAM)
+        return (cls.__name__, *(_numbered(getattr(x, n), numbers) for n in names))
     return x
 
 

@@ -51,23 +51,30 @@ class Undo:
     rows: tuple[RowSave, ...]
 
 
-def _writers(desc: StepDesc, base: str) -> list[tuple[int, object]]:
-    """(position in the sequence, what writes `base` there): a LoopKernel store op, or the
-    item itself when something other than a loop kernel writes it."""
-    out = []
+def _writers(desc: StepDesc, bases: set[str]) -> dict[str, list[tuple[int, object]]]:
+    """For each of `bases`: (position in the sequence, what writes it there), a LoopKernel
+    store op, or the item itself when something other than a loop kernel writes it. One
+    pass over the sequence for all of them (a decoder writes one cache per layer)."""
+    out: dict[str, list] = {b: [] for b in bases}
+
+    def written(name: str) -> list | None:
+        return out.get(memory.base_of(desc, name))
+
     for i, (kind, x) in enumerate(desc.sequence):
         if kind == "run":
             k = desc.kernels[x]
             if isinstance(k, LoopKernel):
-                out += [(i, (k, op)) for op in k.ops
-                        if op.op == "store" and op.access and memory.base_of(desc, op.access.buf) == base]
-            elif any(memory.base_of(desc, v[0]) == base for v in _written_views(k)):
-                out.append((i, x))
+                for op in k.ops:
+                    if op.op == "store" and op.access and (ws := written(op.access.buf)) is not None:
+                        ws.append((i, (k, op)))
+            else:
+                for ws in {id(ws): ws for v in _written_views(k) if (ws := written(v[0])) is not None}.values():
+                    ws.append((i, x))
         elif kind == "cpu":
-            if any(memory.base_of(desc, n) == base for n in x.written_names()):
-                out.append((i, x))
-        elif memory.base_of(desc, x[2]) == base:  # a pick writes its buffer
-            out.append((i, x))
+            for ws in {id(ws): ws for n in x.written_names() if (ws := written(n)) is not None}.values():
+                ws.append((i, x))
+        elif (ws := written(x[2])) is not None:  # a pick writes its buffer
+            ws.append((i, x))
     return out
 
 
@@ -129,7 +136,7 @@ def plan(desc: StepDesc, rows_allowed: bool = True) -> Undo:
     `rows_allowed` false, every one whole (when construction refuses a row save)."""
     inputs = {b.name for b, _ in desc.inputs} | set(desc.constants)
     mutated = [b for b, m in desc.inputs if m]
-    writers = {b.name: _writers(desc, b.name) for b in mutated}
+    writers = _writers(desc, {b.name for b in mutated})
 
     def by_rows(b: Buffer) -> bool:
         ws = writers[b.name]

@@ -23,6 +23,10 @@ every layer that has one.
 The mark is a subclass of each layer's class whose ``forward`` makes that call, set on the
 layer instances only (the transformers class is left as it is); ``enabled=False`` takes it
 off again. In eager mode the marked forward is the layer's own.
+
+A layer whose parameters or buffers are tensor subclasses (DTensor shards of a
+tensor-parallel model) is left unmarked: torch 2.13's AOT has no rule for a region call on
+them, so such layers are traced one by one, as without regional compilation.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked forward
 _CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
@@ -58,6 +63,8 @@ def compile_layers_once(model: torch.nn.Module, enabled: bool = True) -> int:
     _standin_classes()
     changed = 0
     for layer in decoder_layers(model):
+        if enabled and _has_subclass_tensors(layer):
+            continue
         cls = type(layer)
         want = _marked(_original(cls)) if enabled else _original(cls)
         if cls is not want:
@@ -67,6 +74,10 @@ def compile_layers_once(model: torch.nn.Module, enabled: bool = True) -> int:
             # read here, not by Dynamo: a guard on it would differ for every layer
             layer._spyre_rt_cache_index = _layer_index(layer)
     return changed
+
+
+def _has_subclass_tensors(layer: torch.nn.Module) -> bool:
+    return any(is_traceable_wrapper_subclass(t) for t in (*layer.parameters(), *layer.buffers()))
 
 
 def _original(cls: type) -> type:

@@ -16,7 +16,7 @@ def tp_run(tmp_path_factory):
     pytest.importorskip("accelerate")
     d = tmp_path_factory.mktemp("tp")
     out, trace = d / "out.json", d / "trace.json"
-    code = cli.main(["run", "granite-tiny", "--tp", "2", "--layers", "1", "--seq", "8", "--decode-steps", "1",
+    code = cli.main(["run", "granite-tiny", "--tp", "2", "--layers", "2", "--seq", "8", "--decode-steps", "1",
                      "--repeats", "1", "--modes", "prebuilt,replay", "--timing", "--trace", str(trace),
                      "--json", str(out)])
     assert code == 0
@@ -60,3 +60,16 @@ def test_the_ranks_traces_merge_into_one_with_a_track_per_card(tp_run, capsys):
 def test_tp_refuses_a_sweep(capsys):
     assert cli.main(["run", "granite-tiny", "--tp", "2", "--sweep"]) == 1
     assert "--sweep runs on one card" in capsys.readouterr().err
+
+
+def test_a_failed_ranks_error_names_its_exception_before_torchs_advice():
+    from spyre_rt.profiler.tp import _failure
+
+    lines = ["[rank1]: Traceback (most recent call last):\n", "[rank1]:   File \"x.py\", line 1, in f\n",
+             "[rank1]: torch._dynamo.exc.BackendCompilerFailed: backend='spyre_rt' raised:\n",
+             "[rank1]: NotImplementedError: no rule for this\n",
+             *[f"[rank1]: advice {i}\n" for i in range(20)]]
+    text = _failure(lines)
+    assert text.index("BackendCompilerFailed") < text.index("NotImplementedError: no rule") < text.index("advice 19")
+    assert "advice 4\n" not in text  # only the last lines beside the exceptions
+    assert _failure(["short\n", "log\n"]) == "short\nlog\n"

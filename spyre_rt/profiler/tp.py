@@ -104,6 +104,17 @@ def _device_profile(cards: int, directory: str) -> str:
     return path
 
 
+# a line of a rank's log that names an exception: "[rank1]: NotImplementedError: ..."
+_RAISED = re.compile(r"^(\[rank\d+\]: )?([\w.]+(Error|Exception|Failed)|\w+Interrupt)\b")
+
+
+def _failure(lines: list[str], tail: int = 15) -> str:
+    """What a failed rank's log says: the exceptions it names (torch's compile errors end in
+    many lines of advice), then its last lines."""
+    named = [line for line in lines[:-tail] if _RAISED.match(line)]
+    return "".join(named[-3:] + (["...\n"] if named else []) + lines[-tail:])
+
+
 def launch(opts: runmod.Options, console) -> list[dict]:
     """Run `opts.tp` ranks, a process each, and return each rank's results."""
     tp = opts.tp
@@ -129,7 +140,7 @@ def launch(opts: runmod.Options, console) -> list[dict]:
             raise
         if failed is not None:
             logs[failed].seek(0)
-            tail = "".join(logs[failed].readlines()[-15:])
+            tail = _failure(logs[failed].readlines())
             raise SpyreError(f"rank {failed} of the --tp {tp} run failed (exit {procs[failed].returncode}):\n{tail}")
         outs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
         if opts.trace:

@@ -77,7 +77,10 @@ def compile_once(name: str, seq: int, layers: int | None, backend: str, regional
     with cards.configured(None, "timing") if device == "spyre" else _nothing():
         model, dtype = _model(name, layers, device)
         if regional:
-            from spyre_rt.compiler.regional import compile_layers_once
+            try:
+                from spyre_rt.regional import compile_layers_once
+            except ImportError:  # a revision from before it moved (base_package.py runs older ones)
+                from spyre_rt.compiler.regional import compile_layers_once
 
             compile_layers_once(model)
         cfg = model.config

@@ -1,7 +1,7 @@
 """Regional compilation: a decoder's layers compiled once per distinct layer, results unchanged.
 
 Decoders of the compatibility matrix (:mod:`spyre_rt.profiler.models`) with their layers
-marked (:func:`spyre_rt.compiler.regional.compile_layers_once`), compiled with empty
+marked (:func:`spyre_rt.regional.compile_layers_once`), compiled with empty
 Inductor caches, run as ``spyre-profile models`` runs them (a prefill and greedy decode
 steps on a static cache), against the same model compiled whole and against CPU eager.
 """
@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 import torch
-from spyre_rt.compiler.regional import compile_layers_once, decoder_layers
 from torch._dynamo.utils import compilation_time_metrics, counters
 from torch._inductor.utils import fresh_cache
 
 from spyre_rt import executor
 from spyre_rt.profiler import models, parity
 from spyre_rt.profiler.parity import Run
+from spyre_rt.regional import compile_layers_once, decoder_layers
 
 STEPS = 3
 

@@ -38,10 +38,10 @@ from .. import card as cards
 from .. import kernel_info
 from .. import profile as profiles
 from .. import trace as trace_format
-from ..compiler.regional import compile_layers_once
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
+from ..regional import compile_layers_once
 from . import analytic, efficiency, host, published
 from .roofline import Roofline
 from .roofline import assumptions as roofline_assumptions
@@ -165,7 +165,7 @@ class Options:
     py_spy: str | None = None
     seed: int = 0
     tp: int = 1                   # cards the model is sharded over (tensor parallelism: see .tp)
-    regional: bool = True         # decoder layers compiled once (spyre_rt.compiler.regional)
+    regional: bool = True         # decoder layers compiled once (spyre_rt.regional)
 
 
 class Phase:

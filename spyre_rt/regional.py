@@ -1,6 +1,6 @@
 """Regional compilation: a model's decoder layers compiled once, not once per layer.
 
-    spyre_rt.compiler.regional.compile_layers_once(model)
+    spyre_rt.regional.compile_layers_once(model)
     fast = torch.compile(model, backend="spyre_rt")
 
 A Hugging Face decoder's layers (the classes its ``_no_split_modules`` names, in a
@@ -34,7 +34,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked forward
 _CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
@@ -77,7 +76,8 @@ def compile_layers_once(model: torch.nn.Module, enabled: bool = True) -> int:
 
 
 def _has_subclass_tensors(layer: torch.nn.Module) -> bool:
-    return any(is_traceable_wrapper_subclass(t) for t in (*layer.parameters(), *layer.buffers()))
+    # a parameter of a subclass's data keeps the subclass's type (DTensor), not Parameter
+    return any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (*layer.parameters(), *layer.buffers()))
 
 
 def _original(cls: type) -> type:

@@ -16,6 +16,7 @@ variables at compile time). The trailing ``ncols`` variables form the columns of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -329,14 +330,10 @@ for _cls in (Buffer, Access, Op):
     description(_cls)
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}  # a description class -> its field names
-
-
-def _fields(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+@functools.cache
+def field_names(cls: type) -> tuple[str, ...]:
+    """A description class's field names, asked of dataclasses once per class."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _encode(obj: Any) -> Any:
@@ -346,7 +343,7 @@ def _encode(obj: Any) -> Any:
         return {k: _encode(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj):
         out = {"__type__": type(obj).__name__}
-        for name in _fields(type(obj)):
+        for name in field_names(type(obj)):
             out[name] = _encode(getattr(obj, name))
         return out
     return obj
@@ -371,7 +368,7 @@ def _decoded(obj: dict) -> Any:
     if cls is None:
         raise ValueError(f"unknown kernel description type {kind!r}")
     kwargs = {}
-    for name in _fields(cls):
+    for name in field_names(cls):
         if name not in obj:
             raise ValueError(f"{cls.__name__} description lacks {name!r}")
         kwargs[name] = _tuples(obj[name])

@@ -15,14 +15,20 @@ the work they measure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from .. import kernel_info
+from ..kernels import field_names
 from .stats import stats
 
 # Fields that name or document a kernel and never change its program: its own name, the
 # aten ops and module it came from, the loop kernel an epilogue was.
 _NOT_PROGRAM = frozenset({"name", "origins", "module", "fused"})
-_PROGRAM_FIELDS: dict[type, tuple[str, ...]] = {}  # a description class -> the fields above left out
+
+
+@functools.cache
+def _program_fields(cls: type) -> tuple[str, ...]:
+    return tuple(n for n in field_names(cls) if n not in _NOT_PROGRAM)
 
 
 def form(kernel, layouts: dict, offsets: dict) -> tuple[tuple, list[str]]:
@@ -46,12 +52,7 @@ def _numbered(x, numbers: dict[str, int]):
     if isinstance(x, dict):
         return tuple(sorted((k, _numbered(v, numbers)) for k, v in x.items()))
     if dataclasses.is_dataclass(x):
-        cls = type(x)
-        names = _PROGRAM_FIELDS.get(cls)
-        if names is None:
-            names = _PROGRAM_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)
-                                                 if f.name not in _NOT_PROGRAM)
-        return (cls.__name__, *(_numbered(getattr(x, n), numbers) for n in names))
+        return (type(x).__name__, *(_numbered(getattr(x, n), numbers) for n in _program_fields(type(x))))
     return x
 
 

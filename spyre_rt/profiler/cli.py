@@ -332,8 +332,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="output tokens of the runs through the compiled call, which are for the per-step "
                         "comparison (default: --output)")
     p.add_argument("--trace", metavar="FILE",
-                   help="write a card trace (jobs) of a prefill and a decode step at the largest concurrency, a host "
-                        "span per engine step: read it with `spyre-profile view FILE --span NAME`")
+                   help="write a card trace (jobs) of the prefill steps and whole-batch decode steps at the "
+                        "largest concurrency, a host span per engine step: read it with `spyre-profile view FILE --span NAME`")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
 
 

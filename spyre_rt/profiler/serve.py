@@ -56,7 +56,7 @@ class Options:
     max_num_batched_tokens: int = 1024   # a step's tokens: prefill chunks of several requests
     modes: tuple[str, ...] = MODES
     compare_output: int | None = None    # output tokens of the runs through the compiled call
-    trace: str | None = None             # a card trace of a prefill and a decode step at the largest batch
+    trace: str | None = None             # a card trace of prefill steps and decode steps at the largest batch
     seed: int = 0
 
     def output_of(self, mode: str) -> int:
@@ -255,7 +255,7 @@ def run_batch(llm, rec: _Recorder, concurrency: int, input_len: int, output_len:
 
 
 def traced(llm, rec: _Recorder, concurrency: int, opts: Options, driver) -> None:
-    """A prefill and a decode step of `concurrency` requests (replayed), traced on the card
+    """Prefill steps and decode steps of `concurrency` requests (replayed), traced on the card
     (jobs, with their kernel info) with a host span per engine step: for `spyre-profile view
     --span`, which sets the card's time of each op beside its roofline."""
     from .. import trace
@@ -264,8 +264,12 @@ def traced(llm, rec: _Recorder, concurrency: int, opts: Options, driver) -> None
     driver.replay = True
     card.trace_enable(True, commands=False)
     rec.spans, first = True, card.trace_count()
+    # enough tokens that, once every prompt is in, a few steps decode the whole batch together
+    budget = max(opts.max_num_batched_tokens, max_model_len(opts))
+    prefill_steps = -(-concurrency * opts.input_len // budget) + 1
     try:
-        run_batch(llm, rec, concurrency, opts.input_len, 2, opts.seed + concurrency)
+        run_batch(llm, rec, concurrency, opts.input_len, min(prefill_steps + 2, opts.output_len),
+                  opts.seed + concurrency)
     finally:
         rec.spans = False
         card.trace_enable(False)

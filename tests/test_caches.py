@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import construct
-from spyre_rt import dispatch, fallback, profile
+from spyre_rt import construct, dispatch, fallback, profile
 from spyre_rt import executor as step_mod
 from spyre_rt.construct import loops
 from spyre_rt.construct import matmul as mm

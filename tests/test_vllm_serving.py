@@ -4,11 +4,11 @@ Hugging Face CPU generate()'s greedy tokens for tiny random-weight models."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
-import math
 import time
 import warnings
 from pathlib import Path

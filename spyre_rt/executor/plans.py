@@ -18,7 +18,16 @@ import torch
 from .. import kernel_info, plan_cache
 from ..errors import SpyreError
 from ..native import lib
-from ..plan import COLLECTIVE, PROGRAM, GraphPlan, PlanJob, binding_layouts, layout_table, program_offsets, set_job_names
+from ..plan import (
+    COLLECTIVE,
+    PROGRAM,
+    GraphPlan,
+    PlanJob,
+    binding_layouts,
+    layout_table,
+    program_offsets,
+    set_job_names,
+)
 from ..plan import encode as encode_plan
 from ..version import __version__, runtime_version
 from .segments import DeviceSegment

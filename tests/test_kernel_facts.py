@@ -49,6 +49,36 @@ def test_a_matmul_knows_its_flops_bytes_module_and_cores():
     assert info["dtype"] == "float32"
 
 
+def test_a_gather_must_move_every_row_it_reads():
+    """A paged cache's keys and values gathered by a block table: the gather reads a row of
+    the cache per index and writes it, so its fewest bytes are both, once; and a table
+    lookup (an embedding) reads a row per token, not the whole table."""
+    before = set(executor.live_steps())
+    torch._dynamo.reset()
+
+    def gather(cache, table, ids, emb):
+        return cache[0][:, table] * 1, cache[1][:, table] * 1, emb[ids] * 1
+
+    cache = torch.randn(2, 2, 9, 4, 64)               # [K/V, heads, blocks, block, dim]
+    table = torch.tensor([[1, 3], [8, 0], [2, 2]])    # 3 requests of 2 blocks (a block may repeat)
+    ids = torch.tensor([5, 1, 5, 7])
+    emb = torch.randn(1000, 64)
+    f = torch.compile(gather, backend="spyre_rt", dynamic=False)
+    outs = f(*(t.to("spyre") for t in (cache, table, ids, emb)))
+    for got, want in zip(outs, gather(cache, table, ids, emb), strict=True):
+        assert torch.equal(got.cpu(), want)
+    (step,) = set(executor.live_steps()) - before
+    infos = [info for _, info in _infos(step)]
+    context = 2 * 3 * 2 * 4 * 64 * 4                  # heads x requests x blocks x block x dim, fp32
+    by_kind = {}
+    for info in infos:
+        by_kind.setdefault(info["kind"], []).append(info["dram_bytes_min"])
+    table_bytes, ids_bytes, rows = table.numel() * 8, ids.numel() * 8, 4 * 64 * 4
+    want = [2 * context + 2 * context + table_bytes,  # K and V read a row per index and written
+            rows + rows + ids_bytes]                  # the embedding: a row per token, read and written
+    assert sorted(by_kind.get("gather", [])) == sorted(want), by_kind
+
+
 def test_trace_job_events_carry_what_each_kernel_computes():
     f = _compiled_block()
     card = cards.get(0)

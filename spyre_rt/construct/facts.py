@@ -76,12 +76,56 @@ def attention_flops(kernel) -> int:
 
 
 def min_bytes(kernel) -> int:
-    """Each buffer once: the largest box through which the kernel touches it."""
+    """Each buffer once: the largest box through which the kernel touches it. A loop
+    kernel's indirect accesses (gathers and scatters) move an element per iteration over the
+    variables the access and its indices vary with; a buffer's indirect accesses are summed
+    (a paged cache gives its keys and its values to one gather), at most the buffer whole."""
     itemsize = {b.name: dtypes.ITEMSIZE.get(b.dtype, 4) for b in kernel.buffers}
     per_buffer: dict[str, int] = {}
-    for buf, _, sizes, _ in kernel.views():
+    indirect = _indirect_elements(kernel) if kernel.kind == "loop" else {}
+    for buf, sizes in _direct_views(kernel):
         per_buffer[buf] = max(per_buffer.get(buf, 0), math.prod(sizes) * itemsize.get(buf, 4))
+    whole = {b.name: math.prod(b.sizes) * itemsize[b.name] for b in kernel.buffers}
+    for buf, elements in indirect.items():
+        moved = elements * itemsize.get(buf, 4)
+        per_buffer[buf] = max(per_buffer.get(buf, 0), min(moved, whole.get(buf, moved)))
     return sum(per_buffer.values())
+
+
+def _direct_views(kernel) -> list[tuple[str, tuple[int, ...]]]:
+    """(buffer, box sizes) of every access that is not indirect."""
+    if kernel.kind != "loop":
+        return [(buf, sizes) for buf, _, sizes, _ in kernel.views()]
+    return [(op.access.buf, tuple(n for n, c in zip(kernel.sizes, op.access.coeffs, strict=True) if c and n > 1))
+            for op in kernel.ops if op.access is not None and op.access.buf and not op.access.ind]
+
+
+def _indirect_elements(kernel) -> dict[str, int]:
+    """Elements each buffer's indirect accesses move: per access, the iterations over the
+    loop variables that it or the values indexing it vary with."""
+    ops = {op.id: op for op in kernel.ops}
+
+    def variables(op_id: str, seen: set[str]) -> set[int]:
+        if op_id in seen or op_id not in ops:
+            return set()
+        seen.add(op_id)
+        op = ops[op_id]
+        out: set[int] = set()
+        if op.access is not None:
+            out |= {v for v, c in enumerate(op.access.coeffs) if c}
+            for ind, _ in op.access.ind:
+                out |= variables(ind, seen)
+        for arg in op.args:
+            if isinstance(arg, str):
+                out |= variables(arg, seen)
+        return out
+
+    moved: dict[str, int] = {}
+    for op in kernel.ops:
+        if op.access is not None and op.access.buf and op.access.ind:
+            dims = variables(op.id, set())
+            moved[op.access.buf] = moved.get(op.access.buf, 0) + math.prod(kernel.sizes[v] for v in dims)
+    return moved
 
 
 def program_facts(ctx: BuildContext) -> dict:

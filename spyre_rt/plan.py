@@ -80,7 +80,7 @@ def program_offsets(block: np.ndarray) -> list[int]:
     return [int(x) for x in plan_tables(block).jobs["prog_off"]]
 
 
-def job_names(block: np.ndarray) -> int:
+def job_count(block: np.ndarray) -> int:
     """Number of jobs of a plan block (its header's count)."""
     return int(block[: PLAN_HEADER.itemsize].view(PLAN_HEADER)["njobs"][0])
 
@@ -88,7 +88,7 @@ def job_names(block: np.ndarray) -> int:
 def set_job_names(block: np.ndarray, names: list[str], intern) -> None:
     """Write this process's trace ids of the jobs' names into a plan block (ids are
     per process, so a block loaded from disk carries stale ones)."""
-    njobs = job_names(block)
+    njobs = job_count(block)
     if len(names) != njobs:
         raise ValueError(f"{len(names)} names for {njobs} jobs")
     lay = plan_layout(block)  # the block is not checked yet: only its job table must be inside

@@ -694,11 +694,11 @@ def _slow_event_problem(ev: Any) -> str | None:
     return None
 
 
-# ---- capture -----------------------------------------------------------------------------
+# ---- recording -----------------------------------------------------------------------------
 
 
-class Capture:
-    """The events a card recorded inside a :func:`capture` block."""
+class Recording:
+    """The events a card recorded inside a :func:`recording` block."""
 
     def __init__(self, card: Card, first: int):
         self.card = card
@@ -707,38 +707,39 @@ class Capture:
 
     @property
     def events(self) -> np.ndarray:
-        """The captured events (while the block runs: those recorded so far)."""
+        """The recorded events (while the block runs: those recorded so far)."""
         return self.card.trace_events(self.first) if self._events is None else self._events
 
     def export(self, path: str | os.PathLike[str] | None = None, *,
                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The captured events as a Chrome trace (see :func:`export`), written to `path` if given."""
+        """The recorded events as a Chrome trace (see :func:`export`), written to `path` if given."""
         return export(self.events, self.card.name_of, path, metadata=metadata, card_index=self.card.index,
                       device=self.card.profile)
 
 
-# Open captures per card (their `commands` flags): tracing stays on until the outermost ends.
+# Open recordings per card (their `commands` flags): tracing stays on until the outermost ends.
 _open: weakref.WeakKeyDictionary[Card, list[bool]] = weakref.WeakKeyDictionary()
 _open_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def capture(card: Card, commands: bool = True) -> Iterator[Capture]:
+def recording(card: Card, commands: bool = True) -> Iterator[Recording]:
     """Record a card's trace for the duration of a block::
 
-        with trace.capture(card) as cap:
+        with trace.recording(card) as rec:
             step()
-        cap.export("step.json", metadata={"model": "granite"})
+        rec.export("step.json", metadata={"model": "granite"})
 
-    Captures nest: commands are recorded while any open capture asks for them, and tracing
-    is switched off when the outermost one ends (the card's trace buffer only grows while
-    tracing is on). Events stay in the card's buffer; `trace_clear` during a capture loses them.
+    Recordings nest: commands are recorded while any open recording asks for them, and
+    tracing is switched off when the outermost one ends (the card's trace buffer only grows
+    while tracing is on). Events stay in the card's buffer; `trace_clear` during a recording
+    loses them. (A *capture* is a graph's: :mod:`spyre_rt.graphs`.)
     """
     with _open_lock:
         stack = _open.setdefault(card, [])
         stack.append(commands)
         card.trace_enable(True, any(stack))
-        cap = Capture(card, card.trace_count())
+        cap = Recording(card, card.trace_count())
     try:
         yield cap
     finally:

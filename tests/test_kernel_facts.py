@@ -85,7 +85,7 @@ def test_trace_job_events_carry_what_each_kernel_computes():
     x = torch.randn(10, 64).to("spyre")
     with torch.no_grad(), dispatch_mode("prebuilt"):
         f(x)  # plans exist
-        with trace.capture(card, commands=False) as cap:
+        with trace.recording(card, commands=False) as cap:
             f(x)
     events = cap.export()["traceEvents"]
     jobs = [e for e in events if e.get("ph") == "X" and "flops" in e.get("args", {})]

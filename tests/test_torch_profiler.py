@@ -36,7 +36,7 @@ def profiled(compiled, tmp_path_factory):
     fast, args = compiled
     d = tmp_path_factory.mktemp("torch-profiler")
     card = cards.get(0)
-    with trace.capture(card, commands=True) as cap, torch.profiler.profile() as prof:
+    with trace.recording(card, commands=True) as cap, torch.profiler.profile() as prof:
         for mode in ("construct", "prebuilt"):
             with dispatch_mode(mode):
                 fast(*args).cpu()

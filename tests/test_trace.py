@@ -51,7 +51,7 @@ def captured(functional_card):
     card.trace_enable(True)
     buf = card.malloc(8 * 64 * KiB)
     jobs.run_once(card, loads(range(8), 4 * KiB), [buf], name="warm-up")  # before the capture
-    with trace.capture(card) as cap:
+    with trace.recording(card) as cap:
         t0 = card.host_clock_ns()
         jobs.run_once(card, loads(range(8), 64 * KiB), [buf], name="load8")
         mm = jobs.ResidentProgram(card, matmul(64, 64, 64), name="mm")
@@ -90,8 +90,8 @@ def test_capture_holds_only_the_events_of_its_block(captured):
 
 def test_capture_turns_tracing_off_when_the_outermost_block_ends(functional_card):
     card = functional_card
-    with trace.capture(card) as outer:
-        with trace.capture(card, commands=False) as inner:
+    with trace.recording(card) as outer:
+        with trace.recording(card, commands=False) as inner:
             jobs.run_once(card, matmul(8, 64, 8), [], name="inner")
         jobs.run_once(card, matmul(8, 64, 8), [], name="outer")  # still traced: outer is open
     before = len(card.trace_events())
@@ -254,7 +254,7 @@ def test_a_failed_launch_gets_no_flow(functional_card):
     card = functional_card
     small = card.malloc(4096)
     blob = loads([0], 8192)
-    with trace.capture(card) as cap:
+    with trace.recording(card) as cap:
         prog = jobs.ResidentProgram(card, blob, name="bad")
         with pytest.raises(SpyreInvalidCommandError):
             prog.launch([small])

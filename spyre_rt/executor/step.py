@@ -188,7 +188,7 @@ class CompiledStep:
         if not host_inputs and not self.desc.host_outputs:
             self._fast = _FastPath(self, exe, inputs, geometry)
         if self.settings.trace:
-            with trace.capture(card, self.settings.trace_commands):
+            with trace.recording(card, self.settings.trace_commands):
                 outs = exe.run(inputs, override() or self.default_mode)
         else:
             outs = exe.run(inputs, override() or self.default_mode)
@@ -253,7 +253,7 @@ class _FastPath:
                 return None
         try:
             if self.traced is not None:
-                with trace.capture(exe.card, self.traced):
+                with trace.recording(exe.card, self.traced):
                     return exe.run(inputs, mode, binding=self, dynamic=dynamic)
             return exe.run(inputs, mode, binding=self, dynamic=dynamic)
         except SpyreLayoutError:

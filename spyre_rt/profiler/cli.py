@@ -160,7 +160,7 @@ def _merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("torch_trace", metavar="TORCH_TRACE",
                    help="a trace torch.profiler exported (prof.export_chrome_trace), plain or .gz")
     p.add_argument("card_traces", metavar="CARD_TRACE", nargs="+",
-                   help="card traces of the same run (trace.capture(card).export(...)), one per card")
+                   help="card traces of the same run (trace.recording(card).export(...)), one per card")
     p.add_argument("-o", "--output", metavar="FILE", required=True,
                    help="the merged trace (gzip if FILE ends in .gz); open it in ui.perfetto.dev")
 

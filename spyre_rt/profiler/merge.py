@@ -2,7 +2,7 @@
 
 A torch.profiler trace holds the host as it really ran (aten ops, and the card's launches
 as ``spyre:N launch ...`` ranges, see :mod:`spyre_rt.torch_ranges`) on the wall clock. A
-card trace (``trace.capture(card).export(...)``) holds the card's jobs, commands and
+card trace (``trace.recording(card).export(...)``) holds the card's jobs, commands and
 counters on the card's clock: simulated device time after the host clock's launches.
 
 The clocks are aligned at the launches, which both traces record: the launches are

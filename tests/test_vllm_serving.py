@@ -596,7 +596,7 @@ def test_profiler_serve_splits_a_served_decode_step_and_sets_throughput_against_
             assert r["tokens_per_s"] > 0
             assert 0 < r["tokens_per_s"] < got["roofline"][mode][c]["tokens_per_s"]
     assert "decode" in run.stdout and "roofline" in run.stdout
-    # the trace: a host span per engine step of a prefill and a decode step of 2 requests
+    # the trace: a host span per engine step, prefill steps and decode steps of the whole batch
     spans = {e["name"] for e in json.loads((tmp_path / "serve.trace.json").read_text())["traceEvents"]
              if e.get("ph") == "X" and e.get("name", "").startswith(("step", "decode"))}
     assert any(n.startswith("decode") and "[2 requests, 2 tokens]" in n for n in spans), spans

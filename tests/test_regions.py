@@ -116,3 +116,33 @@ def test_a_hybrid_of_mamba_and_attention_layers_gets_a_region_each(quiet_functio
     assert {k: count[k] for k in ("regions_compiled", "region_calls", "dynamo_traces", "dynamo_stamps")} == \
         {"regions_compiled": 4, "region_calls": 8, "dynamo_traces": 6, "dynamo_stamps": 2}, count
     torch.testing.assert_close(regional.outputs(), ref.outputs(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_node_refused_outside_a_region_leaves_the_regions_node_of_that_name_on_the_card():
+    """A region's graph names its nodes as the outer graph does. The outer ``div``, fused
+    with an argmax whose rows cannot share the scratchpad (16 rows of 49,155 columns for
+    one stick of int64 results), is refused and runs on the CPU; the region's own ``div``
+    stays on the card (it once went to the CPU too: at batch 8, Granite 3.3 8B's SiLU,
+    420 MB a call, ran on the host)."""
+    import warnings
+
+    from spyre_rt.errors import forget_warnings
+
+    @torch.compiler.nested_compile_region
+    def act(h):
+        return h / (1 + torch.exp(-h))
+
+    def f(h, x):
+        return act(act(h)), (x / 2).argmax(-1)
+
+    g = torch.Generator().manual_seed(0)
+    h, x = torch.randn(4, 64, generator=g), torch.randn(16, 49155, generator=g).half()
+    torch._dynamo.reset()
+    forget_warnings("aten.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, idx = torch.compile(f, backend="spyre_rt", fullgraph=True)(h.to("spyre"), x.to("spyre"))
+    on_cpu = [str(w.message) for w in caught if "runs on the CPU inside a compiled step" in str(w.message)]
+    assert on_cpu and all("invoke_subgraph" not in m for m in on_cpu), on_cpu
+    want_out, want_idx = f(h, x)
+    assert torch.allclose(out.cpu(), want_out, atol=1e-6) and torch.equal(idx.cpu(), want_idx)

@@ -29,6 +29,7 @@ from .record import (
     dtype_name,
     fx_origins,
     module_of,
+    node_key,
     node_origins,
     on_cpu,
     stored_buffer,
@@ -199,11 +200,11 @@ def _checked(op, lowering):
         node = V.graph.current_node
         from .. import options
 
-        if node is not None and node.name in options.cpu_nodes and _on_spyre(*args, *kwargs.values()):
+        if node is not None and node_key(node) in options.cpu_nodes and _on_spyre(*args, *kwargs.values()):
             return handler(*args, **kwargs)  # a kernel holding it could not be built: the CPU runs it
         made = len(V.graph.operations)
         result = lowering(*args, **kwargs)
-        if node is not None and node.name in options.realize_nodes and isinstance(result, ir.TensorBox):
+        if node is not None and node_key(node) in options.realize_nodes and isinstance(result, ir.TensorBox):
             result.realize()  # a buffer of its own, read by the kernels that fused it before
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):

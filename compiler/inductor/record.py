@@ -291,14 +291,23 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "expand", "unsqueeze", "
           "t", "transpose", "alias", "as_strided", "clone", "_to_copy", "convert_element_type"}
 
 
+def node_key(node) -> str:
+    """An FX node's name qualified by the graph being lowered: a compile region's graph
+    names its nodes as the outer graph does (``div``, ``mm_1``), so a node the backend
+    runs on the CPU or realizes apart (``options.cpu_nodes``, ``realize_nodes``) must
+    not stand for the region's node of the same name."""
+    graph = getattr(V.graph, "name", None)
+    return f"{graph}/{node.name}" if graph else node.name
+
+
 def computing_origins(snodes) -> set[str]:
     """The FX nodes a fused group (scheduler nodes) or an IR node computes (its view ops
-    left out), by name."""
+    left out), by :func:`node_key`."""
     out = set()
     for sn in snodes:
         for o in getattr(getattr(sn, "node", sn), "origins", ()):
             if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", str(o.target)) not in _VIEWS:
-                out.add(o.name)
+                out.add(node_key(o))
     return out
 
 
@@ -308,12 +317,12 @@ _INDEXING = {"index", "_unsafe_index", "index_select", "gather", "embedding", "t
 
 
 def indexing_origins(snodes) -> set[str]:
-    """The FX nodes among what a fused group computes that index by a tensor, by name."""
+    """The FX nodes among what a fused group computes that index by a tensor, by :func:`node_key`."""
     out = set()
     for sn in snodes:
         for o in getattr(getattr(sn, "node", sn), "origins", ()):
             if getattr(o, "op", "") == "call_function" and getattr(o.target, "_opname", "") in _INDEXING:
-                out.add(o.name)
+                out.add(node_key(o))
     return out
 
 

@@ -23,7 +23,7 @@ from spyre_rt.construct.loops import Unsupported, check_kernel
 
 from ..describe import NotSupported, describe
 from ..errors import compile_error
-from .record import computing_origins, hints, indexing_origins, record_kernel
+from .record import computing_origins, hints, indexing_origins, node_key, record_kernel
 
 
 class SpyreScheduling(SIMDScheduling):
@@ -74,7 +74,7 @@ class SpyreScheduling(SIMDScheduling):
         from .. import options
 
         realized = set(options.realize_nodes)
-        if realized and any(o.name in realized for n in node1.get_nodes()
+        if realized and any(node_key(o) in realized for n in node1.get_nodes()
                             for o in getattr(n.node, "origins", ())):
             return False
         return super().can_fuse_vertical(node1, node2)

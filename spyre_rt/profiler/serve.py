@@ -189,6 +189,11 @@ def max_model_len(opts: Options) -> int:
     return -(-(opts.input_len + opts.output_len) // 64) * 64
 
 
+def token_budget(opts: Options) -> int:
+    """The engine's tokens per step: at least a whole request's."""
+    return max(opts.max_num_batched_tokens, max_model_len(opts))
+
+
 def start(opts: Options, directory: Path, dtype: str):
     """The engine, and the seconds it took to be ready (the LLM constructor: compiling,
     building the step shapes, capturing the decode steps)."""
@@ -196,7 +201,7 @@ def start(opts: Options, directory: Path, dtype: str):
 
     args: dict[str, Any] = dict(
         model=str(directory), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len(opts),
-        max_num_seqs=max(opts.concurrency), max_num_batched_tokens=max(opts.max_num_batched_tokens, max_model_len(opts)),
+        max_num_seqs=max(opts.concurrency), max_num_batched_tokens=token_budget(opts),
         seed=opts.seed, enable_prefix_caching=False,
     )
     if opts.engine == "card" and os.environ["SPYRE_RT_SIM_MODE"] == "timing":
@@ -265,8 +270,7 @@ def traced(llm, rec: _Recorder, concurrency: int, opts: Options, driver) -> None
     card.trace_enable(True, commands=False)
     rec.spans, first = True, card.trace_count()
     # enough tokens that, once every prompt is in, a few steps decode the whole batch together
-    budget = max(opts.max_num_batched_tokens, max_model_len(opts))
-    prefill_steps = -(-concurrency * opts.input_len // budget) + 1
+    prefill_steps = -(-concurrency * opts.input_len // token_budget(opts)) + 1
     try:
         run_batch(llm, rec, concurrency, opts.input_len, min(prefill_steps + 2, opts.output_len),
                   opts.seed + concurrency)

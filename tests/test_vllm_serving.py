@@ -464,7 +464,7 @@ def test_paged_attention_compiles_to_the_card_with_no_cpu_op():
     card_meta = grid.meta.to(card)
     card_cache = cache.to(card)
     fast = torch.compile(paged_attention, backend="spyre_rt", dynamic=True)
-    earlier = {id(st) for st in live_steps()}
+    earlier = set(live_steps())
     forget_warnings("aten.")   # an earlier test's warning must not hide a CPU op here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -476,7 +476,7 @@ def test_paged_attention_compiles_to_the_card_with_no_cpu_op():
     # no element-wise kernel runs over the gathered keys or values (with the batch a size
     # symbol, a gather viewed as [KVH, R, ctx, D] was copied before each matmul)
     context = cache.shape[1] * grid.meta.block_table.numel() * cache.shape[3] * cache.shape[4]
-    (exe,) = [e for st in live_steps() if id(st) not in earlier for e in st.executables()]
+    (exe,) = [e for st in set(live_steps()) - earlier for e in st.executables()]
     over_context = [k.shape for k in exe.desc.kernels.values() if k.kind == "loop" and math.prod(k.sizes) == context]
     assert over_context and set(over_context) == {"gather"}, over_context
     paged_attention(q, k, v, cache, grid.meta, 0.25)          # the same writes on the host

@@ -37,7 +37,10 @@ def form(kernel, layouts: dict, offsets: dict) -> tuple[tuple, list[str]]:
     numbers: dict[str, int] = {}
     for b in kernel.buffers:
         numbers.setdefault(b.name, len(numbers))
-    for view in kernel.views():
+    # A matmul with an epilogue names its product without storing it (its views leave it
+    # out): numbered too, so layers whose products are named apart are one form.
+    out = getattr(kernel, "out", None)
+    for view in (*kernel.views(), *([out] if out is not None else ())):
         numbers.setdefault(view[0], len(numbers))
     geometry = tuple((tuple(layouts[n]) if n in layouts else None, offsets.get(n, 0)) for n in numbers)
     return (type(kernel).__name__, _numbered(kernel, numbers), geometry), list(numbers)

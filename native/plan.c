@@ -12,7 +12,7 @@ struct spy_plan {
     spy_device *dev;
     uint32_t njobs, nbindings;
     struct plan_job {
-        uint64_t prog_addr;
+        uint64_t prog_addr;  /* the program block it owns; 0: it shares an earlier job's */
         spy_program *prog;   /* committed when the plan was created; owned by its block */
         uint32_t reloc_begin, nslots, name, kind;
         spy_collective coll; /* a collective job's (kind SPY_PLAN_JOB_COLLECTIVE) */
@@ -73,6 +73,47 @@ static void add_collective(spy_plan *p, uint32_t j, const spy_plan_job *pj, cons
     if (p->max_slots < 2)
         p->max_slots = 2;
     p->upload_bytes += sizeof job->coll;
+}
+
+/* Per job, the first job that names the same program block (offset and length) and is a
+ * program too: itself, or the job whose committed program it shares. NULL when out of
+ * memory. Sorting keeps this O(n log n) for the largest plans (2^20 jobs). */
+struct prog_ref {
+    uint64_t off, len;
+    uint32_t job;
+};
+
+static int prog_ref_order(const void *a, const void *b)
+{
+    const struct prog_ref *x = a, *y = b;
+    if (x->off != y->off)
+        return x->off < y->off ? -1 : 1;
+    if (x->len != y->len)
+        return x->len < y->len ? -1 : 1;
+    return x->job < y->job ? -1 : x->job > y->job;
+}
+
+static uint32_t *program_owners(const spy_plan_job *pj, uint32_t njobs)
+{
+    uint32_t *owner = malloc((size_t)njobs * sizeof *owner);
+    struct prog_ref *refs = malloc((size_t)njobs * sizeof *refs);
+    if (!owner || !refs) {
+        free(owner);
+        free(refs);
+        return NULL;
+    }
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < njobs; j++) {
+        owner[j] = j;
+        if (pj[j].kind == SPY_PLAN_JOB_PROGRAM)
+            refs[n++] = (struct prog_ref){pj[j].prog_off, pj[j].prog_len, j};
+    }
+    qsort(refs, n, sizeof *refs, prog_ref_order);
+    for (uint32_t i = 1; i < n; i++)
+        if (refs[i].off == refs[i - 1].off && refs[i].len == refs[i - 1].len)
+            owner[refs[i].job] = owner[refs[i - 1].job]; /* the run's first: the lowest job */
+    free(refs);
+    return owner;
 }
 
 static spy_status plan_fail(spy_plan *p, spy_status s)
@@ -166,6 +207,13 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     memcpy(p->relocs, rl, (size_t)h->nrelocs * sizeof *rl);
     memcpy(p->layout, lay, (size_t)h->nbindings * sizeof *lay);
 
+    /* Jobs that name one program (the same offset and length) share its resident copy:
+     * a decoder's layers run the same programs on other buffers, and the relocations,
+     * not the programs, say which. */
+    uint32_t *owner = program_owners(pj, h->njobs);
+    if (!owner)
+        return plan_fail(p, spy_fail(SPY_E_HOST_NOMEM, -1, "host memory exhausted"));
+
     spy_lock(d);
     d->counters.native_calls++;
     p->epoch = d->epoch;
@@ -179,24 +227,29 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
             add_collective(p, j, &pj[j], (const uint8_t *)blob + pj[j].prog_off);
             continue;
         }
-        uint64_t addr;
-        s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);
-        if (s != SPY_OK)
-            break;
-        p->jobs[j].prog_addr = addr;
         p->jobs[j].reloc_begin = pj[j].reloc_begin;
         p->jobs[j].nslots = pj[j].nslots;
         p->jobs[j].name = pj[j].name;
-        spy_block *b = spy_alloc_find(&d->mem, addr, pj[j].prog_len);
-        b->plan_owned = 1;
-        memcpy(b->backing, (const uint8_t *)blob + pj[j].prog_off, pj[j].prog_len);
-        s = spy_job_commit_block(d, b, pj[j].prog_len, NULL);
-        if (s != SPY_OK) { /* name the job; spy_fail copes with its own message as argument */
-            s = spy_fail(s, spy_last_error_command(), "plan job %u: %s", j, spy_last_error());
-            break;
+        if (owner[j] != j) { /* committed already, by the first job that names it */
+            p->jobs[j].prog = p->jobs[owner[j]].prog;
+        } else {
+            uint64_t addr;
+            s = spy_alloc_get(&d->mem, pj[j].prog_len, SPY_MEM_CONTROL, true, NULL, &addr);
+            if (s != SPY_OK)
+                break;
+            p->jobs[j].prog_addr = addr;
+            spy_block *b = spy_alloc_find(&d->mem, addr, pj[j].prog_len);
+            b->plan_owned = 1;
+            memcpy(b->backing, (const uint8_t *)blob + pj[j].prog_off, pj[j].prog_len);
+            s = spy_job_commit_block(d, b, pj[j].prog_len, NULL);
+            if (s != SPY_OK) { /* name the job; spy_fail copes with its own message as argument */
+                s = spy_fail(s, spy_last_error_command(), "plan job %u: %s", j, spy_last_error());
+                break;
+            }
+            p->jobs[j].prog = b->prog;
+            p->upload_bytes += pj[j].prog_len;
         }
-        const spy_program *g = b->prog;
-        p->jobs[j].prog = b->prog;
+        const spy_program *g = p->jobs[j].prog;
         if (g->hdr->nslots != pj[j].nslots) {
             s = spy_fail(SPY_E_BAD_PROGRAM, -1, "plan job %u: %u relocations for %u slots", j,
                          pj[j].nslots, g->hdr->nslots);
@@ -225,8 +278,8 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
                 p->binding_written[r->binding] = 1;
             p->binding_used[r->binding] = 1;
         }
-        p->upload_bytes += pj[j].prog_len;
     }
+    free(owner);
     if (s != SPY_OK) {
         release_plan_blocks(d, p);
         spy_unlock(d);

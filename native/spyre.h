@@ -967,7 +967,9 @@ spy_status spy_build_attention(const spy_attention_record *rec, spy_built *out);
  * a ring the caller attaches once the plan exists (spy_plan_set_group); a launch refuses a
  * plan with a group unattached. A launch that fails in any job aborts the plan's groups, so
  * that the other ranks' collectives fail instead of waiting for this one (NCCL's abort).
- * spy_plan_create validates the whole block, uploads and commits every program. */
+ * spy_plan_create validates the whole block, uploads and commits every program. Jobs that
+ * name the same program (offset and length) share one resident copy, uploaded once: a
+ * decoder's layers run the same programs on other buffers, through their own relocations. */
 
 #define SPY_PLAN_MAGIC 0x4E4C5053u /* "SPLN" */
 #define SPY_PLAN_VERSION 3u

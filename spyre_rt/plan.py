@@ -36,26 +36,35 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names, ngroup
     """The plan block of `jobs` over one binding per entry of `layouts`: the stick layout
     a launch must bind there, or None for memory that records none (an arena). `names`
     is a function from job name to trace id; `ngroups` the process groups its collective
-    jobs run in."""
+    jobs run in. Jobs whose blob is one array (a plan build's distinct kernels, see
+    :mod:`spyre_rt.executor.distinct`) name one copy of it, which the card uploads once."""
     hdr = np.zeros(1, dtype=PLAN_HEADER)
     hdr["magic"], hdr["version"] = lib.SPY_PLAN_MAGIC, lib.SPY_PLAN_VERSION
     hdr["njobs"], hdr["nrelocs"], hdr["nbindings"] = len(jobs), sum(len(j.relocs) for j in jobs), len(layouts)
     hdr["ngroups"] = ngroups
     offsets, pos = [], (plan_layout(hdr.view(np.uint8)).end + 7) & ~7  # the programs follow the tables
+    placed: dict[int, int] = {}  # id of a program blob -> where it is: jobs of one program share it
     for j in jobs:
-        offsets.append(pos)
-        pos += (j.blob.size + 7) & ~7
+        at = placed.get(id(j.blob)) if j.kind == PROGRAM else None
+        if at is None:
+            at = pos
+            pos += (j.blob.size + 7) & ~7
+            if j.kind == PROGRAM:
+                placed[id(j.blob)] = at
+        offsets.append(at)
     hdr["total_bytes"] = pos
     buf = np.zeros(pos // 8, dtype=np.uint64).view(np.uint8)
     buf[: PLAN_HEADER.itemsize] = hdr.view(np.uint8)
     tables = plan_tables(buf)
-    r = 0
+    r, written = 0, set()
     for i, j in enumerate(jobs):
         tables.jobs[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), j.kind)
         for b, off in j.relocs:
             tables.relocs[r] = (b, 0, off)
             r += 1
-        buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
+        if offsets[i] not in written:
+            written.add(offsets[i])
+            buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
     tables.layouts[:] = layout_table(layouts)
     return buf
 

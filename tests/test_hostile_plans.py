@@ -160,6 +160,14 @@ def sfu_operand(block):
     return program(block, first(block, OP_SFU)[0])[3][0:1]["dst"]
 
 
+def _share_first_program(block, slots_fewer: int) -> None:
+    """The last job names the first job's program (jobs of one program share its resident
+    copy), with `slots_fewer` relocations fewer than that program has slots."""
+    t = job_table(block)
+    t["prog_off"][-1], t["prog_len"][-1] = t["prog_off"][0], t["prog_len"][0]
+    t["nslots"][-1] = t["nslots"][0] - slots_fewer
+
+
 # Each mutation edits a copy of a real plan block in place. Expected: the status the card
 # rejects it with when the plan is created.
 MUTATIONS = {
@@ -185,6 +193,7 @@ MUTATIONS = {
     "relocation window wraps": (lambda b: set_(job_table(b)[0:1], "reloc_begin", 0xFFFFFFFF), "SPY_E_BAD_PROGRAM"),
     "relocations for fewer slots": (lambda b: set_(job_table(b)[0:1], "nslots", int(job_table(b)["nslots"][0]) - 1),
                                     "SPY_E_BAD_PROGRAM"),
+    "job shares a program of more slots": (lambda b: _share_first_program(b, slots_fewer=1), "SPY_E_BAD_PROGRAM"),
     "binding out of range": (lambda b: set_(relocs(b)[0:1], "binding", int(header(b)["nbindings"][0])),
                              "SPY_E_BAD_PROGRAM"),
     "relocation offset wraps": (lambda b: set_(relocs(b)[0:1], "offset", U64_MAX), "SPY_E_BAD_PROGRAM"),

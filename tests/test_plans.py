@@ -331,3 +331,36 @@ def test_an_input_made_again_at_its_address_in_another_layout_is_read_in_its_own
         assert cards.get(0).layout_of(addr).row_len == 64
         v, ref = y.view(64, 128), b.view(64, 128)
         assert torch.allclose(f(v, wd).cpu(), torch.relu(ref @ w) + ref.sum(-1, keepdim=True), rtol=1e-4, atol=1e-4)
+
+
+def _layers(x, *ws):
+    """Layers of one shape: the plan build constructs one program for the inner ones."""
+    for w in ws:
+        x = torch.relu(x @ w.t()) * 0.5
+    return x
+
+
+def test_jobs_of_one_program_share_one_resident_copy(tmp_path):
+    """A plan block holds each distinct program once and its jobs name it by offset; the
+    card uploads it once. Each job still works on its own buffers (its relocations)."""
+    from spyre_rt.plan import GraphPlan
+    from spyre_rt.program import plan_tables
+
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(8, 64, generator=g)] + [torch.randn(64, 64, generator=g) for _ in range(5)]
+    before = set(step_mod.live_steps())
+    f = torch.compile(_layers, backend="spyre_rt", dynamic=False, options={"cache_dir": str(tmp_path)})
+    with dispatch_mode("prebuilt"):
+        out = f(*[a.to("spyre") for a in args]).cpu()
+    torch.testing.assert_close(out, _layers(*args), rtol=1e-4, atol=1e-5)
+    (step,) = set(step_mod.live_steps()) - before
+    (exe,) = step.executables()
+    (block,) = plan_cache.decode(plan_cache.PlanCache(tmp_path, 1 << 30).path(exe.cache_key()).read_bytes()).blocks
+    jobs = plan_tables(block).jobs
+    programs = {int(o): int(n) for o, n in zip(jobs["prog_off"], jobs["prog_len"], strict=True)}
+    assert len(programs) < len(jobs), "no job shares a program: the layers were built apart"
+    assert block.size < int(jobs["prog_off"].min()) + int(jobs["prog_len"].sum())  # stored once, not per job
+    card = cards.get(0)
+    sent = card.counters()["bytes_h2d"]
+    GraphPlan(card, block)
+    assert card.counters()["bytes_h2d"] - sent == sum(programs.values())  # uploaded once per program

@@ -243,8 +243,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace and compile every decoder layer (by default the layers, one graph, are "
                         "compiled once: regional compilation)")
     p.add_argument("--sweep", action="store_true",
-                   help="also sweep batch sizes and sequence lengths and plot speedup against size")
-    p.add_argument("--sweep-batch", default="1,2,4", metavar="LIST", help="batch sizes of the sweep (default 1,2,4)")
+                   help="also sweep batch sizes and sequence lengths, and plot the speedup against sequence "
+                        "length and the device efficiency against batch size")
+    p.add_argument("--sweep-batch", default="1,8,32", metavar="LIST",
+                   help="batch sizes of the sweep (default 1,8,32)")
     p.add_argument("--sweep-seq", default="128,512,1024", metavar="LIST",
                    help="sequence lengths of the sweep (default 128,512,1024)")
     p.add_argument("--plot", metavar="FILE", default="spyre-sweep.png", help="where the sweep plot goes")
@@ -267,6 +269,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         runmod.load_model(args.model)
     except SpyreProfileError as e:
         raise InputError(str(e)) from None
+    try:  # before any work: a sweep of sizes it cannot read fails now, not after the run
+        sweep_sizes = sweepmod.parse_sizes(args.sweep_batch, args.sweep_seq) if args.sweep else []
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if sizes:
         if args.sweep:
             raise InputError("--sweep runs on one card: leave out --tp")
@@ -281,8 +287,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if path:
             console.print(f"trace written to {path} (open it in ui.perfetto.dev or with `spyre-profile view`)")
     if args.sweep:
-        sizes = sweepmod.parse_sizes(args.sweep_batch, args.sweep_seq)
-        out["sweep"] = sweepmod.sweep(opts, sizes, console, args.plot)
+        out["sweep"] = sweepmod.sweep(opts, sweep_sizes, console, args.plot)
     if args.json:
         runmod.write_json(out, args.json)
         console.print(f"figures written to {args.json}")

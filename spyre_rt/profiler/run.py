@@ -692,7 +692,7 @@ def render(console, out: dict, whatif_plot: str | None = None) -> None:
         console.print(f"[dim]model built in {tm.get('model_s', 0):.1f} s, compiled in {tm.get('compile_s', 0):.1f} s[/]")
 
 
-def _ms(v: float) -> str:  # four significant figures are plenty, and the tables fit 80 columns
+def ms_text(v: float) -> str:  # four significant figures are plenty, and the tables fit 80 columns
     if abs(v) < 10:
         return f"{v:.3g}"
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}"
@@ -717,8 +717,8 @@ def _latency_table(out: dict):
     sp = out["speedups"]
     for mode, r in out["results"].items():
         s = sp.get(mode, {})
-        t.add_row(mode, _ms(r["prefill_ms"]), _ms(r["decode_ms_per_token"]), _ms(r["host_ms"]),
-                  _ms(r["device_ms"]), _ms(r["device_wait_host_ms"]),
+        t.add_row(mode, ms_text(r["prefill_ms"]), ms_text(r["decode_ms_per_token"]), ms_text(r["host_ms"]),
+                  ms_text(r["device_ms"]), ms_text(r["device_wait_host_ms"]),
                   *(f"{s[phase]:.2f}x" if phase in s else "—" for phase in ("prefill", "decode")))
     if not sp:
         t.caption = ((t.caption + "\n") if t.caption else "") + "speedups are against construct, which was not run"
@@ -755,7 +755,7 @@ def _wall_table(out: dict):
         return f"{v:.2f}x" + (f" ±{(mm['max'] - mm['min']) / 2 / v * 100:.0f} %" if mm and mode != "construct" else "")
 
     for mode, r in out["results"].items():
-        t.add_row(mode, _ms(r["prefill_wall_ms"]), _ms(r["decode_wall_ms_per_token"]), _ms(r["host_wall_ms"]),
+        t.add_row(mode, ms_text(r["prefill_wall_ms"]), ms_text(r["decode_wall_ms_per_token"]), ms_text(r["host_wall_ms"]),
                   cell(mode, "prefill"), cell(mode, "decode"))
     return t
 
@@ -802,9 +802,9 @@ def _efficiency_table(eff: dict):
         t.add_column(col, justify="left" if col in ("phase", "bound", "roofline of") else "right")
     for phase, e in eff.items():
         fraction = f"{e['fraction'] * 100:.0f} %" if e["fraction"] is not None else "—"
-        t.add_row(phase, _ms(e["device_ms"]), _ms(e["roofline_ms"]),
+        t.add_row(phase, ms_text(e["device_ms"]), ms_text(e["roofline_ms"]),
                   fraction, e["bound"], f"{e['kernels']:,} kernels" if e["source"] == "kernels" else "the model",
-                  _ms(e["analytic"]["roofline_ms"]))
+                  ms_text(e["analytic"]["roofline_ms"]))
     if any(e["source"] != "kernels" for e in eff.values()):
         t.caption = ("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
                      "attention against weights, KV cache and activations")

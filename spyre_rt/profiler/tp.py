@@ -228,13 +228,13 @@ def render(console, out: dict) -> None:
                 "in collectives pre/dec"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
     for mode, r in one["results"].items():
-        t.add_row(mode, "1", runmod._ms(r["prefill_ms"]), "", "", runmod._ms(r["decode_ms_per_token"]), "", "", "")
+        t.add_row(mode, "1", runmod.ms_text(r["prefill_ms"]), "", "", runmod.ms_text(r["decode_ms_per_token"]), "", "", "")
         for run in out["runs"]:
             if mode not in run["results"]:
                 continue
             x, sp, ideal, c = run["results"][mode], run["speedups"][mode], run["ideal"][mode], run["collectives"]
-            t.add_row("", str(run["tp"]), runmod._ms(x["prefill_ms"]), f"{sp['prefill']:.2f}x",
-                      f"{ideal['prefill']:.2f}x", runmod._ms(x["decode_ms_per_token"]), f"{sp['decode']:.2f}x",
+            t.add_row("", str(run["tp"]), runmod.ms_text(x["prefill_ms"]), f"{sp['prefill']:.2f}x",
+                      f"{ideal['prefill']:.2f}x", runmod.ms_text(x["decode_ms_per_token"]), f"{sp['decode']:.2f}x",
                       f"{ideal['decode']:.2f}x",
                       f"{c['prefill']['share'] * 100:.1f} / {c['decode']['share'] * 100:.1f} %")
     console.print(t)

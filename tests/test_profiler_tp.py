@@ -8,7 +8,7 @@ import json
 import pytest
 
 from spyre_rt.profiler import cli
-from spyre_rt.profiler import merge as merge_mod
+from spyre_rt.trace import merge as merge_mod
 
 
 @pytest.fixture(scope="module")

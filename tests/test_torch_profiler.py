@@ -10,7 +10,8 @@ import torch
 from spyre_rt import card as cards
 from spyre_rt import kernel_info, torch_ranges, trace
 from spyre_rt.dispatch import dispatch_mode
-from spyre_rt.profiler import cli, merge, view
+from spyre_rt.profiler import cli, view
+from spyre_rt.trace import merge
 
 
 def mlp(x, w1, w2):

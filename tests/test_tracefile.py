@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from spyre_rt.profiler import tracefile
-from spyre_rt.profiler.tracefile import TraceFile
+from spyre_rt.trace import file as tracefile
+from spyre_rt.trace.file import TraceFile
 
 EVENTS = [
     {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "host"}},

@@ -166,7 +166,7 @@ def _merge_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_merge(args: argparse.Namespace, console: Console) -> int:
-    from . import merge
+    from ..trace import merge
 
     try:
         traces = [merge.read(path) for path in (args.torch_trace, *args.card_traces)]

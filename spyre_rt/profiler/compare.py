@@ -29,8 +29,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import optable, tracedata, view
-from .tracefile import TraceFile
+from ..trace import data as tracedata
+from ..trace.file import TraceFile
+from . import optable, view
 
 RESULT_METRICS = ("prefill_ms", "decode_ms_per_token", "host_ms", "device_ms", "device_wait_host_ms")
 RUN_KEYS = ("model", "layers", "batch", "seq", "decode_steps", "repeats", "sim_mode", "device_profile")

@@ -35,8 +35,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..kernel_info import module_path, op_names
+from ..trace.data import TraceData, Window, device, job_waits, window
 from .roofline import HOST, Roofline, kernel_figures
-from .tracedata import TraceData, Window, device, job_waits, window
 
 GROUPINGS = ("kernel", "op", "module", "layer")
 DEFAULT_GROUPING = "op"

@@ -145,7 +145,7 @@ def launch(opts: runmod.Options, console) -> list[dict]:
         outs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
         if opts.trace:
             from .. import trace
-            from . import merge
+            from ..trace import merge
 
             merged = merge.merge_ranks([merge.read(os.path.join(tmp, f"rank{r}.trace.json")) for r in range(tp)])
             trace.write(merged, opts.trace)

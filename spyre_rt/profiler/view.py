@@ -1,7 +1,7 @@
 """A trace in the terminal: timeline, per-op table, idle-time breakdown, critical path.
 
 :func:`load` streams a trace file into arrays (:func:`parse` does the same for a trace
-dict; both from :mod:`.tracedata`); the ``timeline``/``idle_breakdown``/``critical_path``
+dict; both from :mod:`spyre_rt.trace.data`); the ``timeline``/``idle_breakdown``/``critical_path``
 functions compute numbers from them, :mod:`.optable` the per-op table; :func:`render` prints them with a rich
 ``Console``. Times are µs; a window is an absolute ``(start, end)`` pair, and
 :func:`window` makes one from times relative to the trace's first event (what
@@ -22,9 +22,9 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from ..trace.data import Counter, TraceData, Track, Window, device, job_waits, load, parse, window
 from . import optable
 from .roofline import Roofline
-from .tracedata import Counter, TraceData, Track, Window, device, job_waits, load, parse, window
 
 __all__ = ["TraceData", "Window", "load", "parse", "window", "timeline", "idle_breakdown", "critical_path",
            "render", "ascii_safe"]

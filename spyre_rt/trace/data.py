@@ -21,7 +21,7 @@ import numpy as np
 from .. import kernel_info
 from .. import trace as trace_format
 from ..trace import DEVICE_PID_BASE, link_launches
-from .tracefile import TraceFile
+from .file import TraceFile
 
 Window = tuple[float, float]
 

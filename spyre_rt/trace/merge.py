@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import trace as trace_format
 from ..torch_ranges import RANGE_NAME
-from .tracefile import TraceFile
+from .file import TraceFile
 
 _LOOKAHEAD = 256  # card launches skipped at most to match one range (copies have none)
 

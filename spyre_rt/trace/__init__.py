@@ -22,6 +22,11 @@ Layout of an exported file (one card per file; ``ts``/``dur`` in microseconds, w
 Host times are the host clock and device times are simulated, on one time axis (ns since
 the card was opened), so both processes line up in the viewer. A path ending in ``.gz``
 is written gzip-compressed (Perfetto UI opens it as it is).
+
+This package is the trace format, its writer (here: a card's recording and its export)
+and its readers: :mod:`.file` streams a file's events, :mod:`.data` turns them into
+arrays the profiler reports on, and :mod:`.merge` places a card's tracks in a trace that
+``torch.profiler`` exported.
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from . import kernel_info
-from .card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
-from .profile import DeviceProfile
-from .program import OP_NAMES
+from .. import kernel_info
+from ..card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
+from ..profile import DeviceProfile
+from ..program import OP_NAMES
 
 HOST_PID = 1
 DEVICE_PID_BASE = 2

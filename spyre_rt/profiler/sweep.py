@@ -45,9 +45,15 @@ def sweep(opts: runmod.Options, sizes: list[tuple[int, int]], console, plot_path
 
 
 def render(console, points: list[dict]) -> None:
-    t = Table(title="speedup of the dispatch modes against construct, by size", title_justify="left")
     # every dispatch mode but construct (the base) that some point measured
     modes = [m for m in runmod.DISPATCH[1:] if any(m in p["speedups"] for p in points)]
+    if modes:
+        console.print(speedup_table(points, modes))
+    console.print(efficiency_table(points))
+
+
+def speedup_table(points: list[dict], modes: list[str]) -> Table:
+    t = Table(title="speedup of the dispatch modes against construct, by size", title_justify="left")
     columns = [(phase, mode) for phase in runmod.PHASES for mode in modes]
     for col in ("batch", "seq", *(f"{phase} ({mode})" for phase, mode in columns)):
         t.add_column(col, justify="right")
@@ -59,16 +65,14 @@ def render(console, points: list[dict]) -> None:
     for p in points:
         sp = p["speedups"]
         t.add_row(str(p["batch"]), str(p["seq"]), *(cell(sp, mode, phase) for phase, mode in columns))
-    console.print(t)
-    console.print(efficiency_table(points))
+    return t
 
 
 def efficiency_table(points: list[dict]) -> Table:
     """Per size: each phase's device time against the roofline of that batch and sequence."""
-    t = Table(title="device efficiency by size: device time against the roofline of that batch "
-                    "(per prefill, per decode token)", title_justify="left")
-    for col in ("batch", "seq", *(f"{phase} {what}" for phase in runmod.PHASES
-                                  for what in ("ms", "roofline ms", "efficiency"))):
+    t = Table(title="device efficiency by size: device time and the roofline of that batch and sequence, "
+                    "in ms per prefill and per decode token", title_justify="left")
+    for col in ("batch", "seq", *(f"{phase} {what}" for phase in runmod.PHASES for what in ("ms", "roofline", "%"))):
         t.add_column(col, justify="right")
     for p in points:
         cells = []
@@ -151,6 +155,13 @@ def _terminal_plot(series: dict, console, title: str, xlabel: str, width: int = 
         label = f"{ymax - (ymax - ymin) * i / (height - 1):6.2f} |" if i % 3 == 0 else "       |"
         console.print(label + "".join(line), markup=False, highlight=False)
     console.print("       +" + "-" * width, markup=False)
-    console.print("        " + "   ".join(str(x) for x in xs), markup=False)
+    labels = [" "] * (width + 8)  # each x under its column, as far as the one before allows
+    at = 0
+    for i, x in enumerate(xs):
+        text = str(x)
+        col = max(at, min(width - len(text), int(i / max(1, len(xs) - 1) * (width - 1))))
+        labels[8 + col: 8 + col + len(text)] = text
+        at = col + len(text) + 1
+    console.print("".join(labels).rstrip(), markup=False)
     for line in legend:
         console.print("        " + line, markup=False, highlight=False)

@@ -25,13 +25,13 @@ import torch
 # Every benchmark session starts with an empty plan cache of its own.
 os.environ.setdefault("SPYRE_RT_CACHE_DIR", tempfile.mkdtemp(prefix="spyre-rt-bench-plans-"))
 
-from spyre_rt import profile  # noqa: E402
+from spyre_rt import device_profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def spyre_profile():
-    return profile.load("spyre")
+    return device_profile.load("spyre")
 
 
 @pytest.fixture(scope="session")
@@ -134,13 +134,13 @@ class CpuFloor:
 
         from spyre_rt.profiler.run import load_model
 
-        profile = load_model("granite-tiny")
-        cfg = profile.hf_config(layers)
+        model_profile = load_model("granite-tiny")
+        cfg = model_profile.hf_config(layers)
         torch.manual_seed(0)
-        model = GraniteForCausalLM(cfg).to(profile.dtype).eval()
+        model = GraniteForCausalLM(cfg).to(model_profile.dtype).eval()
         cache = StaticCache(config=cfg, max_cache_len=16)
         cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads,
-                                   head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=profile.dtype,
+                                   head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=model_profile.dtype,
                                    device="cpu")
 
         def do_nothing(gm, example_inputs):

@@ -34,7 +34,7 @@ import harness  # noqa: E402, F401, I001 - first: under --asan it swaps in the s
 
 from harness import arguments, mutate_bytes, mutate_value, run, stage  # noqa: E402
 
-from spyre_rt import jobs, profile  # noqa: E402
+from spyre_rt import device_profile, jobs  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 from spyre_rt.errors import SpyreInvalidCommandError  # noqa: E402
 from spyre_rt.native import check, ffi, lib  # noqa: E402
@@ -49,7 +49,7 @@ MAX_BLOCKS = 4096  # an attention of more blocks (or a scratchpad past MAX_LX) i
 MAX_LX = 8 << 20
 TASK_BYTES = 96
 
-card = Card(profile.load("spyre"), "functional", 0)
+card = Card(device_profile.load("spyre"), "functional", 0)
 
 
 def copy_record_bytes(num_cores, stick_bytes, chunk_max, scratchpad, extents, ranges) -> bytes:

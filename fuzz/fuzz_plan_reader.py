@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from blocks import mutate_plan  # noqa: E402
 from harness import aligned, arguments, mutate_bytes, mutate_record, run, stage  # noqa: E402
 
-from spyre_rt import jobs, plan_cache, profile  # noqa: E402
+from spyre_rt import device_profile, jobs, plan_cache  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 from spyre_rt.layout import StickLayout  # noqa: E402
 from spyre_rt.plan import GraphPlan  # noqa: E402
@@ -38,7 +38,7 @@ MAX_BLOCKS = 16           # blocks of one file given to the card
 WORK_LIMITS = {"macs": 4 << 20, "sfu_elems": 4 << 20, "dma_bytes": 32 << 20}
 MAX_BINDING_BYTES = 64 << 20
 
-card = Card(profile.load("spyre"), "functional", 0)
+card = Card(device_profile.load("spyre"), "functional", 0)
 
 
 # ---- the target ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from blocks import mutate_program, slot_table  # noqa: E402
 from harness import aligned, arguments, mutate_bytes, run, stage  # noqa: E402
 
-from spyre_rt import jobs, profile  # noqa: E402
+from spyre_rt import device_profile, jobs  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 from spyre_rt.program import SLOT_HOST  # noqa: E402
 
@@ -31,7 +31,7 @@ from spyre_rt.program import SLOT_HOST  # noqa: E402
 WORK_LIMITS = {"macs": 4 << 20, "sfu_elems": 4 << 20, "dma_bytes": 32 << 20}
 MAX_SLOT_BYTES = 64 << 20
 
-card = Card(profile.load("spyre"), "functional", 0)
+card = Card(device_profile.load("spyre"), "functional", 0)
 
 
 def bind(slots) -> tuple[list[int], list[int], list[np.ndarray]]:

@@ -20,11 +20,11 @@ from typing import NamedTuple
 import numpy as np
 
 from . import config
+from .device_profile import DeviceProfile
+from .device_profile import load as load_profile
 from .errors import SpyreError, SpyreOutOfMemoryError
 from .layout import StickLayout
 from .native import check, error_for, ffi, lib
-from .profile import DeviceProfile
-from .profile import load as load_profile
 from .transfer import TransferCache
 
 MEM_DATA = 0

@@ -11,13 +11,13 @@ os.environ.setdefault("SPYRE_RT_CACHE_DIR", tempfile.mkdtemp(prefix="spyre-rt-pl
 
 from small_profiles import small_profile_text  # noqa: E402
 
-from spyre_rt import profile  # noqa: E402
+from spyre_rt import device_profile  # noqa: E402
 from spyre_rt.card import Card  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def spyre_profile():
-    return profile.load("spyre")
+    return device_profile.load("spyre")
 
 
 @pytest.fixture

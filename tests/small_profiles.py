@@ -4,11 +4,11 @@ A plain module, not conftest: benchmarks/ has a conftest of its own, and only on
 module named `conftest` can be imported by name in a session.
 """
 
-from spyre_rt import profile
+from spyre_rt import device_profile
 
 
 def small_profile_text(dram_gib: float = 1 / 1024, count: int = 1) -> str:
     """The built-in profile with another capacity (default 1 MiB) and card count."""
-    text = profile._source_text("spyre")[1]
+    text = device_profile._source_text("spyre")[1]
     text = text.replace("dram_gib = { value = 128,", f"dram_gib = {{ value = {dram_gib},")
     return text.replace("count = 1", f"count = {count}")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from spyre_rt import card as cards
-from spyre_rt import dispatch, dtypes, executor, fallback, jobs, profile
+from spyre_rt import device_profile, dispatch, dtypes, executor, fallback, jobs
 from spyre_rt.construct import attention as A
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.dispatch import dispatch_mode
@@ -207,7 +207,7 @@ def test_hugging_face_attention_reads_the_cache_in_place_and_its_output_as_it_li
 
 @pytest.fixture(scope="module")
 def card():
-    return cards.Card(profile.load("spyre"), "functional", 0)
+    return cards.Card(device_profile.load("spyre"), "functional", 0)
 
 
 def _upload(card, values: torch.Tensor, row_len: int) -> tuple[int, StickLayout]:
@@ -316,7 +316,7 @@ def granite(q_len: int, kv_len: int, **kw) -> A.Shape:
 
 
 def _target() -> Target:
-    return Target.from_profile(profile.load("spyre"))
+    return Target.from_profile(device_profile.load("spyre"))
 
 
 def test_decode_spreads_each_kv_heads_keys_over_the_cores():

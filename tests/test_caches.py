@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import construct, dispatch, fallback, profile
+from spyre_rt import construct, device_profile, dispatch, fallback
 from spyre_rt import executor as step_mod
 from spyre_rt.construct import loops
 from spyre_rt.construct import matmul as mm
@@ -128,7 +128,7 @@ def test_matmul_boxes_at_every_column_of_a_row_move_their_own_bytes(col0, pad):
     product equals torch's and the columns around the output are untouched."""
     from test_matmul_build import check, operand
 
-    card = cards.Card(profile.load("spyre"), "functional", 0)
+    card = cards.Card(device_profile.load("spyre"), "functional", 0)
     g = torch.Generator().manual_seed(col0 + pad)
     a = operand("a", torch.float16, 1, 65, 300, col0=col0, pad=pad, gen=g)
     b = operand("b", torch.float16, 1, 300, 130, col0=col0, pad=pad, gen=g)

@@ -4,14 +4,14 @@ import math
 
 import pytest
 
-from spyre_rt import profile
+from spyre_rt import device_profile
 from spyre_rt.distributed import interconnect
 from spyre_rt.errors import SpyreProfileError
 
 
 @pytest.fixture(scope="module")
 def spyre():
-    return profile.load("spyre")
+    return device_profile.load("spyre")
 
 
 def test_the_profile_gives_the_links_figures_with_sources(spyre):
@@ -47,13 +47,13 @@ def test_other_collectives_and_one_rank(spyre):
 def test_a_profile_without_links_has_no_model_and_bad_links_are_refused(spyre):
     text = open(spyre.path).read()
     start = text.index("[interconnect]")
-    plain = profile.parse(text[:start] + text[text.index("[figures]"):])
+    plain = device_profile.parse(text[:start] + text[text.index("[figures]"):])
     assert plain.interconnect == {} and interconnect.cost(plain, "all_reduce", 8192, 2) is None
     bad = text.replace('p2p_latency_ns = { value = 1000', 'p2p_latency_ns = { value = -1', 1)
     with pytest.raises(SpyreProfileError, match="positive number"):
-        profile.parse(bad)
+        device_profile.parse(bad)
     with pytest.raises(SpyreProfileError, match="unknown interconnect figure"):
-        profile.parse(text.replace("[interconnect]\n", '[interconnect]\nhops = { value = 1, unit = "x", kind = "assumption", source = "s" }\n'))
+        device_profile.parse(text.replace("[interconnect]\n", '[interconnect]\nhops = { value = 1, unit = "x", kind = "assumption", source = "s" }\n'))
 
 
 def test_a_group_on_several_machines_goes_at_the_networks_figures(spyre):

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from spyre_rt import profile
+from spyre_rt import device_profile
 from spyre_rt.construct import loops
 from spyre_rt.construct.context import BuildContext, ScratchpadOverflow, Target
 from spyre_rt.construct.loops.analysis import Unsupported, analyse
@@ -17,7 +17,7 @@ from spyre_rt.construct.sfu import COL, ROW, SCALAR, TILE
 from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
 
-TARGET = Target.from_profile(profile.load("spyre"))
+TARGET = Target.from_profile(device_profile.load("spyre"))
 
 
 def _row_major(sizes):

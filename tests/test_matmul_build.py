@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scratchpad_races import races
 
-from spyre_rt import dtypes, jobs, profile
+from spyre_rt import device_profile, dtypes, jobs
 from spyre_rt.card import Card
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, choose
@@ -28,7 +28,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @pytest.fixture(scope="module")
 def card():
-    return Card(profile.load("spyre"), "functional", 0)
+    return Card(device_profile.load("spyre"), "functional", 0)
 
 
 @dataclass
@@ -258,7 +258,7 @@ def test_rows_that_wrap_in_storage_are_moved_by_descriptor_lists(card):
 
 
 def test_an_empty_result_builds_nothing():
-    target = Target.from_profile(profile.load("spyre"))
+    target = Target.from_profile(device_profile.load("spyre"))
     layouts = {"a": StickLayout(0, 8, 2), "b": StickLayout(8, 4, 2), "o": StickLayout(0, 4, 2)}
     ctx = BuildContext(target, layouts)
     code = dtypes.of(torch.float16).code
@@ -270,7 +270,7 @@ def test_an_empty_result_builds_nothing():
 def test_construction_is_deterministic():
     """The same matmul builds the same program: what keeps the dispatch modes bit for bit
     alike."""
-    target = Target.from_profile(profile.load("spyre"))
+    target = Target.from_profile(device_profile.load("spyre"))
     a = operand("a", torch.float16, 1, 130, 300, gen=torch.Generator().manual_seed(0))
     b = operand("b", torch.float16, 1, 300, 100, transposed=True, gen=torch.Generator().manual_seed(0))
     out = operand("o", torch.float16, 1, 130, 100)

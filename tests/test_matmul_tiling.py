@@ -10,14 +10,14 @@ import itertools
 import numpy as np
 import pytest
 
-from spyre_rt import jobs, profile
+from spyre_rt import device_profile, jobs
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, choose
 from spyre_rt.construct.matmul import tiling as tl
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 
-TARGET = Target.from_profile(profile.load("spyre"))
+TARGET = Target.from_profile(device_profile.load("spyre"))
 MS, NKS = (1, 7, 1024), (64, 100, 4097, 49155)
 
 
@@ -100,7 +100,7 @@ def test_the_model_counts_what_the_ring_saves():
 def card():
     from spyre_rt.card import Card
 
-    return Card(profile.load("spyre"), "timing", 0)
+    return Card(device_profile.load("spyre"), "timing", 0)
 
 
 def simulate(card, ctx: BuildContext) -> tuple[float, int]:

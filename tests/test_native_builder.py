@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from spyre_rt import jobs, profile
+from spyre_rt import device_profile, jobs
 from spyre_rt.card import Card
 from spyre_rt.construct import copy, loops
 from spyre_rt.construct.context import BuildContext, Target
@@ -20,12 +20,12 @@ from spyre_rt.program import JOB_HEADER, built_block
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
 MiB = 1 << 20
-TARGET = Target.from_profile(profile.load("spyre"))
+TARGET = Target.from_profile(device_profile.load("spyre"))
 
 
 @pytest.fixture(scope="module")
 def card():
-    return Card(profile.load("spyre"), "timing", 0)
+    return Card(device_profile.load("spyre"), "timing", 0)
 
 
 def copy_record(ranges, extents, num_cores=32, stick_bytes=128, chunk_max=256 << 10, scratchpad=2 * MiB):
@@ -426,7 +426,7 @@ def attention_decision(q_len=1, kv_len=200, mask=False):
         layouts["m"] = StickLayout(q_len, kv_len, 1)
     kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], "float16", 0.125,
                              mask=views.get("mask"), mask_dtype="bool" if mask else "")
-    ctx = BuildContext(Target.from_profile(profile.load("spyre")), layouts)
+    ctx = BuildContext(Target.from_profile(device_profile.load("spyre")), layouts)
     return attention.build(ctx, kernel), kernel, ctx
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spyre_rt  # noqa: F401 - registers the spyre device for the DLPack imports
-from spyre_rt import profile
+from spyre_rt import device_profile
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import ffi, lib
 
@@ -25,7 +25,7 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 @pytest.fixture
 def device():
     native = ffi.new("spy_profile *")
-    for field, value in profile.load("spyre").native_fields().items():
+    for field, value in device_profile.load("spyre").native_fields().items():
         setattr(native, field, value)
     native.dram_bytes = 1 << 20
     out = ffi.new("spy_device **")

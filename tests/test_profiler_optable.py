@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from spyre_rt import kernel_info, profile, trace
+from spyre_rt import device_profile, kernel_info, trace
 from spyre_rt.card import EV_JOB, EV_LAUNCH, TRACE_EVENT
 from spyre_rt.profiler import cli, optable, view
 
@@ -51,7 +51,7 @@ def data():
     for name, info in INFO.items():
         kernel_info.register(name, info)
     try:
-        return view.parse(trace.export(synthetic(), NAMES, device=profile.load("spyre")))
+        return view.parse(trace.export(synthetic(), NAMES, device=device_profile.load("spyre")))
     finally:
         kernel_info.clear()
 
@@ -146,7 +146,7 @@ def test_cli_view_groups_as_asked(capsys, tmp_path):
     for name, info in INFO.items():
         kernel_info.register(name, info)
     path = tmp_path / "t.json.gz"
-    trace.export(synthetic(), NAMES, path, device=profile.load("spyre"))
+    trace.export(synthetic(), NAMES, path, device=device_profile.load("spyre"))
     kernel_info.clear()
     assert cli.main(["view", str(path), "--group-by", "layer"]) == 0
     out = capsys.readouterr().out

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from spyre_rt import construct, profile
+from spyre_rt import construct, device_profile
 from spyre_rt import kernels as kdesc
 from spyre_rt.construct import copy
 from spyre_rt.construct.context import BuildContext, Target
@@ -34,7 +34,7 @@ def records() -> dict:
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    return Target.from_profile(profile.load("spyre"))
+    return Target.from_profile(device_profile.load("spyre"))
 
 
 def build(target: Target, r: dict):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spyre_rt import profile
+from spyre_rt import device_profile
 from spyre_rt.profiler import analytic
 from spyre_rt.profiler.roofline import Roofline, kernel_figures
 
@@ -12,13 +12,13 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "n
 
 @pytest.fixture(scope="module")
 def card():
-    return Roofline.of_profile(profile.load("spyre"))
+    return Roofline.of_profile(device_profile.load("spyre"))
 
 
 def test_the_card_figures_come_from_the_device_profile(card):
     assert card.macs_per_ns == pytest.approx(32 * 1536 * 0.7422)  # 36,480.6 MAC/ns sustained
     assert card.dram_bytes_per_ns == 150.0
-    assert card.job_latency_ns == 2000 + profile.load("spyre")["dma_latency_ns"]
+    assert card.job_latency_ns == 2000 + device_profile.load("spyre")["dma_latency_ns"]
 
 
 def test_one_matmul_against_the_roofline_by_hand(card):
@@ -33,7 +33,7 @@ def test_one_matmul_against_the_roofline_by_hand(card):
     # 16x the rows: compute grows 16x, the bytes only ~6x (B is read once)
     assert card.bound(16 * flops, (16 + 1 + 16) * 1024 * 1024 * 2) == "compute"
     # in fp32 the MAC rate is pt_fp32_ratio of fp16's
-    ratio = profile.load("spyre")["pt_fp32_ratio"]
+    ratio = device_profile.load("spyre")["pt_fp32_ratio"]
     assert card.compute_ns(flops, "float32") == pytest.approx(compute_ns / ratio)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import jobs, profile
+from spyre_rt import device_profile, jobs
 from spyre_rt.card import Card
 from spyre_rt.construct import attention
 from spyre_rt.construct.context import Target
@@ -32,7 +32,7 @@ from spyre_rt.program import (
     empty_cmds,
 )
 
-SHIPPED = profile._source_text("spyre")[1]
+SHIPPED = device_profile._source_text("spyre")[1]
 ROW = 'sfu_fp32_ratio = { value = 1.0,'
 
 
@@ -44,7 +44,7 @@ def with_ratio(ratio) -> str:
 @pytest.fixture(scope="module")
 def cards_by_ratio():
     """Timing cards of the shipped profile and of one whose SFU runs fp32 at half rate."""
-    return {r: Card(profile.parse(with_ratio(r)), "timing", 0) for r in (1.0, 0.5)}
+    return {r: Card(device_profile.parse(with_ratio(r)), "timing", 0) for r in (1.0, 0.5)}
 
 
 F16, F32 = lib.SPY_DT_F16, lib.SPY_DT_F32
@@ -106,7 +106,7 @@ def test_a_compiled_fp32_kernel_of_transcendentals_slows_with_the_ratio(tmp_path
 def test_construction_estimates_charge_fp32_sfu_work_at_the_ratio():
     """The matmul's split-K adds and epilogue (on the fp32 accumulator) and the attention's
     softmax (on fp32 S and O): their SFU element time doubles at half the rate."""
-    full = Target.from_profile(profile.load("spyre"))
+    full = Target.from_profile(device_profile.load("spyre"))
     half = dataclasses.replace(full, sfu_fp32_ratio=0.5)
     assert full.sfu_fp32_ratio == 1.0
 
@@ -133,10 +133,10 @@ def test_construction_estimates_charge_fp32_sfu_work_at_the_ratio():
 @pytest.mark.parametrize("value,message", [(0, "must be positive"), (1.5, r"\(1.5\) is above 1")])
 def test_the_ratio_is_checked_when_a_card_opens(value, message):
     with pytest.raises(SpyreProfileError, match=f"sfu_fp32_ratio {message}"):
-        Card(profile.parse(with_ratio(value)), "timing", 0)
-    Card(profile.parse(with_ratio(1)), "timing", 0)  # at most 1: 1 itself is a rate
+        Card(device_profile.parse(with_ratio(value)), "timing", 0)
+    Card(device_profile.parse(with_ratio(1)), "timing", 0)  # at most 1: 1 itself is a rate
 
 
 def test_a_negative_ratio_is_refused_by_the_loader():
     with pytest.raises(SpyreProfileError, match="sfu_fp32_ratio.*must not be negative"):
-        profile.parse(with_ratio(-0.5))
+        device_profile.parse(with_ratio(-0.5))

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..device_profile import DeviceProfile
 from ..layout import StickLayout
-from ..profile import DeviceProfile
 from ..program import SLOT_DRAM, ProgramBuilder, block_sections
 
 LX_ALIGN = 128  # scratchpad regions start on a stick

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..profile import DeviceProfile
+from ..device_profile import DeviceProfile
 
 
 class Cost(NamedTuple):

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..profile import DeviceProfile
+from ..device_profile import DeviceProfile
 
 COMPUTE, DRAM, LATENCY, HOST = "compute", "DRAM", "latency", "host"
 _FIGURES = ("num_cores", "pt_macs_per_ns", "pt_utilization", "pt_fp32_ratio", "dram_bandwidth_gbps",

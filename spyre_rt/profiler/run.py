@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from .. import card as cards
+from .. import device_profile as profiles
 from .. import kernel_info
-from .. import profile as profiles
 from .. import trace as trace_format
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode

@@ -91,7 +91,7 @@ def _free_port() -> int:
 def _device_profile(cards: int, directory: str) -> str:
     """A copy of the configured device profile declaring `cards` cards (one per rank)."""
     from .. import config
-    from .. import profile as profiles
+    from .. import device_profile as profiles
 
     found = profiles.read_profile(config.settings().device_profile, "devices")
     if found is None:

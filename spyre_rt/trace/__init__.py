@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import kernel_info
 from ..card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
-from ..profile import DeviceProfile
+from ..device_profile import DeviceProfile
 from ..program import OP_NAMES
 
 HOST_PID = 1

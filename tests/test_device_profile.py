@@ -5,16 +5,16 @@ import tomllib
 
 import pytest
 
-from spyre_rt import profile
+from spyre_rt import device_profile
 from spyre_rt.errors import SpyreProfileError
 from spyre_rt.native import ffi, lib
 
 
 def test_builtin_profile_has_every_figure_with_a_source():
-    p = profile.load("spyre")
-    assert set(p.figures) == set(profile.FIGURES)
+    p = device_profile.load("spyre")
+    assert set(p.figures) == set(device_profile.FIGURES)
     for fig in p.figures.values():
-        assert fig.source.strip() and fig.kind in profile.KINDS
+        assert fig.source.strip() and fig.kind in device_profile.KINDS
     assert p.num_cores == 32
     assert p.scratchpad_bytes == 2 << 20
     assert p.dram_bytes == 128 << 30
@@ -22,49 +22,49 @@ def test_builtin_profile_has_every_figure_with_a_source():
 
 
 def _text_without(key):
-    lines = profile._source_text("spyre")[1].splitlines()
+    lines = device_profile._source_text("spyre")[1].splitlines()
     return "\n".join(line for line in lines if not line.startswith(f"{key} ="))
 
 
 def test_missing_figure_is_named():
     with pytest.raises(SpyreProfileError, match="missing figure.*pcie_latency_ns"):
-        profile.parse(_text_without("pcie_latency_ns"))
+        device_profile.parse(_text_without("pcie_latency_ns"))
 
 
 def test_unknown_figure_is_named():
-    text = profile._source_text("spyre")[1] + '\nwarp_size = { value = 32, unit = "x", kind = "public", source = "s" }\n'
+    text = device_profile._source_text("spyre")[1] + '\nwarp_size = { value = 32, unit = "x", kind = "public", source = "s" }\n'
     with pytest.raises(SpyreProfileError, match="unknown figure.*warp_size"):
-        profile.parse(text)
+        device_profile.parse(text)
 
 
 def test_figure_without_source_is_rejected():
-    text = profile._source_text("spyre")[1].replace(
+    text = device_profile._source_text("spyre")[1].replace(
         'ring_hop_ns = { value = 4, unit = "ns", kind = "assumption", source = "about 6 cycles per ring stop" }',
         'ring_hop_ns = { value = 4, unit = "ns", kind = "assumption", source = "" }',
     )
     with pytest.raises(SpyreProfileError, match="ring_hop_ns.*source"):
-        profile.parse(text)
+        device_profile.parse(text)
 
 
 def test_bad_values_are_rejected():
-    text = profile._source_text("spyre")[1].replace("num_cores = { value = 32,", "num_cores = { value = 2.5,")
+    text = device_profile._source_text("spyre")[1].replace("num_cores = { value = 32,", "num_cores = { value = 2.5,")
     with pytest.raises(SpyreProfileError, match="num_cores"):
-        profile.parse(text)
+        device_profile.parse(text)
     with pytest.raises(SpyreProfileError, match="not valid TOML"):
-        profile.parse("[device\n")
+        device_profile.parse("[device\n")
 
 
 def test_unknown_profile_name_lists_known_ones():
     with pytest.raises(SpyreProfileError, match="known: .*spyre"):
-        profile.load("no-such-card")
+        device_profile.load("no-such-card")
 
 
 def test_a_name_is_looked_up_in_the_package_whatever_the_working_directory_holds(tmp_path, monkeypatch):
-    """A directory (or file) called ``spyre`` in the working directory is not the profile."""
+    """A directory (or file) called ``spyre`` in the working directory is not the device_profile."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "spyre").mkdir()
     (tmp_path / "granite-3.3-8b").write_text("not a profile")
-    p = profile.load("spyre")
+    p = device_profile.load("spyre")
     assert p.name and p.path != str(tmp_path / "spyre") and p.path.endswith("spyre.toml")
     from spyre_rt.profiler import run
 
@@ -72,41 +72,41 @@ def test_a_name_is_looked_up_in_the_package_whatever_the_working_directory_holds
 
 
 def test_a_path_is_a_path_when_it_looks_like_one(tmp_path, monkeypatch):
-    text = profile._source_text("spyre")[1]
+    text = device_profile._source_text("spyre")[1]
     (tmp_path / "mine.toml").write_text(text)
     (tmp_path / "plain").write_text(text)
     monkeypatch.chdir(tmp_path)
-    assert profile.load("mine.toml").path == "mine.toml"  # the suffix makes it a path
-    assert profile.load(str(tmp_path / "plain")).path == str(tmp_path / "plain")  # a separator too
-    assert profile.load(tmp_path / "plain").digest == profile.load("spyre").digest  # a path object
+    assert device_profile.load("mine.toml").path == "mine.toml"  # the suffix makes it a path
+    assert device_profile.load(str(tmp_path / "plain")).path == str(tmp_path / "plain")  # a separator too
+    assert device_profile.load(tmp_path / "plain").digest == device_profile.load("spyre").digest  # a path object
     with pytest.raises(SpyreProfileError, match="no device profile named 'plain'.*directory separator"):
-        profile.load("plain")  # a bare name is a shipped profile's name
+        device_profile.load("plain")  # a bare name is a shipped profile's name
     with pytest.raises(SpyreProfileError, match="device profile file 'gone.toml' does not exist"):
-        profile.load("gone.toml")
+        device_profile.load("gone.toml")
     with pytest.raises(SpyreProfileError, match="does not exist"):
-        profile.load(f"{tmp_path}{'/'}")  # a directory is not a profile file
+        device_profile.load(f"{tmp_path}{'/'}")  # a directory is not a profile file
 
 
 def test_several_cards(tmp_path):
-    text = profile._source_text("spyre")[1].replace("count = 1", "count = 3")
+    text = device_profile._source_text("spyre")[1].replace("count = 1", "count = 3")
     path = tmp_path / "three.toml"
     path.write_text(text)
-    assert profile.load(str(path)).count == 3
+    assert device_profile.load(str(path)).count == 3
 
 
 def test_declared_figures_and_the_shipped_profile_agree():
     """Every figure the card declares (SPY_PROFILE_FIGURES) is in the TOML with its
     declared unit and a source, and the TOML has no figure the card does not declare."""
-    figures = tomllib.loads(profile._source_text("spyre")[1])["figures"]
-    assert set(figures) == set(profile.FIGURES)
+    figures = tomllib.loads(device_profile._source_text("spyre")[1])["figures"]
+    assert set(figures) == set(device_profile.FIGURES)
     for key, entry in figures.items():
-        assert entry["unit"] == profile.UNITS[key], key
+        assert entry["unit"] == device_profile.UNITS[key], key
         assert entry["source"].strip(), key
 
 
 def test_loaded_profile_passes_the_native_range_check():
     native = ffi.new("spy_profile *")
-    for field, value in profile.load("spyre").native_fields().items():
+    for field, value in device_profile.load("spyre").native_fields().items():
         setattr(native, field, value)
     assert lib.spy_profile_check(native) == lib.SPY_OK
     native.pt_utilization = 1.5
@@ -118,9 +118,9 @@ def test_the_roofline_figures_name_their_evidence():
     """The figures that set the roofline are public only with a citation of the sources in
     the profile's header; the unpublished ones are assumptions with their reasoning, and
     nothing cites material that is not public."""
-    text = profile._source_text("spyre")[1]
+    text = device_profile._source_text("spyre")[1]
     assert "design notes" not in text and "[datasheet]" not in text
-    p = profile.load("spyre")
+    p = device_profile.load("spyre")
     for name in ("pt_macs_per_ns", "pt_utilization", "dram_bandwidth_gbps"):
         f = p.figures[name]
         assert f.kind == "assumption" and "not published" in f.source, name
@@ -138,7 +138,7 @@ def test_info_and_the_roofline_say_which_figures_are_assumptions():
     from spyre_rt import card as cards
     from spyre_rt.profiler import info, roofline
 
-    p = profile.load("spyre")
+    p = device_profile.load("spyre")
     assert set(roofline.assumptions(p)) >= {"pt_macs_per_ns", "pt_utilization", "dram_bandwidth_gbps"}
     console = Console(file=io.StringIO(), width=200)
     console.print(info.profile_table(cards.card_set()))

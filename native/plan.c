@@ -219,6 +219,7 @@ spy_status spy_plan_create(spy_device *d, const void *blob, uint64_t len, spy_pl
     p->epoch = d->epoch;
     if (d->lost) {
         spy_unlock(d);
+        free(owner);
         return plan_fail(p, spy_fail(SPY_E_DEVICE_LOST, -1, "device %u is lost; reset it", d->ordinal));
     }
     s = SPY_OK;

@@ -869,6 +869,14 @@ static void test_plan(void)
     CHECK_OK(spy_mem_stats_get(d, &with_share));
     CHECK(with_share.num_allocs == before_share.num_allocs);
     shared[1].prog_off = off1;
+    /* a plan made on a lost device is refused and leaves nothing behind (LeakSanitizer) */
+    CHECK_OK(spy_plan_create(d, blob, total, &plan));
+    CHECK_OK(spy_fault_inject(d, SPY_FAULT_LOST, 0));
+    CHECK(spy_plan_launch(plan, bind, 3, 0, NULL) == SPY_E_DEVICE_LOST);
+    spy_plan *none = NULL;
+    CHECK(spy_plan_create(d, blob, total, &none) == SPY_E_DEVICE_LOST && !none);
+    spy_plan_destroy(plan);
+    CHECK_OK(spy_device_reset(d));
     /* a malformed binding layout is refused when the plan is made */
     spy_layout *pl = (spy_layout *)(void *)(blob + sizeof h + sizeof jobs + sizeof rel);
     pl[1].itemsize = 3;

@@ -134,8 +134,8 @@ def plot(points: list[dict], path: str, console) -> None:
     console.print(f"sweep plot written to {path}")
 
 
-def _terminal_plot(series: dict, console, title: str, xlabel: str, width: int = 60, height: int = 14) -> None:
-    pts = [(x, y) for s in series.values() for x, y in s]
+def _terminal_plot(curves: dict, console, title: str, xlabel: str, width: int = 60, height: int = 14) -> None:
+    pts = [(x, y) for s in curves.values() for x, y in s]
     if not pts:
         return
     xs = sorted({x for x, _ in pts})
@@ -144,7 +144,7 @@ def _terminal_plot(series: dict, console, title: str, xlabel: str, width: int = 
     marks = "ox+*#@%&"
     grid = [[" "] * width for _ in range(height)]
     legend = []
-    for k, (name, s) in enumerate(sorted(series.items())):
+    for k, (name, s) in enumerate(sorted(curves.items())):
         legend.append(f"{marks[k % len(marks)]} {name}")
         for x, y in s:
             col = int((xs.index(x) / max(1, len(xs) - 1)) * (width - 1))

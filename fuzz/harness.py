@@ -245,7 +245,7 @@ def read_inputs(directory: Path, required: bool = False) -> list[bytes]:
     files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")) \
         if directory.is_dir() else []
     if required and not files:
-        raise SystemExit(f"no seed inputs in {directory}; run fuzz/make_corpus.py")
+        raise SystemExit(f"no seed inputs in {directory}; run fuzz/make_corpus.py (plan files: make_corpus.py plan_reader)")
     return [p.read_bytes() for p in files]
 
 

@@ -1,17 +1,23 @@
 """Write the fuzz seeds from real compiles and programs (fuzz/seeds; the kept corpus of
 fuzz/corpus is written by the targets' --merge).
 
-    python fuzz/make_corpus.py            # rewrites fuzz/seeds/plan_reader, validator and builder
+    python fuzz/make_corpus.py                         # rewrites fuzz/seeds/plan_reader, validator and builder
+    python fuzz/make_corpus.py plan_reader --out DIR   # only the plan files, into DIR/plan_reader
+    python fuzz/make_corpus.py builder                 # only the builder's records (no models to compile)
 
 plan_reader/: plan cache files of a few small compiled models (matmuls, fused pointwise
 kernels, reductions, gathers), re-encoded without their creation time so that a rerun
-writes the same bytes. validator/: every distinct program block of those plans, transfer
-graphs (host <-> device DMA with descriptors) and a few hand-made programs for the
-commands the models do not use (ring, barrier, strided DMA, transposed matmul).
+writes the same bytes. They are plan caches, so they are generated, never kept in git
+(tests/test_fuzz.py writes them into a temporary directory before the plan reader runs).
+validator/: every distinct program block of those plans, transfer graphs (host <-> device
+DMA with descriptors) and a few hand-made programs for the commands the models do not use
+(ring, barrier, strided DMA, transposed matmul). builder/: decision records of the native
+builder.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -290,24 +296,25 @@ def attention_records() -> dict[str, bytes]:
     }
 
 
-def write_builder_corpus() -> None:
+def write(d: Path, files: dict[str, bytes], ext: str) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    for name, data in sorted(files.items()):
+        (d / f"{name}{ext}").write_bytes(data)
+    print(f"{d}: {len(files)} files, {sum(map(len, files.values()))} bytes")
+
+
+def write_builder_corpus(out: Path) -> None:
     from fuzz_builder import target
 
     records = builder_records()
     for data in records.values():
         target(data)  # every seed builds and validates
-    d = OUT / "builder"
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    for name, data in sorted(records.items()):
-        (d / f"{name}.bin").write_bytes(data)
-    print(f"{d.relative_to(HERE.parent)}: {len(records)} files, {sum(map(len, records.values()))} bytes")
+    write(out / "builder", records, ".bin")
 
 
-def main() -> int:
-    if sys.argv[1:] == ["builder"]:  # only the builder's seeds (no models to compile)
-        write_builder_corpus()
-        return 0
+def compiled_seeds() -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """The plan files of the small models and every distinct program block in them."""
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["SPYRE_RT_CACHE_DIR"] = cache_dir  # before spyre_rt reads its settings
         from spyre_rt import plan_cache
@@ -326,22 +333,34 @@ def main() -> int:
                 for job in plan_tables(block).jobs:
                     blob = block[int(job["prog_off"]): int(job["prog_off"]) + int(job["prog_len"])].tobytes()
                     programs.setdefault(hashlib.sha256(blob).hexdigest()[:12], (seed.stem, blob))
-        validator = {f"{name}-{digest}": blob for digest, (name, blob) in sorted(programs.items())}
-        validator.update(transfer_programs())
-        validator.update(hand_made_programs())
-    from spyre_rt import card as cards
-    from spyre_rt import jobs
+    return plans, {f"{name}-{digest}": blob for digest, (name, blob) in sorted(programs.items())}
 
-    card = cards.get(0)
-    for blob in validator.values():
-        jobs.validate(card, harness.aligned(blob))  # every seed is a valid program
-    for d, files, ext in ((OUT / "plan_reader", plans, ".plan"), (OUT / "validator", validator, ".bin")):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-        for name, data in sorted(files.items()):
-            (d / f"{name}{ext}").write_bytes(data)
-        print(f"{d.relative_to(HERE.parent)}: {len(files)} files, {sum(map(len, files.values()))} bytes")
-    write_builder_corpus()
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("targets", nargs="*", choices=("plan_reader", "validator", "builder"),
+                   help="whose seeds to write (default: all three)")
+    p.add_argument("--out", type=Path, default=OUT, help="the seeds' root directory (default fuzz/seeds)")
+    p.add_argument("--asan", action="store_true", help="compile on the sanitized instrumented module, as the "
+                   "targets' --asan runs (read when harness is imported)")
+    args = p.parse_args()
+    targets = set(args.targets or ("plan_reader", "validator", "builder"))
+    if targets & {"plan_reader", "validator"}:
+        plans, validator = compiled_seeds()
+        if "plan_reader" in targets:
+            write(args.out / "plan_reader", plans, ".plan")
+        if "validator" in targets:
+            validator.update(transfer_programs())
+            validator.update(hand_made_programs())
+            from spyre_rt import card as cards
+            from spyre_rt import jobs
+
+            card = cards.get(0)
+            for blob in validator.values():
+                jobs.validate(card, harness.aligned(blob))  # every seed is a valid program
+            write(args.out / "validator", validator, ".bin")
+    if "builder" in targets:
+        write_builder_corpus(args.out)
     return 0
 
 

@@ -43,11 +43,17 @@ def _sanitized() -> list[str]:
 def runs(tmp_path_factory):
     """The fuzz targets, run concurrently: {run: (exit status, summary, stderr)}. Each target
     ends by minimising what it kept into a temporary corpus. A short run of the validator
-    with the same seed ("again") shows whether the harness is deterministic."""
+    with the same seed ("again") shows whether the harness is deterministic. The plan
+    reader's seeds are plan files, generated here from small compiles (never kept in git)."""
     asan = _sanitized()
+    seeds = tmp_path_factory.mktemp("seeds")
+    made = subprocess.run([sys.executable, "-W", "ignore", str(FUZZ / "make_corpus.py"), "plan_reader",
+                           "--out", str(seeds), *asan], capture_output=True, text=True, env=ENV, timeout=900)
+    assert made.returncode == 0, made.stderr[-3000:]
     commands = {}
     for target in TARGETS:
         commands[target] = [target, "--seconds", str(SECONDS), "--merge", str(tmp_path_factory.mktemp(f"kept-{target}"))]
+    commands["plan_reader"] += ["--seeds", str(seeds / "plan_reader")]
     commands["again"] = ["validator", "--runs", "200", "--seconds", "900"]
     procs = {}
     for run, (target, *options) in commands.items():

@@ -20,7 +20,7 @@ from targets import check_target
 
 from spyre_rt.construct import attention
 from spyre_rt.construct.context import BuildContext, Target
-from spyre_rt.kernels import AttentionKernel
+from spyre_rt.ir import AttentionKernel
 from spyre_rt.layout import StickLayout
 
 TARGET_US = {"prefill": 300, "decode": 100}

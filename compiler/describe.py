@@ -1,4 +1,4 @@
-"""From recorded loop bodies to :class:`~spyre_rt.kernels.LoopKernel`.
+"""From recorded loop bodies to :class:`~spyre_rt.ir.LoopKernel`.
 
 The Inductor adapter (:mod:`spyre_rt.compiler.inductor.record`) runs each fused group of
 nodes under a recording ops handler: a :class:`RecordedKernel` is their SSA operations with
@@ -33,7 +33,7 @@ from typing import Any
 
 import sympy
 
-from spyre_rt.kernels import Access, Buffer, LoopKernel, Op, description
+from spyre_rt.ir import Access, Buffer, LoopKernel, Op, description
 from spyre_rt.layout import storage_numel
 
 MAX_POINTWISE_COLUMNS = 8192  # a pointwise tile's row is at most this many elements

@@ -1,5 +1,5 @@
 """Epilogue fusion: a pointwise loop kernel that reads a matmul's product, where nothing
-else reads it, becomes the matmul's epilogue (:class:`~spyre_rt.kernels.Epilogue`).
+else reads it, becomes the matmul's epilogue (:class:`~spyre_rt.ir.Epilogue`).
 
 The matmul then computes the loop kernel's body on each output tile while the tile is in
 its scratchpad, loading the body's other operands tile by tile, and stores what the loop
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from spyre_rt.construct.sfu import BINARY, COMPARE, UNARY
-from spyre_rt.kernels import Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
+from spyre_rt.ir import Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
 # what an epilogue computes: the elementwise operations of loop construction's SFU stages
 COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}) | frozenset(UNARY) \

@@ -30,7 +30,7 @@ from spyre_rt import card as cards
 from spyre_rt import dispatch
 from spyre_rt.errors import SpyreError, SpyreRefusedError
 from spyre_rt.executor import step as steps
-from spyre_rt.kernels import StepDesc
+from spyre_rt.ir import StepDesc
 from spyre_rt.layout import StickLayout, layout_for, storage_numel
 
 from .errors import CompileFailed

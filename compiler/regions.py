@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spyre_rt.kernels import StepDesc
+from spyre_rt.ir import StepDesc
 
 from .errors import CompileFailed
 

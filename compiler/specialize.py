@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from spyre_rt import config
 from spyre_rt.executor import CompiledStep
 from spyre_rt.executor.step import adopted
-from spyre_rt.kernels import StepDesc, from_json
+from spyre_rt.ir import StepDesc, from_json
 
 from .describe import RecordedKernel, Sym, describe, value
 from .fusion import fuse_epilogues

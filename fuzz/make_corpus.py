@@ -124,7 +124,7 @@ def loop_kernels() -> dict:
     """Small loop kernels, each with its buffers' layouts: a pointwise one, a gather with
     an index value (a tile constant, two stages), a masked load, a load of every third
     column (a descriptor list) and a row reduction."""
-    from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
+    from spyre_rt.ir import Access, Buffer, LoopKernel, Op
     from spyre_rt.layout import StickLayout
 
     def buf(name, dtype, sizes, strides):
@@ -213,7 +213,7 @@ def matmul_records() -> dict[str, bytes]:
     from spyre_rt import device_profile
     from spyre_rt.construct import matmul as mm
     from spyre_rt.construct.context import BuildContext, Target
-    from spyre_rt.kernels import Epilogue, Op
+    from spyre_rt.ir import Epilogue, Op
     from spyre_rt.layout import StickLayout
     from spyre_rt.native import lib
 
@@ -260,7 +260,7 @@ def attention_records() -> dict[str, bytes]:
     from spyre_rt import device_profile
     from spyre_rt.construct import attention
     from spyre_rt.construct.context import BuildContext, Target
-    from spyre_rt.kernels import AttentionKernel
+    from spyre_rt.ir import AttentionKernel
     from spyre_rt.layout import StickLayout
 
     target = Target.from_profile(device_profile.load("spyre"))

@@ -25,7 +25,7 @@ from .construct.loops.analysis import _dtype, _reduction_dtype
 from .construct.sfu import compute_type, parse_constant
 from .dtypes import torch_dtype
 from .errors import SpyreError, SpyreIndexError
-from .kernels import AttentionKernel, CollectiveKernel, LoopKernel, MatmulKernel
+from .ir import AttentionKernel, CollectiveKernel, LoopKernel, MatmulKernel
 
 
 class Place(NamedTuple):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from torch.autograd import profiler as _autograd_profiler
 
-from . import kernel_info
+from . import job_facts
 
 if TYPE_CHECKING:
     from .card import Card
@@ -32,7 +32,7 @@ def active() -> bool:
 
 
 def range_name(card_index: int, job_name: str) -> str:
-    return f"spyre:{card_index} launch {kernel_info.describe(job_name or 'job')}"
+    return f"spyre:{card_index} launch {job_facts.describe(job_name or 'job')}"
 
 
 def launch_range(card: Card, name_id: int) -> _autograd_profiler.record_function:

@@ -23,7 +23,7 @@ import json
 import sys
 
 from spyre_rt import construct
-from spyre_rt import kernels as kdesc
+from spyre_rt import ir as kdesc
 from spyre_rt.construct import copy
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.layout import StickLayout

@@ -290,7 +290,7 @@ def case_collective_the_ring_cannot_move():
     on the host, with the same result; the reference evaluation of a collective (what a
     kernel refused at a call runs) is the group's functional collective."""
     from spyre_rt import reference
-    from spyre_rt.kernels import CollectiveKernel
+    from spyre_rt.ir import CollectiveKernel
 
     step = torch.compile(_gather_rows, backend="spyre_rt", fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from spyre_rt import kernels as kdesc
+from spyre_rt import ir as kdesc
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.executor.executable import RESTORE, SNAPSHOT
 from spyre_rt.executor.step import live_steps

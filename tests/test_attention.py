@@ -29,7 +29,7 @@ from spyre_rt import device_profile, dispatch, dtypes, executor, fallback, jobs
 from spyre_rt.construct import attention as A
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.dispatch import dispatch_mode
-from spyre_rt.kernels import AttentionKernel, LoopKernel
+from spyre_rt.ir import AttentionKernel, LoopKernel
 from spyre_rt.layout import StickLayout
 
 MODES = dispatch.NAMES  # every dispatch mode, from the table

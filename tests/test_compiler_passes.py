@@ -11,7 +11,7 @@ import sympy
 from spyre_rt.compiler import describe as d
 
 from spyre_rt.construct.loops import CARD_OPS
-from spyre_rt.kernels import Access, Buffer, Op
+from spyre_rt.ir import Access, Buffer, Op
 
 # ---- canonical variables ------------------------------------------------------------------
 

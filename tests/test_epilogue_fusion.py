@@ -25,7 +25,7 @@ from spyre_rt import dispatch, dtypes, executor
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.construct.matmul import MatmulSpec, View, build
 from spyre_rt.dispatch import dispatch_mode
-from spyre_rt.kernels import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
+from spyre_rt.ir import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
 MODES = dispatch.NAMES  # every dispatch mode, from the table
 
@@ -162,7 +162,7 @@ def test_the_pass_folds_a_residual_add_and_keeps_plain_data():
     ep = fused.kernels["mm"].epilogue
     assert [o.op for o in ep.ops] == ["product", "load", "add", "store"]
     assert ep.inputs == (("s", 0, (1, M, N), (0, N, 1)),) and ep.outputs == (("o", 0, (1, M, N), (0, N, 1)),)
-    from spyre_rt.kernels import from_json, to_json
+    from spyre_rt.ir import from_json, to_json
     assert from_json(to_json(fused)) == fused
 
 

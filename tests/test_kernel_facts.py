@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import executor, kernel_info, trace
+from spyre_rt import executor, job_facts, trace
 from spyre_rt.dispatch import dispatch_mode
 
 
@@ -29,7 +29,7 @@ def _compiled_block():
 def _infos(step) -> list[tuple[str, dict]]:
     (exe,) = step.executables()
     names = [exe.job_name(k) for seg in exe.device_segments() for k in seg.kernels]
-    return [(n, kernel_info.lookup(n)) for n in names if kernel_info.lookup(n)]
+    return [(n, job_facts.lookup(n)) for n in names if job_facts.lookup(n)]
 
 
 def test_a_matmul_knows_its_flops_bytes_module_and_cores():
@@ -106,10 +106,10 @@ def test_a_warm_start_knows_its_kernels_from_the_plan_file():
     (step,) = set(executor.live_steps()) - before
     names = [n for n, _ in _infos(step)]
     assert names
-    kernel_info.clear()
+    job_facts.clear()
     built = executor.stats["kernels_built"]
     fresh = executor.CompiledStep(step.desc, step.digest)  # as a new process would make it
     with dispatch_mode("prebuilt"):
         fresh([x, w], {})
     assert executor.stats["kernels_built"] == built, "the plans were built, not loaded"
-    assert all(kernel_info.lookup(n) for n in names)
+    assert all(job_facts.lookup(n) for n in names)

@@ -14,7 +14,7 @@ from spyre_rt.construct.loops.analysis import Unsupported, analyse
 from spyre_rt.construct.loops.scratchpad import lay_out, scratch_needs
 from spyre_rt.construct.loops.tiling import choose_tiling
 from spyre_rt.construct.sfu import COL, ROW, SCALAR, TILE
-from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
+from spyre_rt.ir import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
 
 TARGET = Target.from_profile(device_profile.load("spyre"))

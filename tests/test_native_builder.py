@@ -13,7 +13,7 @@ from spyre_rt.card import Card
 from spyre_rt.construct import copy, loops
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.errors import SpyreError, SpyreInvalidCommandError
-from spyre_rt.kernels import Access, Buffer, LoopKernel, Op
+from spyre_rt.ir import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import ffi, lib
 from spyre_rt.program import JOB_HEADER, built_block
@@ -200,7 +200,7 @@ def test_a_later_matmul_build_is_one_native_call_from_the_first_ones_record(card
     decision record, from which a launch builds without deciding anything again."""
     from spyre_rt import construct
     from spyre_rt.construct.matmul import record
-    from spyre_rt.kernels import MatmulKernel
+    from spyre_rt.ir import MatmulKernel
 
     rec, ctx = matmul_decided(card, bias=False)
     kernel = MatmulKernel("k0", ("a", 0, (1, 64, 200), (0, 200, 1)), ("b", 0, (1, 200, 130), (0, 130, 1)),
@@ -413,7 +413,7 @@ def attention_decision(q_len=1, kv_len=200, mask=False):
     """The decision record of a small grouped attention (4 query heads over 2 KV heads,
     fp16), as its first build makes it."""
     from spyre_rt.construct import attention
-    from spyre_rt.kernels import AttentionKernel
+    from spyre_rt.ir import AttentionKernel
 
     views = {"q": ("q", 0, (1, 4, q_len, 64), (256 * q_len, 64 * q_len, 64, 1)),
              "k": ("k", 0, (1, 2, kv_len, 64), (128 * kv_len, 64 * kv_len, 64, 1)),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from spyre_rt import device_profile, kernel_info, trace
+from spyre_rt import device_profile, job_facts, trace
 from spyre_rt.card import EV_JOB, EV_LAUNCH, TRACE_EVENT
 from spyre_rt.profiler import cli, optable, view
 
@@ -47,13 +47,13 @@ def synthetic() -> np.ndarray:
 
 @pytest.fixture
 def data():
-    kernel_info.clear()
+    job_facts.clear()
     for name, info in INFO.items():
-        kernel_info.register(name, info)
+        job_facts.register(name, info)
     try:
         return view.parse(trace.export(synthetic(), NAMES, device=device_profile.load("spyre")))
     finally:
-        kernel_info.clear()
+        job_facts.clear()
 
 
 def rows_by_name(data, by):
@@ -142,12 +142,12 @@ def test_narrow_tables_keep_a_readable_name(data):
 
 
 def test_cli_view_groups_as_asked(capsys, tmp_path):
-    kernel_info.clear()
+    job_facts.clear()
     for name, info in INFO.items():
-        kernel_info.register(name, info)
+        job_facts.register(name, info)
     path = tmp_path / "t.json.gz"
     trace.export(synthetic(), NAMES, path, device=device_profile.load("spyre"))
-    kernel_info.clear()
+    job_facts.clear()
     assert cli.main(["view", str(path), "--group-by", "layer"]) == 0
     out = capsys.readouterr().out
     assert "layers.0" in out and "layers.1" in out and "mlp.up_proj" not in out

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from spyre_rt import construct, device_profile
-from spyre_rt import kernels as kdesc
+from spyre_rt import ir as kdesc
 from spyre_rt.construct import copy
 from spyre_rt.construct.context import BuildContext, Target
 from spyre_rt.layout import StickLayout

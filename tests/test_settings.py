@@ -205,7 +205,7 @@ def test_a_bad_option_value_is_a_typed_compile_error(quiet_functional_compile):
 
 def test_a_step_made_without_the_compiler_takes_the_process_settings(tmp_path, monkeypatch):
     from spyre_rt.executor.step import CompiledStep
-    from spyre_rt.kernels import StepDesc
+    from spyre_rt.ir import StepDesc
 
     monkeypatch.setenv("SPYRE_RT_CACHE_DIR", str(tmp_path))
     config.reload()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spyre_rt import card as cards
-from spyre_rt import kernel_info, torch_ranges, trace
+from spyre_rt import job_facts, torch_ranges, trace
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.profiler import cli, view
 from spyre_rt.trace import merge
@@ -73,15 +73,15 @@ def test_no_range_is_made_outside_a_profiler(compiled, monkeypatch):
 
 
 def test_a_range_names_the_kernels_op_and_module():
-    kernel_info.clear()
+    job_facts.clear()
     try:
-        kernel_info.register("k7", {"op": ["aten.mm", "aten.relu"], "module": "model.layers.3.mlp.up_proj"})
+        job_facts.register("k7", {"op": ["aten.mm", "aten.relu"], "module": "model.layers.3.mlp.up_proj"})
         assert torch_ranges.range_name(0, "k7") == "spyre:0 launch k7 | mm+relu | layers.3.mlp.up_proj"
         assert torch_ranges.range_name(1, "step") == "spyre:1 launch step"
         assert torch_ranges.RANGE_NAME.match("spyre:0 launch k7 | mm+relu | layers.3.mlp.up_proj").groups() == \
             ("0", "k7")
     finally:
-        kernel_info.clear()
+        job_facts.clear()
 
 
 def test_merge_places_each_job_after_the_launch_range_that_started_it(profiled):

@@ -384,14 +384,14 @@ def test_queue_depth_counts_jobs_from_their_launch_to_their_end():
 
 @pytest.fixture
 def registered_kernels():
-    from spyre_rt import kernel_info
+    from spyre_rt import job_facts
 
-    kernel_info.clear()
-    kernel_info.register("mm", {"kind": "matmul", "op": "aten.mm", "module": "model.layers.0.mlp.up_proj",
+    job_facts.clear()
+    job_facts.register("mm", {"kind": "matmul", "op": "aten.mm", "module": "model.layers.0.mlp.up_proj",
                                 "flops": 2 * 64**3, "dram_bytes_min": 3 * 64 * 64 * 2, "dram_bytes": 4000,
                                 "cores": 2, "scratchpad_peak": 1000, "unlisted": "kept out of the trace"})
     yield
-    kernel_info.clear()
+    job_facts.clear()
 
 
 def test_job_events_carry_their_kernel_info(registered_kernels):

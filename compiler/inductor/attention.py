@@ -14,7 +14,7 @@ taken before AOT sees it, in three steps:
    the KV heads themselves; the op is grouped-query attention whenever the query has more
    heads than the keys, so the copy is gone.
 3. The lowering: a :class:`SpyreAttention` extern node whose description is an
-   :class:`~spyre_rt.kernels.AttentionKernel` (constructed by
+   :class:`~spyre_rt.ir.AttentionKernel` (constructed by
    :mod:`spyre_rt.construct.attention`).
 
 The op's output holds the heads inside each position, (batch, q_len, heads, dim) in
@@ -33,7 +33,7 @@ from torch._inductor import lowering as L
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from spyre_rt import dtypes
-from spyre_rt.kernels import AttentionKernel
+from spyre_rt.ir import AttentionKernel
 
 from .record import (
     buffer_info,

@@ -4,7 +4,7 @@ Inductor lowers ``_c10d_functional`` ops to extern nodes (``ir._CollectiveKernel
 in-place ``all_reduce_`` or ``broadcast_`` of a buffer, an out-of-place
 ``all_gather_into_tensor`` or ``reduce_scatter_tensor`` into a buffer of its own, each
 followed by a ``wait_tensor``. A collective of card tensors in a ``spyreccl`` group becomes
-a :class:`~spyre_rt.kernels.CollectiveKernel`, a job of the step's plan; its wait is no work
+a :class:`~spyre_rt.ir.CollectiveKernel`, a job of the step's plan; its wait is no work
 (the plan runs its jobs in order, the collective complete before the next). Any other
 collective (another group's, a coalesced or an all-to-all one) stays an op the step runs on
 the CPU, through the group's eager call.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._inductor import ir
 
-from spyre_rt.kernels import CollectiveKernel
+from spyre_rt.ir import CollectiveKernel
 
 from .record import (
     buffer_info,

@@ -17,7 +17,7 @@ from torch._inductor.virtualized import V
 
 from spyre_rt import dtypes
 from spyre_rt.construct.loops import CARD_OPS
-from spyre_rt.kernels import MatmulKernel
+from spyre_rt.ir import MatmulKernel
 
 from ..describe import ADAPTERS
 from ..errors import compile_error

@@ -17,7 +17,7 @@ import torch
 from torch._inductor.ops_handler import DefaultHandler
 from torch._inductor.virtualized import V
 
-from spyre_rt.kernels import Buffer
+from spyre_rt.ir import Buffer
 
 from ..describe import NotSupported, RecordedKernel, RecordedNode, loop_symbols, text
 

@@ -4,7 +4,7 @@ Inductor's scheduler hands each fused group to :class:`~.scheduling.SpyreSchedul
 (recorded as a kernel description) and each extern kernel to this wrapper; the wrapper's
 lines are data (kernel calls, extern kernels, CPU fallbacks, device copies, allocations
 and views), and after Inductor's own passes over them they are read, in order, into a
-:class:`~spyre_rt.kernels.StepDesc`. Nothing is rendered: the generated module only embeds
+:class:`~spyre_rt.ir.StepDesc`. Nothing is rendered: the generated module only embeds
 that description as JSON and runs it, so Inductor's FX graph cache can reload it with
 none of our hooks running. A line kind the step does not know is a compile error.
 
@@ -27,7 +27,7 @@ from torch._inductor.utils import LineContext, ValueWithLineMap
 from torch._inductor.virtualized import V
 
 from spyre_rt import dtypes
-from spyre_rt.kernels import TORCH_CONSTANT_NAMES, Buffer, CpuOp, StepDesc, to_json
+from spyre_rt.ir import TORCH_CONSTANT_NAMES, Buffer, CpuOp, StepDesc, to_json
 
 from ..describe import NotSupported, RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of

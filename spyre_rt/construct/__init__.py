@@ -2,7 +2,7 @@
 
 This is the work the dispatch modes move: ``construct`` runs it on every launch,
 ``prebuilt`` once, when the graph plan is built. The compiler decides what a kernel
-computes (a plain-data description, :mod:`spyre_rt.kernels`); construction decides how the
+computes (a plain-data description, :mod:`spyre_rt.ir`); construction decides how the
 card runs it (tiles over the cores, scratchpad regions, DMA patterns, commands).
 
 A kernel kind is a description type with a ``kind`` and a builder registered here: a

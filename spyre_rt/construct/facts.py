@@ -1,5 +1,5 @@
 """What a constructed kernel computes and moves: the facts the profiler places against the
-card's roofline (:mod:`spyre_rt.kernel_info`).
+card's roofline (:mod:`spyre_rt.job_facts`).
 
 From the description: its kind, aten ops and module, the FLOPs it must do (a multiply-add
 counts as 2) and the fewest DRAM bytes it must move (every buffer it touches, once). From

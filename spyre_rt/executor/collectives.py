@@ -2,7 +2,7 @@
 
 The compiler describes a graph's functional collectives (``_c10d_functional.all_reduce_``,
 ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``broadcast_``: what DTensor and
-Hugging Face's tensor-parallel layers trace to) as :class:`~spyre_rt.kernels.CollectiveKernel`.
+Hugging Face's tensor-parallel layers trace to) as :class:`~spyre_rt.ir.CollectiveKernel`.
 Each becomes one job of its device segment's plan: not a program of the card's commands
 but a ``spy_collective`` the plan launcher runs through the process group's native ring,
 on the card's memory in place, with its time on the interconnect. So a prebuilt
@@ -22,13 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from .. import kernel_info
+from .. import job_facts
 from ..construct import Refused
 from ..distributed import interconnect
 from ..distributed.ring import card_collective
 from ..dtypes import torch_dtype
 from ..errors import SpyreCollectiveError
-from ..kernels import CollectiveKernel
+from ..ir import CollectiveKernel
 from ..native import check, ffi, lib
 
 KIND = "collective"
@@ -101,7 +101,7 @@ class Collectives:
         job = exe.job_name(kernel.name)
         if job not in self._facts:
             self._facts.add(job)
-            kernel_info.register(job, {"kind": KIND, "op": list(kernel.origins) or [kernel.collective],
+            job_facts.register(job, {"kind": KIND, "op": list(kernel.origins) or [kernel.collective],
                                        "module": kernel.module, "flops": 0, "collective": kernel.collective,
                                        "bytes": nbytes, "ranks": kernel.ranks})
         return coll.view(np.uint8), [kernel.inp[0], kernel.out[0]]

@@ -22,7 +22,7 @@ from .. import fallback, host_ops
 from ..dispatch import DispatchMode
 from ..dtypes import torch_dtype
 from ..errors import warn_once
-from ..kernels import TORCH_CONSTANT_NAMES, CpuOp
+from ..ir import TORCH_CONSTANT_NAMES, CpuOp
 from ..transfer import ViewGeometry, empty_host, from_device, to_device
 
 # The torch constants a CPU op's arguments may name, by the names descriptions use (never

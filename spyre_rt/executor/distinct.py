@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .. import kernel_info
-from ..kernels import field_names
+from .. import job_facts
+from ..ir import field_names
 from .stats import stats
 
 # Fields that name or document a kernel and never change its program: its own name, the
@@ -83,7 +83,7 @@ class DistinctBuilds:
             return blob, bufs
         blob, slots, first = made
         stats["kernels_reused"] += 1
-        info = kernel_info.lookup(exe.job_name(first))
+        info = job_facts.lookup(exe.job_name(first))
         if info is not None:  # what it computes is the first one's, from its own module
-            kernel_info.register(exe.job_name(name), {**info, "module": getattr(kernel, "module", "")})
+            job_facts.register(exe.job_name(name), {**info, "module": getattr(kernel, "module", "")})
         return blob, [names[i] for i in slots]

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from .. import card as cards
-from .. import construct, jobs, kernel_info, tensors
+from .. import construct, job_facts, jobs, tensors
 from ..construct import Refused, copy, loops
 from ..construct.context import BuildContext, Target
 from ..construct.facts import kernel_facts, program_facts
 from ..dispatch import DispatchMode, named
 from ..dtypes import torch_dtype
 from ..errors import SpyreError, SpyreRefusedError
-from ..kernels import Buffer
+from ..ir import Buffer
 from ..layout import StickLayout, layout_for, storage_numel
 from ..native import ffi
 from . import memory, plans, undo
@@ -236,7 +236,7 @@ class Executable:
             copy.build(ctx, copies)
             if kernel_name not in self._registered:  # once, as a kernel's at its first construction
                 self._registered.add(kernel_name)
-                kernel_info.register(self.job_name(kernel_name), {
+                job_facts.register(self.job_name(kernel_name), {
                     "kind": "copy", "op": [kernel_name.strip("<>")], "module": "", "flops": 0,
                     "dram_bytes_min": 2 * sum(c.nbytes for c in copies), **program_facts(ctx)})
         elif self.kernels[kernel_name].kind == "collective":  # a job of the ring, not a program
@@ -249,7 +249,7 @@ class Executable:
             self._tilings[kernel_name] = builder(ctx, kernel, self._tilings.get(kernel_name))
             if first:
                 self._registered.add(kernel_name)  # what it computes and moves, for the trace and the profiler
-                kernel_info.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
+                job_facts.register(self.job_name(kernel_name), kernel_facts(kernel, ctx))
         return ctx.encode(), ctx.buffers()
 
     def construct_all(self, fallback: bool = True, distinct: bool = False) -> dict[str, tuple[np.ndarray, list[str]]]:

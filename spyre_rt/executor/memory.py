@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import torch_dtype
-from ..kernels import StepDesc
+from ..ir import StepDesc
 from ..layout import StickLayout, layout_for, storage_numel
 
 ALIGN = 128  # arena regions start on a stick

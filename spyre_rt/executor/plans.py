@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from .. import kernel_info, plan_cache
+from .. import job_facts, plan_cache
 from ..errors import SpyreError
 from ..native import lib
 from ..plan import (
@@ -75,7 +75,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
                   "profile": exe.card.profile.name, "options": exe.desc.options,
                   "arena_bytes": exe.arena_bytes, "created": time.time(),
                   "kernel_info": {exe.job_name(k): info for n in names for k in n
-                                  if (info := kernel_info.lookup(exe.job_name(k))) is not None}}
+                                  if (info := job_facts.lookup(exe.job_name(k))) is not None}}
         cache.store(key, header, blocks, [program_offsets(b) for b in blocks])
     return plans
 
@@ -105,8 +105,8 @@ def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
     infos = entry.header.get("kernel_info")
     if isinstance(infos, dict):  # a warm start builds nothing: what the kernels compute comes from the file
         for job, info in infos.items():
-            if isinstance(job, str) and isinstance(info, dict) and kernel_info.lookup(job) is None:
-                kernel_info.register(job, info)
+            if isinstance(job, str) and isinstance(info, dict) and job_facts.lookup(job) is None:
+                job_facts.register(job, info)
     return plans, host
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..dispatch import DispatchMode
 from ..errors import SpyreError, SpyreIndexError
-from ..kernels import CpuOp
+from ..ir import CpuOp
 
 
 @dataclass

@@ -29,7 +29,7 @@ from .. import capture, config, tensors, trace
 from .. import card as cards
 from ..dispatch import named, override
 from ..errors import SpyreError, SpyreGraphError, SpyreLayoutError
-from ..kernels import StepDesc, from_json, to_json
+from ..ir import StepDesc, from_json, to_json
 from . import memory, undo
 from .executable import Executable
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..construct import copy
-from ..kernels import Access, Buffer, LoopKernel, Op, StepDesc
+from ..ir import Access, Buffer, LoopKernel, Op, StepDesc
 from . import memory
 
 SAVE, RESTORE = "<save>", "<unsave>"  # prefixes of the row kernels' names

@@ -521,7 +521,7 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
 
 def kernel_info_table(info: dict) -> Table:
     """What each kernel of a plan computes (the ``kernel_info`` of a plan file's header)."""
-    from ..kernel_info import module_path, op_names
+    from ..job_facts import module_path, op_names
 
     def number(v, scale: float = 1.0, digits: int = 0) -> str:
         return f"{v / scale:,.{digits}f}" if isinstance(v, int | float) and not isinstance(v, bool) else ""

@@ -1,7 +1,7 @@
 """Device efficiency of a phase: its device time against the roofline of its kernels.
 
 The roofline of a phase is the sum over its kernels of each kernel's roofline time (see
-:mod:`.roofline`), from what :mod:`spyre_rt.kernel_info` knows of each kernel; the
+:mod:`.roofline`), from what :mod:`spyre_rt.job_facts` knows of each kernel; the
 fraction is roofline / device time (1.0: the card ran at its roofline throughout). Where
 the kernels carry no info, the analytic cost of the model (:mod:`.analytic`) stands in,
 and the result says so (``source``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .. import kernel_info
+from .. import job_facts
 from ..transfer import D2H, H2D
 from .analytic import StepCost
 from .roofline import COMPUTE, DRAM, Roofline, kernel_figures
@@ -26,7 +26,7 @@ def kernel_names(job_names: Iterable[str]) -> list[str]:
 
 
 def kernels_roofline(names: Iterable[str], roofline: Roofline,
-                     lookup: Callable[[str], dict[str, Any] | None] = kernel_info.lookup) -> dict[str, Any]:
+                     lookup: Callable[[str], dict[str, Any] | None] = job_facts.lookup) -> dict[str, Any]:
     """The summed roofline of kernels by job name, split into the time of compute-bound and
     of DRAM-bound kernels, and how many of the kernels had the figures it needs."""
     by_bound = {COMPUTE: 0.0, DRAM: 0.0}

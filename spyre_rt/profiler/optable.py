@@ -2,7 +2,7 @@
 
 Like ``torch.profiler``'s ``key_averages()``, rows aggregate the jobs of one key: calls,
 host µs (launch calls), device µs, its share of all device time, avg/min/max, and — where
-the jobs carry kernel info (:mod:`spyre_rt.kernel_info`) and the trace carries the card's
+the jobs carry kernel info (:mod:`spyre_rt.job_facts`) and the trace carries the card's
 figures — the share of the device time the roofline accounts for (compute: FLOPs at the MAC
 rate; DRAM: minimum bytes at the bandwidth) and what bounds the row:
 
@@ -34,7 +34,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from ..kernel_info import module_path, op_names
+from ..job_facts import module_path, op_names
 from ..trace.data import TraceData, Window, device, job_waits, window
 from .roofline import HOST, Roofline, kernel_figures
 

@@ -36,7 +36,7 @@ import torch
 
 from .. import card as cards
 from .. import device_profile as profiles
-from .. import kernel_info
+from .. import job_facts
 from .. import trace as trace_format
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
@@ -386,7 +386,7 @@ class Session:
         jobs = ev[ev["kind"] == cards.EV_JOB]
         total = 0.0
         for a, start, stop in zip(jobs["a"].tolist(), jobs["start_ns"].tolist(), jobs["end_ns"].tolist(), strict=True):
-            if (kernel_info.lookup(self.card.name_of(int(a))) or {}).get("kind") == "collective":
+            if (job_facts.lookup(self.card.name_of(int(a))) or {}).get("kind") == "collective":
                 total += stop - start
         return total / 1e6
 

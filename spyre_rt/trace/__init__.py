@@ -6,7 +6,7 @@ Layout of an exported file (one card per file; ``ts``/``dur`` in microseconds, w
   overlap without nesting); tid 100 + card "launch → spyre:N" holds one complete event
   per launch call, named ``launch <op>``.
 - pid 2 + card "spyre:N": tid 1 "jobs" (one complete event per job, named by the job's
-  name; its args carry what :mod:`spyre_rt.kernel_info` knows of the kernel: ``op``,
+  name; its args carry what :mod:`spyre_rt.job_facts` knows of the kernel: ``op``,
   ``module``, ``flops``, ``dram_bytes_min``, ...), tid 2 + engine for the card engines
   ("pcie-h2d", "pcie-d2h", "ctrl") and tid 16 + 16 * core + engine for the per-core
   engines ("core 07 · pt"), when commands were recorded.
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernel_info
+from .. import job_facts
 from ..card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
 from ..device_profile import DeviceProfile
 from ..program import OP_NAMES
@@ -139,8 +139,8 @@ class _Names:
         """The kernel-info keys of a job name, as job args ({} when none was registered)."""
         got = self._info.get(nid)
         if got is None:
-            found = kernel_info.lookup(self(nid)) or {}
-            got = self._info[nid] = {k: found[k] for k in kernel_info.KEYS if k in found}
+            found = job_facts.lookup(self(nid)) or {}
+            got = self._info[nid] = {k: found[k] for k in job_facts.KEYS if k in found}
         return got
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernel_info
+from .. import job_facts
 from .. import trace as trace_format
 from ..trace import DEVICE_PID_BASE, link_launches
 from .file import TraceFile
@@ -164,7 +164,7 @@ def _collect_complete(raw: _Raw, ev: dict[str, Any], args: dict[str, Any]) -> No
         raw.jobs[pid].append((name, ts, end, _number(args.get("seq"), -1)))
         infos = raw.job_info[pid]
         if name not in infos:  # one kernel, one info: read it from its first job
-            infos[name] = {k: args[k] for k in kernel_info.KEYS if k in args}
+            infos[name] = {k: args[k] for k in job_facts.KEYS if k in args}
     elif cat == "launch":
         op = args.get("op") if isinstance(args.get("op"), str) else ev["name"].removeprefix("launch ")
         raw.launches.append((op, ts, end, _number(args.get("first_job"), -1), _number(args.get("jobs"), 0),

@@ -41,7 +41,7 @@ encoded program. The rooms:
 from __future__ import annotations
 
 from ... import dtypes
-from ...kernels import View
+from ...ir import View
 from ..context import BuildContext, Refused
 from .cost import SFU_INSTRS, SFU_PASSES, block_costs, task_ns
 from .record import Record
@@ -72,7 +72,7 @@ __all__ = ["BATCH", "COLUMNS", "CORE", "GROUP", "KV0", "KV1", "KV_HEAD", "LEADER
 
 
 def decide(ctx: BuildContext, kernel) -> Record:
-    """The decisions of an :class:`~spyre_rt.kernels.AttentionKernel` on the context's card:
+    """The decisions of an :class:`~spyre_rt.ir.AttentionKernel` on the context's card:
     its tiling, scratchpad regions and operands, as the native builder's record."""
 
     def view(v) -> View | None:
@@ -92,7 +92,7 @@ def decide(ctx: BuildContext, kernel) -> Record:
 
 
 def build(ctx: BuildContext, kernel, record: Record | None = None) -> Record:
-    """Build an :class:`~spyre_rt.kernels.AttentionKernel` into the context's program;
+    """Build an :class:`~spyre_rt.ir.AttentionKernel` into the context's program;
     returns its decision record (pass it back to build it again on the same target: the
     native builder alone then runs)."""
     record = record or decide(ctx, kernel)

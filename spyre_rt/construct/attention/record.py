@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import dtypes
-from ...kernels import View
+from ...ir import View
 from ...native import ffi, lib
 from ...program import built_block
 from ..context import BuildContext, Target

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import dtypes
-from ...kernels import View
+from ...ir import View
 
 
 @dataclass(frozen=True)

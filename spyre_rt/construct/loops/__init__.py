@@ -17,7 +17,7 @@ kernel's first construction and returns it; every later construction hands it ba
 
 from __future__ import annotations
 
-from ...kernels import LoopKernel
+from ...ir import LoopKernel
 from ...native import lib
 from ...program import built_block
 from ..context import BuildContext

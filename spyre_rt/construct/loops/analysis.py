@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...kernels import Buffer, LoopKernel, Op
+from ...ir import Buffer, LoopKernel, Op
 from ..context import Refused
 from ..sfu import BINARY, COL, COMPARE, DTYPE, FLOATS, ROW, SCALAR, TESTS, TILE, UNARY, compute_type
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...kernels import LoopKernel
+from ...ir import LoopKernel
 from ...native import ffi, lib
 from ...program import INSTR, LOOP_INSTR, LOOP_TILE, OP_GATHER, OP_LOAD, OP_SCATTER, OP_STORE
 from ..context import BuildContext, ScratchpadOverflow

@@ -11,7 +11,7 @@ writes for each tile's row count.
 
 from __future__ import annotations
 
-from ...kernels import Access
+from ...ir import Access
 from ...native import lib
 from ..context import BuildContext, round_up
 from ..sfu import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...dtypes import ITEMSIZE
-from ...kernels import Access
+from ...ir import Access
 from ..context import ScratchpadOverflow, Target
 from ..sfu import COL, TILE
 from .analysis import Analysis, Unsupported

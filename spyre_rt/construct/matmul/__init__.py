@@ -46,7 +46,7 @@ def build(ctx: BuildContext, spec: MatmulSpec, previous: MatmulRecord | Tiling |
 
 
 def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = None) -> MatmulRecord:
-    """Build a :class:`~spyre_rt.kernels.MatmulKernel` (views relative to their buffers'
+    """Build a :class:`~spyre_rt.ir.MatmulKernel` (views relative to their buffers'
     starts) into the context's program; returns its decision record. A launch passes back
     the record of the kernel's first build: its construction is then one native call."""
     if isinstance(previous, MatmulRecord):

@@ -1,4 +1,4 @@
-"""A matmul's fused epilogue (:class:`~spyre_rt.kernels.Epilogue`): the storage of its
+"""A matmul's fused epilogue (:class:`~spyre_rt.ir.Epilogue`): the storage of its
 values and its SFU program over one output tile.
 
 Values are computed as loop construction computes them (:mod:`..loops.stages`): floats in
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from ...kernels import Epilogue
+from ...ir import Epilogue
 from ...native import lib
 from ..loops.analysis import _dtype
 from ..sfu import BINARY, COL, COMPARE, FLOATS, ITEMSIZE, NONE, SCALAR, TILE, UNARY, Operand, parse_constant

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import dtypes
-from ...kernels import Epilogue, View
+from ...ir import Epilogue, View
 from ...native import lib
 from . import epilogue
 

@@ -1,4 +1,5 @@
-"""What each kernel computes, by the job name it runs under in the trace.
+"""The facts of each job: what its kernel computes and moves, by the job name it runs
+under in the trace (construct/facts.py derives them; this is where they are kept).
 
 The compiler registers a kernel's description when it makes the kernel; trace export and
 the profiler read it back to name jobs by op and module and to place them against the

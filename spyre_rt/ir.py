@@ -1,4 +1,4 @@
-"""Kernel and step descriptions: what the compiler hands to the runtime, as plain data.
+"""The IR: kernel and step descriptions, what the compiler hands to the runtime, as plain data.
 
 The compiler decides *what* a step computes and describes it here; construction
 (:mod:`spyre_rt.construct`) decides how the card runs each kernel, and the executor

@@ -121,7 +121,7 @@ def decode_plan_builds(n: int) -> list[float]:
     step = next(s for s in live_steps() if any(b.dtype == "int64" and tuple(b.sizes) == (1, 1)
                                                 for b, _ in s.desc.inputs))
     (exe,) = step.executables()
-    geometry = tuple((exe.layouts[n], exe.offsets[n]) for n in exe.binding_names[1:1 + len(step.desc.inputs)
+    geometry = tuple((exe.bindings.layouts[n], exe.bindings.offsets[n]) for n in exe.bindings.names[1:1 + len(step.desc.inputs)
                                                                                   + len(step.desc.constants)])
     fresh = CompiledStep(step.desc, step.digest, settings=dataclasses.replace(step.settings, cache_enabled=False))
     times = []

@@ -49,7 +49,7 @@ def _snapshot_copies(granite, phase: str):
     out = []
     for exe in granite.executables[phase]:
         if exe.snapshots:
-            out.append((lambda e=exe: BuildContext(e.target, e.layouts, offsets=e.offsets), exe.snapshots))
+            out.append((lambda e=exe: BuildContext(e.target, e.bindings.layouts, offsets=e.bindings.offsets), exe.snapshots))
     return out
 
 

@@ -46,14 +46,14 @@ def digest(blob) -> str:
 def record(exe, name: str) -> dict:
     """A kernel's build inputs as plain data, with its program's digest."""
     blob, bufs = exe.build(name)
-    layouts = {b: list(exe.layouts[b]) for b in bufs}
+    layouts = {b: list(exe.bindings.layouts[b]) for b in bufs}
     if name in (SNAPSHOT, RESTORE):
         copies = exe.snapshots if name == SNAPSHOT else [
             (c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in exe.snapshots]
         return {"kind": "copy", "copies": [list(c) for c in copies], "layouts": layouts, "sha256": digest(blob)}
     kernel = exe.desc.kernels[name]
     return {"kind": kernel.kind, "kernel": kdesc.to_json(kernel), "layouts": layouts,
-            "offsets": {b: exe.offsets[b] for b in bufs if exe.offsets.get(b)}, "sha256": digest(blob)}
+            "offsets": {b: exe.bindings.offsets[b] for b in bufs if exe.bindings.offsets.get(b)}, "sha256": digest(blob)}
 
 
 def collect(source: str, run, out: list, seen: set, per_kind: int = PER_KIND) -> None:

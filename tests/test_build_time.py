@@ -199,7 +199,7 @@ def _wide_step():
         (step,) = _steps_of(lambda: f(torch.randn(2, WIDE).to("spyre")))
     (exe,) = step.executables()
     assert len(exe.host.reasons) == 1 and len(exe.device_segments()) == 1
-    geometry = tuple((exe.layouts[b.name], exe.offsets[b.name]) for b, _ in step.desc.inputs)
+    geometry = tuple((exe.bindings.layouts[b.name], exe.bindings.offsets[b.name]) for b, _ in step.desc.inputs)
     return step, exe, geometry
 
 

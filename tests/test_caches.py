@@ -187,15 +187,17 @@ def test_the_plan_key_changes_with_each_input(functional, monkeypatch):
     f = torch.compile(lambda x: torch.relu(x) * 2, backend="spyre_rt", dynamic=False)
     f(torch.randn(8, 64).to("spyre"))
     exe = next(e for e in _executables() if e.card is cards.get(0))
-    first_input = exe.binding_names[1]
+    b = exe.bindings
+    first_input = b.names[1]
     variants = {
         "step description": {"step": SimpleNamespace(digest="0" * 64)},
         "options": {"desc": dataclasses.replace(exe.desc, options={**exe.desc.options, "cpu_fallback": False})},
         "compiler": {"desc": dataclasses.replace(exe.desc, options={**exe.desc.options, "compiler_version": "x"})},
-        "input offset": {"offsets": {**exe.offsets, first_input: exe.offsets[first_input] + 64}},
-        "input layout": {"layouts": {**exe.layouts, first_input: StickLayout(1, 512, 4)}},
-        "arena size": {"arena_bytes": exe.arena_bytes + 128},
-        "arena offsets": {"relocs": {**exe.relocs, "<none>": (0, 128)}},
+        "input offset": {"bindings": dataclasses.replace(b, offsets={**b.offsets,
+                                                                    first_input: b.offsets[first_input] + 64})},
+        "input layout": {"bindings": dataclasses.replace(b, layouts={**b.layouts, first_input: StickLayout(1, 512, 4)})},
+        "arena size": {"bindings": dataclasses.replace(b, arena_bytes=b.arena_bytes + 128)},
+        "arena offsets": {"bindings": dataclasses.replace(b, relocs={**b.relocs, "<none>": (0, 128)})},
         "device profile": {"card": SimpleNamespace(profile=SimpleNamespace(digest="other"))},
     }
     keys = {"as compiled": exe.cache_key()}
@@ -238,7 +240,7 @@ ARENA_SCRIPT = textwrap.dedent("""
     torch.compile(f, backend="spyre_rt", dynamic=False)(torch.randn(64, 128).to("spyre"),
                                                          torch.randn(128, 128).to("spyre"))
     exe = [e for s in step.live_steps() for e in s.executables()][0]
-    print(json.dumps([exe.arena_bytes, sorted(exe.relocs.items()), exe.cache_key()]))
+    print(json.dumps([exe.bindings.arena_bytes, sorted(exe.bindings.relocs.items()), exe.cache_key()]))
 """)
 
 

@@ -17,7 +17,6 @@ from spyre_rt import SpyreInvalidCommandError, SpyreLayoutError, SpyrePlanCacheE
 from spyre_rt import card as cards
 from spyre_rt import executor as step_mod
 from spyre_rt.dispatch import dispatch_mode
-from spyre_rt.executor.plans import binding_layouts_of
 from spyre_rt.native import lib
 from spyre_rt.plan import GraphPlan, PlanJob, binding_layouts
 from spyre_rt.plan import encode as encode_plan
@@ -276,10 +275,10 @@ def test_a_plan_file_with_another_binding_count_is_rebuilt(step):
 def _bind_like_a_call(card, exe, layout_of=None):
     """Allocations a call of the step binds: the arena (no layout), then every input,
     constant and output storage with its stick layout (`layout_of` may change one)."""
-    layouts = binding_layouts_of(exe)
+    layouts = exe.bindings.stick_layouts()
     if layout_of:
         layouts = [layout_of(b, x) for b, x in enumerate(layouts)]
-    sizes = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
+    sizes = exe.bindings.limits()
     return [card.malloc(max(n, 1), layout=x) for n, x in zip(sizes, layouts, strict=True)]
 
 
@@ -338,7 +337,7 @@ def test_a_plan_bound_to_a_storage_of_another_layout_is_refused_before_any_comma
     def halve_rows(b, layout):
         return layout._replace(rows=layout.rows * 2, row_len=layout.row_len // 2) if b == 1 else layout
 
-    assert exe.layouts[exe.binding_names[1]].row_len % 2 == 0
+    assert exe.bindings.layouts[exe.bindings.names[1]].row_len % 2 == 0
     for layout_of, refused in ((None, False), (halve_rows, True)):
         bufs = _bind_like_a_call(card, exe, layout_of)
         before = card.counters()

@@ -129,7 +129,7 @@ def test_a_row_save_construction_refuses_saves_the_input_whole(card, monkeypatch
     cache = next(b.name for b, _ in exe.desc.inputs if b.sizes == (64, 128))
     assert not exe.row_saves and cache in {c.src for c in exe.snapshots}
     assert not exe.host.reasons, "a model kernel ran on the host"
-    assert not [n for n in exe.layouts if n.startswith(undo.SAVE)], "the row buffers stayed in the arena"
+    assert not [n for n in exe.bindings.layouts if n.startswith(undo.SAVE)], "the row buffers stayed in the arena"
     f = torch.compile(decode_write, backend="spyre_rt", dynamic=False)
     orig = _args(2)
     expected = [t.clone() for t in orig]

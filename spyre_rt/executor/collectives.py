@@ -19,6 +19,8 @@ lengths) is refused like a kernel construction cannot build, and runs on the hos
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch.distributed as dist
 
@@ -28,8 +30,9 @@ from ..distributed import interconnect
 from ..distributed.ring import card_collective
 from ..dtypes import torch_dtype
 from ..errors import SpyreCollectiveError
-from ..ir import CollectiveKernel
+from ..ir import CollectiveKernel, StepDesc
 from ..native import check, ffi, lib
+from .bindings import Bindings
 
 KIND = "collective"
 
@@ -60,9 +63,9 @@ def ring_of(name: str):
 class Collectives:
     """The collectives of one executable: their plan jobs, and their runs outside plans."""
 
-    def __init__(self, exe):
-        self.exe = exe
-        self.names = group_names(exe.desc)
+    def __init__(self, card, bindings: Bindings, desc: StepDesc, job_name: Callable[[str], str]):
+        self.card, self.bindings, self.job_name = card, bindings, job_name
+        self.names = group_names(desc)
         self._facts: set[str] = set()
 
     def __bool__(self) -> bool:
@@ -75,22 +78,22 @@ class Collectives:
     def job(self, kernel: CollectiveKernel) -> tuple[np.ndarray, list[str]]:
         """The plan job of a collective: its ``spy_collective`` and the buffers of its two
         slots (input, output). Refused unless both views are whole storages that line up."""
-        exe = self.exe
+        bindings = self.bindings
         layouts = []
         for view in (kernel.inp, kernel.out):
             name, offset, sizes, strides = view
-            base = exe.base_of(name)
-            layout = exe.layouts[base]
+            base = bindings.base_of(name)
+            layout = bindings.layouts[base]
             numel = 1
             for n in sizes:
                 numel *= n
-            if exe.offsets[name] + offset or numel != layout.numel or not _row_major(sizes, strides):
+            if bindings.offsets[name] + offset or numel != layout.numel or not _row_major(sizes, strides):
                 raise Refused(f"{kernel.collective} of a view of a storage ({tuple(sizes)} at {offset}); the ring "
                               "moves whole storages")
             layouts.append(layout)
         dtype = torch_dtype(kernel.dtype)
         nbytes = _logical_bytes(kernel, dtype.itemsize)
-        cost = interconnect.cost(exe.card.profile, kernel.collective, nbytes, kernel.ranks,
+        cost = interconnect.cost(self.card.profile, kernel.collective, nbytes, kernel.ranks,
                                  ring_of(kernel.group).between_machines)
         try:
             coll = card_collective(kernel.collective, dtype, kernel.op, kernel.ranks, layouts[0], layouts[1],
@@ -98,7 +101,7 @@ class Collectives:
                                    duration_ns=cost.ns if cost else 0.0)
         except ValueError as e:
             raise Refused(str(e)) from None
-        job = exe.job_name(kernel.name)
+        job = self.job_name(kernel.name)
         if job not in self._facts:
             self._facts.add(job)
             job_facts.register(job, {"kind": KIND, "op": list(kernel.origins) or [kernel.collective],
@@ -108,10 +111,10 @@ class Collectives:
 
     def launch(self, kernel: CollectiveKernel, blob: np.ndarray, slots: list[int]) -> None:
         """Run one collective outside a plan (the dispatch modes without plans)."""
-        exe = self.exe
+        card = self.card
         ring = ring_of(kernel.group)
-        check(lib.spy_collective_launch(exe.card.handle, ring.handle, ffi.from_buffer("spy_collective *", blob),
-                                        slots[0], slots[1], exe.card.intern(exe.job_name(kernel.name)), ffi.NULL),
+        check(lib.spy_collective_launch(card.handle, ring.handle, ffi.from_buffer("spy_collective *", blob),
+                                        slots[0], slots[1], card.intern(self.job_name(kernel.name)), ffi.NULL),
               f"{kernel.collective} of {kernel.name} in process group {kernel.group!r}")
 
 

@@ -24,6 +24,7 @@ from ..dtypes import torch_dtype
 from ..errors import warn_once
 from ..ir import TORCH_CONSTANT_NAMES, CpuOp
 from ..transfer import ViewGeometry, empty_host, from_device, to_device
+from .bindings import Bindings
 
 # The torch constants a CPU op's arguments may name, by the names descriptions use (never
 # getattr on a name read from disk).
@@ -68,7 +69,7 @@ class _Plan:
     """The host copies one CPU op makes at every call (the same for every call of an
     executable: they depend on the op and the buffers' geometry only)."""
 
-    def __init__(self, exe, op: CpuOp):
+    def __init__(self, bindings: Bindings, op: CpuOp):
         self.sources: list[_Source] = []
         self.args: dict[tuple, _Arg] = {}
         refs: dict[tuple, dict] = {}  # distinct tensor arguments, with their flags merged
@@ -83,31 +84,32 @@ class _Plan:
                 seen["out"] = seen["out"] and bool(ref.get("out"))
         by_base: dict[str, list[tuple]] = {}
         for k, ref in refs.items():
-            by_base.setdefault(exe.base_of(ref["buf"][0]), []).append(k)
+            by_base.setdefault(bindings.base_of(ref["buf"][0]), []).append(k)
         for base, keys in by_base.items():
-            dtype = torch_dtype(exe.buffer(base).dtype)
+            dtype = torch_dtype(bindings.buffer(base).dtype)
             shared = [k for k in keys if _numel(refs[k]) and _itemsize(refs[k], dtype) == dtype.itemsize]
             if len(shared) > 1 and any(refs[k]["write"] for k in shared):
-                self._span(exe, base, dtype, [refs[k] for k in shared], shared)
+                self._span(bindings, base, dtype, [refs[k] for k in shared], shared)
                 keys = [k for k in keys if k not in shared]
             for k in keys:
-                self._single(exe, dtype, refs[k], k)
+                self._single(bindings, dtype, refs[k], k)
 
-    def _single(self, exe, dtype: torch.dtype, ref: dict, key: tuple) -> None:
+    def _single(self, bindings: Bindings, dtype: torch.dtype, ref: dict, key: tuple) -> None:
         name, off, sizes, strides = ref["buf"]
-        geometry = ViewGeometry(exe.layouts[exe.base_of(name)], exe.offsets[name] + off, tuple(sizes), tuple(strides))
-        self.sources.append(_Source(geometry, exe.relocs[name], dtype, not ref["out"], ref["write"]))
+        geometry = ViewGeometry(bindings.layouts[bindings.base_of(name)], bindings.offsets[name] + off, tuple(sizes),
+                                tuple(strides))
+        self.sources.append(_Source(geometry, bindings.relocs[name], dtype, not ref["out"], ref["write"]))
         self.args[key] = _Arg(len(self.sources) - 1, None, _viewed_as(ref, dtype))
 
-    def _span(self, exe, base: str, dtype: torch.dtype, refs: list[dict], keys: list[tuple]) -> None:
+    def _span(self, bindings: Bindings, base: str, dtype: torch.dtype, refs: list[dict], keys: list[tuple]) -> None:
         """One host copy of the elements [lo, hi) of `base` that the views cover, each
         view an ``as_strided`` of it."""
-        starts = [exe.offsets[r["buf"][0]] + r["buf"][1] for r in refs]
+        starts = [bindings.offsets[r["buf"][0]] + r["buf"][1] for r in refs]
         ends = [s + sum((n - 1) * st for n, st in zip(r["buf"][2], r["buf"][3], strict=True)) + 1
                 for s, r in zip(starts, refs, strict=True)]
         lo, hi = min(starts), max(ends)
-        geometry = ViewGeometry(exe.layouts[base], lo, (hi - lo,), (1,))
-        self.sources.append(_Source(geometry, exe.relocs[base], dtype, not all(r["out"] for r in refs), True))
+        geometry = ViewGeometry(bindings.layouts[base], lo, (hi - lo,), (1,))
+        self.sources.append(_Source(geometry, bindings.relocs[base], dtype, not all(r["out"] for r in refs), True))
         for key, ref, start in zip(keys, refs, starts, strict=True):
             _, _, sizes, strides = ref["buf"]
             self.args[key] = _Arg(len(self.sources) - 1, (tuple(sizes), tuple(strides), start - lo),
@@ -130,20 +132,20 @@ def _viewed_as(ref: dict, dtype: torch.dtype) -> torch.dtype | None:
 class CpuOps:
     """The CPU ops of one executable: where their buffers are, and running them."""
 
-    def __init__(self, exe):
-        self.exe = exe
+    def __init__(self, card, bindings: Bindings):
+        self.card, self.bindings = card, bindings
         self._ops: dict[str, object] = {}  # op name -> the torch op, resolved once
         self._plans: dict[str, _Plan] = {}  # CpuOp name -> its host copies
 
     def _plan(self, op: CpuOp) -> _Plan:
         plan = self._plans.get(op.name)
         if plan is None:
-            plan = self._plans[op.name] = _Plan(self.exe, op)
+            plan = self._plans[op.name] = _Plan(self.bindings, op)
         return plan
 
     def run(self, op: CpuOp, table, mode: DispatchMode):
-        exe = self.exe
-        functional = exe.card.functional
+        card = self.card
+        functional = card.functional
         if not functional:
             warn_once(op.op, "runs on zeros in timing mode (values are not simulated)")
         if not op.host:  # work eager does on the CPU too is no fallback
@@ -156,7 +158,7 @@ class CpuOps:
         for src in plan.sources:
             b, o = src.reloc
             if src.read and functional:
-                copies.append(from_device(exe.card, src.geometry, table[b] + o, src.dtype, prebuilt))
+                copies.append(from_device(card, src.geometry, table[b] + o, src.dtype, prebuilt))
             else:  # only written, or a timing-mode card (which keeps no values)
                 host = empty_host(src.geometry, src.dtype)
                 copies.append(host if functional else host.zero_())
@@ -188,17 +190,16 @@ class CpuOps:
         for src, host in zip(plan.sources, copies, strict=True):
             if src.written:  # the op wrote it in place: back into the view it came from
                 b, o = src.reloc
-                to_device(exe.card, host, src.geometry, table[b] + o, prebuilt)
+                to_device(card, host, src.geometry, table[b] + o, prebuilt)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
         for out, value in zip(op.outputs, results, strict=False):
             self.upload(out.name, value, table, mode)
         return result
 
     def upload(self, name: str, value: torch.Tensor, table, mode: DispatchMode) -> None:
-        exe = self.exe
-        b = exe.buffer(name)
-        offset = exe.offsets[name] + (0 if name in exe.desc.aliases else b.offset)  # an alias's is in offsets
-        geo = ViewGeometry(exe.layouts[exe.base_of(name)], offset, tuple(b.sizes), tuple(b.strides))
+        bindings = self.bindings
+        b = bindings.buffer(name)
+        offset = bindings.offsets[name] + (0 if name in bindings.aliases else b.offset)  # an alias's is in offsets
+        geo = ViewGeometry(bindings.layouts[bindings.base_of(name)], offset, tuple(b.sizes), tuple(b.strides))
         value = value.to(torch_dtype(b.dtype)).expand(geo.sizes)
-        reloc, off = exe.relocs[name]
-        to_device(exe.card, value, geo, table[reloc] + off, mode.prebuilt_transfers)
+        to_device(self.card, value, geo, bindings.address(table, name), mode.prebuilt_transfers)

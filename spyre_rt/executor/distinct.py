@@ -73,7 +73,7 @@ class DistinctBuilds:
         kernel = exe.kernels.get(name)  # the step's and the row saves'
         if kernel is None or kernel.kind == "collective":  # the snapshot copies; a ring's job (its own tag)
             return exe.build(name)
-        key, names = form(kernel, exe.layouts, exe.offsets)
+        key, names = form(kernel, exe.bindings.layouts, exe.bindings.offsets)
         made = self._made.get(key)
         if made is None:
             blob, bufs = exe.build(name)

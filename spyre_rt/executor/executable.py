@@ -1,8 +1,9 @@
 """A compiled step on one card for one input geometry: its memory, segments and plans.
 
-Bindings: a call binds the arena of intermediates (binding 0), every input and constant,
-and a buffer per output; each kernel's buffers are relocated against them (``relocs``:
-name -> (binding, byte offset)). The arena and output buffers of a call are a slot
+Bindings (:mod:`.bindings`): a call binds the arena of intermediates (binding 0), every
+input and constant, and a buffer per output; each kernel's buffers are relocated against
+them. Where every buffer is, is one frozen value made when the executable is, which the
+helpers below are given. The arena and output buffers of a call are a slot
 (:class:`_Slot`), pooled and reused once its outputs are released.
 
 Inputs a step mutates are all-or-nothing. The step's first jobs save what it will write
@@ -47,6 +48,7 @@ from ..ir import Buffer
 from ..layout import StickLayout, layout_for, storage_numel
 from ..native import ffi
 from . import memory, plans, undo
+from .bindings import ARENA, Bindings
 from .collectives import Collectives
 from .cpu_ops import CpuOps
 from .distinct import DistinctBuilds
@@ -54,7 +56,6 @@ from .host_kernels import HostKernels
 from .segments import Call, DeviceSegment, cut
 from .stats import stats
 
-ARENA = 0  # binding 0 is the arena of intermediates
 POOLED = 4  # slots an executable keeps for reuse (a loop that holds its last output needs 2)
 SNAPSHOT = "<snapshot>"  # the job that saves inputs whole (see the module docstring)
 RESTORE = "<restore>"
@@ -69,37 +70,37 @@ class Executable:
         self.target = Target.from_profile(card.profile)
         mem = step.memory_plan(card.profile.stick_bytes)
         names_in = [b.name for b, _ in desc.inputs] + list(desc.constants)
-        self.layouts: dict[str, StickLayout] = dict(mem.layouts)
-        self.offsets: dict[str, int] = dict.fromkeys(desc.buffers, 0)
+        layouts: dict[str, StickLayout] = dict(mem.layouts)
+        offsets: dict[str, int] = dict.fromkeys(desc.buffers, 0)
         for name, (layout, off) in zip(names_in, geometry, strict=True):
-            self.layouts[name], self.offsets[name] = layout, off
+            layouts[name], offsets[name] = layout, off
         for name, (_, off, _, _) in desc.aliases.items():
-            root = self.base_of(name)
-            self.layouts[name] = self.layouts[root]
-            self.offsets[name] = self.offsets[root] + off
+            root = memory.base_of(desc, name)
+            layouts[name] = layouts[root]
+            offsets[name] = offsets[root] + off
         self.output_bases = mem.output_bases
-        self.binding_names = ["<arena>"] + names_in + list(mem.output_bases)
-        self.relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(self.binding_names) if i}
-        self.relocs.update((name, (ARENA, off)) for name, off in mem.arena.items())
-        self.arena_bytes = mem.arena_bytes
+        binding_names = ["<arena>"] + names_in + list(mem.output_bases)
+        relocs: dict[str, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(binding_names) if i}
+        relocs.update((name, (ARENA, off)) for name, off in mem.arena.items())
         # tile choices per kernel: decided at the first construction (compile time), not
         # again at every launch; what construct mode repeats is building the job graph
         self._tilings: dict[str, object] = {}
-        self._plan_saves(step.undo())
-        if self.row_saves and not self._decide_row_saves():
-            self._forget_saves()
-            self.arena_bytes = mem.arena_bytes
-            self._plan_saves(undo.plan(desc, rows_allowed=False))
+        arena_bytes = self._plan_saves(step.undo(), layouts, offsets, relocs, mem.arena_bytes)
+        if self.row_saves and not self._decide_row_saves(layouts, offsets):
+            self._forget_saves(layouts, offsets, relocs)
+            arena_bytes = self._plan_saves(undo.plan(desc, rows_allowed=False), layouts, offsets, relocs,
+                                           mem.arena_bytes)
         # the step's kernels and the row saves' and restores'
         self.kernels = {**desc.kernels, **{k.name: k for r in self.row_saves for k in (r.save, r.restore)}}
         self.save_jobs = (SNAPSHOT,) * bool(self.snapshots) + tuple(r.save.name for r in self.row_saves)
         for name in desc.aliases:
-            self.relocs[name] = self.relocs[self.base_of(name)]
-        self.host = HostKernels(self)  # kernels construction refused, run on the host
-        self.collectives = Collectives(self)  # collectives between cards: jobs of the plans
+            relocs[name] = relocs[memory.base_of(desc, name)]
+        self.bindings = Bindings.of(binding_names, layouts, offsets, relocs, arena_bytes,
+                                    _buffers_by_name(desc), desc.aliases)
+        self.host = HostKernels(card, self.bindings, self.kernels, desc.sources)  # refused kernels, on the host
+        self.collectives = Collectives(card, self.bindings, desc, self.job_name)  # between cards: plan jobs
         self.segments = self.cut_for(())
-        self._named = self._buffers_by_name()
-        self.cpu = CpuOps(self)
+        self.cpu = CpuOps(card, self.bindings)
         self._outputs = self._output_sources(names_in)
         # each output storage with the layout the memory plan gave it, which its plans declare
         self._out_specs = [(mem.layouts[n], desc.buffers[n].sizes, desc.buffers[n].strides,
@@ -114,21 +115,6 @@ class Executable:
         self._prepared = False  # every kernel constructed once (see prepare)
 
     # ---- names ----
-    def base_of(self, name: str) -> str:
-        return memory.base_of(self.desc, name)
-
-    def buffer(self, name: str) -> Buffer:
-        """The description of a buffer, input, constant or alias."""
-        return self._named[name]
-
-    def _buffers_by_name(self) -> dict[str, Buffer]:
-        named = {b.name: b for b, _ in self.desc.inputs}
-        named.update(self.desc.constants)
-        named.update(self.desc.buffers)
-        for name, (_, off, sizes, strides) in self.desc.aliases.items():
-            named[name] = Buffer(name, named[self.base_of(name)].dtype, tuple(sizes), tuple(strides), off)
-        return named
-
     def job_name(self, kernel: str) -> str:
         """The name a kernel's job runs under in the trace: unique across steps."""
         return f"{kernel}@{self.step.digest[:8]}"
@@ -143,23 +129,27 @@ class Executable:
                 out.append(int(output["int"]) if "int" in output else None)
                 continue
             name, off, sizes, strides = output
-            base = self.base_of(name)
-            delta = self.offsets.get(name, 0) - self.offsets.get(base, 0) + off
+            base = self.bindings.base_of(name)
+            offsets = self.bindings.offsets
+            delta = offsets.get(name, 0) - offsets.get(base, 0) + off
             if base in self.output_bases:
                 out.append((True, self.output_bases.index(base), delta, sizes, strides))
             else:
                 out.append((False, index_in[base], delta, sizes, strides))
         return out
 
-    def _plan_saves(self, saves: undo.Undo) -> None:
+    def _plan_saves(self, saves: undo.Undo, layouts: dict, offsets: dict, relocs: dict, arena_bytes: int) -> int:
+        """Arena space for what the step saves (see :meth:`_plan_snapshots`): the arena's
+        size with it."""
         self.row_saves = saves.rows
-        self.snapshots = self._plan_snapshots(saves.whole)
+        self.snapshots, arena_bytes = self._plan_snapshots(saves.whole, layouts, offsets, relocs, arena_bytes)
+        return arena_bytes
 
-    def _decide_row_saves(self) -> bool:
+    def _decide_row_saves(self, layouts: dict, offsets: dict) -> bool:
         """Decide how the row saves and restores are built, now: they run before every
         kernel and on every failure, so unlike the step's kernels they cannot run on the
         host. False when construction refuses one (the step then saves inputs whole)."""
-        ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        ctx = BuildContext(self.target, layouts, offsets=offsets)
         try:
             for r in self.row_saves:
                 for k in (r.save, r.restore):
@@ -171,36 +161,37 @@ class Executable:
             return False
         return True
 
-    def _forget_saves(self) -> None:
+    def _forget_saves(self, layouts: dict, offsets: dict, relocs: dict) -> None:
         """Drop the arena buffers the saves were given (before planning them again)."""
         for name in [c.dst for c in self.snapshots] + [r.buffer.name for r in self.row_saves]:
-            del self.layouts[name], self.relocs[name]
-            self.offsets.pop(name, None)
+            del layouts[name], relocs[name]
+            offsets.pop(name, None)
 
-    def _plan_snapshots(self, whole) -> list[copy.Copy]:
+    def _plan_snapshots(self, whole, layouts: dict, offsets: dict, relocs: dict,
+                        arena_bytes: int) -> tuple[list[copy.Copy], int]:
         """Arena space for what the step saves: the bytes each input saved whole covers (the
         copies the snapshot job makes; their reverse restores them) and the row saves'
         buffers."""
         out = []
         stick = self.card.profile.stick_bytes
         for b in whole:
-            lo, hi = memory.byte_range(self.layouts[b.name], self.offsets[b.name] + b.offset, b.sizes, b.strides)
+            lo, hi = memory.byte_range(layouts[b.name], offsets[b.name] + b.offset, b.sizes, b.strides)
             if hi <= lo:
                 continue
             name = f"{SNAPSHOT}{len(out)}"
             size = memory.align(hi - lo)
-            self.layouts[name] = StickLayout(1, size, 1, stick)
-            self.relocs[name] = (ARENA, self.arena_bytes)
-            self.arena_bytes += size
+            layouts[name] = StickLayout(1, size, 1, stick)
+            relocs[name] = (ARENA, arena_bytes)
+            arena_bytes += size
             out.append(copy.Copy(b.name, lo, name, 0, hi - lo))
         for r in self.row_saves:
             b = r.buffer
             layout = layout_for(b.sizes, b.strides, storage_numel(b.sizes, b.strides, 0),
                                 torch_dtype(b.dtype).itemsize, stick)
-            self.layouts[b.name], self.offsets[b.name] = layout, 0
-            self.relocs[b.name] = (ARENA, self.arena_bytes)
-            self.arena_bytes += memory.align(layout.nbytes)
-        return out
+            layouts[b.name], offsets[b.name] = layout, 0
+            relocs[b.name] = (ARENA, arena_bytes)
+            arena_bytes += memory.align(layout.nbytes)
+        return out, arena_bytes
 
     def cut_for(self, on_host) -> list:
         """The step's segments with the kernels `on_host` run on the host."""
@@ -229,7 +220,7 @@ class Executable:
     def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]:
         """Construct one kernel's program: the work the dispatch modes move."""
         stats["kernels_built"] += 1
-        ctx = BuildContext(self.target, self.layouts, offsets=self.offsets)
+        ctx = BuildContext(self.target, self.bindings.layouts, offsets=self.bindings.offsets)
         if kernel_name in (SNAPSHOT, RESTORE):
             copies = self.snapshots if kernel_name == SNAPSHOT else [
                 copy.Copy(c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in self.snapshots]
@@ -310,7 +301,7 @@ class Executable:
             blob, bufs = self.build(name)
             if tracing:
                 card.trace_host_span(f"construct {name}", t0, card.host_clock_ns())
-            slots = [table[b] + off for b, off in (self.relocs[n] for n in bufs)]
+            slots = [self.bindings.address(table, n) for n in bufs]
             try:
                 kernel = self.kernels.get(name)
                 if kernel is not None and kernel.kind == "collective":
@@ -323,7 +314,7 @@ class Executable:
 
     # ---- plans ----
     def cache_key(self) -> str:
-        return plans.cache_key(self)
+        return plans.cache_key(self.bindings, self.card.profile.digest, self.step.digest, self.desc.options)
 
     def plans(self, epoch: int | None = None, fallback: bool = True) -> list:
         """The plans of the device segments, made in the card's current reset epoch (`epoch`
@@ -355,15 +346,16 @@ class Executable:
 
     def _make_slot(self, epoch: int) -> _Slot:
         card = self.card
-        arena = card.malloc(max(self.arena_bytes, 1))
+        arena = card.malloc(max(self.bindings.arena_bytes, 1))
         try:
             outputs = tensors.empty_many(card, self._out_specs)
         except BaseException:
             card.free(arena, epoch)
             raise
-        table = ffi.new("uint64_t[]", len(self.binding_names))
+        nbindings = len(self.bindings.names)
+        table = ffi.new("uint64_t[]", nbindings)
         table[0] = arena
-        first = len(self.binding_names) - len(outputs)
+        first = nbindings - len(outputs)
         for k, t in enumerate(outputs):
             table[first + k] = t.untyped_storage().data_ptr()
         fresh = []
@@ -491,6 +483,16 @@ class Executable:
             self.construct_and_run(restores, table, mode)
         except SpyreError:
             pass
+
+
+def _buffers_by_name(desc) -> dict[str, Buffer]:
+    """The description of every buffer, input, constant and alias of a step."""
+    named = {b.name: b for b, _ in desc.inputs}
+    named.update(desc.constants)
+    named.update(desc.buffers)
+    for name, (_, off, sizes, strides) in desc.aliases.items():
+        named[name] = Buffer(name, named[memory.base_of(desc, name)].dtype, tuple(sizes), tuple(strides), off)
+    return named
 
 
 def torch_dtype_of(b: Buffer) -> torch.dtype:

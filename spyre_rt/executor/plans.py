@@ -30,20 +30,21 @@ from ..plan import (
 )
 from ..plan import encode as encode_plan
 from ..version import __version__, runtime_version
+from .bindings import Bindings
 from .segments import DeviceSegment
 from .stats import stats
 
 
-def cache_key(exe) -> str:
-    """Everything that changes the commands of an executable's plans (the compiler's
+def cache_key(bindings: Bindings, profile_digest: str, step_digest: str, options: dict) -> str:
+    """Everything that changes the commands of a step's plans on a card (the compiler's
     identity is among the step's options)."""
-    geometry = [(tuple(exe.layouts[n]), exe.offsets[n]) for n in exe.binding_names[1:]]
+    geometry = [(tuple(bindings.layouts[n]), bindings.offsets[n]) for n in bindings.names[1:]]
     # The memory plan too: CPU ops and restores address the arena through this process's
     # offsets, which must be the ones the plan's jobs were built with.
-    memory = [exe.arena_bytes, sorted(exe.relocs.items())]
+    memory = [bindings.arena_bytes, sorted(bindings.relocs.items())]
     return plan_cache.digest("spyre_rt plans", __version__, runtime_version(), torch.__version__,
-                             int(lib.SPY_JOB_VERSION), int(lib.SPY_PLAN_VERSION), exe.card.profile.digest,
-                             exe.step.digest, geometry, memory, exe.desc.options)
+                             int(lib.SPY_JOB_VERSION), int(lib.SPY_PLAN_VERSION), profile_digest,
+                             step_digest, geometry, memory, options)
 
 
 def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
@@ -73,7 +74,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
         header = {"kernels": sum(len(n) for n in names), "names": names, "host_kernels": dict(exe.host.reasons),
                   "step": exe.step.family[0][:16], "sizes": exe.step.family[1],
                   "profile": exe.card.profile.name, "options": exe.desc.options,
-                  "arena_bytes": exe.arena_bytes, "created": time.time(),
+                  "arena_bytes": exe.bindings.arena_bytes, "created": time.time(),
                   "kernel_info": {exe.job_name(k): info for n in names for k in n
                                   if (info := job_facts.lookup(exe.job_name(k))) is not None}}
         cache.store(key, header, blocks, [program_offsets(b) for b in blocks])
@@ -96,10 +97,10 @@ def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
         set_job_names(block, [exe.job_name(n) for n in segment_names], exe.card.intern)
     rings = exe.collectives.rings()
     plans = [GraphPlan(exe.card, block, groups=rings) for block in entry.blocks]
-    if any(p.nbindings != len(exe.binding_names) for p in plans):
+    if any(p.nbindings != len(exe.bindings.names) for p in plans):
         raise SpyreError("plans bind a different number of buffers")
-    _check_extents(exe, plans)
-    want = layout_table(binding_layouts_of(exe))
+    _check_extents(exe.bindings, plans)
+    want = layout_table(exe.bindings.stick_layouts())
     if any(not np.array_equal(binding_layouts(p.block), want) for p in plans):
         raise SpyreError("plans bind storages of other stick layouts than this step's")
     infos = entry.header.get("kernel_info")
@@ -123,17 +124,17 @@ def _host_kernels(exe, host) -> dict[str, str]:
     return host
 
 
-def _check_extents(exe, plans: list[GraphPlan]) -> None:
+def _check_extents(bindings: Bindings, plans: list[GraphPlan]) -> None:
     """Every binding of every plan fits the memory a call binds there: the arena, each
     input's and constant's storage, each fresh output. The card accepts a plan whose
     extents exceed them (it checks them against the allocations at each launch), so a
     cached plan that needs more would have every launch refused."""
-    limits = [exe.arena_bytes] + [exe.layouts[n].nbytes for n in exe.binding_names[1:]]
+    limits = bindings.limits()
     for plan in plans:
         for b, limit in enumerate(limits):
             need = plan.extent(b)
             if need > limit:
-                raise SpyreError(f"a plan needs {need} bytes of {exe.binding_names[b]} (binding {b}); "
+                raise SpyreError(f"a plan needs {need} bytes of {bindings.names[b]} (binding {b}); "
                                  f"a call binds {limit}")
 
 
@@ -145,11 +146,5 @@ def build_block(exe, segment, built: dict | None = None):
         blob, bufs = built[name] if built and name in built else exe.build(name)
         kernel = exe.kernels.get(name)
         kind = COLLECTIVE if kernel is not None and kernel.kind == "collective" else PROGRAM
-        jobs.append(PlanJob(blob, tuple(exe.relocs[b] for b in bufs), exe.job_name(name), kind))
-    return encode_plan(jobs, binding_layouts_of(exe), exe.card.intern, len(exe.collectives.names))
-
-
-def binding_layouts_of(exe) -> list:
-    """The stick layout a call binds at each binding: none for the arena (binding 0, which
-    records none), the storage's for every input, constant and output."""
-    return [None] + [exe.layouts[n] for n in exe.binding_names[1:]]
+        jobs.append(PlanJob(blob, tuple(exe.bindings.relocs[b] for b in bufs), exe.job_name(name), kind))
+    return encode_plan(jobs, exe.bindings.stick_layouts(), exe.card.intern, len(exe.collectives.names))

@@ -10,19 +10,35 @@ kernel construction refused for this card, run on the host from its description;
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from ..card import Card
 from ..dispatch import DispatchMode
 from ..errors import SpyreError, SpyreIndexError
 from ..ir import CpuOp
+from .cpu_ops import CpuOps
+from .host_kernels import HostKernels
+
+
+class Runs(Protocol):
+    """What a segment needs of the executable it belongs to (:class:`.executable.Executable`)."""
+
+    card: Card
+    kernels: dict              # name -> the kernel's description
+    cpu: CpuOps
+    host: HostKernels
+
+    def plans(self, epoch: int | None = None, fallback: bool = True) -> list: ...
+
+    def construct_and_run(self, kernels, table, mode: DispatchMode) -> None: ...
 
 
 @dataclass
 class Call:
     """One call of an executable: its binding table and what its segments leave behind."""
 
-    exe: Any
-    table: Any             # uint64_t[] bindings: arena, inputs, constants, outputs
+    exe: Runs
+    table: Any             # cffi uint64_t[] bindings: arena, inputs, constants, outputs
     mode: DispatchMode
     epoch: int
     cpu_values: dict = field(default_factory=dict)
@@ -46,7 +62,7 @@ class DeviceSegment:
                 raise
             raise named from None
 
-    def named(self, exe, e: SpyreError) -> SpyreError:
+    def named(self, exe: Runs, e: SpyreError) -> SpyreError:
         """The error to raise for `e`, raised by this segment's jobs: it names the segment,
         and for a bad index of the user's data, the op that read it."""
         if isinstance(e, SpyreIndexError):
@@ -56,7 +72,7 @@ class DeviceSegment:
         e.segment = self.index
         return e
 
-    def _ops_of(self, exe, job: int) -> str:
+    def _ops_of(self, exe: Runs, job: int) -> str:
         if not 0 <= job < len(self.kernels) or self.kernels[job] not in exe.kernels:
             return "a kernel of the step"
         origins = exe.kernels[self.kernels[job]].origins

@@ -84,9 +84,9 @@ def test_decode_step(benchmark, tiny_granite, cpu_floor, mode):
     steps = 2 if benchmark.disabled else 20
     _side_by_side(benchmark, decoder, mode, steps, rounds=1 if benchmark.disabled else (5 if mode == "prebuilt" else 3),
                   floor=cpu_floor() if mode == "prebuilt" else None)
-    if mode == "prebuilt":
+    if mode == "prebuilt":  # construct builds job graphs in C (a fair baseline): ~15x, was 277x against Python
         speedup = benchmark.extra_info["speedup_vs_construct"]
-        check_target(benchmark, speedup >= 20, f"prebuilt decode step {speedup}x faster than construct, under 20x")
+        check_target(benchmark, speedup >= 10, f"prebuilt decode step {speedup}x faster than construct, under 10x")
 
 
 @pytest.mark.benchmark(group="dispatch: tiny Granite decode step")

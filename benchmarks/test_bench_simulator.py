@@ -43,7 +43,7 @@ def _timing_matmul(card):
     ctx, _ = _matmul_context(card, *LARGE)
     blob = ctx.encode()
     addrs = {name: card.malloc(lay.nbytes) for name, lay in ctx.layouts.items()}
-    return blob, [addrs[b] for b in ctx.buffers()], ctx.program.ncmds
+    return blob, [addrs[b] for b in ctx.buffers()], ctx.ncmds
 
 
 def _first_and_repeated(card, blob, args, rounds: int) -> tuple[float, float]:

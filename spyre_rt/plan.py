@@ -44,8 +44,10 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names, ngroup
     hdr["ngroups"] = ngroups
     offsets, pos = [], (plan_layout(hdr.view(np.uint8)).end + 7) & ~7  # the programs follow the tables
     placed: dict[int, int] = {}  # id of a program blob -> where it is: jobs of one program share it
+    first: list[bool] = []       # whether the job's blob is written at its offset (the first to name it)
     for j in jobs:
         at = placed.get(id(j.blob)) if j.kind == PROGRAM else None
+        first.append(at is None)
         if at is None:
             at = pos
             pos += (j.blob.size + 7) & ~7
@@ -56,14 +58,13 @@ def encode(jobs: list[PlanJob], layouts: list[StickLayout | None], names, ngroup
     buf = np.zeros(pos // 8, dtype=np.uint64).view(np.uint8)
     buf[: PLAN_HEADER.itemsize] = hdr.view(np.uint8)
     tables = plan_tables(buf)
-    r, written = 0, set()
+    r = 0
     for i, j in enumerate(jobs):
         tables.jobs[i] = (offsets[i], j.blob.size, r, len(j.relocs), names(j.name), j.kind)
         for b, off in j.relocs:
             tables.relocs[r] = (b, 0, off)
             r += 1
-        if offsets[i] not in written:
-            written.add(offsets[i])
+        if first[i]:
             buf[offsets[i]: offsets[i] + j.blob.size] = j.blob
     tables.layouts[:] = layout_table(layouts)
     return buf

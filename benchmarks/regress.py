@@ -38,10 +38,13 @@ def install(source: Path, target: Path) -> None:
           "--target", str(target), str(source)], stdout=subprocess.DEVNULL)
 
 
-def run_suite(source: Path, installed: Path, out: Path, select: str | None, workdir: Path) -> dict[str, float]:
-    """One pass of `source`'s benchmarks against the package in `installed`: name -> median s."""
+def run_suite(source: Path, installed: Path, out: Path, select: str | None,
+              workdir: Path) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """One pass of `source`'s benchmarks against the package in `installed`: name -> median
+    s, and name -> the targets it missed (recorded, not failed: see benchmarks/targets.py)."""
     env = dict(os.environ, PYTHONPATH=str(installed))
     env["SPYRE_RT_CACHE_DIR"] = tempfile.mkdtemp(prefix="plans-", dir=workdir)
+    env["SPYRE_RT_BENCH_TARGETS"] = "record"  # a figure is compared with the other revision's, not its target
     cmd = [sys.executable, "-P", "-m", "pytest", str(source / "benchmarks"), "-q", "-p", "no:cacheprovider",
            "--rootdir", str(workdir), "-c", os.devnull, "-m", "not slow", "--benchmark-enable",
            f"--benchmark-json={out}", "-W", "ignore"]
@@ -51,7 +54,10 @@ def run_suite(source: Path, installed: Path, out: Path, select: str | None, work
     if proc.returncode != 0:
         raise SystemExit(f"benchmarks of {source} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
     data = json.loads(out.read_text())
-    return {b["fullname"].split("::", 1)[-1]: b["stats"]["median"] for b in data["benchmarks"]}
+    name = {id(b): b["fullname"].split("::", 1)[-1] for b in data["benchmarks"]}
+    return ({name[id(b)]: b["stats"]["median"] for b in data["benchmarks"]},
+            {name[id(b)]: b["extra_info"]["missed_targets"] for b in data["benchmarks"]
+             if b.get("extra_info", {}).get("missed_targets")})
 
 
 def compare(base: dict[str, list[float]], head: dict[str, list[float]], threshold: float):
@@ -108,18 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             install(base_src, work / "base")
             install(ROOT, work / "head")
             results: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+            missed: dict[str, dict[str, set[str]]] = {"base": {}, "head": {}}
             for r in range(args.rounds):
                 order = ("base", "head") if r % 2 == 0 else ("head", "base")
                 for which in order:
                     src = base_src if which == "base" else ROOT
-                    medians = run_suite(src, work / which, work / f"{which}-{r}.json", args.select, work)
+                    medians, misses = run_suite(src, work / which, work / f"{which}-{r}.json", args.select, work)
                     for name, m in medians.items():
                         results[which].setdefault(name, []).append(m)
+                    for name, messages in misses.items():
+                        missed[which].setdefault(name, set()).update(messages)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         finally:
             _run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_src)])
     rows, worse = compare(results["base"], results["head"], args.threshold)
     report(rows, args.threshold, args.base)
+    for which, label in (("base", args.base), ("head", "the working tree")):
+        for name, messages in sorted(missed[which].items()):
+            print(f"target missed by {label} in a round: {name}: {'; '.join(sorted(messages))}", file=sys.stderr)
     if worse:
         print(f"slower by more than {args.threshold:.0%}: {', '.join(worse)}", file=sys.stderr)
         return 1

@@ -36,7 +36,8 @@ class Bindings:
            aliases: Mapping) -> Bindings:
         """Freeze the tables the executable planned (copies: later changes do not leak in)."""
         return cls(tuple(names), MappingProxyType(dict(layouts)), MappingProxyType(dict(offsets)),
-                   MappingProxyType(dict(relocs)), arena_bytes, MappingProxyType(dict(buffers)), aliases)
+                   MappingProxyType(dict(relocs)), arena_bytes, MappingProxyType(dict(buffers)),
+                   MappingProxyType(dict(aliases)))
 
     def base_of(self, name: str) -> str:
         """The buffer an alias finally names (a buffer names itself)."""

@@ -105,8 +105,8 @@ class Collectives:
         if job not in self._facts:
             self._facts.add(job)
             job_facts.register(job, {"kind": KIND, "op": list(kernel.origins) or [kernel.collective],
-                                       "module": kernel.module, "flops": 0, "collective": kernel.collective,
-                                       "bytes": nbytes, "ranks": kernel.ranks})
+                                     "module": kernel.module, "flops": 0, "collective": kernel.collective,
+                                     "bytes": nbytes, "ranks": kernel.ranks})
         return coll.view(np.uint8), [kernel.inp[0], kernel.out[0]]
 
     def launch(self, kernel: CollectiveKernel, blob: np.ndarray, slots: list[int]) -> None:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 from ..ir import Buffer
 from ..layout import StickLayout
+from .memory import root_of
 
 ARENA = 0  # binding 0 is the arena of intermediates
 
@@ -41,9 +42,7 @@ class Bindings:
 
     def base_of(self, name: str) -> str:
         """The buffer an alias finally names (a buffer names itself)."""
-        while name in self.aliases:
-            name = self.aliases[name][0]
-        return name
+        return root_of(self.aliases, name)
 
     def buffer(self, name: str) -> Buffer:
         """The description of a buffer, input, constant or alias."""

@@ -123,6 +123,7 @@ class Executable:
         """Where each output comes from: (a fresh output buffer?, which, offset, sizes,
         strides), or the int a size output is."""
         index_in = {n: i for i, n in enumerate(names_in)}
+        offsets = self.bindings.offsets
         out = []
         for output in self.desc.outputs:
             if isinstance(output, dict):  # a size the graph returns, or None
@@ -130,7 +131,6 @@ class Executable:
                 continue
             name, off, sizes, strides = output
             base = self.bindings.base_of(name)
-            offsets = self.bindings.offsets
             delta = offsets.get(name, 0) - offsets.get(base, 0) + off
             if base in self.output_bases:
                 out.append((True, self.output_bases.index(base), delta, sizes, strides))

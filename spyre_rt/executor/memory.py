@@ -9,6 +9,7 @@ per step and shared by every input geometry the step is called with.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..dtypes import torch_dtype
@@ -33,11 +34,17 @@ class MemoryPlan:
     output_bases: tuple[str, ...]   # buffers that hold outputs: fresh memory each call
 
 
-def base_of(desc: StepDesc, name: str) -> str:
-    """The buffer an alias finally names."""
-    while name in desc.aliases:
-        name = desc.aliases[name][0]
+def root_of(aliases: Mapping[str, tuple], name: str) -> str:
+    """The buffer an alias finally names, through `aliases` (alias -> (the buffer it views,
+    ...)); a buffer names itself."""
+    while name in aliases:
+        name = aliases[name][0]
     return name
+
+
+def base_of(desc: StepDesc, name: str) -> str:
+    """The buffer an alias of the step finally names."""
+    return root_of(desc.aliases, name)
 
 
 def plan(desc: StepDesc, stick_bytes: int) -> MemoryPlan:

@@ -53,11 +53,13 @@ def run_suite(source: Path, installed: Path, out: Path, select: str | None,
     proc = subprocess.run(cmd, cwd=workdir, env=env, text=True, capture_output=True)
     if proc.returncode != 0:
         raise SystemExit(f"benchmarks of {source} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
-    data = json.loads(out.read_text())
-    name = {id(b): b["fullname"].split("::", 1)[-1] for b in data["benchmarks"]}
-    return ({name[id(b)]: b["stats"]["median"] for b in data["benchmarks"]},
-            {name[id(b)]: b["extra_info"]["missed_targets"] for b in data["benchmarks"]
-             if b.get("extra_info", {}).get("missed_targets")})
+    medians, missed = {}, {}
+    for b in json.loads(out.read_text())["benchmarks"]:
+        name = b["fullname"].split("::", 1)[-1]
+        medians[name] = b["stats"]["median"]
+        if b.get("extra_info", {}).get("missed_targets"):
+            missed[name] = b["extra_info"]["missed_targets"]
+    return medians, missed
 
 
 def compare(base: dict[str, list[float]], head: dict[str, list[float]], threshold: float):

@@ -19,7 +19,8 @@ import pytest
 from targets import check_target
 
 from spyre_rt.construct import attention
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
+from spyre_rt.cost import CostModel
 from spyre_rt.ir import AttentionKernel
 from spyre_rt.layout import StickLayout
 
@@ -44,7 +45,7 @@ def granite_attention(q_len: int) -> tuple[AttentionKernel, dict]:
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_granite_attention_construction(benchmark, spyre_profile, phase):
     kernel, layouts = granite_attention(1024 if phase == "prefill" else 1)
-    target = Target.from_profile(spyre_profile)
+    target = CostModel.of_figures(spyre_profile)
     first = BuildContext(target, layouts)
     record = attention.build(first, kernel)  # the decisions, once
 

@@ -17,8 +17,9 @@ import pytest
 from targets import check_target
 
 from spyre_rt import jobs
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 
@@ -43,13 +44,7 @@ def _thread_us(call) -> float:
     return (time.thread_time_ns() - t0) / 1e3
 
 
-def roofline_ns(target: Target, m: int, n: int, k: int, itemsize: int = 2) -> float:
-    macs = m * n * k
-    min_bytes = (m * k + k * n + m * n) * itemsize
-    return max(macs / (target.macs_per_ns * target.num_cores), min_bytes / target.dram_bytes_per_ns)
-
-
-def linear_context(target: Target, m: int, n: int, k: int) -> tuple[BuildContext, MatmulSpec]:
+def linear_context(target: CostModel, m: int, n: int, k: int) -> tuple[BuildContext, MatmulSpec]:
     """out (m, n) = x (m, k) @ W.t(), W (n, k) as nn.Linear stores it; fp16."""
     layouts = {"x": StickLayout(m, k, 2), "w": StickLayout(n, k, 2), "o": StickLayout(m, n, 2)}
     spec = MatmulSpec(View("x", 0, (1, m, k), (0, k, 1)), View("w", 0, (1, k, n), (0, 1, k)),
@@ -66,7 +61,7 @@ def device_ns(card, ctx: BuildContext) -> tuple[float, dict]:
 @pytest.mark.parametrize("phase,m", PHASES, ids=[p for p, _ in PHASES])
 @pytest.mark.parametrize("layer,n,k", LAYERS, ids=[name for name, _, _ in LAYERS])
 def test_granite_gemm(benchmark, timing_card, layer, n, k, phase, m):
-    target = Target.from_profile(timing_card.profile)
+    target = CostModel.of_figures(timing_card.profile)
     ctx, spec = linear_context(target, m, n, k)
     t0 = time.perf_counter()
     tiles = build(ctx, spec)  # the first build also chooses the tiles (compile time)
@@ -80,8 +75,8 @@ def test_granite_gemm(benchmark, timing_card, layer, n, k, phase, m):
     benchmark.pedantic(construct, rounds=3, iterations=1, warmup_rounds=1)
     construct_us = min(_thread_us(construct) for _ in range(5))
     dev, info = device_ns(timing_card, ctx)
-    roof = roofline_ns(target, m, n, k)
     min_bytes = (m * k + k * n + m * n) * 2
+    roof = target.kernel_ns(2 * m * n * k, min_bytes)
     benchmark.extra_info.update({
         "shape": f"{m}x{n}x{k}", "tiles": repr(tiles), "commands": ctx.ncmds,
         "device_us": dev / 1e3, "roofline_us": roof / 1e3, "fraction": roof / dev,

@@ -8,8 +8,9 @@ import torch
 from targets import check_target
 
 from spyre_rt import jobs
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 from spyre_rt.profiler import host
@@ -18,7 +19,7 @@ from spyre_rt.profiler import host
 def _matmul_context(card, m, n, k, dtype=lib.SPY_DT_F16, e=2, tiling=None) -> tuple[BuildContext, object]:
     """A matmul's program built into a fresh context; returns it and its tiling."""
     layouts = {"a": StickLayout(m, k, e), "b": StickLayout(k, n, e), "o": StickLayout(m, n, e)}
-    ctx = BuildContext(Target.from_profile(card.profile), layouts)
+    ctx = BuildContext(CostModel.of_figures(card.profile), layouts)
     tiling = build(ctx, MatmulSpec(View("a", 0, (1, m, k), (0, k, 1)), View("b", 0, (1, k, n), (0, n, 1)),
                                    View("o", 0, (1, m, n), (0, n, 1)), dtype, dtype), tiling)
     return ctx, tiling

@@ -170,8 +170,9 @@ def builder_records() -> dict[str, bytes]:
     from fuzz_builder import copy_record_bytes, graph_record_bytes, loop_record_bytes
 
     from spyre_rt import device_profile
-    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.construct.context import BuildContext
     from spyre_rt.construct.loops.record import decide
+    from spyre_rt.cost import CostModel
     from spyre_rt.native import ffi, lib
 
     out = {
@@ -195,7 +196,7 @@ def builder_records() -> dict[str, bytes]:
                 "offset": offset, "sizes": list(sizes), "strides": list(strides)})
             out[f"transfer-{name}-{'h2d' if direction == lib.SPY_OP_H2D else 'd2h'}"] = b"T" + bytes(ffi.buffer(rec))
     out.update(matmul_records())
-    target = Target.from_profile(device_profile.load("spyre"))
+    target = CostModel.of_figures(device_profile.load("spyre"))
     for name, (kernel, layouts) in loop_kernels().items():
         decided = decide(BuildContext(target, layouts), kernel)  # owns the arrays its record points at
         out[f"loop-{name}"] = b"L" + loop_record_bytes(decided.record)
@@ -212,12 +213,13 @@ def matmul_records() -> dict[str, bytes]:
 
     from spyre_rt import device_profile
     from spyre_rt.construct import matmul as mm
-    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.construct.context import BuildContext
+    from spyre_rt.cost import CostModel
     from spyre_rt.ir import Epilogue, Op
     from spyre_rt.layout import StickLayout
     from spyre_rt.native import lib
 
-    target = Target.from_profile(device_profile.load("spyre"))
+    target = CostModel.of_figures(device_profile.load("spyre"))
     f16 = lib.SPY_DT_F16
 
     def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, tiling=None, layouts=None):
@@ -259,11 +261,12 @@ def attention_records() -> dict[str, bytes]:
 
     from spyre_rt import device_profile
     from spyre_rt.construct import attention
-    from spyre_rt.construct.context import BuildContext, Target
+    from spyre_rt.construct.context import BuildContext
+    from spyre_rt.cost import CostModel
     from spyre_rt.ir import AttentionKernel
     from spyre_rt.layout import StickLayout
 
-    target = Target.from_profile(device_profile.load("spyre"))
+    target = CostModel.of_figures(device_profile.load("spyre"))
 
     def record(q_len, kv_len, dtype="float16", causal=False, mask=None):
         e = 4 if dtype == "float32" else 2

@@ -286,7 +286,8 @@ def copy_plan(dst: torch.Tensor, src: torch.Tensor):
     table). The card copies bytes, so both sides must be whole storages of one layout seen
     the same way; anything else is a clear error."""
     from .construct import copy as copies
-    from .construct.context import BuildContext, Target
+    from .construct.context import BuildContext
+    from .cost import CostModel
     from .plan import GraphPlan, PlanJob, encode
 
     if src.device.type != "spyre" or dst.device.type != "spyre":
@@ -305,7 +306,7 @@ def copy_plan(dst: torch.Tensor, src: torch.Tensor):
             f"(here {tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}); copy into a tensor "
             "made like the source (torch.empty_like) before capturing")
     layout = view_d.layout
-    ctx = BuildContext(Target.from_profile(card.profile), {"src": layout, "dst": layout})
+    ctx = BuildContext(CostModel.of_figures(card.profile), {"src": layout, "dst": layout})
     copies.build(ctx, [copies.Copy("src", 0, "dst", 0, layout.nbytes)])
     relocs = tuple((0 if name == "src" else 1, 0) for name in ctx.buffers())
     name = f"graph copy {tuple(dst.shape)}"

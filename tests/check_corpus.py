@@ -5,7 +5,7 @@
 A corpus is JSON lines, one kernel construction each, as a recording of the test suites
 makes them: its kind, the kernel's description (JSON), the stick layouts and logical
 offsets of its buffers, the card's figures (``target``: the values of
-:class:`~spyre_rt.construct.context.Target`'s fields in declaration order) and the sha256
+:class:`~spyre_rt.cost.CostModel`'s fields in declaration order) and the sha256
 of the program it encoded. Each kernel is built twice, as a launch builds it: from
 nothing, then from the decisions the first build returned. The exit status is the number
 of programs that changed (0: every one byte for byte). ``tests/program_digests.json``
@@ -22,17 +22,21 @@ import hashlib
 import json
 import sys
 
-from spyre_rt import construct
+from spyre_rt import construct, device_profile
 from spyre_rt import ir as kdesc
 from spyre_rt.construct import copy
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 
 
-def target_of(values: list) -> Target:
-    """A Target from its field values (recorded as floats) in declaration order."""
-    fields = dataclasses.fields(Target)
-    return Target(*(int(v) if f.type == "int" else float(v) for f, v in zip(fields, values, strict=True)))
+def target_of(values: list) -> CostModel:
+    """A cost model from its field values (recorded as floats) in declaration order; a
+    field added since the recording (``gran_k``) takes the shipped profile's value."""
+    shipped = CostModel.of_figures(device_profile.load("spyre"))
+    fields = dataclasses.fields(CostModel)
+    given = {f.name: int(v) if f.type == "int" else float(v) for f, v in zip(fields, values, strict=False)}
+    return dataclasses.replace(shipped, **given)
 
 
 def build(r: dict) -> tuple[bytes, bytes]:

@@ -27,7 +27,8 @@ from torch._dynamo.utils import counters
 from spyre_rt import card as cards
 from spyre_rt import device_profile, dispatch, dtypes, executor, fallback, jobs
 from spyre_rt.construct import attention as A
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
+from spyre_rt.cost import CostModel
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.ir import AttentionKernel, LoopKernel
 from spyre_rt.layout import StickLayout
@@ -240,7 +241,7 @@ def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=Non
                              1 / math.sqrt(dim), causal, q_offset, views.get("mask"),
                              dtypes.name(mask.dtype) if mask is not None else "")
     placed = {n: _upload(card, t.contiguous(), t.shape[-1]) for n, t in host.items()}
-    ctx = BuildContext(Target.from_profile(card.profile), {n: lay for n, (_, lay) in placed.items()})
+    ctx = BuildContext(CostModel.of_figures(card.profile), {n: lay for n, (_, lay) in placed.items()})
     tiling = A.build(ctx, kernel, tiling)
     blob = ctx.encode()
     try:
@@ -315,8 +316,8 @@ def granite(q_len: int, kv_len: int, **kw) -> A.Shape:
     return A.Shape(**(base | kw))
 
 
-def _target() -> Target:
-    return Target.from_profile(device_profile.load("spyre"))
+def _target() -> CostModel:
+    return CostModel.of_figures(device_profile.load("spyre"))
 
 
 def test_decode_spreads_each_kv_heads_keys_over_the_cores():

@@ -22,8 +22,9 @@ from spyre_rt.compiler.fusion import fuse_epilogues
 from test_matmul_build import DTYPES, launch_built, operand, tilings
 
 from spyre_rt import dispatch, dtypes, executor
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.cost import CostModel
 from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.ir import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
@@ -229,7 +230,7 @@ def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
     ops = {"a": a, "b": b, "p": p, "r": r, "w": w, "o1": o1, "o2": o2}
     code = dtypes.of(dtype).code
     spec = MatmulSpec(a.view, b.view, p.view, code, code, epilogue=ep)
-    ctx = BuildContext(Target.from_profile(card.profile), {x: o.layout for x, o in ops.items()})
+    ctx = BuildContext(CostModel.of_figures(card.profile), {x: o.layout for x, o in ops.items()})
     tiling = build(ctx, spec, tiling).tiling
     blob = ctx.encode()
     assert races(blob) == [], f"scratchpad races under {tiling}"

@@ -9,15 +9,16 @@ import pytest
 
 from spyre_rt import device_profile
 from spyre_rt.construct import loops
-from spyre_rt.construct.context import BuildContext, ScratchpadOverflow, Target
+from spyre_rt.construct.context import BuildContext, ScratchpadOverflow
 from spyre_rt.construct.loops.analysis import Unsupported, analyse
 from spyre_rt.construct.loops.scratchpad import lay_out, scratch_needs
 from spyre_rt.construct.loops.tiling import choose_tiling
 from spyre_rt.construct.sfu import COL, ROW, SCALAR, TILE
+from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
 
-TARGET = Target.from_profile(device_profile.load("spyre"))
+TARGET = CostModel.of_figures(device_profile.load("spyre"))
 
 
 def _row_major(sizes):

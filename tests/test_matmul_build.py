@@ -18,9 +18,10 @@ from scratchpad_races import races
 
 from spyre_rt import device_profile, dtypes, jobs
 from spyre_rt.card import Card
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, choose
 from spyre_rt.construct.matmul.tiling import divisors
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,7 +94,7 @@ def run(card, a: Operand, b: Operand, out: Operand, bias: Operand | None = None,
     spec = MatmulSpec(a.view, b.view, out.view, code, dtypes.of(out.values.dtype).code,
                       bias=bias.view if bias is not None else None,
                       bias_dtype=dtypes.of(bias.values.dtype).code if bias is not None else 0)
-    ctx = BuildContext(Target.from_profile(card.profile), {n: o.layout for n, o in ops.items()})
+    ctx = BuildContext(CostModel.of_figures(card.profile), {n: o.layout for n, o in ops.items()})
     tiling = build(ctx, spec, tiling).tiling
     blob = ctx.encode()
     return launch_built(card, ctx, blob, ops, ["o"])["o"], tiling, blob
@@ -258,7 +259,7 @@ def test_rows_that_wrap_in_storage_are_moved_by_descriptor_lists(card):
 
 
 def test_an_empty_result_builds_nothing():
-    target = Target.from_profile(device_profile.load("spyre"))
+    target = CostModel.of_figures(device_profile.load("spyre"))
     layouts = {"a": StickLayout(0, 8, 2), "b": StickLayout(8, 4, 2), "o": StickLayout(0, 4, 2)}
     ctx = BuildContext(target, layouts)
     code = dtypes.of(torch.float16).code
@@ -270,7 +271,7 @@ def test_an_empty_result_builds_nothing():
 def test_construction_is_deterministic():
     """The same matmul builds the same program: what keeps the dispatch modes bit for bit
     alike."""
-    target = Target.from_profile(device_profile.load("spyre"))
+    target = CostModel.of_figures(device_profile.load("spyre"))
     a = operand("a", torch.float16, 1, 130, 300, gen=torch.Generator().manual_seed(0))
     b = operand("b", torch.float16, 1, 300, 100, transposed=True, gen=torch.Generator().manual_seed(0))
     out = operand("o", torch.float16, 1, 130, 100)

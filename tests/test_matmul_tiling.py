@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from spyre_rt import device_profile, jobs
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, choose
 from spyre_rt.construct.matmul import tiling as tl
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 from spyre_rt.native import lib
 
-TARGET = Target.from_profile(device_profile.load("spyre"))
+TARGET = CostModel.of_figures(device_profile.load("spyre"))
 MS, NKS = (1, 7, 1024), (64, 100, 4097, 49155)
 
 

@@ -11,7 +11,8 @@ import pytest
 from spyre_rt import device_profile, jobs
 from spyre_rt.card import Card
 from spyre_rt.construct import copy, loops
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
+from spyre_rt.cost import CostModel
 from spyre_rt.errors import SpyreError, SpyreInvalidCommandError
 from spyre_rt.ir import Access, Buffer, LoopKernel, Op
 from spyre_rt.layout import StickLayout
@@ -20,7 +21,7 @@ from spyre_rt.program import JOB_HEADER, built_block
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
 MiB = 1 << 20
-TARGET = Target.from_profile(device_profile.load("spyre"))
+TARGET = CostModel.of_figures(device_profile.load("spyre"))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_a_corrupt_copy_record_is_refused_naming_its_field(ranges, extents, kw, 
 
 def test_a_copy_outside_its_buffer_is_refused_before_it_runs(card):
     """Through the kernel builder: a typed error, no program."""
-    target = Target.from_profile(card.profile)
+    target = CostModel.of_figures(card.profile)
     ctx = BuildContext(target, {"a": StickLayout(1, 4096, 1), "b": StickLayout(1, 4096, 1)})
     with pytest.raises(SpyreInvalidCommandError, match=r"ranges\[0\]\.src_off 4000 \+ nbytes 200"):
         copy.build(ctx, [copy.Copy("a", 4000, "b", 0, 200)])
@@ -128,7 +129,7 @@ def test_a_natively_built_kernel_has_the_facts_of_its_program(card):
     """The profiler's figures (DRAM bytes, cores) come from the block the builder made."""
     from spyre_rt.construct.facts import program_facts
 
-    target = Target.from_profile(card.profile)
+    target = CostModel.of_figures(card.profile)
     ctx = BuildContext(target, {"a": StickLayout(1, MiB, 1), "b": StickLayout(1, MiB, 1)})
     copy.build(ctx, [copy.Copy("a", 0, "b", 0, MiB)])
     assert ctx.ncmds == 64
@@ -178,7 +179,7 @@ def matmul_decided(card, m=64, n=130, k=200, bias=True):
     """A matmul's decision record (a bias row, a K split over cores) and its context."""
     from spyre_rt.construct import matmul as mm
 
-    target = Target.from_profile(card.profile)
+    target = CostModel.of_figures(card.profile)
     layouts = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
                "bias": StickLayout(1, n, 4)}
     spec = mm.MatmulSpec(mm.View("a", 0, (1, m, k), (0, k, 1)), mm.View("b", 0, (1, k, n), (0, n, 1)),
@@ -426,7 +427,7 @@ def attention_decision(q_len=1, kv_len=200, mask=False):
         layouts["m"] = StickLayout(q_len, kv_len, 1)
     kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], "float16", 0.125,
                              mask=views.get("mask"), mask_dtype="bool" if mask else "")
-    ctx = BuildContext(Target.from_profile(device_profile.load("spyre")), layouts)
+    ctx = BuildContext(CostModel.of_figures(device_profile.load("spyre")), layouts)
     return attention.build(ctx, kernel), kernel, ctx
 
 

@@ -9,10 +9,10 @@ from rich.console import Console
 
 from spyre_rt import card as cards
 from spyre_rt import device_profile, trace
+from spyre_rt.cost import CostModel
 from spyre_rt.profiler import analytic, cli, published
 from spyre_rt.profiler import run as runmod
 from spyre_rt.profiler import view as viewmod
-from spyre_rt.profiler.roofline import Roofline
 
 TINY = ["granite-tiny", "--seq", "16", "--decode-steps", "2", "--layers", "1"]
 PHASES = ("prefill", "decode")
@@ -294,7 +294,7 @@ def test_the_json_names_its_format_and_host_and_the_spread_of_every_figure(cli_r
 
 def test_efficiency_is_device_time_against_the_roofline_per_phase(cli_run):
     _, out, _ = cli_run
-    roofline = Roofline.of_profile(device_profile.load("spyre"))
+    roofline = CostModel.of_figures(device_profile.load("spyre"))
     config = runmod.load_model("granite-tiny").config | {"num_hidden_layers": 1}
     for phase in PHASES:
         e = out["efficiency"][phase]

@@ -19,7 +19,8 @@ import pytest
 from spyre_rt import construct, device_profile
 from spyre_rt import ir as kdesc
 from spyre_rt.construct import copy
-from spyre_rt.construct.context import BuildContext, Target
+from spyre_rt.construct.context import BuildContext
+from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
 from spyre_rt.transfer import ViewGeometry, transfer_program
 
@@ -33,11 +34,11 @@ def records() -> dict:
 
 
 @pytest.fixture(scope="module")
-def target() -> Target:
-    return Target.from_profile(device_profile.load("spyre"))
+def target() -> CostModel:
+    return CostModel.of_figures(device_profile.load("spyre"))
 
 
-def build(target: Target, r: dict):
+def build(target: CostModel, r: dict):
     """The encoded program of one record, built twice: the second time with the tiling the
     first chose (a launch after the first)."""
     layouts = {b: StickLayout(*lay) for b, lay in r["layouts"].items()}

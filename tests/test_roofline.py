@@ -3,8 +3,9 @@
 import pytest
 
 from spyre_rt import device_profile
+from spyre_rt.cost import CostModel
 from spyre_rt.profiler import analytic
-from spyre_rt.profiler.roofline import Roofline, kernel_figures
+from spyre_rt.profiler.roofline import kernel_figures
 
 TINY = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
         "intermediate_size": 512, "vocab_size": 1000}
@@ -12,11 +13,11 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "n
 
 @pytest.fixture(scope="module")
 def card():
-    return Roofline.of_profile(device_profile.load("spyre"))
+    return CostModel.of_figures(device_profile.load("spyre"))
 
 
 def test_the_card_figures_come_from_the_device_profile(card):
-    assert card.macs_per_ns == pytest.approx(32 * 1536 * 0.7422)  # 36,480.6 MAC/ns sustained
+    assert card.card_macs_per_ns == pytest.approx(32 * 1536 * 0.7422)  # 36,480.6 MAC/ns sustained
     assert card.dram_bytes_per_ns == 150.0
     assert card.job_latency_ns == 2000 + device_profile.load("spyre")["dma_latency_ns"]
 
@@ -43,8 +44,8 @@ def test_kernels_below_the_cost_of_a_job_are_latency_bound(card):
 
 
 def test_a_trace_without_device_figures_has_no_roofline():
-    assert Roofline.of_trace_metadata({}) is None
-    assert Roofline.of_trace_metadata({"spyre_rt": {"device": {"figures": {"num_cores": 32}}}}) is None
+    assert CostModel.of_trace_metadata({}) is None
+    assert CostModel.of_trace_metadata({"spyre_rt": {"device": {"figures": {"num_cores": 32}}}}) is None
 
 
 def test_kernel_figures_need_flops_and_minimum_bytes():

@@ -16,9 +16,9 @@ from spyre_rt import card as cards
 from spyre_rt import device_profile, jobs
 from spyre_rt.card import Card
 from spyre_rt.construct import attention
-from spyre_rt.construct.context import Target
 from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View
 from spyre_rt.construct.matmul import tiling as tl
+from spyre_rt.cost import CostModel
 from spyre_rt.errors import SpyreProfileError
 from spyre_rt.native import lib
 from spyre_rt.program import (
@@ -106,7 +106,7 @@ def test_a_compiled_fp32_kernel_of_transcendentals_slows_with_the_ratio(tmp_path
 def test_construction_estimates_charge_fp32_sfu_work_at_the_ratio():
     """The matmul's split-K adds and epilogue (on the fp32 accumulator) and the attention's
     softmax (on fp32 S and O): their SFU element time doubles at half the rate."""
-    full = Target.from_profile(device_profile.load("spyre"))
+    full = CostModel.of_figures(device_profile.load("spyre"))
     half = dataclasses.replace(full, sfu_fp32_ratio=0.5)
     assert full.sfu_fp32_ratio == 1.0
 

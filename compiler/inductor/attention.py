@@ -231,7 +231,8 @@ def _tiles_fit(operands, attn_mask, is_causal) -> bool:
     dynamic one is tiled at its first call)."""
     from spyre_rt.card import card_set
     from spyre_rt.construct import attention as construct
-    from spyre_rt.construct.context import ScratchpadOverflow, Target
+    from spyre_rt.construct.context import ScratchpadOverflow
+    from spyre_rt.cost import CostModel
 
     sizes = [x.get_size() for x in operands] + [x.get_stride() for x in operands[3:]]
     if not all(_static(v) for dims in sizes for v in dims):
@@ -243,7 +244,7 @@ def _tiles_fit(operands, attn_mask, is_causal) -> bool:
     shape = construct.Shape(batch, heads, kv_heads, q_len, kv_len, dim, v_dim, dtype_name(operands[0].get_dtype()),
                             mask, dtype_name(attn_mask.get_dtype()) if mask else "", mask_heads, bool(is_causal), 0)
     try:
-        construct.choose(shape, Target.from_profile(card_set().profile))
+        construct.choose(shape, CostModel.of_figures(card_set().profile))
     except ScratchpadOverflow:
         return False
     return True

@@ -39,8 +39,9 @@ import torch
 from .. import card as cards
 from .. import construct, job_facts, jobs, tensors
 from ..construct import Refused, copy, loops
-from ..construct.context import BuildContext, Target
+from ..construct.context import BuildContext
 from ..construct.facts import kernel_facts, program_facts
+from ..cost import CostModel
 from ..dispatch import DispatchMode, named
 from ..dtypes import torch_dtype
 from ..errors import SpyreError, SpyreRefusedError
@@ -67,7 +68,7 @@ class Executable:
         self.step = step
         self.desc = desc
         self.card = card
-        self.target = Target.from_profile(card.profile)
+        self.target = CostModel.of_figures(card.profile)
         mem = step.memory_plan(card.profile.stick_bytes)
         names_in = [b.name for b, _ in desc.inputs] + list(desc.constants)
         layouts: dict[str, StickLayout] = dict(mem.layouts)

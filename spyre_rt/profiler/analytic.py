@@ -27,7 +27,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from .roofline import COMPUTE, DRAM, Roofline
+from ..cost import CostModel
+from .roofline import COMPUTE, DRAM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +45,13 @@ class StepCost:
     def dram_bytes(self) -> float:
         return self.weight_bytes + self.kv_bytes + self.activation_bytes
 
-    def roofline_ms(self, roofline: Roofline) -> float:
+    def roofline_ms(self, roofline: CostModel) -> float:
         return roofline.kernel_ns(self.flops, self.dram_bytes, self.dtype) / 1e6
 
-    def bound(self, roofline: Roofline) -> str:
+    def bound(self, roofline: CostModel) -> str:
         return COMPUTE if roofline.compute_ns(self.flops, self.dtype) >= roofline.dram_ns(self.dram_bytes) else DRAM
 
-    def as_dict(self, roofline: Roofline) -> dict[str, Any]:
+    def as_dict(self, roofline: CostModel) -> dict[str, Any]:
         return {"flops": self.flops, "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
                 "activation_bytes": self.activation_bytes, "roofline_ms": self.roofline_ms(roofline),
                 "bound": self.bound(roofline)}

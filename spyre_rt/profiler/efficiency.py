@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import job_facts
+from ..cost import CostModel
 from ..transfer import D2H, H2D
 from .analytic import StepCost
-from .roofline import COMPUTE, DRAM, Roofline, kernel_figures
+from .roofline import COMPUTE, DRAM, kernel_figures
 
 TRANSFER_JOBS = frozenset((H2D, D2H))  # jobs of the transfer path, not kernels
 
@@ -25,7 +26,7 @@ def kernel_names(job_names: Iterable[str]) -> list[str]:
     return [n for n in job_names if n not in TRANSFER_JOBS]
 
 
-def kernels_roofline(names: Iterable[str], roofline: Roofline,
+def kernels_roofline(names: Iterable[str], roofline: CostModel,
                      lookup: Callable[[str], dict[str, Any] | None] = job_facts.lookup) -> dict[str, Any]:
     """The summed roofline of kernels by job name, split into the time of compute-bound and
     of DRAM-bound kernels, and how many of the kernels had the figures it needs."""
@@ -44,7 +45,7 @@ def kernels_roofline(names: Iterable[str], roofline: Roofline,
             "dram_bound_ms": by_bound[DRAM] / 1e6, "kernels": count, "kernels_with_info": known}
 
 
-def phase_efficiency(device_ms: float, kernels: dict[str, Any], analytic: StepCost, roofline: Roofline) -> dict[str, Any]:
+def phase_efficiency(device_ms: float, kernels: dict[str, Any], analytic: StepCost, roofline: CostModel) -> dict[str, Any]:
     """``{"device_ms", "roofline_ms", "fraction", "bound", ...}`` of one phase step: from
     the kernels' roofline when every kernel has info, else from the analytic model. The
     bound is the one that holds most of the roofline time."""

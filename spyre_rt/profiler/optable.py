@@ -34,9 +34,10 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from ..cost import CostModel
 from ..job_facts import module_path, op_names
 from ..trace.data import TraceData, Window, device, job_waits, window
-from .roofline import HOST, Roofline, kernel_figures
+from .roofline import HOST, kernel_figures
 
 GROUPINGS = ("kernel", "op", "module", "layer")
 DEFAULT_GROUPING = "op"
@@ -105,7 +106,7 @@ def op_table(data: TraceData, win: Window | None = None, device_pid: Any = None,
     (default: the whole trace); biggest device time first."""
     a, b = win or window(data)
     dev = device(data, device_pid)
-    roofline = Roofline.of_trace_metadata(data.metadata)
+    roofline = CostModel.of_trace_metadata(data.metadata)
     groups: dict[str, _Acc] = defaultdict(_Acc)
     info_of = data.jobs[dev].info if dev is not None else {}
     group_of = functools.cache(lambda name: group_name(name, info_of.get(name), by))
@@ -119,7 +120,7 @@ def op_table(data: TraceData, win: Window | None = None, device_pid: Any = None,
 
 
 def _add_jobs(groups: dict[str, _Acc], data: TraceData, dev: Any, win: Window, group_of: Callable[[str], str],
-              roofline: Roofline | None) -> None:
+              roofline: CostModel | None) -> None:
     a, b = win
     jobs = data.jobs[dev]
     waits = job_waits(data, dev, win)
@@ -153,7 +154,7 @@ def _add_launches(groups: dict[str, _Acc], data: TraceData, dev: Any, win: Windo
             g.launches += 1
 
 
-def _row(name: str, g: _Acc, total_us: float, roofline: Roofline | None) -> OpRow:
+def _row(name: str, g: _Acc, total_us: float, roofline: CostModel | None) -> OpRow:
     d = g.durations
     device_us = float(sum(d))
     row = OpRow(name, len(d) or g.launches, g.host_us, device_us, 100.0 * device_us / total_us if total_us > 0 else 0.0,
@@ -247,9 +248,9 @@ def fit_columns(names: list[str], cells: list[list[str]], width: int,
         shown.remove(drop_order.pop(0))
 
 
-def roofline_caption(roofline: Roofline) -> str:
+def roofline_caption(roofline: CostModel) -> str:
     return (f"% roof: the share of the device time the card's roofline accounts for — compute: FLOPs at "
-            f"{roofline.macs_per_ns:,.0f} MAC/ns; DRAM: minimum bytes at {roofline.dram_bytes_per_ns:,.0f} GB/s")
+            f"{roofline.card_macs_per_ns:,.0f} MAC/ns; DRAM: minimum bytes at {roofline.dram_bytes_per_ns:,.0f} GB/s")
 
 
 def ops_table(rows: list[OpRow], width: int, top: int | None = None, title: str = "per-op summary",

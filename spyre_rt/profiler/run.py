@@ -38,12 +38,12 @@ from .. import card as cards
 from .. import device_profile as profiles
 from .. import job_facts
 from .. import trace as trace_format
+from ..cost import CostModel
 from ..dispatch import NAMES as DISPATCH
 from ..dispatch import dispatch_mode
 from ..errors import SpyreProfileError
 from ..regional import compile_layers_once
 from . import analytic, efficiency, host, published
-from .roofline import Roofline
 from .roofline import assumptions as roofline_assumptions
 
 # The dispatch modes (DISPATCH, from spyre_rt.dispatch's table), and "replay": the prebuilt
@@ -637,7 +637,7 @@ def analyse(session: Session, opts: Options, samples: dict[str, list[dict]], cen
 
 def efficiency_of(session: Session, opts: Options, results: dict, census: dict[str, list[str]]) -> dict:
     """Per phase step (a prefill; one decode token): device time against the roofline."""
-    roofline = Roofline.of_profile(session.card.profile)
+    roofline = CostModel.of_figures(session.card.profile)
     mode = _census_mode(opts)
     out = {}
     for phase in PHASES:

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cost import CostModel
 from ..errors import SpyreProfileError
 from . import analytic, host
-from .roofline import Roofline
 
 ENGINES = ("card", "host")
 MODES = ("replay", "compiled")   # how a card's decode grids run
@@ -299,7 +299,7 @@ def summarise(steps: list[Step], concurrency: int, output_len: int) -> dict[str,
 
 
 def roofline_of(config: dict, layers: int, concurrency: int, input_len: int, output_len: int, dtype: str,
-                roof: Roofline) -> dict[str, float]:
+                roof: CostModel) -> dict[str, float]:
     """The least time of a run's work: the prefill of the prompts (one step, the weights
     read once) and each decode step of the batch (the weights read once per step, the
     KV cache of every position so far), from the analytic model of the config."""
@@ -352,7 +352,7 @@ def measure(opts: Options, console=None) -> dict[str, Any]:
     dtype = str(profile.dtype).removeprefix("torch.")
     roofline: dict[str, dict[str, Any]] = {}
     if opts.engine == "card":
-        roof = Roofline.of_profile(_card_of(0).profile)
+        roof = CostModel.of_figures(_card_of(0).profile)
         roofline = {mode: {str(c): roofline_of(profile.config, layers, c, opts.input_len, opts.output_of(mode), dtype,
                                                roof) for c in opts.concurrency} for mode in modes}
     return {

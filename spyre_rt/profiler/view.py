@@ -22,9 +22,9 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from ..cost import CostModel
 from ..trace.data import Counter, TraceData, Track, Window, device, job_waits, load, parse, window
 from . import optable
-from .roofline import Roofline
 
 __all__ = ["TraceData", "Window", "load", "parse", "window", "timeline", "idle_breakdown", "critical_path",
            "render", "ascii_safe"]
@@ -311,7 +311,7 @@ def render_critical_path(console: Console, cp: CriticalPath) -> None:
 def _missing_info_note(data: TraceData, dev) -> str:
     if not any(data.jobs[dev].info.values()):
         return "jobs carry no kernel info (op, module, FLOPs, bytes): rows are kernels, no roofline columns"
-    if Roofline.of_trace_metadata(data.metadata) is None:
+    if CostModel.of_trace_metadata(data.metadata) is None:
         return "the trace has no device figures (metadata.spyre_rt.device): no roofline columns"
     return ""
 
@@ -342,7 +342,7 @@ def _render(console: Console, data: TraceData, w: Window, top: int, title: str, 
         suffix = f" · {pname}" if len(data.devices) > 1 else ""
         console.print()
         ops = optable.op_table(data, w, dev, by)
-        roofline = Roofline.of_trace_metadata(data.metadata)
+        roofline = CostModel.of_trace_metadata(data.metadata)
         caption = optable.roofline_caption(roofline) if roofline and any(r.compute_pct is not None for r in ops) else None
         console.print(optable.ops_table(ops, console.width, top, "per-op summary" + suffix, by, caption))
         note = _missing_info_note(data, dev)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ... import dtypes
-from ..context import Target, round_up
+from ...cost import CostModel
 from .shape import Shape
 
 # A block's SFU work in passes over S (one per instruction over the tile, the exp counted
@@ -12,23 +12,20 @@ SFU_PASSES = 12
 SFU_INSTRS = 16
 
 
-def block_costs(shape: Shape, target: Target, rows: int, keys: int, share: int = 1) -> tuple[float, float, float]:
+def block_costs(shape: Shape, target: CostModel, rows: int, keys: int, share: int = 1) -> tuple[float, float, float]:
     """(arrays ns, SFU ns, DRAM bytes) of one block of `rows` query rows per head, its keys
     read by one of `share` cores that walk them together."""
     r = shape.group * rows
-    rate = target.macs_per_ns * (target.pt_fp32_ratio if shape.fp32 else 1.0)
-    gm, gn = target.gran_m, target.gran_n
-    padded = round_up(r, gm) * (round_up(keys, gn) * shape.dim + round_up(shape.v_dim, gn) * keys)
-    arrays = padded / rate + 2 * target.pt_latency_ns
-    sfu_rate = target.sfu_elems_per_ns * target.sfu_fp32_ratio  # S, O and the row state are fp32
-    sfu = (r * keys * SFU_PASSES + r * shape.v_dim) / sfu_rate + SFU_INSTRS * target.sfu_latency_ns
+    arrays = target.matmul_ns(r, keys, shape.dim, shape.fp32) + target.matmul_ns(r, shape.v_dim, keys, shape.fp32)
+    # S, O and the row state are fp32
+    sfu = target.sfu_ns(r * keys * SFU_PASSES + r * shape.v_dim, fp32=True, instrs=SFU_INSTRS)
     moved = keys * (shape.dim + shape.v_dim) * shape.e_in / share
     if shape.mask:
         moved += shape.mask_heads * rows * keys * dtypes.ITEMSIZE[shape.mask_dtype]
     return arrays, sfu, moved
 
 
-def task_ns(shape: Shape, target: Target, rows: int, keys: int, kv_block: int, rate: float | None = None,
+def task_ns(shape: Shape, target: CostModel, rows: int, keys: int, kv_block: int, rate: float | None = None,
             share: int = 1) -> float:
     """A task's time on one core: its blocks, each as long as its slowest engine, the
     loads of its queries and the store of its output spread over them."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from ... import dtypes
+from ...cost import CostModel
 from ...ir import View
 from ...native import ffi, lib
 from ...program import built_block
-from ..context import BuildContext, Target
+from ..context import BuildContext
 from .scratchpad import Scratchpad
 from .shape import Shape
 from .tasks import Tiling
@@ -26,7 +27,7 @@ class Record:
     as it is, which makes the commands, DMA patterns, SFU programs, dependencies and the
     encoded program."""
 
-    def __init__(self, target: Target, shape: Shape, tiling: Tiling, lx: Scratchpad, views: dict[str, View | None],
+    def __init__(self, target: CostModel, shape: Shape, tiling: Tiling, lx: Scratchpad, views: dict[str, View | None],
                  layouts: dict, scale: float):
         self.shape, self.tiling, self.lx = shape, tiling, lx
         self.scratchpad_peak = lx.top

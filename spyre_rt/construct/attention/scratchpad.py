@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ... import dtypes
-from ..context import ScratchpadPlan, Target, round_up
+from ...cost import CostModel, round_up
+from ..context import ScratchpadPlan
 from .shape import Shape
 from .tasks import Tiling
 
@@ -16,7 +17,7 @@ class Scratchpad:
     sends it to its leader in one ring transfer; the leader receives each other part's
     state into a region of its own."""
 
-    def __init__(self, shape: Shape, target: Target, tiling: Tiling):
+    def __init__(self, shape: Shape, target: CostModel, tiling: Tiling):
         lx = ScratchpadPlan(target.scratchpad_bytes)
         rows, keys = tiling.q_rows, tiling.kv_block
         big = shape.group * rows  # rows of the largest tile

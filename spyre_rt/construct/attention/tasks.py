@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import dtypes
-from ..context import Target
+from ...cost import CostModel
 from .cost import task_ns
 from .shape import Shape
 
@@ -69,14 +69,14 @@ def units_of(shape: Shape, q_rows: int) -> list[tuple[int, int, int, int, int]]:
     return units
 
 
-def can_share(shape: Shape, target: Target, q_rows: int) -> bool:
+def can_share(shape: Shape, target: CostModel, q_rows: int) -> bool:
     """Several cores can walk one KV head's keys together: each tile sees them all, and
     there are cores enough for two or more per KV head and tiles for each."""
     heads = shape.batch * shape.kv_heads
     return not shape.causal and target.num_cores // heads >= 2 and -(-shape.q_len // q_rows) >= 2
 
 
-def make_tasks(shape: Shape, target: Target, q_rows: int, kv_block: int, shared: bool = False) -> np.ndarray:
+def make_tasks(shape: Shape, target: CostModel, q_rows: int, kv_block: int, shared: bool = False) -> np.ndarray:
     """The tasks of a tiling, on their cores (see :class:`Tiling`)."""
     units = units_of(shape, q_rows)
     if 0 < len(units) < target.num_cores:
@@ -87,7 +87,7 @@ def make_tasks(shape: Shape, target: Target, q_rows: int, kv_block: int, shared:
     return _on_cores(units, [cost(n, end) for _, _, _, n, end in units], target.num_cores)
 
 
-def _split(shape: Shape, target: Target, units: list) -> np.ndarray:
+def _split(shape: Shape, target: CostModel, units: list) -> np.ndarray:
     """Too few tiles for the cores: each one's keys in parts on cores of their own (at
     least a stick of mask columns each)."""
     cores = target.num_cores
@@ -102,7 +102,7 @@ def _split(shape: Shape, target: Target, units: list) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, COLUMNS)
 
 
-def _shared(shape: Shape, target: Target, units: list) -> np.ndarray:
+def _shared(shape: Shape, target: CostModel, units: list) -> np.ndarray:
     """Each KV head on a group of cores: its tiles dealt round the group, step by step, so
     that every core of the group reads the same block of keys at once (one of them loads
     each block and sends it to the others: native/build_attention.c)."""

@@ -6,19 +6,20 @@ import functools
 
 import numpy as np
 
-from ..context import ScratchpadOverflow, Target
+from ...cost import CostModel
+from ..context import ScratchpadOverflow
 from .cost import task_ns
 from .scratchpad import Scratchpad
 from .shape import Shape
 from .tasks import CORE, GROUP, KV0, KV1, ROWS, STEP, Tiling, can_share, make_tasks
 
 
-def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
+def estimate(shape: Shape, target: CostModel, tiling: Tiling) -> float:
     """The slowest core's time (ns): its tasks, with DRAM shared by the active cores, and
     the first query tile and the last store not overlapped."""
     t = tiling.tasks
     active = len(np.unique(t[:, CORE]))
-    rate = min(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / active)
+    rate = float(target.dram_share(active))
     tile_bytes = shape.group * tiling.q_rows * (shape.dim + shape.v_dim) * shape.e_in
     share = np.ones(len(t), dtype=np.int64)
     grouped = t[:, GROUP] >= 0
@@ -32,7 +33,7 @@ def estimate(shape: Shape, target: Target, tiling: Tiling) -> float:
     return float(per_core.max()) + tile_bytes / rate + 2 * target.dma_latency_ns
 
 
-def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
+def candidates(shape: Shape, target: CostModel) -> list[tuple[int, int, bool]]:
     """(query rows per head, keys per block, shared), the largest tiles first."""
     rows = sorted({shape.q_len} | {r for r in (8, 16, 32, 64, 128, 256, 512) if r < shape.q_len}, reverse=True)
     keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
@@ -41,7 +42,7 @@ def candidates(shape: Shape, target: Target) -> list[tuple[int, int, bool]]:
 
 
 @functools.lru_cache(maxsize=256)
-def choose(shape: Shape, target: Target) -> Tiling:
+def choose(shape: Shape, target: CostModel) -> Tiling:
     """The tiling with the lowest estimated time whose scratchpad plan fits (made once per
     shape and card: the layers of a model share it)."""
     best, best_ns = None, None

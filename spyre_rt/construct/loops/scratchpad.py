@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..context import LX_ALIGN, round_up
+from ...cost import round_up
+from ..context import LX_ALIGN
 from ..sfu import COL, ITEMSIZE, ROW, SCALAR, TILE, Operand, compute_type, parse_constant
 from .analysis import Analysis, Value
 

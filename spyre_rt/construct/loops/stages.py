@@ -11,9 +11,10 @@ writes for each tile's row count.
 
 from __future__ import annotations
 
+from ...cost import round_up
 from ...ir import Access
 from ...native import lib
-from ..context import BuildContext, round_up
+from ..context import BuildContext
 from ..sfu import (
     BINARY,
     COL,

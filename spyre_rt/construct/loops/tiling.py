@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...cost import CostModel
 from ...dtypes import ITEMSIZE
 from ...ir import Access
-from ..context import ScratchpadOverflow, Target
+from ..context import ScratchpadOverflow
 from ..sfu import COL, TILE
 from .analysis import Analysis, Unsupported
 from .scratchpad import ScratchNeed, lay_out, scratch_needs
@@ -105,7 +106,7 @@ class Tiling:
         return base
 
 
-def choose_tiling(a: Analysis, target: Target) -> Tiling:
+def choose_tiling(a: Analysis, target: CostModel) -> Tiling:
     """Rows per tile: as many as the scratchpad layout holds (found by laying it out, so
     reused temporaries count once), at most an even share of the rows per core."""
     needs = scratch_needs(a)
@@ -174,7 +175,7 @@ def _check_stores_own_their_sticks(t: Tiling, stick_bytes: int) -> None:
                                   f"of {b.name} from two cores")
 
 
-def _rows_that_fit(a: Analysis, needs: frozenset[ScratchNeed], target: Target, want: int) -> int:
+def _rows_that_fit(a: Analysis, needs: frozenset[ScratchNeed], target: CostModel, want: int) -> int:
     """The largest row count up to `want` whose layout fits (the layout grows with the rows)."""
     def peak(rows: int) -> int:
         return lay_out(a, rows, needs, target.stick_bytes).peak

@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from ... import dtypes
+from ...cost import CostModel, round_up
 from ...layout import StickLayout
 from ...native import ffi, lib
 from ...program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_TILE, built_block
 from .. import sfu as sfu_ops
-from ..context import BuildContext, ScratchpadPlan, Target, round_up
+from ..context import BuildContext, ScratchpadPlan
 from ..sfu import TILE
 from . import epilogue
 from .spec import ITEMSIZE, MatmulSpec, Problem, View
@@ -33,7 +34,7 @@ class Scratchpad:
     """The regions every core uses, at the same offsets on all of them (a forwarded chunk
     lands where the receiver reads it)."""
 
-    def __init__(self, target: Target, spec: MatmulSpec, p: Problem, t: Tiling, tm: int, tn: int, depth: int):
+    def __init__(self, target: CostModel, spec: MatmulSpec, p: Problem, t: Tiling, tm: int, tn: int, depth: int):
         si = target.stick_bytes // p.e_in
         lx = ScratchpadPlan(target.scratchpad_bytes)
         self.a_pitch = round_up(tm, si) if p.trans_a else round_up(depth, si)

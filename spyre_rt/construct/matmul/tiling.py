@@ -12,7 +12,8 @@ M is cut into ``m_tiles`` (a multiple of ``pm``) and N into ``n_tiles`` (a multi
 are balanced and the tile count is a multiple of the core count whenever the blocks fill
 the groups. K is walked in chunks of ``tk``, through ``nbuf`` operand buffers per core.
 
-The cost model estimates the device time of a tiling from the profile's figures: the
+The estimate of a tiling's device time is made of the card's command charges
+(:class:`spyre_rt.cost.CostModel`, what the simulator charges each command): the
 systolic arrays' time per chunk with their granularity, the DRAM bytes (charged in whole
 bursts) shared by every core that loads at once, each command's fixed latency, a core's
 DMA port, the ring sends a chunk costs its loader, the split-K reduction and the epilogue
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..context import LX_ALIGN, ScratchpadOverflow, Target
+from ...cost import CostModel, round_up
+from ..context import LX_ALIGN, ScratchpadOverflow
 from .spec import Problem
 
 # sizes a tile or chunk may aim at; tile counts are derived from them, then deduplicated
@@ -66,7 +68,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def preferred_granules(target: Target, p: Problem) -> tuple[int, int]:
+def preferred_granules(target: CostModel, p: Problem) -> tuple[int, int]:
     """The units M and N tiles are cut in when there is enough of them: for M the rows the
     arrays fill at once, or whole sticks where M is A's contiguous dimension; for N a
     stick's worth of columns (the arrays' width; whole sticks of B and of the output)."""
@@ -101,35 +103,24 @@ def chunk_count(k: int, tk: int) -> int:
 
 # ---- the cost model, vectorised over candidate tilings ------------------------------------
 
-def _round_up(x, g):
-    return -(-x // g) * g
-
-
-def _charged(target: Target, rows, cols, e: int):
-    """DRAM bytes charged for `rows` runs of `cols` contiguous elements in the stick layout:
-    whole sticks are exact, a stick's remainder costs whole bursts."""
-    s = target.stick_bytes // e
-    return rows * ((cols // s) * target.stick_bytes + _round_up((cols % s) * e, target.dram_burst_bytes))
-
-
-def lx_bytes(target: Target, p: Problem, tm, tn, tk, pk, nbuf):
+def lx_bytes(target: CostModel, p: Problem, tm, tn, tk, pk, nbuf):
     """Scratchpad bytes a core needs (the layout :class:`.record.Scratchpad` makes):
     operand buffers, the fp32 accumulator, the receive buffer of split-K, two staging tiles
     and two bias rows."""
     si = target.stick_bytes // p.e_in
     depth = np.minimum(tk, max(p.k, 1))
-    a = (depth * _round_up(tm, si) if p.trans_a else tm * _round_up(depth, si)) * p.e_in
-    b = (tn * _round_up(depth, si) if p.trans_b else depth * _round_up(tn, si)) * p.e_in
-    acc = tm * _round_up(tn, 32) * 4
-    bias = _round_up(tn, target.stick_bytes // p.e_bias) * p.e_bias if p.e_bias else np.zeros_like(tn)
+    a = (depth * round_up(tm, si) if p.trans_a else tm * round_up(depth, si)) * p.e_in
+    b = (tn * round_up(depth, si) if p.trans_b else depth * round_up(tn, si)) * p.e_in
+    acc = tm * round_up(tn, 32) * 4
+    bias = round_up(tn, target.stick_bytes // p.e_bias) * p.e_bias if p.e_bias else np.zeros_like(tn)
     al = LX_ALIGN
     # a fused epilogue's landing tiles and rows and its staging tiles (two of each), its temporaries
-    stages = sum(2 * _round_up(tm * _round_up(tn, target.stick_bytes // e) * e, al) for e in p.e_stores)
-    loads = sum(2 * _round_up(tm * _round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_tiles)
-    loads = loads + sum(2 * _round_up(_round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_rows)
-    temps = p.epi_temps * _round_up(tm * _round_up(tn, 32) * p.epi_temp_e, al)
-    return (nbuf * (_round_up(a, al) + _round_up(b, al)) + _round_up(acc, al) * np.where(pk > 1, 2, 1)
-            + stages + 2 * _round_up(bias, al) + loads + temps)
+    stages = sum(2 * round_up(tm * round_up(tn, target.stick_bytes // e) * e, al) for e in p.e_stores)
+    loads = sum(2 * round_up(tm * round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_tiles)
+    loads = loads + sum(2 * round_up(round_up(tn, target.stick_bytes // e) * e, al) for e in p.epi_rows)
+    temps = p.epi_temps * round_up(tm * round_up(tn, 32) * p.epi_temp_e, al)
+    return (nbuf * (round_up(a, al) + round_up(b, al)) + round_up(acc, al) * np.where(pk > 1, 2, 1)
+            + stages + 2 * round_up(bias, al) + loads + temps)
 
 
 def _tile_max(extent: int, tiles: np.ndarray, preferred: int) -> np.ndarray:
@@ -143,13 +134,13 @@ def _tile_max(extent: int, tiles: np.ndarray, preferred: int) -> np.ndarray:
     return np.minimum(-(-q // tiles) * gran, extent)
 
 
-def tile_max(target: Target, p: Problem, m_tiles: np.ndarray, n_tiles: np.ndarray):
+def tile_max(target: CostModel, p: Problem, m_tiles: np.ndarray, n_tiles: np.ndarray):
     """(rows, columns) of the largest tile, vectorised over tile counts."""
     gm, gn = preferred_granules(target, p)
     return _tile_max(p.m, m_tiles, gm), _tile_max(p.n, n_tiles, gn)
 
 
-def _grids(target: Target, p: Problem) -> np.ndarray:
+def _grids(target: CostModel, p: Problem) -> np.ndarray:
     """Rows (groups, pk, pm, pn, m_tiles, n_tiles) of every grid and tile count worth
     trying: grids of all the cores, tiles aimed at the sizes above that fit the scratchpad,
     and as many blocks as whole waves of all groups need, so that every core has a tile in
@@ -177,14 +168,13 @@ def _grids(target: Target, p: Problem) -> np.ndarray:
     return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
 
 
-def roofline_ns(target: Target, p: Problem) -> float:
+def roofline_ns(target: CostModel, p: Problem) -> float:
     """The least time the card can take: all its arrays busy, or the DRAM streaming the
     minimum bytes."""
-    rate = target.macs_per_ns * target.num_cores * (target.pt_fp32_ratio if p.fp32 else 1.0)
-    return max(p.macs / rate, p.min_bytes / target.dram_bytes_per_ns)
+    return target.kernel_ns(2 * p.macs, p.min_bytes, "float32" if p.fp32 else None)
 
 
-def _with_chunks(target: Target, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
+def _with_chunks(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
     """Every grid row with every K chunk and buffer count, as columns (fitting ones only;
     ``row`` names the grid row)."""
     combos = np.array([(tk, nb) for tk in tks for nb in nbufs])
@@ -198,10 +188,10 @@ def _with_chunks(target: Target, p: Problem, grid: np.ndarray, tks, nbufs) -> di
     return {k: v[fits] for k, v in cand.items()}
 
 
-def candidates(target: Target, p: Problem) -> dict[str, np.ndarray]:
+def candidates(target: CostModel, p: Problem) -> dict[str, np.ndarray]:
     """The tilings worth estimating finely: every grid is estimated with two K chunks
     first, and the most promising are tried with every chunk and buffer count."""
-    k_max = _round_up(max(p.k, 1), K_GRANULE)
+    k_max = round_up(max(p.k, 1), K_GRANULE)
     tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
     grid = _grids(target, p)
     coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2))
@@ -213,20 +203,20 @@ def candidates(target: Target, p: Problem) -> dict[str, np.ndarray]:
     return fine
 
 
-def estimate(target: Target, p: Problem, cand: dict[str, np.ndarray]):
+def estimate(target: CostModel, p: Problem, cand: dict[str, np.ndarray]):
     """(estimated device ns, DRAM bytes, commands) of each candidate tiling."""
     t = terms(target, p, cand)
     return t["ns"], t["dram_bytes"], t["cmds"]
 
 
-def terms(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def terms(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every term of the estimate by name (``t_*`` in ns): the tiles, the bytes, the time."""
     shape = _shape(target, p, cand)
     moved = _dram_bytes(target, p, cand, shape)
     return shape | moved | _time(target, p, cand, shape, moved)
 
 
-def _shape(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _shape(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Tiles (largest and average), steps per wave (the longest K slice sets them: full
     chunks and a shorter last one), blocks, waves and the groups active in a wave."""
     pk, pm, pn, tk = cand["pk"], cand["pm"], cand["pn"], cand["tk"]
@@ -239,21 +229,21 @@ def _shape(target: Target, p: Problem, cand: dict[str, np.ndarray]) -> dict[str,
             "waves": -(-blocks // cand["groups"]), "active": np.minimum(blocks, cand["groups"])}
 
 
-def _dram_bytes(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict) -> dict[str, np.ndarray]:
+def _dram_bytes(target: CostModel, p: Problem, cand: dict[str, np.ndarray], shape: dict) -> dict[str, np.ndarray]:
     """Every byte the kernel moves, with average tiles: A once per N block, B once per M
     block, the output once; and the commands that move and compute them."""
     pk, pm, pn, k = cand["pk"], cand["pm"], cand["pn"], p.k
     tm_avg, tn_avg = shape["tm_avg"], shape["tn_avg"]
-    a_strip = _charged(target, k, tm_avg, p.e_in) if p.trans_a else _charged(target, tm_avg, k, p.e_in)
-    b_strip = _charged(target, tn_avg, k, p.e_in) if p.trans_b else _charged(target, k, tn_avg, p.e_in)
-    tile_bytes = sum(_charged(target, tm_avg, tn_avg, e) for e in (*p.e_stores, *p.epi_tiles))
+    a_strip = target.charged_bytes(k, tm_avg, p.e_in) if p.trans_a else target.charged_bytes(tm_avg, k, p.e_in)
+    b_strip = target.charged_bytes(tn_avg, k, p.e_in) if p.trans_b else target.charged_bytes(k, tn_avg, p.e_in)
+    tile_bytes = sum(target.charged_bytes(tm_avg, tn_avg, e) for e in (*p.e_stores, *p.epi_tiles))
     per_block = pm * a_strip + pn * b_strip + pm * pn * tile_bytes
     sends = pm * (pn - 1) + pn * (pm - 1)
     cmds = shape["blocks"] * (shape["steps"] * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
     return {"per_block": per_block, "dram_bytes": shape["blocks"] * per_block, "cmds": cmds}
 
 
-def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, moved: dict) -> dict:
+def _time(target: CostModel, p: Problem, cand: dict[str, np.ndarray], shape: dict, moved: dict) -> dict:
     """Per step the busiest core, per wave the DRAM every active group shares; between
     waves the arrays wait for the split-K reduction and the epilogue; the pipeline's fill
     (the first chunk's latency and forwards, and its transfer where the arrays would wait
@@ -267,25 +257,23 @@ def _time(target: Target, p: Problem, cand: dict[str, np.ndarray], shape: dict, 
     t_steps = np.where(steps > 0, (steps - 1) * step["t_step"] + last["t_step"], 0)
 
     # the reduction's adds and the epilogue work on the fp32 accumulator
-    sfu = target.sfu_latency_ns + tm * tn / (target.sfu_elems_per_ns * target.sfu_fp32_ratio)
-    acc_bytes = tm * _round_up(tn, 32) * 4
-    t_reduce = np.ceil(np.log2(pk)) * (acc_bytes / target.ring_bytes_per_ns + target.ring_hop_ns + sfu)
+    sfu = target.sfu_ns(tm * tn)
+    acc_bytes = tm * round_up(tn, 32) * 4
+    t_reduce = np.ceil(np.log2(pk)) * (target.ring_ns(acc_bytes) + sfu)
     t_epilogue = sfu * ((2 if p.e_bias else 1) + p.epi_instrs)
-    t_wave = (np.maximum(t_steps, active * moved["per_block"] / target.dram_bytes_per_ns)
-              + t_reduce + t_epilogue)
+    t_wave = np.maximum(t_steps, target.dram_ns(active * moved["per_block"])) + t_reduce + t_epilogue
 
     t_mm, t_load = step["t_mm"], step["t_load"]
     t_fill = np.where(steps > 0, step["t_fwd"] + t_load - np.maximum(0, t_load - target.dma_latency_ns - t_mm), 0)
-    storing = np.minimum(target.core_dma_bytes_per_ns,
-                         target.dram_bytes_per_ns / (active * cand["pm"] * cand["pn"]))
-    t_drain = target.dma_latency_ns + sum(_charged(target, tm, tn, e) for e in p.e_stores) / storing
-    t_stream = moved["dram_bytes"] / target.dram_bytes_per_ns + 2 * target.dma_latency_ns + t_mm + t_epilogue
+    storing = target.dram_share(active * cand["pm"] * cand["pn"])
+    t_drain = target.transfer_ns(sum(target.charged_bytes(tm, tn, e) for e in p.e_stores), storing)
+    t_stream = target.dram_ns(moved["dram_bytes"]) + 2 * target.dma_latency_ns + t_mm + t_epilogue
     ns = np.maximum(t_fill + shape["waves"] * t_wave + t_drain, t_stream)
     return step | {"t_steps": t_steps, "t_reduce": t_reduce, "t_epilogue": t_epilogue, "t_wave": t_wave,
                    "t_fill": t_fill, "t_drain": t_drain, "t_stream": t_stream, "ns": ns}
 
 
-def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tiles, depth, active) -> dict:
+def _step_terms(target: CostModel, p: Problem, cand: dict[str, np.ndarray], tiles, depth, active) -> dict:
     """The time of one step of a wave (chunks `depth` deep) on its busiest core: the
     arrays, its load engine (its share of the step's loads at its port's rate), its ring
     port, and the time a chunk takes to arrive (latency, its share of the DRAM, the
@@ -294,33 +282,30 @@ def _step_terms(target: Target, p: Problem, cand: dict[str, np.ndarray], tiles, 
     waits for it."""
     pk, pm, pn, nbuf = cand["pk"], cand["pm"], cand["pn"], cand["nbuf"]
     (tm, tn), (tm_avg, tn_avg) = tiles
-    rate = target.macs_per_ns * (target.pt_fp32_ratio if p.fp32 else 1.0)
-    t_mm = target.pt_latency_ns + _round_up(tm, target.gran_m) * _round_up(tn, target.gran_n) * depth / rate
+    t_mm = target.matmul_ns(tm, tn, depth, p.fp32)
     a, b = _chunks(target, p, tm, tn, depth)
     a_avg, b_avg = _chunks(target, p, tm_avg, tn_avg, depth)
     # a core's load engine moves one transfer at a time: its share of a step's loads
     t_port = ((pm + pn) * target.dma_latency_ns + (pm * a + pn * b) / target.core_dma_bytes_per_ns) / (pm * pn)
     loads = active * pk * (pm + pn)  # transfers sharing DRAM in a step
-    share = np.minimum(target.core_dma_bytes_per_ns, target.dram_bytes_per_ns / loads)
-    t_load = target.dma_latency_ns + (pm * a_avg + pn * b_avg) / (pm + pn) / share
-    hop = target.ring_hop_ns * np.maximum(pm, pn) / 2
-    a_send = a / target.ring_bytes_per_ns + hop
-    b_send = b / target.ring_bytes_per_ns + hop
+    t_load = target.transfer_ns((pm * a_avg + pn * b_avg) / (pm + pn), target.dram_share(loads))
+    hops = np.maximum(pm, pn) / 2  # a chunk is forwarded along its row or column: half of it on average
+    a_send, b_send = target.ring_ns(a, hops), target.ring_ns(b, hops)
     t_fwd = np.maximum((pn - 1) * a_send, (pm - 1) * b_send)
     t_ring = (pm * (pn - 1) * a_send + pn * (pm - 1) * b_send) / (pm * pn)
     t_step = np.maximum.reduce([t_mm, t_ring, t_port, (t_load + t_fwd) / (nbuf - 1)])
     return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load, "t_fwd": t_fwd, "t_step": t_step}
 
 
-def _chunks(target: Target, p: Problem, tm, tn, depth):
+def _chunks(target: CostModel, p: Problem, tm, tn, depth):
     """DRAM bytes of an A chunk and a B chunk (`depth` deep) of `tm` x `tn` tiles."""
-    a = _charged(target, depth, tm, p.e_in) if p.trans_a else _charged(target, tm, depth, p.e_in)
-    b = _charged(target, tn, depth, p.e_in) if p.trans_b else _charged(target, depth, tn, p.e_in)
+    a = target.charged_bytes(depth, tm, p.e_in) if p.trans_a else target.charged_bytes(tm, depth, p.e_in)
+    b = target.charged_bytes(tn, depth, p.e_in) if p.trans_b else target.charged_bytes(depth, tn, p.e_in)
     return a, b
 
 
 @functools.lru_cache(maxsize=512)
-def choose(target: Target, p: Problem) -> Tiling:
+def choose(target: CostModel, p: Problem) -> Tiling:
     """The cheapest tiling that fits the scratchpad (cached: one choice per shape). Among
     those the model cannot tell apart (within its error, or within the card's fixed cost of
     a job, which no tiling changes), one that moves at most 1.5 times the minimum DRAM
@@ -341,13 +326,13 @@ def choose(target: Target, p: Problem) -> Tiling:
     return Tiling(**{k: int(v[best]) for k, v in cand.items()})
 
 
-def estimate_one(target: Target, p: Problem, t: Tiling) -> float:
+def estimate_one(target: CostModel, p: Problem, t: Tiling) -> float:
     """The model's device time of one tiling, in ns."""
     ns, _, _ = estimate(target, p, {k: np.array([getattr(t, k)]) for k in Tiling.__dataclass_fields__})
     return float(ns[0])
 
 
-def lx_bytes_of(target: Target, p: Problem, t: Tiling) -> int:
+def lx_bytes_of(target: CostModel, p: Problem, t: Tiling) -> int:
     tm, tn = tile_max(target, p, np.array([t.m_tiles]), np.array([t.n_tiles]))
     return int(lx_bytes(target, p, tm, tn, np.array([t.tk]), np.array([t.pk]), np.array([t.nbuf]))[0])
 

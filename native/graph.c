@@ -6,9 +6,107 @@
  * the validator reads (spyre.h, "Program block layout"). Appending reports no error: the
  * first host allocation that fails marks the graph, and its encode fails with
  * SPY_E_HOST_NOMEM, so a builder checks once, at the end. */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "internal.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define POOL_POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define POOL_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POOL_POISON(p, n) ((void)(p), (void)(n))
+#define POOL_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+/* ---- host memory the builders use again --------------------------------------------------- */
+
+/* A construct-mode launch builds a program block (hundreds of KB for a prefill matmul) and
+ * the arrays behind it, and frees them once the block is up. malloc hands memory this large
+ * back to the system on free, and the next build faults every page of it in again: that was
+ * more than half of a prefill matmul's construction. Freed buffers of POOL_MIN_BYTES or more
+ * are kept instead (POOL_SLOTS of them, POOL_MAX_BYTES in all) and handed out again, the
+ * smallest that fits first. Each buffer records its capacity in a header before the bytes it
+ * hands out. A mutex guards the pool: a block may be freed on another thread than the one
+ * that built it. Under ASan a kept buffer is poisoned, so a use after its free still fails. */
+#define POOL_SLOTS 8
+#define POOL_MIN_BYTES ((uint64_t)64 << 10)
+#define POOL_MAX_BYTES ((uint64_t)64 << 20)
+
+typedef struct pool_header {
+    uint64_t cap; /* bytes after the header */
+    uint64_t reserved;
+} pool_header; /* 16 bytes: what follows stays 16-byte aligned */
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pool_header *pool[POOL_SLOTS];
+static uint64_t pool_bytes;
+
+void *spy_host_alloc(uint64_t bytes)
+{
+    if (bytes > SIZE_MAX - sizeof(pool_header) - POOL_MIN_BYTES)
+        return NULL;
+    pool_header *h = NULL;
+    if (bytes >= POOL_MIN_BYTES / 2) {
+        pthread_mutex_lock(&pool_lock);
+        int best = -1;
+        for (int i = 0; i < POOL_SLOTS; i++)
+            if (pool[i] && pool[i]->cap >= bytes && (best < 0 || pool[i]->cap < pool[best]->cap))
+                best = i;
+        if (best >= 0 && pool[best]->cap / 4 <= bytes) { /* not a large buffer for a small need */
+            h = pool[best];
+            pool[best] = NULL;
+            pool_bytes -= h->cap;
+        }
+        pthread_mutex_unlock(&pool_lock);
+    }
+    if (h) {
+        POOL_UNPOISON(h + 1, h->cap);
+        return h + 1;
+    }
+    uint64_t cap = bytes < POOL_MIN_BYTES ? bytes : (bytes + POOL_MIN_BYTES - 1) / POOL_MIN_BYTES * POOL_MIN_BYTES;
+    h = malloc(sizeof *h + (size_t)cap);
+    if (!h)
+        return NULL;
+    h->cap = cap;
+    h->reserved = 0;
+    return h + 1;
+}
+
+void spy_host_free(void *p)
+{
+    if (!p)
+        return;
+    pool_header *h = (pool_header *)p - 1;
+    if (h->cap >= POOL_MIN_BYTES) {
+        pthread_mutex_lock(&pool_lock);
+        int slot = -1;
+        for (int i = 0; i < POOL_SLOTS && slot < 0; i++)
+            if (!pool[i])
+                slot = i;
+        if (slot >= 0 && pool_bytes + h->cap <= POOL_MAX_BYTES) {
+            POOL_POISON(p, h->cap);
+            pool[slot] = h;
+            pool_bytes += h->cap;
+            h = NULL;
+        }
+        pthread_mutex_unlock(&pool_lock);
+    }
+    free(h);
+}
+
+void *spy_host_realloc(void *p, uint64_t used, uint64_t bytes)
+{
+    if (p && ((pool_header *)p - 1)->cap >= bytes)
+        return p;
+    void *q = spy_host_alloc(bytes);
+    if (q && p) {
+        memcpy(q, p, (size_t)(used < bytes ? used : bytes));
+        spy_host_free(p);
+    }
+    return q;
+}
 
 /* ---- growable arrays ---------------------------------------------------------------------- */
 
@@ -22,7 +120,7 @@ bool spy_vec_reserve(spy_vec *v, uint64_t n)
     while (cap < v->len + n)
         cap *= 2;
     uint64_t bytes;
-    void *p = spy_mul_ok(cap, v->elem, &bytes) && bytes <= SIZE_MAX ? realloc(v->data, (size_t)bytes) : NULL;
+    void *p = spy_mul_ok(cap, v->elem, &bytes) ? spy_host_realloc(v->data, v->len * v->elem, bytes) : NULL;
     if (!p) {
         v->failed = true;
         return false;
@@ -44,7 +142,7 @@ void *spy_vec_push(spy_vec *v, uint64_t n)
 
 void spy_vec_free(spy_vec *v)
 {
-    free(v->data);
+    spy_host_free(v->data);
     v->data = NULL;
     v->len = v->cap = 0;
     v->failed = false;
@@ -68,14 +166,13 @@ static spy_status block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, u
                               bool zeroed, spy_built *out, spy_block_sections *blk)
 {
     size_t words = total <= SIZE_MAX - 7 ? (size_t)(total + 7) / 8 : 0;
-    uint64_t *mem = !words ? NULL : zeroed ? calloc(words, 8) : malloc(words * 8);
+    uint64_t *mem = words ? spy_host_alloc((uint64_t)words * 8) : NULL;
     if (!mem)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a %llu-byte program block",
                         (unsigned long long)total);
     uint8_t *b = (uint8_t *)mem;
     spy_job_header *h = (spy_job_header *)b;
-    if (!zeroed)
-        memset(h, 0, sizeof *h);
+    memset(h, 0, zeroed ? words * 8 : sizeof *h);
     h->magic = SPY_JOB_MAGIC;
     h->version = SPY_JOB_VERSION;
     h->ncmds = ncmds;
@@ -104,7 +201,7 @@ void spy_built_free(spy_built *b)
 {
     if (!b)
         return;
-    free(b->data);
+    spy_host_free(b->data);
     b->data = NULL;
     b->bytes = 0;
 }
@@ -189,11 +286,11 @@ spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
     if (s != SPY_OK)
         return s;
     uint64_t n = r->ncmds; /* below 2^32, as the pairs (graph_check) */
-    uint64_t *order = malloc((size_t)(2 * n + 1) * sizeof *order); /* the order, a merge buffer */
-    uint32_t *at = malloc((size_t)(2 * n + 1) * sizeof *at);       /* per command made: its place, its deps' */
+    uint64_t *order = spy_host_alloc((2 * n + 1) * sizeof *order); /* the order, a merge buffer */
+    uint32_t *at = spy_host_alloc((2 * n + 1) * sizeof *at);       /* per command made: its place, its deps' */
     if (!order || !at) {
-        free(order);
-        free(at);
+        spy_host_free(order);
+        spy_host_free(at);
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory to order %llu commands", (unsigned long long)n);
     }
     uint32_t *rank = at, *fill = at + n;
@@ -201,8 +298,8 @@ spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
     spy_block_sections blk; /* every byte is written below */
     s = block_alloc(total, r->nslots, (uint32_t)n, (uint32_t)r->npairs, r->ndescs, false, out, &blk);
     if (s != SPY_OK) {
-        free(order);
-        free(at);
+        spy_host_free(order);
+        spy_host_free(at);
         return s;
     }
     ((spy_job_header *)out->data)->ninstrs = r->ninstrs;
@@ -227,8 +324,8 @@ spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
         memcpy(instrs, r->instrs, (size_t)r->ninstrs * sizeof *instrs);
     if (r->ndescs)
         memcpy(instrs + r->ninstrs, r->descs, (size_t)r->ndescs * sizeof(spy_desc));
-    free(order);
-    free(at);
+    spy_host_free(order);
+    spy_host_free(at);
     return SPY_OK;
 }
 

@@ -370,6 +370,13 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *c
  * with SPY_E_HOST_NOMEM (a pointer an append returned is NULL; check it before writing).
  * Pointers into a graph's arrays are valid until its next append. */
 
+/* Host memory for builders (graph.c): large buffers freed are kept to be handed out again
+ * (a build's block and arrays would otherwise be faulted in page by page at every launch).
+ * What spy_host_alloc gives is freed with spy_host_free only; realloc keeps `used` bytes. */
+void *spy_host_alloc(uint64_t bytes);
+void spy_host_free(void *p);
+void *spy_host_realloc(void *p, uint64_t used, uint64_t bytes);
+
 typedef struct spy_vec {
     void *data;
     uint64_t len, cap; /* in elements */

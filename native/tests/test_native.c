@@ -2037,9 +2037,61 @@ static void test_timed_job(void)
     spy_device_close(d);
 }
 
+/* Host memory the builders use again (graph.c): a large buffer freed is handed out again
+ * for a need it fits, not for a much smaller one; small ones and a full pool go to malloc;
+ * realloc keeps what was used; threads share the pool safely. */
+static void *pool_churn(void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < 2000; i++) {
+        uint8_t *p = spy_host_alloc((uint64_t)(64 + i % 7 * 40) << 10);
+        if (!p)
+            return (void *)1;
+        p[0] = (uint8_t)i;
+        spy_host_free(p);
+    }
+    return NULL;
+}
+
+static void test_host_pool(void)
+{
+    current = "host pool";
+    uint8_t *a = spy_host_alloc(300u << 10);
+    CHECK(a != NULL && (uintptr_t)a % 16 == 0);
+    memset(a, 7, 300u << 10);
+    spy_host_free(a);
+    uint8_t *b = spy_host_alloc(280u << 10); /* fits the kept buffer */
+    CHECK(b == a);
+    uint8_t *small = spy_host_alloc(40u << 10); /* far smaller: not the kept one */
+    CHECK(small != NULL && small != b);
+    spy_host_free(small);
+    b[0] = 1;
+    b[1] = 2;
+    uint8_t *c = spy_host_realloc(b, 2, 1u << 20); /* grows: the used bytes move */
+    CHECK(c != NULL && c[0] == 1 && c[1] == 2);
+    CHECK(spy_host_realloc(c, 2, 100) == c); /* already large enough */
+    spy_host_free(c);
+    spy_host_free(NULL);
+    /* more buffers than the pool keeps: the rest are freed, none lost (ASan's leak check) */
+    uint8_t *many[12];
+    for (int i = 0; i < 12; i++)
+        many[i] = spy_host_alloc((uint64_t)(100 + i) << 10);
+    for (int i = 0; i < 12; i++)
+        spy_host_free(many[i]);
+    CHECK(spy_host_alloc((uint64_t)SIZE_MAX) == NULL);
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        CHECK(pthread_create(&t[i], NULL, pool_churn, NULL) == 0);
+    for (int i = 0; i < 2; i++) {
+        void *r = (void *)1;
+        CHECK(pthread_join(t[i], &r) == 0 && r == NULL);
+    }
+}
+
 int main(void)
 {
     test_allocator();
+    test_host_pool();
     test_validation();
     test_no_stray_writes();
     test_functional();

@@ -42,6 +42,13 @@ typedef struct pool_header {
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pool_header *pool[POOL_SLOTS];
 static uint64_t pool_bytes;
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+/* A fork while another thread holds the lock would leave the child's copy locked forever:
+ * the fork waits for the lock, and both sides let it go after. */
+static void pool_prepare(void) { pthread_mutex_lock(&pool_lock); }
+static void pool_release(void) { pthread_mutex_unlock(&pool_lock); }
+static void pool_init(void) { pthread_atfork(pool_prepare, pool_release, pool_release); }
 
 void *spy_host_alloc(uint64_t bytes)
 {
@@ -49,6 +56,7 @@ void *spy_host_alloc(uint64_t bytes)
         return NULL;
     pool_header *h = NULL;
     if (bytes >= POOL_MIN_BYTES / 2) {
+        pthread_once(&pool_once, pool_init);
         pthread_mutex_lock(&pool_lock);
         int best = -1;
         for (int i = 0; i < POOL_SLOTS; i++)

@@ -48,7 +48,7 @@ class CostModel:
     scratchpad_bytes: int      # one core's
     stick_bytes: int
     macs_per_ns: float         # one core's sustained fp16 MAC rate (peak x utilization)
-    gran_m: int                # the systolic arrays fill output rows, columns and depth in these
+    gran_m: int                # the systolic arrays fill output rows and columns in these
     gran_n: int
     dram_bytes_per_ns: float   # shared by every core's transfers
     core_dma_bytes_per_ns: float  # one core's DMA port
@@ -62,7 +62,7 @@ class CostModel:
     sfu_fp32_ratio: float      # its rate on fp32 operands (a scratchpad destination or source), relative
     sfu_latency_ns: float      # per SFU instruction
     job_launch_ns: float       # the command processor's fixed cost of a job
-    gran_k: int
+    gran_k: int                # ... and the depth in these (last: recorded corpora list the fields before it)
 
     # the device profile's figures each field is made of
     FIGURES = ("num_cores", "scratchpad_mib", "stick_bytes", "pt_macs_per_ns", "pt_utilization", "pt_gran_m",

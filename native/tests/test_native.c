@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "internal.h" /* the builder's common part (graph.c) is tested here too */
@@ -2082,6 +2083,14 @@ static void test_host_pool(void)
     pthread_t t[2];
     for (int i = 0; i < 2; i++)
         CHECK(pthread_create(&t[i], NULL, pool_churn, NULL) == 0);
+    pid_t child = fork(); /* while the threads use the pool: the child's must not be left locked */
+    if (child == 0) {
+        void *p = spy_host_alloc(200u << 10);
+        spy_host_free(p);
+        _exit(p ? 0 : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
     for (int i = 0; i < 2; i++) {
         void *r = (void *)1;
         CHECK(pthread_join(t[i], &r) == 0 && r == NULL);

@@ -11,6 +11,7 @@ layouts) is rejected and rebuilt.
 from __future__ import annotations
 
 import time
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,8 +32,43 @@ from ..plan import (
 from ..plan import encode as encode_plan
 from ..version import __version__, runtime_version
 from .bindings import Bindings
+from .collectives import Collectives
+from .host_kernels import HostKernels
 from .segments import DeviceSegment
 from .stats import stats
+
+
+class Planned(Protocol):
+    """What loading and building plans needs of the executable they are for
+    (:class:`.executable.Executable`): where its buffers are, its kernels and how they are
+    named, built and cut into segments, and where a plan file's refused kernels go."""
+
+    card: Any                  # the card the plans are for (spyre_rt.card.Card)
+    step: Any                  # the compiled step: its settings (the plan cache) and family
+    desc: Any                  # the step's description: its options
+    bindings: Bindings
+    kernels: dict              # name -> the kernel's description
+    host: HostKernels
+    collectives: Collectives
+
+    @property
+    def prepared(self) -> bool: ...
+
+    def cache_key(self) -> str: ...
+
+    def job_name(self, kernel: str) -> str: ...
+
+    def build(self, kernel_name: str) -> tuple[np.ndarray, list[str]]: ...
+
+    def construct_all(self, fallback: bool = True, distinct: bool = False) -> dict: ...
+
+    def card_kernels(self) -> list[str]: ...
+
+    def device_segments(self) -> list[DeviceSegment]: ...
+
+    def cut_for(self, on_host) -> list: ...
+
+    def run_on_host(self, refused: dict[str, str]) -> None: ...
 
 
 def cache_key(bindings: Bindings, profile_digest: str, step_digest: str, options: dict) -> str:
@@ -47,7 +83,7 @@ def cache_key(bindings: Bindings, profile_digest: str, step_digest: str, options
                              step_digest, geometry, memory, options)
 
 
-def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
+def load_or_build(exe: Planned, fallback: bool = True) -> list[GraphPlan]:
     """The plan of every device segment, in order: from the plan cache, or built (and
     written to it). Building constructs every kernel first: what construction refuses runs
     on the host (with `fallback` false, a SpyreRefusedError names it)."""
@@ -81,7 +117,7 @@ def load_or_build(exe, fallback: bool = True) -> list[GraphPlan]:
     return plans
 
 
-def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
+def _from_entry(exe: Planned, entry) -> tuple[list[GraphPlan], dict[str, str]]:
     """The plans of a cache entry, and the kernels it runs on the host (name -> reason)."""
     host = _host_kernels(exe, entry.header.get("host_kernels", {}))
     segments = [s for s in exe.cut_for(host) if isinstance(s, DeviceSegment)]
@@ -111,7 +147,7 @@ def _from_entry(exe, entry) -> tuple[list[GraphPlan], dict[str, str]]:
     return plans, host
 
 
-def _host_kernels(exe, host) -> dict[str, str]:
+def _host_kernels(exe: Planned, host) -> dict[str, str]:
     """The refused kernels a plan file names, checked: kernels of this step, and the ones
     this executable already runs on the host when it has decided (after a reset)."""
     if not isinstance(host, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in host.items()):
@@ -138,7 +174,7 @@ def _check_extents(bindings: Bindings, plans: list[GraphPlan]) -> None:
                                  f"a call binds {limit}")
 
 
-def build_block(exe, segment, built: dict | None = None):
+def build_block(exe: Planned, segment: DeviceSegment, built: dict | None = None):
     """The plan block of one device segment, built from its kernels' descriptions (or
     from their programs in `built`, by name, when they were just constructed)."""
     jobs = []

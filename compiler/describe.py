@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import math
 import random
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -446,9 +447,10 @@ def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extr
         pt = list(zero)
         pt[j] = 1
         coeffs.append(int(f(*pt)) - base)
-    rng = random.Random(hash((text, tuple(canon_sizes))) & 0xFFFFFFFF)
+    # points drawn the same in every process (str hashes are salted per process), quickly
+    rng = random.Random(zlib.crc32(f"{text}|{tuple(canon_sizes)}".encode()))
     for trial in range(48):
-        pt = [rng.randrange(n) for n in canon_sizes] + [rng.randrange(0, 7) for _ in extra]
+        pt = [int(rng.random() * n) for n in canon_sizes] + [int(rng.random() * 7) for _ in extra]
         if trial < ncan:  # also the far corner along each variable
             pt[trial] = canon_sizes[trial] - 1
         want = base + sum(c * x for c, x in zip(coeffs, pt, strict=True))

@@ -149,11 +149,6 @@ class CostModel:
         """One ring send of `nbytes` over `hops` stops."""
         return hops * self.ring_hop_ns + nbytes / self.ring_bytes_per_ns
 
-    def ring_hops(self, a: int, b: int) -> int:
-        """Stops between cores `a` and `b` the short way round the ring."""
-        d = abs(a - b)
-        return min(d, self.num_cores - d)
-
     # ---- the roofline -----------------------------------------------------------------
 
     @property
@@ -168,7 +163,7 @@ class CostModel:
 
     def compute_ns(self, flops, dtype: str | None = None):
         """`flops` at the card's sustained rate (fp32 at the arrays' fp32 ratio)."""
-        return flops / (2.0 * self.card_macs_per_ns * (self.pt_fp32_ratio if dtype == "float32" else 1.0))
+        return flops / (2.0 * self.num_cores * self.matmul_rate(dtype == "float32"))
 
     def dram_ns(self, nbytes):
         return nbytes / self.dram_bytes_per_ns

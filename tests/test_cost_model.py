@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from small_profiles import profile_text_with
 
 from spyre_rt import card as cards
 from spyre_rt import construct, device_profile, jobs, trace
@@ -43,7 +44,6 @@ from spyre_rt.program import (
     empty_cmds,
 )
 
-SHIPPED = device_profile._source_text("spyre")[1]
 # every figure a command's charge is made of, changed (a profile no card ships)
 CHANGED = {"pt_gran_m": 16, "pt_gran_n": 32, "pt_gran_k": 4, "pt_latency_ns": 33, "pt_utilization": 0.6,
            "pt_fp32_ratio": 0.5, "dma_latency_ns": 170, "dram_burst_bytes": 128, "core_dma_gbps": 40,
@@ -51,18 +51,9 @@ CHANGED = {"pt_gran_m": 16, "pt_gran_n": 32, "pt_gran_k": 4, "pt_latency_ns": 33
            "sfu_fp32_ratio": 0.5, "clock_ghz": 1.25}
 
 
-def changed_profile_text() -> str:
-    text = SHIPPED
-    for key, value in CHANGED.items():
-        start = text.index(f"\n{key} = {{ value = ") + len(f"\n{key} = {{ value = ")
-        end = text.index(",", start)
-        text = text[:start] + str(value) + text[end:]
-    return text
-
-
 @pytest.fixture(scope="module", params=["shipped", "changed"])
 def card(request):
-    text = SHIPPED if request.param == "shipped" else changed_profile_text()
+    text = profile_text_with() if request.param == "shipped" else profile_text_with(**CHANGED)
     c = Card(device_profile.parse(text), "timing", 0)
     return c
 
@@ -143,13 +134,14 @@ def test_a_ring_send_costs_its_hops_and_its_bytes(card, dst_core, nbytes):
     model = CostModel.of_figures(card.profile)
     c = empty_cmds(1, OP_RING, 0, CMD_RING)
     c["dst_core"], c["ring_src"], c["ring_dst"], c["bytes"] = dst_core, 0, 1 << 20, nbytes
-    expected = model.ring_ns(nbytes, model.ring_hops(0, dst_core))
+    hops = min(dst_core, model.num_cores - dst_core)  # the short way round the ring, as sim.c counts
+    expected = model.ring_ns(nbytes, hops)
     assert simulated_ns(card, c) == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_model_reads_every_figure_from_the_profile():
     shipped = CostModel.of_figures(device_profile.load("spyre"))
-    changed = CostModel.of_figures(device_profile.parse(changed_profile_text()))
+    changed = CostModel.of_figures(device_profile.parse(profile_text_with(**CHANGED)))
     assert changed.gran_m == 16 and changed.gran_k == 4 and changed.ring_hop_ns == 7
     assert changed.macs_per_ns == pytest.approx(1536 * 0.6)
     assert changed.sfu_elems_per_ns == pytest.approx(96 * 1.25)

@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from small_profiles import profile_text_with
 
 from spyre_rt import card as cards
 from spyre_rt import device_profile, jobs
@@ -32,13 +33,9 @@ from spyre_rt.program import (
     empty_cmds,
 )
 
-SHIPPED = device_profile._source_text("spyre")[1]
-ROW = 'sfu_fp32_ratio = { value = 1.0,'
-
 
 def with_ratio(ratio) -> str:
-    assert ROW in SHIPPED
-    return SHIPPED.replace(ROW, f"sfu_fp32_ratio = {{ value = {ratio},")
+    return profile_text_with(sfu_fp32_ratio=ratio)
 
 
 @pytest.fixture(scope="module")

@@ -131,3 +131,56 @@ def test_prefill_gemms_move_at_most_one_and_a_half_times_the_minimum(card, n, k)
     assert moved <= 1.5 * p.min_bytes
     roofline = max(p.macs / (TARGET.macs_per_ns * TARGET.num_cores), p.min_bytes / TARGET.dram_bytes_per_ns)
     assert ns <= roofline / 0.85
+
+
+# ---- the search itself: its shortcuts choose what the whole search would ----------------------
+
+SEARCH_PROBLEMS = [Problem(1, m, n, k, e, e, bias, ta, tb, e == 4, stores=stores, epi_temps=temps)
+                   for (m, n, k), e, bias, ta, tb, stores, temps in [
+                       ((31, 4096, 4096), 2, 0, False, True, (), 0),
+                       ((1024, 12800, 4096), 2, 0, False, True, (), 0),
+                       ((1, 49155, 4096), 2, 0, False, True, (), 0),
+                       ((7, 100, 4097), 4, 4, True, False, (4,), 0),
+                       ((513, 96, 12800), 2, 2, False, False, (2, 4), 2),
+                       ((2, 12800, 17), 4, 0, True, True, (), 0)]]
+
+
+def _grids_one_split_at_a_time(p: Problem) -> np.ndarray:
+    """The grid rows as the search defines them, split by split (what _grids vectorises)."""
+    c, rows = TARGET.num_cores, []
+    for pk in tl.divisors(c):
+        if pk > max(p.k, 1):
+            continue
+        for pm in tl.divisors(c // pk):
+            for pn in tl.divisors(c // (pk * pm)):
+                for wm in sorted({max(1, -(-p.m // (pm * a))) for a in tl.M_TILE_AIMS}):
+                    for wn in sorted({max(1, -(-p.n // (pn * a))) for a in tl.N_TILE_AIMS}):
+                        rows.append((c // (pk * pm * pn), pk, pm, pn, pm * wm, pn * wn, wm * wn))
+    groups, pk, pm, pn, m_tiles, n_tiles, blocks_ = np.array(rows).T
+    tm, tn = tl.tile_max(TARGET, p, m_tiles, n_tiles)
+    smallest = tl.lx_bytes(TARGET, p, tm, tn, np.minimum(tl.K_GRANULE, max(p.k, 1)), pk, 2)
+    keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= TARGET.scratchpad_bytes)
+    if tl.roofline_ns(TARGET, p) >= tl.BUSY_FROM * TARGET.job_launch_ns:
+        busy = keep & (p.batch * blocks_ % groups == 0)
+        keep = busy if busy.any() else keep
+    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
+
+
+@pytest.mark.parametrize("p", SEARCH_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
+def test_the_grids_are_every_split_with_every_distinct_tile_count_in_order(p):
+    assert np.array_equal(tl._grids(TARGET, p), _grids_one_split_at_a_time(p))
+
+
+@pytest.mark.parametrize("p", SEARCH_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
+def test_the_coarse_pass_ranks_grids_as_with_every_buffer_count(p):
+    # it tries two operand buffers only where three do not fit: three never take longer
+    grid = tl._grids(TARGET, p)
+    tks = (64, 256)
+    best = {}
+    for first_fit in (False, True):
+        cand = tl._with_chunks(TARGET, p, grid, tks, (3, 2), first_fit=first_fit)
+        ns, _, _ = tl.estimate(TARGET, p, cand)
+        best[first_fit] = np.full(len(grid), np.inf)
+        np.minimum.at(best[first_fit], cand["row"], ns)
+    assert np.array_equal(best[True], best[False])
+    assert np.isfinite(best[True]).any()

@@ -26,7 +26,7 @@ operand buffers and commands (`choose`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class Tiling:
     @property
     def group_cores(self) -> int:
         return self.pk * self.pm * self.pn
+
+
+_TILING_FIELDS = tuple(f.name for f in fields(Tiling))
 
 
 def divisors(n: int) -> list[int]:
@@ -146,19 +149,20 @@ def _grids(target: CostModel, p: Problem) -> np.ndarray:
     and as many blocks as whole waves of all groups need, so that every core has a tile in
     every wave. A matmul whose roofline is a few job launches is exempt: its fixed costs
     dominate, and the fewest commands serve it best."""
-    c = target.num_cores
-    rows = []
-    for pk in divisors(c):
-        if pk > max(p.k, 1):
-            continue
-        for pm in divisors(c // pk):
-            for pn in divisors(c // (pk * pm)):
-                wm = np.unique(np.maximum(1, -(-p.m // (pm * np.array(M_TILE_AIMS)))))
-                wn = np.unique(np.maximum(1, -(-p.n // (pn * np.array(N_TILE_AIMS)))))
-                wm, wn = (x.ravel() for x in np.meshgrid(wm, wn, indexing="ij"))
-                rows.append(np.column_stack([np.full((wm.size, 4), (c // (pk * pm * pn), pk, pm, pn)),
-                                             pm * wm, pn * wn, wm * wn]))
-    groups, pk, pm, pn, m_tiles, n_tiles, blocks = np.concatenate(rows).T
+    combos = _core_splits(target.num_cores)
+    combos = combos[combos[:, 1] <= max(p.k, 1)]
+    groups, pk, pm, pn = combos.T
+    # per split, the distinct tiles per core along M and N that the aims give, ascending,
+    # and every pair of them (M outer): one row per distinct (split, M tiles, N tiles)
+    split_m, wm = _distinct_ascending(np.maximum(1, -(-p.m // (pm[:, None] * np.array(M_TILE_AIMS)))))
+    split_n, wn = _distinct_ascending(np.maximum(1, -(-p.n // (pn[:, None] * np.array(N_TILE_AIMS)))))
+    count_n = np.bincount(split_n, minlength=len(combos))
+    reps = count_n[split_m]
+    split_of, wm = np.repeat(split_m, reps), np.repeat(wm, reps)
+    within = np.arange(len(split_of)) - np.repeat(np.cumsum(reps) - reps, reps)
+    wn = wn[(np.cumsum(count_n) - count_n)[split_of] + within]
+    groups, pk, pm, pn = groups[split_of], pk[split_of], pm[split_of], pn[split_of]
+    m_tiles, n_tiles, blocks = pm * wm, pn * wn, wm * wn
     tm, tn = tile_max(target, p, m_tiles, n_tiles)
     smallest = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk, 2)
     keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= target.scratchpad_bytes)
@@ -168,33 +172,59 @@ def _grids(target: CostModel, p: Problem) -> np.ndarray:
     return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
 
 
+def _distinct_ascending(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, value) of each distinct value of each row of `w`, whose rows do not increase
+    (tile counts of increasing aims), row by row and ascending within a row."""
+    w = w[:, ::-1]
+    first = np.ones(w.shape, dtype=bool)
+    first[:, 1:] = w[:, 1:] != w[:, :-1]
+    return np.nonzero(first)[0], w[first]
+
+
+@functools.lru_cache(maxsize=8)
+def _core_splits(cores: int) -> np.ndarray:
+    """Rows (groups, pk, pm, pn) of every way to split the cores into groups of pk x pm x pn,
+    pk outermost, then pm, then pn, each ascending."""
+    return np.array([(cores // (pk * pm * pn), pk, pm, pn) for pk in divisors(cores)
+                     for pm in divisors(cores // pk) for pn in divisors(cores // (pk * pm))], dtype=np.int64)
+
+
 def roofline_ns(target: CostModel, p: Problem) -> float:
     """The least time the card can take: all its arrays busy, or the DRAM streaming the
     minimum bytes."""
     return target.kernel_ns(2 * p.macs, p.min_bytes, "float32" if p.fp32 else None)
 
 
-def _with_chunks(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs) -> dict[str, np.ndarray]:
+def _with_chunks(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs,
+                 first_fit: bool = False) -> dict[str, np.ndarray]:
     """Every grid row with every K chunk and buffer count, as columns (fitting ones only;
-    ``row`` names the grid row)."""
+    ``row`` names the grid row, ``tm`` and ``tn`` are its largest tile). With `first_fit`,
+    per row and chunk only the first buffer count of `nbufs` that fits."""
     combos = np.array([(tk, nb) for tk in tks for nb in nbufs])
     g = np.repeat(grid, len(combos), axis=0)
     t = np.tile(combos, (len(grid), 1))
     cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), g.T, strict=True))
     cand["tk"], cand["nbuf"] = t[:, 0], t[:, 1]
-    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
-    fits = lx_bytes(target, p, tm, tn, cand["tk"], cand["pk"], cand["nbuf"]) <= target.scratchpad_bytes
+    tm, tn = tile_max(target, p, grid[:, 4], grid[:, 5])
+    cand["tm"], cand["tn"] = np.repeat(tm, len(combos)), np.repeat(tn, len(combos))
+    fits = lx_bytes(target, p, cand["tm"], cand["tn"], cand["tk"], cand["pk"], cand["nbuf"]) <= target.scratchpad_bytes
+    if first_fit:
+        per_chunk = fits.reshape(-1, len(nbufs))
+        fits = (per_chunk & (np.cumsum(per_chunk, axis=1) == 1)).ravel()
     cand["row"] = np.repeat(np.arange(len(grid)), len(combos))
     return {k: v[fits] for k, v in cand.items()}
 
 
 def candidates(target: CostModel, p: Problem) -> dict[str, np.ndarray]:
     """The tilings worth estimating finely: every grid is estimated with two K chunks
-    first, and the most promising are tried with every chunk and buffer count."""
+    first, and the most promising are tried with every chunk and buffer count. The coarse
+    pass keeps only a grid's best estimate, and three operand buffers never take longer
+    than two (the loads hide behind two steps instead of one): it tries two only where
+    three do not fit."""
     k_max = round_up(max(p.k, 1), K_GRANULE)
     tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
     grid = _grids(target, p)
-    coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2))
+    coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2), first_fit=True)
     ns, _, _ = estimate(target, p, coarse)
     best = np.full(len(grid), np.inf)
     np.minimum.at(best, coarse["row"], ns)
@@ -220,7 +250,7 @@ def _shape(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[s
     """Tiles (largest and average), steps per wave (the longest K slice sets them: full
     chunks and a shorter last one), blocks, waves and the groups active in a wave."""
     pk, pm, pn, tk = cand["pk"], cand["pm"], cand["pn"], cand["tk"]
-    tm, tn = tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    tm, tn = (cand["tm"], cand["tn"]) if "tm" in cand else tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
     k_slice = _tile_max(p.k, pk, K_GRANULE)
     steps = -(-k_slice // tk)
     blocks = p.batch * (cand["m_tiles"] // pm) * (cand["n_tiles"] // pn)
@@ -323,7 +353,7 @@ def choose(target: CostModel, p: Problem) -> Tiling:
     lean = lean if lean.size else near
     lean = lean[cand["nbuf"][lean] == cand["nbuf"][lean].max()]
     best = lean[np.argmin(cmds[lean])]
-    return Tiling(**{k: int(v[best]) for k, v in cand.items()})
+    return Tiling(**{k: int(cand[k][best]) for k in _TILING_FIELDS})
 
 
 def estimate_one(target: CostModel, p: Problem, t: Tiling) -> float:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sympy
 
 from spyre_rt.ir import Access, Buffer, LoopKernel, Op, description
@@ -427,6 +428,50 @@ def canonical_sizes(total: int, boundaries: set[int]) -> list[int]:
     return [hi // lo for lo, hi in zip(pts, pts[1:], strict=False)][::-1]
 
 
+_AFFINE_TRIALS = 48  # points at which an index expression must equal its affine form
+_ELEMENTWISE = ("Min(", "Max(", "floor(", "ceiling(")  # calls that take no arrays
+
+
+@functools.lru_cache(maxsize=1024)
+def _affine_points(canon_sizes: tuple[int, ...], nextra: int) -> tuple[tuple[int, ...], ...]:
+    """The points an index expression over variables of these sizes (and `nextra` symbols,
+    drawn below 7) is checked at: the far corner along each variable, then random ones,
+    drawn the same in every process (a seed from the sizes: str hashes are salted per
+    process). Kernels of one shape share them."""
+    rng = random.Random(zlib.crc32(f"{canon_sizes}|{nextra}".encode()))
+    sizes = [*canon_sizes, *[7] * nextra]
+    pts = [[int(rng.random() * n) for n in sizes] for _ in range(_AFFINE_TRIALS)]
+    for trial in range(min(len(canon_sizes), _AFFINE_TRIALS)):
+        pts[trial][trial] = canon_sizes[trial] - 1
+    return tuple(map(tuple, pts))
+
+
+def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: tuple[tuple[int, ...], ...],
+               text: str) -> bool:
+    """Whether `f` equals base + coeffs . x at every point x of `pts`: evaluated once on
+    int64 columns (floor division and modulo as on ints) where the expression takes them and
+    no value can overflow, else point by point."""
+    bound = (abs(base) + sum(abs(c) for c in coeffs)) * (max((max(p, default=0) for p in pts), default=0) + 1)
+    if pts and bound < 2**40 and not any(c in text for c in _ELEMENTWISE):
+        cols = _columns(pts)
+        try:
+            with np.errstate(all="raise"):
+                got = f(*cols)
+        except (FloatingPointError, ArithmeticError):
+            got = None
+        if got is not None:
+            want = base + np.array(coeffs, dtype=np.int64) @ cols
+            return bool(np.all(np.asarray(got) == want))
+    return all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _columns(pts: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    cols = np.array(pts, dtype=np.int64).T
+    cols.flags.writeable = False
+    return cols
+
+
 def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extra_syms=()) -> tuple[int, list[int], list[int]]:
     """(constant, coefficient per canonical variable, coefficient per extra symbol) of an
     index expression; raises NotSupported if it is not affine in them."""
@@ -447,15 +492,8 @@ def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extr
         pt = list(zero)
         pt[j] = 1
         coeffs.append(int(f(*pt)) - base)
-    # points drawn the same in every process (str hashes are salted per process), quickly
-    rng = random.Random(zlib.crc32(f"{text}|{tuple(canon_sizes)}".encode()))
-    for trial in range(48):
-        pt = [int(rng.random() * n) for n in canon_sizes] + [int(rng.random() * 7) for _ in extra]
-        if trial < ncan:  # also the far corner along each variable
-            pt[trial] = canon_sizes[trial] - 1
-        want = base + sum(c * x for c, x in zip(coeffs, pt, strict=True))
-        if int(f(*pt)) != want:
-            raise NotSupported(f"index {expr} is not affine in the loop variables")
+    if not _affine_at(f, base, coeffs, _affine_points(tuple(canon_sizes), len(extra)), text):
+        raise NotSupported(f"index {expr} is not affine in the loop variables")
     return base, coeffs[:ncan], coeffs[ncan:]
 
 

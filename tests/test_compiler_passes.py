@@ -254,3 +254,31 @@ def test_an_adapted_op_keeps_its_id_and_masks_and_other_ops_pass_unchanged():
     made = ops[:-1]
     assert made[-1]["id"] == "r" and all(op["masks"] == ["m"] for op in made)
     assert all(op["dtype"] == "float32" for op in made if op["op"] == "constant")
+
+
+def test_the_affinity_check_on_columns_agrees_with_the_check_point_by_point():
+    # the columns path (numpy ints) and the point-by-point path (Python ints) must agree:
+    # floor division and modulo of negative values included
+    pts = d._affine_points((8, 6, 5), 1)
+    cases = [(lambda a, b, c, t: 30 * a + 5 * b + c + 3 * t - 7, -7, [30, 5, 1, 3], True),
+             (lambda a, b, c, t: ((a - 9) // 4) % 3 + b, 0, [0, 1, 0, 0], False),
+             (lambda a, b, c, t: (30 * a + c) // 30 - (b - 3) % 6, 3, [1, -1, 0, 0], False),
+             (lambda a, b, c, t: a * b, 0, [0, 0, 0, 0], False)]
+    for f, base, coeffs, affine in cases:
+        point_by_point = all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts)
+        assert point_by_point == affine
+        assert d._affine_at(f, base, coeffs, pts, "") == affine
+        assert d._affine_at(f, base, coeffs, pts, "Min(") == affine  # the point-by-point path
+
+
+def test_an_index_whose_check_divides_by_zero_fails_as_on_ints():
+    # at the check's points the divisor is zero: the columns path must not hide it
+    with pytest.raises(ZeroDivisionError):
+        d._affine_at(lambda a: 4 // (a - a), 0, [0], d._affine_points((16,), 0), "")
+
+
+def test_the_affinity_check_points_come_from_the_sizes_alone_and_reach_each_far_corner():
+    pts = d._affine_points((3, 64), 1)
+    assert pts == d._affine_points.__wrapped__((3, 64), 1)
+    assert len(pts) == d._AFFINE_TRIALS and pts[0][0] == 2 and pts[1][1] == 63
+    assert all(0 <= x < n for pt in pts for x, n in zip(pt, (3, 64, 7), strict=True))

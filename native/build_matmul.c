@@ -271,11 +271,14 @@ static int64_t end_key(const mm_build *b, uint64_t t, int phase)
 /* command `after` waits for command `before` */
 static inline void depend(mm_build *b, uint64_t after, uint64_t before)
 {
-    spy_vec *a = &b->g.after, *c = &b->g.before;
-    if (a->len < a->cap && c->len < c->cap) { /* the common case: room reserved (spy_graph_reserve) */
-        ((int64_t *)a->data)[a->len++] = (int64_t)after;
-        ((int64_t *)c->data)[c->len++] = (int64_t)before;
-    } else if (a->len < MM_MAX_PAIRS) {
+    spy_vec *v = &b->g.pairs;
+    uint64_t len = v->len;
+    if (len < v->cap) { /* the common case: room reserved (spy_graph_reserve) */
+        uint32_t *p = (uint32_t *)v->data + 2 * len;
+        p[0] = (uint32_t)after;
+        p[1] = (uint32_t)before;
+        v->len = len + 1;
+    } else if (len < MM_MAX_PAIRS) {
         spy_graph_depend(&b->g, after, before);
     } else {
         b->overflow = true;
@@ -287,7 +290,7 @@ static inline void depend_runs(mm_build *b, run a, run c)
 {
     if (a.count == 1 && c.count == 1) {
         depend(b, a.first, c.first);
-    } else if (b->g.after.len + (uint64_t)a.count * c.count > MM_MAX_PAIRS) {
+    } else if (b->g.pairs.len + (uint64_t)a.count * c.count > MM_MAX_PAIRS) {
         b->overflow = true;
     } else {
         spy_graph_depend_runs(&b->g, a.first, a.count, c.first, c.count);

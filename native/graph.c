@@ -263,37 +263,40 @@ static void stable_order(const int64_t *keys, uint64_t n, uint64_t *order, uint6
     }
 }
 
-static spy_status graph_check(const spy_graph_record *r, uint64_t *total)
+/* A graph's parts as the encoder reads them: dependency pairs as (after, before) uint32
+ * pairs, indices of commands in the order they were made. */
+typedef struct graph_parts {
+    uint32_t nslots, ninstrs, ndescs;
+    uint64_t ncmds, npairs;
+    const spy_slot *slots;
+    const spy_cmd *cmds;
+    const int64_t *keys;
+    const uint32_t *pairs;
+    const spy_instr *instrs;
+    const spy_desc *descs;
+} graph_parts;
+
+static spy_status block_size(const graph_parts *g, uint64_t *total)
 {
-    if ((r->nslots && !r->slots) || (r->ncmds && (!r->cmds || !r->keys)) ||
-        (r->npairs && (!r->after || !r->before)) || (r->ninstrs && !r->instrs) || (r->ndescs && !r->descs))
-        return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: a count without its array");
-    if (!spy_block_bytes(r->nslots, r->ncmds, r->npairs, r->ndescs, total) ||
-        *total + (uint64_t)r->ninstrs * sizeof(spy_instr) > SPY_BUILD_MAX_BYTES)
+    if (!spy_block_bytes(g->nslots, g->ncmds, g->npairs, g->ndescs, total) ||
+        *total + (uint64_t)g->ninstrs * sizeof(spy_instr) > SPY_BUILD_MAX_BYTES)
         return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: ncmds %llu, npairs %llu, ndescs %u and ninstrs %u "
-                        "make a program block of more than %llu bytes", (unsigned long long)r->ncmds,
-                        (unsigned long long)r->npairs, r->ndescs, r->ninstrs,
+                        "make a program block of more than %llu bytes", (unsigned long long)g->ncmds,
+                        (unsigned long long)g->npairs, g->ndescs, g->ninstrs,
                         (unsigned long long)SPY_BUILD_MAX_BYTES);
-    *total += (uint64_t)r->ninstrs * sizeof(spy_instr);
-    for (uint64_t i = 0; i < r->npairs; i++)
-        if (r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds || r->before[i] < 0 ||
-            (uint64_t)r->before[i] >= r->ncmds)
-            return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: %s[%llu] = %lld names no command of %llu",
-                            r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds ? "after" : "before",
-                            (unsigned long long)i,
-                            (long long)(r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds ? r->after[i]
-                                                                                              : r->before[i]),
-                            (unsigned long long)r->ncmds);
+    *total += (uint64_t)g->ninstrs * sizeof(spy_instr);
     return SPY_OK;
 }
 
-spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
+/* The block: commands sorted stably by key, each one's dependencies in the order given. A
+ * pair naming no command is refused (checked while the pairs are counted). */
+static spy_status encode(const graph_parts *g, spy_built *out)
 {
     uint64_t total = 0;
-    spy_status s = graph_check(r, &total);
+    spy_status s = block_size(g, &total);
     if (s != SPY_OK)
         return s;
-    uint64_t n = r->ncmds; /* below 2^32, as the pairs (graph_check) */
+    uint64_t n = g->ncmds; /* below 2^32, as the pairs (block_size) */
     uint64_t *order = spy_host_alloc((2 * n + 1) * sizeof *order); /* the order, a merge buffer */
     uint32_t *at = spy_host_alloc((2 * n + 1) * sizeof *at);       /* per command made: its place, its deps' */
     if (!order || !at) {
@@ -302,39 +305,81 @@ spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
         return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory to order %llu commands", (unsigned long long)n);
     }
     uint32_t *rank = at, *fill = at + n;
-    stable_order(r->keys, n, order, order + n);
+    memset(fill, 0, (size_t)n * sizeof *fill);
+    const uint32_t *pair = g->pairs;
+    for (uint64_t i = 0; i < g->npairs; i++, pair += 2) { /* dependencies per command made */
+        if (pair[0] >= n || pair[1] >= n) {
+            spy_host_free(order);
+            spy_host_free(at);
+            return spy_fail(SPY_E_INVALID_ARG, -1, "graph: dependency pair %llu (%u after %u) names no command of %llu",
+                            (unsigned long long)i, pair[0], pair[1], (unsigned long long)n);
+        }
+        fill[pair[0]]++;
+    }
+    stable_order(g->keys, n, order, order + n);
     spy_block_sections blk; /* every byte is written below */
-    s = block_alloc(total, r->nslots, (uint32_t)n, (uint32_t)r->npairs, r->ndescs, false, out, &blk);
+    s = block_alloc(total, g->nslots, (uint32_t)n, (uint32_t)g->npairs, g->ndescs, false, out, &blk);
     if (s != SPY_OK) {
         spy_host_free(order);
         spy_host_free(at);
         return s;
     }
-    ((spy_job_header *)out->data)->ninstrs = r->ninstrs;
-    if (r->nslots)
-        memcpy(blk.slots, r->slots, (size_t)r->nslots * sizeof *blk.slots);
-    memset(fill, 0, (size_t)n * sizeof *fill);
-    for (uint64_t i = 0; i < r->npairs; i++) /* dependencies per command made */
-        fill[r->after[i]]++;
+    ((spy_job_header *)out->data)->ninstrs = g->ninstrs;
+    if (g->nslots)
+        memcpy(blk.slots, g->slots, (size_t)g->nslots * sizeof *blk.slots);
     uint32_t begin = 0;
     for (uint64_t i = 0; i < n; i++) { /* in program order: the command, where its dependencies start */
         uint64_t c = order[i];
         rank[c] = (uint32_t)i;
-        blk.cmds[i] = r->cmds[c];
+        blk.cmds[i] = g->cmds[c];
         blk.cmds[i].ndeps = fill[c];
         blk.cmds[i].dep_begin = fill[c] = begin;
         begin += blk.cmds[i].ndeps;
     }
-    for (uint64_t i = 0; i < r->npairs; i++) /* grouped per waiting command, in the given order */
-        blk.deps[fill[r->after[i]]++] = rank[r->before[i]];
+    pair = g->pairs;
+    for (uint64_t i = 0; i < g->npairs; i++, pair += 2) /* grouped per waiting command, in the given order */
+        blk.deps[fill[pair[0]]++] = rank[pair[1]];
     spy_instr *instrs = (spy_instr *)blk.descs; /* the instructions come before the descriptors */
-    if (r->ninstrs)
-        memcpy(instrs, r->instrs, (size_t)r->ninstrs * sizeof *instrs);
-    if (r->ndescs)
-        memcpy(instrs + r->ninstrs, r->descs, (size_t)r->ndescs * sizeof(spy_desc));
+    if (g->ninstrs)
+        memcpy(instrs, g->instrs, (size_t)g->ninstrs * sizeof *instrs);
+    if (g->ndescs)
+        memcpy(instrs + g->ninstrs, g->descs, (size_t)g->ndescs * sizeof(spy_desc));
     spy_host_free(order);
     spy_host_free(at);
     return SPY_OK;
+}
+
+spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out)
+{
+    if ((r->nslots && !r->slots) || (r->ncmds && (!r->cmds || !r->keys)) ||
+        (r->npairs && (!r->after || !r->before)) || (r->ninstrs && !r->instrs) || (r->ndescs && !r->descs))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: a count without its array");
+    graph_parts g = {.nslots = r->nslots, .ninstrs = r->ninstrs, .ndescs = r->ndescs, .ncmds = r->ncmds,
+                     .npairs = r->npairs, .slots = r->slots, .cmds = r->cmds, .keys = r->keys,
+                     .instrs = r->instrs, .descs = r->descs};
+    uint64_t total;
+    spy_status s = block_size(&g, &total);
+    if (s != SPY_OK)
+        return s;
+    uint32_t *pairs = spy_host_alloc((2 * r->npairs + 1) * sizeof *pairs); /* npairs < 2^32 (block_size) */
+    if (!pairs)
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for %llu dependency pairs",
+                        (unsigned long long)r->npairs);
+    for (uint64_t i = 0; i < r->npairs; i++) {
+        bool after_bad = r->after[i] < 0 || (uint64_t)r->after[i] >= r->ncmds;
+        if (after_bad || r->before[i] < 0 || (uint64_t)r->before[i] >= r->ncmds) {
+            spy_host_free(pairs);
+            return spy_fail(SPY_E_INVALID_ARG, -1, "graph record: %s[%llu] = %lld names no command of %llu",
+                            after_bad ? "after" : "before", (unsigned long long)i,
+                            (long long)(after_bad ? r->after[i] : r->before[i]), (unsigned long long)r->ncmds);
+        }
+        pairs[2 * i] = (uint32_t)r->after[i];
+        pairs[2 * i + 1] = (uint32_t)r->before[i];
+    }
+    g.pairs = pairs;
+    s = encode(&g, out);
+    spy_host_free(pairs);
+    return s;
 }
 
 /* ---- a graph under construction ---------------------------------------------------------- */
@@ -345,14 +390,14 @@ void spy_graph_init(spy_graph *g)
     g->slots.elem = sizeof(spy_slot);
     g->cmds.elem = sizeof(spy_cmd);
     g->keys.elem = sizeof(int64_t);
-    g->after.elem = g->before.elem = sizeof(int64_t);
+    g->pairs.elem = 2 * sizeof(uint32_t);
     g->instrs.elem = sizeof(spy_instr);
     g->descs.elem = sizeof(spy_desc);
 }
 
 void spy_graph_free(spy_graph *g)
 {
-    spy_vec *v[] = {&g->slots, &g->cmds, &g->keys, &g->after, &g->before, &g->instrs, &g->descs};
+    spy_vec *v[] = {&g->slots, &g->cmds, &g->keys, &g->pairs, &g->instrs, &g->descs};
     for (size_t i = 0; i < SPY_ARRAY_LEN(v); i++)
         spy_vec_free(v[i]);
 }
@@ -383,39 +428,32 @@ void spy_graph_reserve(spy_graph *g, uint64_t ncmds, uint64_t npairs)
 {
     spy_vec_reserve(&g->cmds, ncmds);
     spy_vec_reserve(&g->keys, ncmds);
-    spy_vec_reserve(&g->after, npairs);
-    spy_vec_reserve(&g->before, npairs);
+    spy_vec_reserve(&g->pairs, npairs);
 }
 
 void spy_graph_depend(spy_graph *g, uint64_t after, uint64_t before)
 {
-    spy_vec *a = &g->after, *b = &g->before;
-    if (a->len < a->cap && b->len < b->cap) { /* the common case: room for it */
-        ((int64_t *)a->data)[a->len++] = (int64_t)after;
-        ((int64_t *)b->data)[b->len++] = (int64_t)before;
-        return;
-    }
-    int64_t *pa = spy_vec_push(a, 1), *pb = spy_vec_push(b, 1);
-    if (pa && pb) {
-        *pa = (int64_t)after;
-        *pb = (int64_t)before;
+    spy_vec *v = &g->pairs;
+    if (v->len < v->cap || spy_vec_reserve(v, 1)) {
+        uint32_t *p = (uint32_t *)v->data + 2 * v->len++;
+        p[0] = (uint32_t)after;
+        p[1] = (uint32_t)before;
     }
 }
 
 void spy_graph_depend_runs(spy_graph *g, uint64_t after, uint64_t na, uint64_t before, uint64_t nb)
 {
-    spy_vec *a = &g->after, *b = &g->before;
+    spy_vec *v = &g->pairs;
     uint64_t n = na * nb; /* below 2^64: the runs are of commands made */
-    if (!spy_vec_reserve(a, n) || !spy_vec_reserve(b, n))
+    if (!spy_vec_reserve(v, n))
         return; /* the graph is failed: its encode says so */
-    int64_t *pa = (int64_t *)a->data + a->len, *pb = (int64_t *)b->data + b->len;
+    uint32_t *p = (uint32_t *)v->data + 2 * v->len;
     for (uint64_t x = 0; x < na; x++)
         for (uint64_t y = 0; y < nb; y++) {
-            *pa++ = (int64_t)(after + x);
-            *pb++ = (int64_t)(before + y);
+            *p++ = (uint32_t)(after + x);
+            *p++ = (uint32_t)(before + y);
         }
-    a->len += n;
-    b->len += n;
+    v->len += n;
 }
 
 spy_instr *spy_graph_instrs(spy_graph *g, uint64_t n, uint64_t *first)
@@ -434,7 +472,7 @@ spy_status spy_graph_encode(const spy_graph *g, spy_built *out)
 {
     out->data = NULL;
     out->bytes = 0;
-    const spy_vec *v[] = {&g->slots, &g->cmds, &g->keys, &g->after, &g->before, &g->instrs, &g->descs};
+    const spy_vec *v[] = {&g->slots, &g->cmds, &g->keys, &g->pairs, &g->instrs, &g->descs};
     for (size_t i = 0; i < SPY_ARRAY_LEN(v); i++)
         if (v[i]->failed)
             return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a program under construction");
@@ -442,11 +480,11 @@ spy_status spy_graph_encode(const spy_graph *g, spy_built *out)
         return spy_fail(SPY_E_INVALID_ARG, -1, "a program of %llu slots, %llu instructions and %llu descriptors "
                         "is over the block's 2^32 - 1 of each", (unsigned long long)g->slots.len,
                         (unsigned long long)g->instrs.len, (unsigned long long)g->descs.len);
-    spy_graph_record r = {
+    graph_parts parts = {
         .nslots = (uint32_t)g->slots.len, .ninstrs = (uint32_t)g->instrs.len, .ndescs = (uint32_t)g->descs.len,
-        .ncmds = g->cmds.len, .npairs = g->after.len,
+        .ncmds = g->cmds.len, .npairs = g->pairs.len,
         .slots = g->slots.data, .cmds = g->cmds.data, .keys = g->keys.data,
-        .after = g->after.data, .before = g->before.data, .instrs = g->instrs.data, .descs = g->descs.data,
+        .pairs = g->pairs.data, .instrs = g->instrs.data, .descs = g->descs.data,
     };
-    return spy_graph_encode_record(&r, out);
+    return encode(&parts, out);
 }

@@ -408,7 +408,8 @@ spy_status spy_block_alloc(uint64_t total, uint32_t nslots, uint32_t ncmds, uint
 spy_status spy_graph_encode_record(const spy_graph_record *r, spy_built *out);
 
 typedef struct spy_graph {
-    spy_vec slots, cmds, keys, after, before, instrs, descs;
+    spy_vec slots, cmds, keys, instrs, descs;
+    spy_vec pairs; /* dependency pairs: (after, before) as uint32, commands in the order made */
 } spy_graph;
 
 void spy_graph_init(spy_graph *g);

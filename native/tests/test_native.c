@@ -1382,6 +1382,8 @@ static void test_builder(void)
     CHECK(b.bytes == b2.bytes && !memcmp(b.data, b2.data, b.bytes));
     spy_built_free(&b);
     spy_built_free(&b2);
+    ((uint32_t *)gr.pairs.data)[3] = 3; /* a pair naming no command: refused, nothing built */
+    CHECK(spy_graph_encode(&gr, &b2) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "names no command") && !b2.data);
     gr.cmds.failed = true; /* a failed append: the encode says so and builds nothing */
     CHECK(spy_graph_encode(&gr, &b2) == SPY_E_HOST_NOMEM && !b2.data);
     spy_graph_free(&gr);
@@ -1390,12 +1392,12 @@ static void test_builder(void)
     spy_graph_init(&gr);
     spy_graph_reserve(&gr, 4, 4);
     c = spy_graph_add(&gr, 4, 0, &first);
-    CHECK(c && gr.cmds.cap >= 4 && gr.after.cap >= 4);
+    CHECK(c && gr.cmds.cap >= 4 && gr.pairs.cap >= 4);
     for (int i = 0; i < 4; i++)
         c[i].op = SPY_OP_BARRIER, c[i].core = SPY_CORE_CARD;
     spy_graph_depend_runs(&gr, 2, 2, 0, 2);
-    CHECK(gr.after.len == 4 && ((int64_t *)gr.after.data)[1] == 2 && ((int64_t *)gr.before.data)[1] == 1 &&
-          ((int64_t *)gr.after.data)[2] == 3 && ((int64_t *)gr.before.data)[2] == 0);
+    const uint32_t *pairs = gr.pairs.data; /* (after, before) */
+    CHECK(gr.pairs.len == 4 && pairs[2] == 2 && pairs[3] == 1 && pairs[4] == 3 && pairs[5] == 0);
     CHECK_OK(spy_graph_encode(&gr, &b2));
     CHECK_OK(spy_job_validate(d, b2.data, b2.bytes, &info));
     out = (const spy_cmd *)(b2.data + sizeof(spy_job_header));

@@ -451,9 +451,8 @@ def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: tuple[t
     """Whether `f` equals base + coeffs . x at every point x of `pts`: evaluated once on
     int64 columns (floor division and modulo as on ints) where the expression takes them and
     no value can overflow, else point by point."""
-    bound = (abs(base) + sum(abs(c) for c in coeffs)) * (max((max(p, default=0) for p in pts), default=0) + 1)
-    if pts and bound < 2**40 and not any(c in text for c in _ELEMENTWISE):
-        cols = _columns(pts)
+    cols, top = _columns(pts)
+    if pts and (abs(base) + sum(abs(c) for c in coeffs)) * (top + 1) < 2**40 and not any(c in text for c in _ELEMENTWISE):
         try:
             with np.errstate(all="raise"):
                 got = f(*cols)
@@ -466,10 +465,11 @@ def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: tuple[t
 
 
 @functools.lru_cache(maxsize=1024)
-def _columns(pts: tuple[tuple[int, ...], ...]) -> np.ndarray:
+def _columns(pts: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, int]:
+    """The points as int64 columns (one per variable), and their largest value."""
     cols = np.array(pts, dtype=np.int64).T
     cols.flags.writeable = False
-    return cols
+    return cols, int(cols.max()) if cols.size else 0
 
 
 def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extra_syms=()) -> tuple[int, list[int], list[int]]:

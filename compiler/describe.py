@@ -458,7 +458,7 @@ def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: tuple[t
                 got = f(*cols)
         except (FloatingPointError, ArithmeticError):
             got = None
-        if got is not None:
+        if got is not None and np.asarray(got).dtype.kind in "iu":  # else as int() truncates, below
             want = base + np.array(coeffs, dtype=np.int64) @ cols
             return bool(np.all(np.asarray(got) == want))
     return all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts)

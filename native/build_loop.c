@@ -9,7 +9,8 @@
  * that computes every box and row piece the build will use and sorts the tiles into classes
  * of alike commands; the first tile of a class is built, the others copy it (see klass). A
  * refused record allocates nothing it does not free. Commands are made in program order,
- * each with its dependencies, so the block's sections are written as they come. */
+ * each with its dependencies, so the block's sections are written as they come; the stores
+ * of merged groups come after every tile (see spyre.h). */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -86,6 +87,9 @@ static void shape_of(const spy_loop_record *r, shape *sh)
 }
 
 static bool masks(const spy_loop_access *a, uint32_t j) { return (a->masked >> j) & 1u; }
+
+/* Whether tile t's merged stores go to its group (see spyre.h). */
+static bool merged(const spy_loop_record *r, uint32_t t) { return r->nmerges && r->tile_merge[t] >= 0; }
 
 /* The element an access reads at the tile's first row and column, from its storage's start. */
 static int64_t origin(const spy_loop_record *r, const int64_t *coeffs, int64_t base, const spy_loop_tile *t)
@@ -351,6 +355,12 @@ typedef struct patch {
     uint32_t cmd, access, kind, reserved;
 } patch;
 
+/* A merged tile's RING command, by its group. */
+typedef struct sent {
+    uint32_t group, tile;
+    uint64_t cmd;
+} sent;
+
 typedef struct builder {
     const spy_loop_record *r;
     shape sh;
@@ -378,6 +388,7 @@ typedef struct builder {
     spy_vec listed;   /* listed */
     spy_vec pairs;    /* uint64_t: (parity, size) of the stage programs, in the order tiles need them */
     spy_vec deps, issued, levels, prev, outs; /* int64_t: one tile's lists (see build_tile) */
+    spy_vec sent;     /* sent: the merged tiles' rings */
     uint64_t total_instrs; /* a parity's stage instructions, all stages */
     uint64_t bytes;        /* of the block so far */
 } builder;
@@ -417,7 +428,7 @@ static void builder_free(builder *st)
 {
     spy_vec *v[] = {&st->shapes, &st->classes, &st->tcmds, &st->tdeps, &st->tpatches, &st->cmds, &st->deps32,
                     &st->instrs, &st->descs, &st->pieces, &st->runs, &st->listed, &st->pairs, &st->deps,
-                    &st->issued, &st->levels, &st->prev, &st->outs};
+                    &st->issued, &st->levels, &st->prev, &st->outs, &st->sent};
     for (size_t i = 0; i < SPY_ARRAY_LEN(v); i++)
         spy_vec_free(v[i]);
     free(st->arena);
@@ -683,6 +694,92 @@ static spy_status check_access(const spy_loop_record *r, uint32_t i, uint64_t co
     return SPY_OK;
 }
 
+/* A tile's (or a group's) fields: its core, its indices of the block variable, its fixed ones. */
+static spy_status check_box(const spy_loop_record *r, const char *what, uint32_t i, const spy_loop_tile *t)
+{
+    if (t->core >= r->num_cores)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: %s[%u].core %u is not one of %u", what, i, t->core,
+                        r->num_cores);
+    if (!t->size)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: %s[%u].size is 0", what, i);
+    if (r->block >= 0 && (t->start < 0 || (uint64_t)t->start + t->size > r->sizes[r->block]))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: %s[%u].start %lld + size %u is outside the %llu "
+                        "indices of the block variable", what, i, (long long)t->start, t->size,
+                        (unsigned long long)r->sizes[r->block]);
+    for (int32_t j = 0; j < r->block; j++)
+        if (t->fixed[j] < 0 || (uint64_t)t->fixed[j] >= r->sizes[j])
+            return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: %s[%u].fixed[%d] %lld is outside the %llu "
+                            "indices of variable %d", what, i, j, (long long)t->fixed[j],
+                            (unsigned long long)r->sizes[j], j);
+    return SPY_OK;
+}
+
+/* Bytes of a tile row of an access in its scratchpad region. */
+static uint64_t row_bytes(const spy_loop_access *a)
+{
+    return a->kind == SPY_OPND_TILE ? (uint64_t)a->lx_pitch * a->itemsize : a->itemsize;
+}
+
+/* The merged groups: each inside the block variable, its region inside the layout for every
+ * merged store; each tile of a group inside its rows; every group with a tile. Only stores
+ * of values along the rows merge. `inner`: tile rows per index of the block variable. */
+static spy_status check_merges(const spy_loop_record *r, uint64_t inner)
+{
+    if (!r->nmerges)
+        return SPY_OK;
+    if (!r->merges || !r->tile_merge || !r->merge_off || r->block < 0)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: %u merged groups without their arrays or a block "
+                        "variable", r->nmerges);
+    for (uint32_t i = 0; i < r->naccesses; i++) {
+        const spy_loop_access *a = &r->accesses[i];
+        if (r->merge_off[i] != SPY_LOOP_UNMERGED &&
+            (a->op != SPY_OP_STORE || (a->kind != SPY_OPND_TILE && a->kind != SPY_OPND_ROW)))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: accesses[%u] merges but is not a store of values "
+                            "along the rows", i);
+    }
+    for (uint32_t g = 0; g < r->nmerges; g++) {
+        const spy_loop_merge *m = &r->merges[g];
+        spy_status s = check_box(r, "merges", g, &m->box);
+        if (s != SPY_OK)
+            return s;
+        uint64_t rows = (uint64_t)m->box.size * inner; /* below 2^40 x 2^26: no overflow */
+        for (uint32_t i = 0; i < r->naccesses; i++) {
+            uint64_t off = r->merge_off[i], n;
+            if (off == SPY_LOOP_UNMERGED)
+                continue;
+            if (!spy_mul_ok(rows, row_bytes(&r->accesses[i]), &n) || !spy_add_ok(n, off + m->lx_off, &n) ||
+                n > r->lx_bytes)
+                return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: merges[%u]'s region for accesses[%u] at %llu is "
+                                "outside the %llu-byte scratchpad layout", g, i,
+                                (unsigned long long)(off + m->lx_off), (unsigned long long)r->lx_bytes);
+        }
+    }
+    uint64_t *rows = calloc(r->nmerges, sizeof *rows); /* per group: its tiles' indices of the block variable */
+    if (!rows)
+        return NOMEM();
+    spy_status s = SPY_OK;
+    for (uint32_t t = 0; t < r->ntiles && s == SPY_OK; t++) {
+        int32_t g = r->tile_merge[t];
+        if (g < 0)
+            continue;
+        const spy_loop_tile *tile = &r->tiles[t], *in = (uint32_t)g < r->nmerges ? &r->merges[g].box : NULL;
+        bool inside = in && tile->start >= in->start && tile->start + tile->size <= in->start + in->size;
+        for (int32_t j = 0; inside && j < r->block; j++)
+            inside = tile->fixed[j] == in->fixed[j];
+        if (!inside)
+            s = spy_fail(SPY_E_INVALID_ARG, -1, "loop record: tiles[%u] is not inside its group %d of %u", t, g,
+                         r->nmerges);
+        else
+            rows[g] += tile->size;
+    }
+    for (uint32_t g = 0; g < r->nmerges && s == SPY_OK; g++)
+        if (rows[g] != r->merges[g].box.size)
+            s = spy_fail(SPY_E_INVALID_ARG, -1, "loop record: the tiles of merges[%u] hold %llu of its %u indices "
+                         "of the block variable", g, (unsigned long long)rows[g], r->merges[g].box.size);
+    free(rows);
+    return s;
+}
+
 static spy_status check_record(const spy_loop_record *r)
 {
     if (!r->num_cores || r->num_cores >= SPY_CORE_CARD)
@@ -762,7 +859,7 @@ static spy_status check_record(const spy_loop_record *r)
         if (s != SPY_OK)
             return s;
     }
-    return SPY_OK;
+    return check_merges(r, rows);
 }
 
 /* The tile fields, every box against its storage and its region, every gather's pieces;
@@ -781,7 +878,7 @@ static bool direct(const spy_loop_access *a) { return a->op == SPY_OP_LOAD || a-
 static spy_status arrays_init(builder *st)
 {
     const spy_loop_record *r = st->r;
-    st->width = 2;
+    st->width = r->nmerges ? 3 : 2;
     for (uint32_t i = 0; i < r->naccesses; i++)
         st->width += direct(&r->accesses[i]) && r->accesses[i].masked ? box_dims(st, &r->accesses[i]) + 3 : 1;
     st->table_cap = 16;
@@ -825,6 +922,8 @@ static spy_status shape_tile(builder *st, uint32_t t, uint32_t seq, const box *b
     if (!k)
         return NOMEM();
     *k++ = seq % 2, *k++ = tile->size;
+    if (r->nmerges)
+        *k++ = merged(r, t);
     int64_t *starts = st->starts + (uint64_t)t * r->naccesses;
     for (uint32_t i = 0; i < r->naccesses; i++) {
         const spy_loop_access *a = &r->accesses[i];
@@ -868,6 +967,28 @@ static spy_status shape_tile(builder *st, uint32_t t, uint32_t seq, const box *b
             return SPY_OK;
         }
     }
+}
+
+/* A box of access i inside its storage and inside a scratchpad region of `region` bytes. */
+static spy_status box_inside(const spy_loop_access *a, uint32_t i, const box *b, uint64_t region, const char *what,
+                             uint32_t t)
+{
+    int64_t lo = b->base, hi = b->base, lx_hi = b->lx_off;
+    for (uint32_t k = 0; k < b->n; k++) {
+        int64_t reach = b->stride[k] * (b->count[k] - 1);
+        *(reach < 0 ? &lo : &hi) += reach;
+        lx_hi += b->lx[k] * (b->count[k] - 1);
+    }
+    uint64_t numel = (uint64_t)(a->layout.rows ? a->layout.rows : 1) * a->layout.row_len;
+    if (lo < 0 || (uint64_t)hi >= numel)
+        return spy_fail(SPY_E_BAD_ADDRESS, -1, "loop record: accesses[%u] moves elements %lld .. %lld of %s %u, "
+                        "outside the %llu elements of its storage", i, (long long)lo, (long long)hi, what, t,
+                        (unsigned long long)numel);
+    if (b->lx_off < 0 || (uint64_t)lx_hi + a->itemsize > region)
+        return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: accesses[%u] moves bytes %lld .. %lld of its scratchpad "
+                        "region in %s %u, outside its %llu bytes", i, (long long)b->lx_off, (long long)lx_hi, what,
+                        t, (unsigned long long)region);
+    return SPY_OK;
 }
 
 static spy_status check_tiles(builder *st)
@@ -916,22 +1037,9 @@ static spy_status check_tiles(builder *st)
             moves[i] = box_of(r, &st->sh, a, tile, bp);
             if (!moves[i] || box_empty(bp))
                 continue;
-            const box b = *bp;
-            int64_t lo = b.base, hi = b.base, lx_hi = b.lx_off;
-            for (uint32_t k2 = 0; k2 < b.n; k2++) {
-                int64_t reach = b.stride[k2] * (b.count[k2] - 1);
-                *(reach < 0 ? &lo : &hi) += reach;
-                lx_hi += b.lx[k2] * (b.count[k2] - 1);
-            }
-            uint64_t numel = (uint64_t)(a->layout.rows ? a->layout.rows : 1) * a->layout.row_len;
-            if (lo < 0 || (uint64_t)hi >= numel)
-                return spy_fail(SPY_E_BAD_ADDRESS, -1, "loop record: accesses[%u] moves elements %lld .. %lld of tile "
-                                "%u, outside the %llu elements of its storage", i, (long long)lo, (long long)hi, t,
-                                (unsigned long long)numel);
-            if (b.lx_off < 0 || (uint64_t)lx_hi + a->itemsize > region_bytes(a, r->rows_per_tile))
-                return spy_fail(SPY_E_SCRATCHPAD, -1, "loop record: accesses[%u] moves bytes %lld .. %lld of its "
-                                "scratchpad region in tile %u, outside its %llu bytes", i, (long long)b.lx_off,
-                                (long long)lx_hi, t, (unsigned long long)region_bytes(a, r->rows_per_tile));
+            spy_status s = box_inside(a, i, bp, region_bytes(a, r->rows_per_tile), "tile", t);
+            if (s != SPY_OK)
+                return s;
         }
         spy_status s = shape_tile(st, t, seq, st->boxes, moves);
         if (s != SPY_OK)
@@ -950,6 +1058,8 @@ typedef struct tile_build {
     int64_t free_in, free_out; /* commands of the graph, or -1 */
     uint32_t nlisted;
     bool record;               /* the first tile of its class: its template is recorded */
+    bool global;               /* a group's store: its dependencies are commands of the graph */
+    int64_t lx_at;             /* a group's store: its region, or -1: the tile's slot of its parity */
 } tile_build;
 
 static spy_status too_big(void)
@@ -989,8 +1099,10 @@ static bool depend(builder *st, const tile_build *tb, int64_t local, const int64
     if (n && !d)
         return false;
     for (uint64_t k = 0; k < n; k++)
-        d[k] = (uint32_t)(deps[k] == FREE_IN ? tb->free_in : deps[k] == FREE_OUT ? tb->free_out
-                                                                                  : (int64_t)tb->first + deps[k]);
+        d[k] = (uint32_t)(tb->global              ? deps[k]
+                          : deps[k] == FREE_IN  ? tb->free_in
+                          : deps[k] == FREE_OUT ? tb->free_out
+                                                : (int64_t)tb->first + deps[k]);
     ((spy_cmd *)st->cmds.data)[tb->first + (uint64_t)local].ndeps = (uint32_t)n;
     if (tb->record) {
         int64_t *sym = push_raw(&st->tdeps, n);
@@ -1020,7 +1132,7 @@ static spy_status dma(builder *st, tile_build *tb, const spy_loop_access *a, con
                       uint64_t ndeps, spy_vec *made)
 {
     bool load = a->op == SPY_OP_LOAD;
-    int64_t lx_base = (int64_t)a->lx_off[tb->parity] + b->lx_off;
+    int64_t lx_base = (tb->lx_at >= 0 ? tb->lx_at : (int64_t)a->lx_off[tb->parity]) + b->lx_off;
     dma_cache *dc = &st->dmas[a - st->r->accesses];
     int64_t c0 = a->layout.rows > 1 ? b->base % (int64_t)a->layout.row_len : 0;
     if (!dc->valid || dc->c0 != c0 || memcmp(dc->count, b->count, b->n * sizeof *b->count)) {
@@ -1157,6 +1269,72 @@ static spy_status gather(builder *st, tile_build *tb, uint32_t i, const int64_t 
             return NOMEM();
     }
     return SPY_OK;
+}
+
+/* A merged tile's staged rows of access i sent to its group's region (see spyre.h). */
+static spy_status send(builder *st, tile_build *tb, uint32_t i, const int64_t *deps, uint64_t ndeps, spy_vec *made)
+{
+    const spy_loop_record *r = st->r;
+    const spy_loop_access *a = &r->accesses[i];
+    int32_t g = r->tile_merge[tb->t];
+    const spy_loop_merge *m = &r->merges[g];
+    uint64_t rb = row_bytes(a), inner = (uint64_t)st->sh.inner; /* checked: the regions are inside the layout */
+    int64_t local;
+    if (!room(st, 1, sizeof(spy_cmd) + 4 * ndeps))
+        return too_big();
+    spy_cmd *c = add_cmd(st, tb, SPY_OP_RING, 0, &local);
+    sent *x = spy_vec_push(&st->sent, 1);
+    if (!c || !x || !push_i64(made, local))
+        return NOMEM();
+    c->u.ring.dst_core = m->box.core;
+    c->u.ring.src_off = a->lx_off[tb->parity];
+    uint64_t at = (uint64_t)(tb->tile->start - m->box.start) * inner * rb; /* the tile's rows among the group's */
+    c->u.ring.dst_off = (uint32_t)(m->lx_off + r->merge_off[i] + at);
+    c->u.ring.bytes = (uint32_t)((uint64_t)tb->tile->size * inner * rb);
+    *x = (sent){(uint32_t)g, tb->t, tb->first + (uint64_t)local};
+    return depend(st, tb, local, deps, ndeps) ? SPY_OK : NOMEM();
+}
+
+static int by_group(const void *x, const void *y)
+{
+    const sent *a = x, *b = y;
+    if (a->group != b->group)
+        return a->group < b->group ? -1 : 1;
+    return a->cmd < b->cmd ? -1 : a->cmd > b->cmd;
+}
+
+/* Each group's stores of its merged accesses, on its core, after all its tiles' rings. */
+static spy_status store_groups(builder *st)
+{
+    const spy_loop_record *r = st->r;
+    sent *all = st->sent.data;
+    qsort(all, st->sent.len, sizeof *all, by_group);
+    spy_vec *deps = &st->deps;
+    spy_status s = SPY_OK;
+    for (uint64_t at = 0; at < st->sent.len && s == SPY_OK;) {
+        uint32_t g = all[at].group, last = all[at].tile;
+        deps->len = 0;
+        for (; at < st->sent.len && all[at].group == g && s == SPY_OK; at++) {
+            last = all[at].tile; /* the latest: commands are made in tile order */
+            if (!push_i64(deps, (int64_t)all[at].cmd))
+                s = NOMEM();
+        }
+        const spy_loop_merge *m = &r->merges[g];
+        uint64_t rows = (uint64_t)m->box.size * (uint64_t)st->sh.inner;
+        for (uint32_t i = 0; i < r->naccesses && s == SPY_OK; i++) {
+            const spy_loop_access *a = &r->accesses[i];
+            box b;
+            if (r->merge_off[i] == SPY_LOOP_UNMERGED || !box_of(r, &st->sh, a, &m->box, &b) || box_empty(&b))
+                continue;
+            s = box_inside(a, i, &b, rows * row_bytes(a), "group", g);
+            /* a descriptor list goes with the class of the group's last tile */
+            tile_build tb = {&m->box, last, 0, st->cmds.len, -1, -1, 0, false, true,
+                             (int64_t)m->lx_off + r->merge_off[i]};
+            if (s == SPY_OK)
+                s = dma(st, &tb, a, &b, deps->data, deps->len, &st->outs);
+        }
+    }
+    return s;
 }
 
 /* The index of the stage programs of (parity, size). */
@@ -1313,8 +1491,25 @@ static spy_status build_tile(builder *st, tile_build *tb, int64_t *last_sfu, int
         box b;
         if (a->op == SPY_OP_SCATTER)
             s = gather(st, tb, i, prev.data, prev.len, &outs);
+        else if (merged(r, tb->t) && r->merge_off[i] != SPY_LOOP_UNMERGED)
+            continue; /* sent below */
         else if (a->op == SPY_OP_STORE && box_of(r, &st->sh, a, tile, &b) && !box_empty(&b))
             s = dma(st, tb, a, &b, prev.data, prev.len, &outs);
+    }
+    /* a merged tile's rings last, each after the tile's other stores and rings: the ring has
+     * an engine of its own, and the tile two places later waits for the tile's last one */
+    for (uint32_t i = 0; i < r->naccesses && s == SPY_OK && merged(r, tb->t); i++) {
+        if (r->merge_off[i] == SPY_LOOP_UNMERGED)
+            continue;
+        deps->len = 0;
+        for (uint64_t k = 0; k < prev.len && s == SPY_OK; k++)
+            if (!push_i64(deps, ((int64_t *)prev.data)[k]))
+                s = NOMEM();
+        for (uint64_t k = 0; k < outs.len && s == SPY_OK; k++)
+            if (!push_i64(deps, ((int64_t *)outs.data)[k]))
+                s = NOMEM();
+        if (s == SPY_OK)
+            s = send(st, tb, i, deps->data, deps->len, &outs);
     }
     *last_out = -1;
     for (uint64_t k = 0; k < outs.len; k++)
@@ -1387,7 +1582,7 @@ static spy_status tile(builder *st, tile_build *tb, int64_t *last_sfu, int64_t *
     k.cmd_first = st->tcmds.len;
     k.ndeps = st->tdeps.len - k.dep_first;
     k.npatches = st->tpatches.len - k.patch_first;
-    k.templated = tb->nlisted == 0;
+    k.templated = tb->nlisted == 0 && !merged(st->r, tb->t); /* a ring's destination is the tile's own */
     k.last_sfu = *last_sfu >= 0 ? *last_sfu - (int64_t)tb->first : -1;
     k.last_out = *last_out >= 0 ? *last_out - (int64_t)tb->first : -1;
     spy_cmd *tc = k.templated && k.ncmds ? push_raw(&st->tcmds, k.ncmds) : NULL;
@@ -1504,6 +1699,7 @@ spy_status spy_build_loop(const spy_loop_record *r, spy_built *out)
     st.classes.elem = sizeof(klass);
     st.tcmds.elem = sizeof(spy_cmd);
     st.tpatches.elem = sizeof(patch);
+    st.sent.elem = sizeof(sent);
     spy_vec *lists[] = {&st.shapes, &st.tdeps, &st.deps, &st.issued, &st.levels, &st.prev, &st.outs};
     for (size_t i = 0; i < SPY_ARRAY_LEN(lists); i++)
         lists[i]->elem = sizeof(int64_t);
@@ -1517,13 +1713,15 @@ spy_status spy_build_loop(const spy_loop_record *r, spy_built *out)
     uint32_t seq = 0;
     for (uint32_t t = 0; t < r->ntiles && s == SPY_OK; t++) {
         seq = t && r->tiles[t - 1].core == r->tiles[t].core ? seq + 1 : 0;
-        tile_build tb = {&r->tiles[t], t, seq % 2, st.cmds.len, -1, -1, 0, false};
+        tile_build tb = {&r->tiles[t], t, seq % 2, st.cmds.len, -1, -1, 0, false, false, -1};
         if (seq >= 2) {
             tb.free_in = last[2 * (t - 2)];
             tb.free_out = last[2 * (t - 2) + 1];
         }
         s = tile(&st, &tb, &last[2 * t], &last[2 * t + 1]);
     }
+    if (s == SPY_OK && st.sent.len)
+        s = store_groups(&st);
     if (s == SPY_OK && st.listed.len)
         s = order_listed(&st);
     if (s == SPY_OK)

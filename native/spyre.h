@@ -790,8 +790,16 @@ spy_status spy_build_matmul(const spy_matmul_record *rec, spy_built *out);
  * gather or scatter moves each tile row's columns in pieces that keep the scratchpad side
  * packed. Instructions are written once per (stage, parity, tile rows), in the order tiles
  * first need them, then every tile's prologue in tile order; descriptor lists are grouped
- * by tiles of alike commands, in the order those first appear. */
+ * by tiles of alike commands, in the order those first appear.
+ * Merged stores (nmerges > 0): where a stored buffer's sticks hold the results of more rows
+ * than one tile does, the tiles of those rows form a group (spy_loop_merge). Such a tile does
+ * not store a merged access (merge_off[i] != SPY_LOOP_UNMERGED): after its last stage, one
+ * RING command sends its staged rows to the group's region on the group's core (the rows of
+ * a tile of its size, at their place among the group's rows). After every tile, each group
+ * stores the box of its rows once from that region, on its core, after all its tiles' rings:
+ * no two cores write one stick back. */
 #define SPY_LOOP_MAX_VARS 16
+#define SPY_LOOP_UNMERGED 0xFFFFFFFFu /* merge_off of an access each tile stores itself */
 
 typedef struct spy_loop_access {
     uint32_t op;           /* SPY_OP_LOAD, _STORE, or _GATHER, _SCATTER through an index */
@@ -846,6 +854,16 @@ typedef struct spy_loop_const {
 } spy_loop_const; /* 152 bytes */
 SPY_ABI_SIZE(spy_loop_const, 152)
 
+/* A group of tiles whose merged stores share sticks: its rows as a tile's (box.core: the core
+ * that stores them) and its region there. A merged access i's rows sit at lx_off +
+ * merge_off[i], row after row as in a tile's region. */
+typedef struct spy_loop_merge {
+    spy_loop_tile box;
+    uint32_t lx_off;
+    uint32_t reserved;
+} spy_loop_merge; /* 152 bytes */
+SPY_ABI_SIZE(spy_loop_merge, 152)
+
 typedef struct spy_loop_record {
     uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
     uint32_t stick_bytes;      /* a power of two up to 65536 */
@@ -868,8 +886,13 @@ typedef struct spy_loop_record {
     const spy_loop_stage *stages;     /* levels */
     const spy_loop_instr *instrs;
     const spy_loop_const *consts;
-} spy_loop_record; /* 240 bytes */
-SPY_ABI_SIZE(spy_loop_record, 240)
+    uint32_t nmerges;                 /* groups of merged stores; 0: every tile stores its own */
+    uint32_t reserved;
+    const spy_loop_merge *merges;
+    const int32_t *tile_merge;        /* ntiles: the tile's group, or -1 (nmerges > 0) */
+    const uint32_t *merge_off;        /* naccesses: see spy_loop_merge, or SPY_LOOP_UNMERGED */
+} spy_loop_record; /* 272 bytes */
+SPY_ABI_SIZE(spy_loop_record, 272)
 
 spy_status spy_build_loop(const spy_loop_record *rec, spy_built *out);
 /* An attention kernel (build_attention.c): flash attention over the cores, as

@@ -91,6 +91,7 @@ LAYOUT = np.dtype([("rows", "u8"), ("row_len", "u8"), ("itemsize", "u4"), ("stic
 # a loop kernel's decision record (spy_loop_record): its stage instructions and its tiles
 LOOP_INSTR = np.dtype([("instr", INSTR), ("tile_rows", "u4"), ("reserved", "u4")])
 LOOP_TILE = np.dtype([("core", "u4"), ("size", "u4"), ("start", "i8"), ("fixed", "i8", (lib.SPY_LOOP_MAX_VARS,))])
+LOOP_MERGE = np.dtype([("box", LOOP_TILE), ("lx_off", "u4"), ("reserved", "u4")])
 
 OPND_NONE, OPND_TILE, OPND_ROW, OPND_COL, OPND_SCALAR, OPND_IMM = 0, 1, 2, 3, 4, 5
 

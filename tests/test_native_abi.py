@@ -32,6 +32,7 @@ MIRRORS = {
     "LAYOUT": ("spy_layout", None, {}),
     "LOOP_INSTR": ("spy_loop_instr", None, {}),
     "LOOP_TILE": ("spy_loop_tile", None, {}),
+    "LOOP_MERGE": ("spy_loop_merge", None, {}),
 }
 _C_SCALAR = {"uint8_t": ("u", 1), "uint16_t": ("u", 2), "uint32_t": ("u", 4), "uint64_t": ("u", 8),
              "int32_t": ("i", 4), "int64_t": ("i", 8), "double": ("f", 8)}

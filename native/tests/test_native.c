@@ -1650,6 +1650,120 @@ static void test_loop_builder(void)
     spy_device_close(d);
 }
 
+/* Merged stores: y[r] = sum of row r of x, y 37 fp32 in two sticks of 32. Each stick's rows
+ * are a group of tiles on several cores that send their sums to the group's core, which
+ * stores the stick once: group 0 (rows 0 .. 31) on core 0, group 1 (rows 32 .. 36) on core 1. */
+static void merged_case(loop_case *c, spy_loop_merge *m, int32_t *tile_merge, uint32_t *merge_off)
+{
+    loop_case_init(c);
+    spy_loop_access *y = &c->acc[1];
+    y->kind = SPY_OPND_ROW;
+    y->layout = (spy_layout){1, LOOP_ROWS, 4, 128};
+    y->lx_pitch = 1;
+    y->coeffs[0] = 1;
+    y->coeffs[1] = 0;
+    c->extents[1] = 256;
+    for (int p = 0; p < 2; p++) {
+        spy_instr *x = &c->instrs[p].instr;
+        x->op = SPY_SFU_RSUM;
+        x->dst = (spy_operand){SPY_OPND_ROW, SPY_DT_F32, 0, 1, {.off = y->lx_off[p]}};
+        x->src[1] = (spy_operand){0};
+    }
+    uint32_t region = 4 * 2 * LOOP_COLS * 4;
+    c->rec.lx_bytes = region + 128;
+    memset(m, 0, 2 * sizeof *m);
+    m[0].box = (spy_loop_tile){0, 32, 0, {0}};
+    m[1].box = (spy_loop_tile){1, LOOP_ROWS - 32, 32, {0}};
+    m[0].lx_off = m[1].lx_off = region;
+    for (uint32_t t = 0; t < c->rec.ntiles; t++)
+        tile_merge[t] = c->tiles[t].start < 32 ? 0 : 1;
+    merge_off[0] = SPY_LOOP_UNMERGED;
+    merge_off[1] = 0;
+    c->rec.nmerges = 2;
+    c->rec.merges = m;
+    c->rec.tile_merge = tile_merge;
+    c->rec.merge_off = merge_off;
+}
+
+static void test_loop_merged_stores(void)
+{
+    current = "loop builder, merged stores";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_FUNCTIONAL, 0, &d));
+    loop_case c;
+    spy_loop_merge m[2];
+    int32_t tile_merge[(LOOP_ROWS + 1) / 2];
+    uint32_t merge_off[2];
+    merged_case(&c, m, tile_merge, merge_off);
+    spy_built b;
+    CHECK_OK(spy_build_loop(&c.rec, &b));
+    spy_job_info info;
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    /* load, SFU, ring per tile; a store per group */
+    CHECK(info.ncmds == 3 * c.rec.ntiles + 2 && info.cores_used == 4);
+    const spy_job_header *h = (const spy_job_header *)b.data;
+    const spy_cmd *cmds = (const spy_cmd *)((const uint8_t *)b.data + sizeof *h + h->nslots * sizeof(spy_slot));
+    uint32_t rings = 0, stores = 0;
+    for (uint32_t i = 0; i < h->ncmds; i++) {
+        rings += cmds[i].op == SPY_OP_RING;
+        if (cmds[i].op == SPY_OP_STORE) {
+            stores++;
+            CHECK(cmds[i].core == (stores == 1 ? 0 : 1) && cmds[i].ndeps == (stores == 1 ? 16 : 3));
+        }
+    }
+    CHECK(rings == c.rec.ntiles && stores == 2);
+
+    uint64_t x, y, blob;
+    CHECK_OK(spy_malloc(d, c.extents[0], SPY_MEM_DATA, &x));
+    CHECK_OK(spy_malloc(d, c.extents[1], SPY_MEM_DATA, &y));
+    float *host = calloc(c.extents[0] / 4, 4);
+    for (uint64_t r = 0; r < LOOP_ROWS; r++)
+        for (uint64_t k = 0; k < LOOP_COLS; k++)
+            host[stick_offset(r, k) / 4] = (float)(r * LOOP_COLS + k);
+    CHECK_OK(spy_mem_write(d, x, host, c.extents[0]));
+    CHECK_OK(spy_malloc(d, b.bytes, SPY_MEM_CONTROL, &blob));
+    CHECK_OK(spy_mem_write(d, blob, b.data, b.bytes));
+    CHECK_OK(spy_program_commit(d, blob, NULL));
+    uint64_t bind[2] = {x, y};
+    double end;
+    CHECK_OK(spy_launch(d, blob, bind, 2, 0, &end));
+    float sums[64];
+    CHECK_OK(spy_mem_read(d, y, sums, sizeof sums));
+    bool right = true;
+    for (uint64_t r = 0; r < LOOP_ROWS; r++)
+        right &= sums[r] == (float)(r * LOOP_COLS * LOOP_COLS + LOOP_COLS * (LOOP_COLS - 1) / 2);
+    CHECK(right);
+    free(host);
+    spy_built_free(&b);
+
+    /* a corrupt record is refused whole, naming the field, and leaves nothing */
+    merged_case(&c, m, tile_merge, merge_off);
+    tile_merge[0] = 1; /* a tile outside its group */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "tiles[0]"));
+    merged_case(&c, m, tile_merge, merge_off);
+    for (uint32_t t = 0; t < c.rec.ntiles; t++)
+        if (c.tiles[t].start == 34)
+            tile_merge[t] = -1; /* group 1 then lacks rows no tile sends */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "merges[1]"));
+    merged_case(&c, m, tile_merge, merge_off);
+    m[1].lx_off = (uint32_t)c.rec.lx_bytes - 8; /* a region past the layout */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_SCRATCHPAD && !b.data && strstr(spy_last_error(), "merges[1]"));
+    merged_case(&c, m, tile_merge, merge_off);
+    m[0].box.core = 4;
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "merges[0].core"));
+    merged_case(&c, m, tile_merge, merge_off);
+    merge_off[0] = 0; /* a load cannot merge */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "accesses[0]"));
+    merged_case(&c, m, tile_merge, merge_off);
+    c.rec.merge_off = NULL;
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "arrays"));
+    spy_free(d, blob);
+    spy_free(d, x);
+    spy_free(d, y);
+    spy_device_close(d);
+}
+
 /* An attention of 4 query heads over 2 KV heads, one query row (decode), 200 keys: each
  * KV head's keys in two parts on cores of their own, combined on the first part's core. */
 static void attention_record(spy_attention_record *r, spy_attention_task *tasks, uint64_t *extents)
@@ -2120,6 +2234,7 @@ int main(void)
     test_builder();
     test_matmul_builder();
     test_loop_builder();
+    test_loop_merged_stores();
     test_attention_builder();
     test_ccl();
     test_plan_collective();

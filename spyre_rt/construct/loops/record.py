@@ -22,7 +22,7 @@ import numpy as np
 
 from ...ir import LoopKernel
 from ...native import ffi, lib
-from ...program import INSTR, LOOP_INSTR, LOOP_TILE, OP_GATHER, OP_LOAD, OP_SCATTER, OP_STORE
+from ...program import INSTR, LOOP_INSTR, LOOP_MERGE, LOOP_TILE, OP_GATHER, OP_LOAD, OP_SCATTER, OP_STORE
 from ..context import BuildContext, ScratchpadOverflow
 from ..sfu import ITEMSIZE, KIND_CODE, ROW, TILE
 from .analysis import Unsupported, Value, analyse
@@ -54,7 +54,8 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         raise Unsupported(f"kernel {k.name} has {a.n_vars} loop variables, more than {MAX_VARS}")
     target = ctx.target
     tiling = choose_tiling(a, target)
-    layout = lay_out(a, tiling.rows_per_tile, tiling.scratch_needs, target.stick_bytes)
+    layout = lay_out(a, tiling.rows_per_tile, tiling.scratch_needs, target.stick_bytes, merge_rows=tiling.merge_rows,
+                     merge_regions=tiling.merge_regions, merged=tiling.merged)
     if layout.peak > target.scratchpad_bytes:
         raise ScratchpadOverflow(f"kernel {k.name} needs {layout.peak} bytes of scratchpad")
     stages = StagePrograms(ctx, tiling, layout)
@@ -84,7 +85,9 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         tiles[i]["core"], tiles[i]["size"], tiles[i]["start"] = t.core, t.size, t.start
         tiles[i]["fixed"][: len(t.fixed)] = t.fixed
     extents = ffi.new("uint64_t[]", [ctx.layouts[b].nbytes for b in buffers] or [0])
+    merges, tile_merge, merge_off = _merges(tiling, layout, moving)
     tile_buf, instr_buf = ffi.from_buffer(tiles), ffi.from_buffer(instrs)
+    merge_buf, tile_merge_buf, merge_off_buf = (ffi.from_buffer(x) for x in (merges, tile_merge, merge_off))
     rec = ffi.new("spy_loop_record *", {
         "num_cores": target.num_cores, "stick_bytes": target.stick_bytes,
         "scratchpad_bytes": target.scratchpad_bytes, "lx_bytes": layout.peak,
@@ -93,9 +96,27 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         "ninstrs": at, "nconsts": len(layout.tile_consts),
         "sizes": list(k.sizes), "slot_extent": extents, "accesses": accesses,
         "tiles": ffi.cast("spy_loop_tile *", tile_buf), "stages": stage_arr,
-        "instrs": ffi.cast("spy_loop_instr *", instr_buf), "consts": consts})
-    _ARRAYS_OF[rec] = (extents, accesses, consts, stage_arr, tiles, tile_buf, instrs, instr_buf)
+        "instrs": ffi.cast("spy_loop_instr *", instr_buf), "consts": consts, "nmerges": len(tiling.merges),
+        "merges": ffi.cast("spy_loop_merge *", merge_buf), "tile_merge": ffi.cast("int32_t *", tile_merge_buf),
+        "merge_off": ffi.cast("uint32_t *", merge_off_buf)})
+    _ARRAYS_OF[rec] = (extents, accesses, consts, stage_arr, tiles, tile_buf, instrs, instr_buf, merges, tile_merge,
+                       merge_off, merge_buf, tile_merge_buf, merge_off_buf)
     return LoopRecord(tiling, layout, slot_of, rec)
+
+
+def _merges(tiling: Tiling, layout: ScratchpadLayout, moving: list[Value]) -> tuple[np.ndarray, ...]:
+    """The record's groups of merged stores: each group's rows and region, each tile's
+    group, where each merged access's rows sit in a region (see spy_loop_merge)."""
+    merges = np.zeros(max(1, len(tiling.merges)), dtype=LOOP_MERGE)
+    for i, m in enumerate(tiling.merges):
+        box = merges[i]["box"]
+        box["core"], box["size"], box["start"] = m.core, m.size, m.start
+        box["fixed"][: len(m.fixed)] = m.fixed
+        merges[i]["lx_off"] = layout.merge_region(m.region)
+    tile_merge = np.array([t.merge for t in tiling.tiles] or [-1], dtype=np.int32)
+    merge_off = np.array([layout.merge_off.get(v.op.id, lib.SPY_LOOP_UNMERGED) for v in moving] or [0],
+                         dtype=np.uint32)
+    return merges, tile_merge, merge_off
 
 
 def _instrs(programs: list) -> np.ndarray:

@@ -7,7 +7,9 @@ Every core uses the same offsets. From the bottom up:
 * one int64 per tile constant, written by the tile's prologue;
 * the temporaries of computed values, reused by liveness (a linear scan over the SFU
   stages in order: a region is free again once its value's last reader has run);
-* the scratch areas some instructions need as working space (see :func:`scratch_needs`).
+* the scratch areas some instructions need as working space (see :func:`scratch_needs`);
+* with merged stores (see :mod:`.tiling`), the regions of the groups a core stores, one per
+  group, each holding a group's rows of every merged store.
 
 Every region starts on a stick boundary. The layout grows with the rows, which is what
 lets the tiling find the largest tile that fits by laying it out.
@@ -15,7 +17,7 @@ lets the tiling find the largest tile that fits by laying it out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...cost import round_up
 from ..context import LX_ALIGN
@@ -52,6 +54,13 @@ class ScratchpadLayout:
     temporaries: dict[str, Operand]             # computed values (constants are immediates)
     scratch: dict[ScratchNeed, int]             # where each scratch area starts
     peak: int                                   # bytes used
+    merge_base: int = 0                         # the first group region
+    merge_stride: int = 0                       # bytes from one group region to the next
+    merge_off: dict[str, int] = field(default_factory=dict)  # per merged store: its rows in a region
+
+    def merge_region(self, region: int) -> int:
+        """Where a core's group region `region` starts."""
+        return self.merge_base + region * self.merge_stride
 
     def operand(self, vid: str, slot: int) -> Operand:
         """Where the value `vid` is read in tile slot `slot`."""
@@ -81,9 +90,11 @@ def scratch_needs(a: Analysis) -> frozenset[ScratchNeed]:
     return frozenset(needs)
 
 
-def lay_out(a: Analysis, rows: int, needs: frozenset[ScratchNeed], stick_bytes: int) -> ScratchpadLayout:
-    """The layout of `a` for tiles of at most `rows` rows (it is not checked against the
-    scratchpad's size: its ``peak`` says what it takes)."""
+def lay_out(a: Analysis, rows: int, needs: frozenset[ScratchNeed], stick_bytes: int, merge_rows: int = 0,
+            merge_regions: int = 0, merged: frozenset[str] = frozenset()) -> ScratchpadLayout:
+    """The layout of `a` for tiles of at most `rows` rows, and `merge_regions` group regions
+    of `merge_rows` rows of the `merged` stores (it is not checked against the scratchpad's
+    size: its ``peak`` says what it takes)."""
     stack = _Stack()
     slots, index_slots = _access_slots(a, rows, stick_bytes, stack)
     tile_consts = _tile_consts(a)
@@ -92,7 +103,13 @@ def lay_out(a: Analysis, rows: int, needs: frozenset[ScratchNeed], stick_bytes: 
     cells = rows * round_up(a.columns, 8)
     sizes = {"f32": cells * 4, "i64": cells * 8, "bool": cells, "row": rows * 8}
     scratch = {need: stack.take(sizes[need[0]]) for need in sorted(needs)}
-    return ScratchpadLayout(rows, slots, index_slots, tile_consts, const_off, temporaries, scratch, stack.top)
+    merge_base, region, merge_off = stack.top, _Stack(), {}
+    for vid in sorted(merged):
+        s = slots[vid]
+        merge_off[vid] = region.take(merge_rows * (s.pitch if s.kind == TILE else 1) * ITEMSIZE[s.dtype])
+    stack.take(merge_regions * region.top)
+    return ScratchpadLayout(rows, slots, index_slots, tile_consts, const_off, temporaries, scratch, stack.top,
+                            merge_base, region.top, merge_off)
 
 
 class _Stack:

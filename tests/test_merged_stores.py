@@ -170,3 +170,23 @@ def test_a_reduction_kept_in_a_middle_dimension_merges_per_fixed_row(functional)
     x = torch.randn(3, 8, VOCAB, generator=torch.Generator().manual_seed(0))
     got, on_cpu = on_card(lambda t: (t * 2).argmax(-1), x)
     assert on_cpu == {} and torch.equal(got, (x * 2).argmax(-1))
+
+
+def test_every_dispatch_mode_gives_the_same_bits(functional):
+    """The rings and the groups' stores are part of the kernel's program in every mode
+    (constructed at each launch, or built once into a plan)."""
+    from spyre_rt import dispatch
+    from spyre_rt.dispatch import dispatch_mode
+
+    x = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1))
+    fn = lambda t: (torch.log_softmax(t, -1), t.argmax(-1), t.amax(-1))  # noqa: E731
+    outs = []
+    for mode in dispatch.NAMES:
+        with dispatch_mode(mode):
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend="spyre_rt", dynamic=False, options={"cpu_fallback": False})
+            outs.append([y.cpu() for y in f(x.to("spyre"))])
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True))
+    want = fn(x)
+    assert torch.equal(outs[0][1], want[1]) and torch.equal(outs[0][2], want[2])
+    torch.testing.assert_close(outs[0][0], want[0], rtol=1e-5, atol=1e-6)

@@ -108,6 +108,35 @@ def test_a_merged_kernel_has_no_scratchpad_races(sizes):
     assert races(ctx.encode()) == []
 
 
+def test_stores_of_tiles_of_columns_merge_too(functional_card):
+    """A transposed store, y[c, r] = 2 x[r, c]: each tile stores rows of 5,000 columns, and
+    the block variable r moves along y's rows, so 32 of them share each stick. Tiles of 32
+    rows do not fit; tiles of two rows send their whole tiles (a row of y's sticks each) to
+    their group's region. The card's result equals torch's, with no scratchpad races."""
+    from test_matmul_build import Operand, launch_built
+
+    from spyre_rt.construct.matmul import View
+
+    rows, cols = 40, 5000
+    body = (Op("x", "load", (), "float32", Access("x", 0, (cols, 1))),
+            Op("two", "constant", (), "float32", None, {"value": 2.0}),
+            Op("v", "mul", ("x", "two")),
+            Op("y", "store", ("v",), "float32", Access("y", 0, (1, rows))))
+    buffers = (Buffer("x", "float32", (rows, cols), (cols, 1)), Buffer("y", "float32", (cols, rows), (rows, 1)))
+    k = LoopKernel("k", (rows, cols), 1, False, body, buffers)
+    x = torch.randn(rows * cols, generator=torch.Generator().manual_seed(3))
+    ops = {"x": Operand(x, cols, View("x", 0, (rows, cols), (cols, 1))),
+           "y": Operand(torch.zeros(rows * cols), rows, View("y", 0, (cols, rows), (rows, 1)))}
+    ctx = BuildContext(CostModel.of_figures(functional_card.profile), {n: o.layout for n, o in ops.items()})
+    decided = loops.build(ctx, k)
+    assert decided.tiling.merges and decided.tiling.merged == {"y"}
+    assert decided.layout.merge_stride >= 32 * cols * 4  # a group's 32 rows of 5,000 columns
+    blob = ctx.encode()
+    assert races(blob) == []
+    got = launch_built(functional_card, ctx, blob, ops, ["y"])["y"]
+    assert torch.equal(got, (x.view(rows, cols) * 2).t().reshape(-1))
+
+
 # ---- on the card -------------------------------------------------------------------------------
 
 OPS = {

@@ -7,7 +7,8 @@ Every input is a decision record as the Python layer hands it over: ``b"C"`` and
 ``spy_graph_record`` (counts, keys, dependency pairs and commands, as in
 ``graph_record_bytes``), ``b"M"`` and a ``spy_matmul_record`` with its arrays (as in
 ``matmul_record_bytes``), ``b"L"`` and a ``spy_loop_record`` (its fields up to its arrays,
-then each array at most its ``LOOP_ARRAYS`` bound, as in ``loop_record_bytes``), or
+then each array at most its ``LOOP_ARRAYS`` bound, then, for merged stores, their count and
+arrays, as in ``loop_record_bytes``), or
 ``b"A"`` and a ``spy_attention_record`` (the struct, its pointers ignored, then up to 256
 tasks and 16 slot extents, as in ``attention_record_bytes``). The builder must refuse it
 with a typed error or build a block. Every copy kernel or transfer graph it builds must
@@ -175,10 +176,21 @@ LOOP_ARRAYS = (("slot_extent", "uint64_t", "nslots", 16), ("accesses", "spy_loop
 LOOP_MAX_WORK = 1 << 24  # tiles x accesses x scratchpad bytes bound the boxes' elements: more is skipped
 
 
+# merged stores (nmerges > 0): a trailer of nmerges, its groups, each tile's group and each
+# access's place in a group's region, counted by nmerges, ntiles and naccesses
+LOOP_MERGES = (("merges", "spy_loop_merge", "nmerges"), ("tile_merge", "int32_t", "ntiles"),
+               ("merge_off", "uint32_t", "naccesses"))
+LOOP_MOST_MERGES = 16
+
+
 def loop_record_bytes(rec) -> bytes:
     out = bytes(ffi.buffer(rec, LOOP_HEAD))
     for name, ctype, count, _ in LOOP_ARRAYS:
         out += bytes(ffi.buffer(getattr(rec, name), ffi.sizeof(ctype) * getattr(rec, count)))
+    if rec.nmerges:
+        out += struct.pack("<I", rec.nmerges)
+        for name, ctype, count in LOOP_MERGES:
+            out += bytes(ffi.buffer(getattr(rec, name), ffi.sizeof(ctype) * getattr(rec, count)))
     return out
 
 
@@ -196,6 +208,17 @@ def loop_record(data: bytes):
         at += ffi.sizeof(ctype) * n
         setattr(rec, name, arr)
         keep.append(arr)
+    if len(data) >= at + 4:  # the merged groups' trailer
+        rec.nmerges = min(struct.unpack_from("<I", data, at)[0], LOOP_MOST_MERGES)
+        at += 4
+        for name, ctype, count in LOOP_MERGES:
+            n = getattr(rec, count)
+            arr = ffi.new(f"{ctype}[]", max(1, n))
+            chunk = data[at: at + ffi.sizeof(ctype) * n]
+            ffi.memmove(arr, chunk, len(chunk))
+            at += ffi.sizeof(ctype) * n
+            setattr(rec, name, arr)
+            keep.append(arr)
     return rec, keep
 
 

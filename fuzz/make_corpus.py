@@ -18,6 +18,7 @@ builder.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -123,7 +124,8 @@ def hand_made_programs() -> dict[str, bytes]:
 def loop_kernels() -> dict:
     """Small loop kernels, each with its buffers' layouts: a pointwise one, a gather with
     an index value (a tile constant, two stages), a masked load, a load of every third
-    column (a descriptor list) and a row reduction."""
+    column (a descriptor list), a row reduction, and row sums whose tiles merge their stores
+    (on a scratchpad of MERGED_SCRATCHPAD bytes)."""
     from spyre_rt.ir import Access, Buffer, LoopKernel, Op
     from spyre_rt.layout import StickLayout
 
@@ -160,7 +162,18 @@ def loop_kernels() -> dict:
         Op("y", "store", ("s",), "float32", Access("y", 0, (1, 0)))),
         (buf("x", "float32", (50, 200), (200, 1)), buf("y", "float32", (50,), (1,)))),
         {"x": StickLayout(50, 200, 4), "y": StickLayout(1, 50, 4)})
+    out["merged-row-sums"] = (LoopKernel("ms", (40, 2000), 1, True, (
+        Op("x", "load", (), "float32", Access("x", 0, (2000, 1))),
+        Op("s", "reduction", ("x",), "float32", None, {"kind": "sum"}),
+        Op("y", "store", ("s",), "float32", Access("y", 0, (1, 0)))),
+        (buf("x", "float32", (40, 2000), (2000, 1)), buf("y", "float32", (40,), (1,)))),
+        {"x": StickLayout(40, 2000, 4), "y": StickLayout(1, 40, 4)})
     return out
+
+
+# a scratchpad whose tiles hold fewer rows of "merged-row-sums" than a stick of its sums (32):
+# the tiles of a stick's rows merge their stores
+MERGED_SCRATCHPAD = 64 << 10
 
 
 def builder_records() -> dict[str, bytes]:
@@ -198,7 +211,9 @@ def builder_records() -> dict[str, bytes]:
     out.update(matmul_records())
     target = CostModel.of_figures(device_profile.load("spyre"))
     for name, (kernel, layouts) in loop_kernels().items():
-        decided = decide(BuildContext(target, layouts), kernel)  # owns the arrays its record points at
+        small = dataclasses.replace(target, scratchpad_bytes=MERGED_SCRATCHPAD)
+        decided = decide(BuildContext(small if name.startswith("merged") else target, layouts), kernel)
+        assert name.startswith("merged") == bool(decided.record.nmerges), name  # the record owns the arrays
         out[f"loop-{name}"] = b"L" + loop_record_bytes(decided.record)
     out.update(attention_records())
     return out

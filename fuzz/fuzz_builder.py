@@ -198,9 +198,19 @@ def loop_record(data: bytes):
     rec = ffi.new("spy_loop_record *")
     head = data[:LOOP_HEAD]
     ffi.memmove(rec, head, len(head))
-    keep, at = [], LOOP_HEAD
-    for name, ctype, count, most in LOOP_ARRAYS:
-        n = min(getattr(rec, count), most)
+    keep: list = []
+    at = _arrays(rec, data, LOOP_HEAD, LOOP_ARRAYS, keep)
+    if len(data) >= at + 4:  # the merged groups' trailer
+        rec.nmerges = min(struct.unpack_from("<I", data, at)[0], LOOP_MOST_MERGES)
+        _arrays(rec, data, at + 4, [(name, ctype, count, None) for name, ctype, count in LOOP_MERGES], keep)
+    return rec, keep
+
+
+def _arrays(rec, data: bytes, at: int, arrays, keep: list) -> int:
+    """Each of `arrays` (field, C type, counting field, most or None) read from `data` at
+    `at` into a new array of rec's (its count cut to the most); where the arrays end."""
+    for name, ctype, count, most in arrays:
+        n = getattr(rec, count) if most is None else min(getattr(rec, count), most)
         setattr(rec, count, n)
         arr = ffi.new(f"{ctype}[]", max(1, n))
         chunk = data[at: at + ffi.sizeof(ctype) * n]
@@ -208,18 +218,7 @@ def loop_record(data: bytes):
         at += ffi.sizeof(ctype) * n
         setattr(rec, name, arr)
         keep.append(arr)
-    if len(data) >= at + 4:  # the merged groups' trailer
-        rec.nmerges = min(struct.unpack_from("<I", data, at)[0], LOOP_MOST_MERGES)
-        at += 4
-        for name, ctype, count in LOOP_MERGES:
-            n = getattr(rec, count)
-            arr = ffi.new(f"{ctype}[]", max(1, n))
-            chunk = data[at: at + ffi.sizeof(ctype) * n]
-            ffi.memmove(arr, chunk, len(chunk))
-            at += ffi.sizeof(ctype) * n
-            setattr(rec, name, arr)
-            keep.append(arr)
-    return rec, keep
+    return at
 
 
 def heavy_matmul(rec) -> bool:

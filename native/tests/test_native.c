@@ -1581,6 +1581,31 @@ static uint64_t stick_offset(uint64_t row, uint64_t col)
     return (col / 32) * LOOP_ROWS * 128 + row * 128 + (col % 32) * 4;
 }
 
+/* The loop case's program run on the card: x (LOOP_ROWS x LOOP_COLS fp32 in sticks) holds
+ * r * LOOP_COLS + k; the first `out_bytes` of y are read into `out`. */
+static void run_loop_case(spy_device *d, const loop_case *c, const spy_built *b, void *out, uint64_t out_bytes)
+{
+    uint64_t x, y, blob;
+    CHECK_OK(spy_malloc(d, c->extents[0], SPY_MEM_DATA, &x));
+    CHECK_OK(spy_malloc(d, c->extents[1], SPY_MEM_DATA, &y));
+    float *host = calloc(c->extents[0] / 4, 4);
+    for (uint64_t r = 0; r < LOOP_ROWS; r++)
+        for (uint64_t k = 0; k < LOOP_COLS; k++)
+            host[stick_offset(r, k) / 4] = (float)(r * LOOP_COLS + k);
+    CHECK_OK(spy_mem_write(d, x, host, c->extents[0]));
+    free(host);
+    CHECK_OK(spy_malloc(d, b->bytes, SPY_MEM_CONTROL, &blob));
+    CHECK_OK(spy_mem_write(d, blob, b->data, b->bytes));
+    CHECK_OK(spy_program_commit(d, blob, NULL));
+    uint64_t bind[2] = {x, y};
+    double end;
+    CHECK_OK(spy_launch(d, blob, bind, 2, 0, &end));
+    CHECK_OK(spy_mem_read(d, y, out, out_bytes));
+    spy_free(d, blob);
+    spy_free(d, x);
+    spy_free(d, y);
+}
+
 static void test_loop_builder(void)
 {
     current = "loop builder";
@@ -1599,21 +1624,8 @@ static void test_loop_builder(void)
     spy_built_free(&again);
 
     /* it computes y = x + 1 on the card */
-    uint64_t x, y, blob;
-    CHECK_OK(spy_malloc(d, c.extents[0], SPY_MEM_DATA, &x));
-    CHECK_OK(spy_malloc(d, c.extents[1], SPY_MEM_DATA, &y));
-    float *host = calloc(c.extents[0] / 4, 4);
-    for (uint64_t r = 0; r < LOOP_ROWS; r++)
-        for (uint64_t k = 0; k < LOOP_COLS; k++)
-            host[stick_offset(r, k) / 4] = (float)(r * LOOP_COLS + k);
-    CHECK_OK(spy_mem_write(d, x, host, c.extents[0]));
-    CHECK_OK(spy_malloc(d, b.bytes, SPY_MEM_CONTROL, &blob));
-    CHECK_OK(spy_mem_write(d, blob, b.data, b.bytes));
-    CHECK_OK(spy_program_commit(d, blob, NULL));
-    uint64_t bind[2] = {x, y};
-    double end;
-    CHECK_OK(spy_launch(d, blob, bind, 2, 0, &end));
-    CHECK_OK(spy_mem_read(d, y, host, c.extents[1]));
+    float *host = calloc(c.extents[1] / 4, 4);
+    run_loop_case(d, &c, &b, host, c.extents[1]);
     bool right = true;
     for (uint64_t r = 0; r < LOOP_ROWS; r++)
         for (uint64_t k = 0; k < LOOP_COLS; k++)
@@ -1644,9 +1656,6 @@ static void test_loop_builder(void)
     c.stage.count = 2;
     CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "stages[0].first[1]"));
     CHECK(spy_build_loop(NULL, &b) == SPY_E_INVALID_ARG);
-    spy_free(d, blob);
-    spy_free(d, x);
-    spy_free(d, y);
     spy_device_close(d);
 }
 
@@ -1714,27 +1723,12 @@ static void test_loop_merged_stores(void)
     }
     CHECK(rings == c.rec.ntiles && stores == 2);
 
-    uint64_t x, y, blob;
-    CHECK_OK(spy_malloc(d, c.extents[0], SPY_MEM_DATA, &x));
-    CHECK_OK(spy_malloc(d, c.extents[1], SPY_MEM_DATA, &y));
-    float *host = calloc(c.extents[0] / 4, 4);
-    for (uint64_t r = 0; r < LOOP_ROWS; r++)
-        for (uint64_t k = 0; k < LOOP_COLS; k++)
-            host[stick_offset(r, k) / 4] = (float)(r * LOOP_COLS + k);
-    CHECK_OK(spy_mem_write(d, x, host, c.extents[0]));
-    CHECK_OK(spy_malloc(d, b.bytes, SPY_MEM_CONTROL, &blob));
-    CHECK_OK(spy_mem_write(d, blob, b.data, b.bytes));
-    CHECK_OK(spy_program_commit(d, blob, NULL));
-    uint64_t bind[2] = {x, y};
-    double end;
-    CHECK_OK(spy_launch(d, blob, bind, 2, 0, &end));
     float sums[64];
-    CHECK_OK(spy_mem_read(d, y, sums, sizeof sums));
+    run_loop_case(d, &c, &b, sums, sizeof sums);
     bool right = true;
     for (uint64_t r = 0; r < LOOP_ROWS; r++)
         right &= sums[r] == (float)(r * LOOP_COLS * LOOP_COLS + LOOP_COLS * (LOOP_COLS - 1) / 2);
     CHECK(right);
-    free(host);
     spy_built_free(&b);
 
     /* a corrupt record is refused whole, naming the field, and leaves nothing */
@@ -1758,9 +1752,6 @@ static void test_loop_merged_stores(void)
     merged_case(&c, m, tile_merge, merge_off);
     c.rec.merge_off = NULL;
     CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && !b.data && strstr(spy_last_error(), "arrays"));
-    spy_free(d, blob);
-    spy_free(d, x);
-    spy_free(d, y);
     spy_device_close(d);
 }
 

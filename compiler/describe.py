@@ -432,8 +432,18 @@ _AFFINE_TRIALS = 48  # points at which an index expression must equal its affine
 _ELEMENTWISE = ("Min(", "Max(", "floor(", "ceiling(")  # calls that take no arrays
 
 
+@dataclass(frozen=True, eq=False)
+class _Points:
+    """The points an index expression is checked at: as rows of Python ints, as int64
+    columns (one per variable), and their largest value."""
+
+    rows: tuple[tuple[int, ...], ...]
+    cols: np.ndarray
+    top: int
+
+
 @functools.lru_cache(maxsize=1024)
-def _affine_points(canon_sizes: tuple[int, ...], nextra: int) -> tuple[tuple[int, ...], ...]:
+def _affine_points(canon_sizes: tuple[int, ...], nextra: int) -> _Points:
     """The points an index expression over variables of these sizes (and `nextra` symbols,
     drawn below 7) is checked at: the far corner along each variable, then random ones,
     drawn the same in every process (a seed from the sizes: str hashes are salted per
@@ -443,33 +453,26 @@ def _affine_points(canon_sizes: tuple[int, ...], nextra: int) -> tuple[tuple[int
     pts = [[int(rng.random() * n) for n in sizes] for _ in range(_AFFINE_TRIALS)]
     for trial in range(min(len(canon_sizes), _AFFINE_TRIALS)):
         pts[trial][trial] = canon_sizes[trial] - 1
-    return tuple(map(tuple, pts))
+    cols = np.array(pts, dtype=np.int64).T
+    cols.flags.writeable = False
+    return _Points(tuple(map(tuple, pts)), cols, int(cols.max()) if cols.size else 0)
 
 
-def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: tuple[tuple[int, ...], ...],
-               text: str) -> bool:
+def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: _Points, text: str) -> bool:
     """Whether `f` equals base + coeffs . x at every point x of `pts`: evaluated once on
     int64 columns (floor division and modulo as on ints) where the expression takes them and
     no value can overflow, else point by point."""
-    cols, top = _columns(pts)
-    if pts and (abs(base) + sum(abs(c) for c in coeffs)) * (top + 1) < 2**40 and not any(c in text for c in _ELEMENTWISE):
+    small = (abs(base) + sum(abs(c) for c in coeffs)) * (pts.top + 1) < 2**40
+    if pts.rows and small and not any(c in text for c in _ELEMENTWISE):
         try:
             with np.errstate(all="raise"):
-                got = f(*cols)
+                got = f(*pts.cols)
         except (FloatingPointError, ArithmeticError):
             got = None
         if got is not None and np.asarray(got).dtype.kind in "iu":  # else as int() truncates, below
-            want = base + np.array(coeffs, dtype=np.int64) @ cols
+            want = base + np.array(coeffs, dtype=np.int64) @ pts.cols
             return bool(np.all(np.asarray(got) == want))
-    return all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts)
-
-
-@functools.lru_cache(maxsize=1024)
-def _columns(pts: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, int]:
-    """The points as int64 columns (one per variable), and their largest value."""
-    cols = np.array(pts, dtype=np.int64).T
-    cols.flags.writeable = False
-    return cols, int(cols.max()) if cols.size else 0
+    return all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts.rows)
 
 
 def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extra_syms=()) -> tuple[int, list[int], list[int]]:

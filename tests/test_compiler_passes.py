@@ -265,7 +265,8 @@ def test_the_affinity_check_on_columns_agrees_with_the_check_point_by_point():
              (lambda a, b, c, t: (30 * a + c) // 30 - (b - 3) % 6, 3, [1, -1, 0, 0], False),
              (lambda a, b, c, t: a * b, 0, [0, 0, 0, 0], False)]
     for f, base, coeffs, affine in cases:
-        point_by_point = all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True)) for pt in pts)
+        point_by_point = all(int(f(*pt)) == base + sum(c * x for c, x in zip(coeffs, pt, strict=True))
+                             for pt in pts.rows)
         assert point_by_point == affine
         assert d._affine_at(f, base, coeffs, pts, "") == affine
         assert d._affine_at(f, base, coeffs, pts, "Min(") == affine  # the point-by-point path
@@ -279,6 +280,7 @@ def test_an_index_whose_check_divides_by_zero_fails_as_on_ints():
 
 def test_the_affinity_check_points_come_from_the_sizes_alone_and_reach_each_far_corner():
     pts = d._affine_points((3, 64), 1)
-    assert pts == d._affine_points.__wrapped__((3, 64), 1)
-    assert len(pts) == d._AFFINE_TRIALS and pts[0][0] == 2 and pts[1][1] == 63
-    assert all(0 <= x < n for pt in pts for x, n in zip(pt, (3, 64, 7), strict=True))
+    assert pts.rows == d._affine_points.__wrapped__((3, 64), 1).rows
+    assert len(pts.rows) == d._AFFINE_TRIALS and pts.rows[0][0] == 2 and pts.rows[1][1] == 63
+    assert all(0 <= x < n for pt in pts.rows for x, n in zip(pt, (3, 64, 7), strict=True))
+    assert pts.cols.T.tolist() == [list(pt) for pt in pts.rows] and pts.top == max(map(max, pts.rows))

@@ -424,6 +424,15 @@ static inline bool push_i64(spy_vec *v, int64_t x)
     return p != NULL;
 }
 
+/* Every element of src appended to dst (lists of int64_t). */
+static inline bool push_all(spy_vec *dst, const spy_vec *src)
+{
+    int64_t *p = src->len ? push_raw(dst, src->len) : NULL;
+    if (p)
+        memcpy(p, src->data, (size_t)src->len * sizeof *p);
+    return p || !src->len;
+}
+
 static void builder_free(builder *st)
 {
     spy_vec *v[] = {&st->shapes, &st->classes, &st->tcmds, &st->tdeps, &st->tpatches, &st->cmds, &st->deps32,
@@ -1429,9 +1438,8 @@ static spy_status build_tile(builder *st, tile_build *tb, int64_t *last_sfu, int
         for (uint64_t k = 0; k < issued.len && s == SPY_OK; k++)
             if (((int64_t *)levels.data)[k] == l && !push_i64(deps, ((int64_t *)issued.data)[k]))
                 s = NOMEM();
-        for (uint64_t k = 0; k < prev.len && s == SPY_OK; k++)
-            if (!push_i64(deps, ((int64_t *)prev.data)[k]))
-                s = NOMEM();
+        if (s == SPY_OK && !push_all(deps, &prev))
+            s = NOMEM();
         if (s == SPY_OK && l == 0 && tb->free_out >= 0 && !push_i64(deps, FREE_OUT))
             s = NOMEM();
         if (s != SPY_OK)
@@ -1455,9 +1463,8 @@ static spy_status build_tile(builder *st, tile_build *tb, int64_t *last_sfu, int
                 break;
             }
         } else {
-            for (uint64_t k = 0; k < deps->len && s == SPY_OK; k++)
-                if (!push_i64(&prev, ((int64_t *)deps->data)[k]))
-                    s = NOMEM();
+            if (!push_all(&prev, deps))
+                s = NOMEM();
         }
         at += r->stages[l].count;
         for (uint32_t i = 0; i < r->naccesses && s == SPY_OK; i++) {
@@ -1465,9 +1472,8 @@ static spy_status build_tile(builder *st, tile_build *tb, int64_t *last_sfu, int
             if (a->op != SPY_OP_GATHER || a->level != l + 1)
                 continue;
             deps->len = 0;
-            for (uint64_t k = 0; k < prev.len && s == SPY_OK; k++)
-                if (!push_i64(deps, ((int64_t *)prev.data)[k]))
-                    s = NOMEM();
+            if (!push_all(deps, &prev))
+                s = NOMEM();
             if (s == SPY_OK && nin && !push_i64(deps, FREE_IN))
                 s = NOMEM();
             uint64_t before = issued.len;
@@ -1502,12 +1508,8 @@ static spy_status build_tile(builder *st, tile_build *tb, int64_t *last_sfu, int
         if (r->merge_off[i] == SPY_LOOP_UNMERGED)
             continue;
         deps->len = 0;
-        for (uint64_t k = 0; k < prev.len && s == SPY_OK; k++)
-            if (!push_i64(deps, ((int64_t *)prev.data)[k]))
-                s = NOMEM();
-        for (uint64_t k = 0; k < outs.len && s == SPY_OK; k++)
-            if (!push_i64(deps, ((int64_t *)outs.data)[k]))
-                s = NOMEM();
+        if (!push_all(deps, &prev) || !push_all(deps, &outs))
+            s = NOMEM();
         if (s == SPY_OK)
             s = send(st, tb, i, deps->data, deps->len, &outs);
     }

@@ -9,9 +9,7 @@ from spyre_rt import device_profile
 
 def small_profile_text(dram_gib: float = 1 / 1024, count: int = 1) -> str:
     """The built-in profile with another capacity (default 1 MiB) and card count."""
-    text = device_profile._source_text("spyre")[1]
-    text = text.replace("dram_gib = { value = 128,", f"dram_gib = {{ value = {dram_gib},")
-    return text.replace("count = 1", f"count = {count}")
+    return profile_text_with(dram_gib=dram_gib).replace("count = 1", f"count = {count}")
 
 
 def profile_text_with(**figures) -> str:

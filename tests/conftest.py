@@ -3,6 +3,7 @@
 import os
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,12 @@ def quiet_functional_compile():
     with cards.configured(sim_mode="functional"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+@pytest.fixture(scope="session")
+def two_card_profile(tmp_path_factory) -> str:
+    """The card's profile with two cards: a machine with a card per rank."""
+    text = (Path(__file__).parent.parent / "profiles" / "devices" / "spyre.toml").read_text()
+    path = tmp_path_factory.mktemp("profiles") / "spyre-2.toml"
+    path.write_text(text.replace("\ncount = 1 ", "\ncount = 2 ", 1))
+    return str(path)

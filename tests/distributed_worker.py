@@ -284,6 +284,17 @@ def _gather_rows(x):
     return funcol.all_gather_tensor(x * 2, 0, dist.group.WORLD)
 
 
+def case_compiled_gather_of_dynamic_rows():
+    """A gather whose rows are a symbol (vLLM's logits of a batch: `dynamic=True`) is a job
+    of the plan, for each number of rows the one compiled graph meets."""
+    step = torch.compile(_gather_rows, backend="spyre_rt", fullgraph=True, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spyre_rt.fallback.SpyreFallbackWarning)  # no collective on the CPU
+        for rows in (2, 5, 8):
+            got = step(spyre(value(R, (rows, 64))))
+            expect(got, torch.cat([2 * value(r, (rows, 64)) for r in range(W)]), f"a gather of {rows} rows")
+
+
 def case_collective_the_ring_cannot_move():
     """A gather of single rows that are not whole sticks (33 fp32 elements) does not line
     up for the ring: refused like a kernel the card cannot build, it runs through the group
@@ -574,7 +585,7 @@ SUITES = {
                     case_all_gather, case_reduce_scatter, case_broadcast_reduce_gather_scatter, case_all_to_all,
                     case_send_recv_barrier, case_functional_collectives, case_sub_groups, case_large_message,
                     case_interconnect_time, case_compiled_collectives, case_collective_the_ring_cannot_move,
-                    case_compiled_collectives_time],
+                    case_compiled_gather_of_dynamic_rows, case_compiled_collectives_time],
     "faults": [case_mismatched_shapes, case_tensors_of_two_cards, case_card_fault_in_a_compiled_step, case_rank_dies],
     "tp": [case_tp_llama, case_tp_granite, case_tp_compiled_llama, case_tp_compiled_granite,
            case_tp_compiled_mixtral],

@@ -25,15 +25,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def two_card_profile(tmp_path_factory) -> str:
-    """The card's profile with two cards: a machine with a card per rank."""
-    text = (HERE.parent / "profiles" / "devices" / "spyre.toml").read_text()
-    path = tmp_path_factory.mktemp("profiles") / "spyre-2.toml"
-    path.write_text(text.replace("\ncount = 1 ", "\ncount = 2 ", 1))
-    return str(path)
-
-
 def torchrun(suite: str, profile: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, SPYRE_RT_SIM_MODE="functional", SPYRE_RT_DEVICE_PROFILE=profile,
                OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
@@ -50,7 +41,7 @@ def collectives(two_card_profile):
 CASES = ["device_of_rank", "all_reduce_ops", "all_reduce_noncontiguous_and_cpu", "all_gather", "reduce_scatter",
          "broadcast_reduce_gather_scatter", "all_to_all", "send_recv_barrier", "functional_collectives",
          "sub_groups", "large_message", "interconnect_time", "compiled_collectives", "collective_the_ring_cannot_move",
-         "compiled_collectives_time"]
+         "compiled_gather_of_dynamic_rows", "compiled_collectives_time"]
 
 
 @pytest.mark.parametrize("case", CASES)

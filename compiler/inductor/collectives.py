@@ -75,9 +75,9 @@ def describe(node, name: str) -> tuple[CollectiveKernel, list] | None:
     if in_place:
         out_view = view_of(inp)
     else:
-        out = stored_buffer(buffer_info(node.get_name()))
-        made.append(out)
-        out_view = (out.name, out.offset, out.sizes, out.strides)
+        out = buffer_info(node.get_name())
+        made.append(stored_buffer(out))
+        out_view = (out.name, out.offset, out.sizes, out.strides)   # stored once, below
     op = args[0] if collective in ("all_reduce", "reduce_scatter") else "sum"
     root = int(args[0]) if collective == "broadcast" else 0
     if collective == "broadcast":  # broadcast_(input, src, group): src is a global rank

@@ -281,6 +281,23 @@ void spy_ccl_abort(spy_ccl *c, const char *reason)
     }
 }
 
+spy_status spy_ccl_rearm(spy_ccl *c, uint64_t round)
+{
+    if (!c || round < c->round)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "ccl rearm: the round to resume from (%llu) is before this rank's (%llu)",
+                        (unsigned long long)round, (unsigned long long)(c ? c->round : 0));
+    if (c->fds)
+        return spy_fail(SPY_E_CCL_PEER, -1, "ccl rearm: a group between machines cannot be rearmed (its sockets are shut)");
+    c->round = round;
+    __atomic_store_n(&c->ranks[c->rank].arrive, round, __ATOMIC_RELEASE);
+    __atomic_store_n(&c->ranks[c->rank].done, round, __ATOMIC_RELEASE);
+    if (c->rank == 0) {
+        c->hdr->reason[0] = '\0';
+        __atomic_store_n(&c->hdr->aborted, 0u, __ATOMIC_RELEASE);
+    }
+    return SPY_OK;
+}
+
 static spy_status aborted_error(const spy_ccl *c)
 {
     /* the reason is written before aborted becomes 1; 2 means it is being written */

@@ -62,6 +62,12 @@ void spy_ccl_close(spy_ccl *c);
 /* Abort the group: every rank's current and later calls fail with SPY_E_CCL_PEER. */
 void spy_ccl_abort(spy_ccl *c, const char *reason);
 uint64_t spy_ccl_rounds(const spy_ccl *c);
+/* Put an aborted group on one machine back in service (a failed step on one rank, say):
+ * this rank's rounds and counters go to `round`, the largest spy_ccl_rounds of any rank, and
+ * rank 0 clears the abort. Every rank must be out of the ring when any rank calls it, and
+ * must call it before any rank's next call (the caller's barrier, outside the ring, on both
+ * sides). A group between machines cannot be rearmed: an abort shut its sockets. */
+spy_status spy_ccl_rearm(spy_ccl *c, uint64_t round);
 /* The number of ranks of the group. */
 uint32_t spy_ccl_size(const spy_ccl *c);
 

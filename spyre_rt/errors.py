@@ -121,7 +121,8 @@ class SpyreGraphError(SpyreError):
 class SpyreCollectiveError(SpyreError, dist.DistBackendError):
     """A collective between cards failed: a peer timed out or exited, the ranks' calls did
     not match, or the group was aborted by an earlier failure (a card fault on a peer during
-    a compiled step, say). The group refuses every later call, as NCCL's does."""
+    a compiled step, say). The group refuses every later call, as NCCL's does, until its
+    ranks rearm it together (:meth:`~spyre_rt.distributed.ProcessGroupSpyre.rearm`)."""
 
     def __init__(self, message: str, status: str = ""):
         super().__init__(message)

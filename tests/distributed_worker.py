@@ -391,7 +391,8 @@ def _cached_matmul_all_reduce(cache, x, w, group):
 def case_card_fault_in_a_compiled_step():
     """A card fault on rank 0 in the middle of a compiled tensor-parallel step: rank 0 gets
     the card's error, rank 1 (waiting in the step's all-reduce) a SpyreCollectiveError
-    naming it, the group is aborted, and every rank's cache is as it was before the call."""
+    naming it, the group is aborted, and every rank's cache is as it was before the call.
+    Rearmed by every rank, the group runs the step again (on one machine)."""
     pg = dist.new_group(list(range(W)), timeout=timedelta(seconds=60))
     step = torch.compile(_cached_matmul_all_reduce, backend="spyre_rt", fullgraph=True)
     cache, x, w = spyre(value(R, (8, 64))), spyre(value(R, (8, 64), seed=1)), spyre(value(R, (64, 64), seed=2))
@@ -422,6 +423,20 @@ def case_card_fault_in_a_compiled_step():
     else:
         raise AssertionError("a step ran in an aborted group")
     expect(cache, before, "the cache after a step refused by the aborted group")
+    if pg.ring.between_machines:   # an abort shut the sockets for good
+        try:
+            pg.rearm()
+        except spyre_rt.distributed.SpyreCollectiveError as e:
+            assert "several machines" in str(e), e
+        else:
+            raise AssertionError("a group between machines was rearmed")
+        return
+    pg.rearm()   # every rank, together: the group serves again
+    out = step(cache, x, w, pg)
+    expect(cache, before + x.cpu(), "the cache the step after the rearm mutates")
+    want = cache.cpu() @ w.cpu()
+    dist.all_reduce(want, group=pg)   # through the group's gloo
+    expect(out, want, "the step after the rearm", tol=1e-4)
 
 
 def case_rank_dies():

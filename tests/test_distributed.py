@@ -69,7 +69,8 @@ def test_a_collective_on_tensors_of_two_cards_is_refused(faults):
 
 def test_a_card_fault_in_a_compiled_step_aborts_the_group_and_restores_the_inputs(faults):
     """Rank 0's card fails mid-step: rank 0 gets the card's error, rank 1 a collective error
-    naming it instead of waiting, and both ranks' mutated inputs are as they were."""
+    naming it instead of waiting, and both ranks' mutated inputs are as they were; the
+    group, rearmed by both ranks, runs the step again."""
     _ok(faults, "card_fault_in_a_compiled_step")
 
 

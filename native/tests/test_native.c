@@ -1988,6 +1988,7 @@ static void test_ccl(void)
         spy_ccl_abort(c1, "its card failed");
         CHECK(spy_ccl_barrier(c0) == SPY_E_CCL_PEER);
         CHECK(strstr(spy_last_error(), "its card failed") != NULL);
+        CHECK(spy_ccl_rearm(c0, spy_ccl_rounds(c0)) == SPY_E_CCL_PEER); /* its sockets are shut */
     }
     spy_ccl_close(c0);
     spy_ccl_close(c1);
@@ -2098,6 +2099,23 @@ static void test_plan_collective(void)
     CHECK(spy_plan_launch(runs[1].plan, &runs[1].buf, 1, 0, &end) == SPY_E_CCL_PEER);
     CHECK(strstr(spy_last_error(), "its card failed") != NULL);
     CHECK(spy_last_error_job() == 0);
+    /* both ranks out of the ring, the group rearmed at the later rank's round serves again */
+    CHECK(spy_ccl_rearm(c[1], spy_ccl_rounds(c[1]) - 1) == SPY_E_INVALID_ARG);
+    uint64_t resume = spy_ccl_rounds(c[0]) > spy_ccl_rounds(c[1]) ? spy_ccl_rounds(c[0]) : spy_ccl_rounds(c[1]);
+    for (int i = 0; i < 2; i++)
+        CHECK_OK(spy_ccl_rearm(c[i], resume));
+    for (int i = 0; i < 2; i++) {
+        CHECK_OK(spy_mem_write(runs[i].d, runs[i].buf, (float[128]){[0] = (float)(i + 1)}, 128 * sizeof(float)));
+        pthread_create(&threads[i], NULL, plan_rank_main, &runs[i]);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        CHECK(runs[i].s == SPY_OK);
+        float y[2];
+        CHECK_OK(spy_mem_read(runs[i].d, runs[i].buf, y, sizeof y));
+        CHECK(y[0] == 3.0f && y[1] == 0.0f);
+    }
     /* hostile descriptors are refused when the plan is made */
     spy_collective bad = coll;
     bad.out_bytes = 256;

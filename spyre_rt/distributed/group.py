@@ -192,6 +192,22 @@ class ProcessGroupSpyre(dist.ProcessGroup):
     def abort(self) -> None:
         self._ring.abort("the process group was aborted")
 
+    def rearm(self) -> None:
+        """Put the group back in service after an abort, on every rank at once (a collective:
+        each rank calls it once every rank is out of the ring, after a step that failed on
+        some rank, say): the ranks agree through the group's gloo group on the latest round
+        any of them reached and resume from it. A group on several machines cannot be
+        rearmed (an abort shut its sockets): a :class:`SpyreCollectiveError`."""
+        if self._ring.between_machines:
+            raise SpyreCollectiveError("spyreccl: a group on several machines cannot be rearmed after an abort "
+                                       "(its sockets are shut)", "SPY_E_CCL_PEER")
+        latest = torch.tensor([self._ring.rounds], dtype=torch.int64)
+        most = dist.AllreduceOptions()
+        most.reduceOp = dist.ReduceOp.MAX
+        self._gloo.allreduce([latest], most).wait()   # every rank out of the ring
+        self._ring.rearm(int(latest.item()))
+        self._gloo.barrier().wait()   # every rank rearmed before any rank's next round
+
     def shutdown(self) -> None:
         pass
 

@@ -128,6 +128,15 @@ class Ring:
     def abort(self, reason: str) -> None:
         lib.spy_ccl_abort(self.handle, reason.encode())
 
+    @property
+    def rounds(self) -> int:
+        return int(lib.spy_ccl_rounds(self.handle))
+
+    def rearm(self, round_: int) -> None:
+        """This rank's end of an aborted ring back in service from `round_` (see
+        :meth:`ProcessGroupSpyre.rearm`, which agrees on it)."""
+        self._check(lib.spy_ccl_rearm(self.handle, round_), "rearming the ring")
+
     def all_reduce(self, t: torch.Tensor, op, tag: int = 0) -> None:
         """In place, on a contiguous CPU tensor; `tag` must be the same on every rank."""
         self._check(lib.spy_ccl_allreduce(self.handle, _ptr(t), _ptr(t), t.numel(), _CCL_DTYPES[t.dtype],

@@ -265,10 +265,11 @@ class Card:
 
 
 class CardSet:
-    def __init__(self, profile: DeviceProfile, sim_mode: str):
+    def __init__(self, profile: DeviceProfile, sim_mode: str, count: int = 0):
+        """`count` cards of `profile` (0: as many as the profile declares)."""
         self.profile = profile
         self.sim_mode = sim_mode
-        self.cards = [Card(profile, sim_mode, i) for i in range(profile.count)]
+        self.cards = [Card(profile, sim_mode, i) for i in range(count or profile.count)]
 
 
 _lock = threading.RLock()
@@ -278,7 +279,7 @@ _retired: list[CardSet] = []  # every set opened, kept alive: their tensors' del
 
 def _open_default() -> CardSet:
     s = config.settings()
-    return CardSet(load_profile(s.device_profile), s.sim_mode)
+    return CardSet(load_profile(s.device_profile), s.sim_mode, s.device_count)
 
 
 def card_set() -> CardSet:

@@ -19,6 +19,7 @@ from .dispatch import NAMES as DISPATCH_MODES  # noqa: F401  (the modes by name;
 from .dispatch import check as _check_dispatch
 
 SIM_MODES = ("functional", "timing")
+MAX_DEVICES = 64   # cards in one machine, as a device profile's [device] count allows
 
 
 def _default_cache_dir() -> str:
@@ -30,6 +31,7 @@ def _default_cache_dir() -> str:
 class Settings:
     device_profile: str = "spyre"          # a name in profiles/devices, or a path (a separator or .toml)
     sim_mode: str = "functional"           # functional | timing
+    device_count: int = 0                  # cards in the machine; 0: the device profile's [device] count
     dispatch: str = "prebuilt"             # a name in spyre_rt.dispatch.MODES
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
     cache_enabled: bool = True
@@ -60,11 +62,13 @@ STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_
 PROCESS_FIELDS = {
     "device_profile": "SPYRE_RT_DEVICE_PROFILE",
     "sim_mode": "SPYRE_RT_SIM_MODE",
+    "device_count": "SPYRE_RT_DEVICE_COUNT",
 }
 
 ENV = {
     "SPYRE_RT_DEVICE_PROFILE": ("device_profile", str),
     "SPYRE_RT_SIM_MODE": ("sim_mode", str),
+    "SPYRE_RT_DEVICE_COUNT": ("device_count", int),
     "SPYRE_RT_DISPATCH": ("dispatch", str),
     "SPYRE_RT_CACHE_DIR": ("cache_dir", str),
     "SPYRE_RT_CACHE": ("cache_enabled", _bool),
@@ -81,6 +85,9 @@ def validate(s: Settings) -> Settings:
     if s.sim_mode not in SIM_MODES:
         raise ValueError(f"sim_mode must be one of {SIM_MODES}, not {s.sim_mode!r}")
     _check_dispatch(s.dispatch, "dispatch")
+    if not 0 <= s.device_count <= MAX_DEVICES:
+        raise ValueError(f"device_count must be 1..{MAX_DEVICES} cards (0: the device profile's count), "
+                         f"not {s.device_count}")
     if s.compute_dtype != "auto":
         # no other is implemented: accepting one would change nothing the step computes
         raise ValueError(f"compute_dtype must be auto (kernels compute in their operands' dtype), not "

@@ -40,8 +40,8 @@ def first_device(count) -> int:
         local = os.environ.get("LOCAL_RANK", "")
         index = int(local) if local.isdigit() else 0
         if index and index >= (n := count()):
-            warnings.warn(f"LOCAL_RANK={index} but the device profile declares {n} card(s): this process "
-                          "uses spyre:0 (declare one card per process in the profile's [device] count)",
+            warnings.warn(f"LOCAL_RANK={index} but the machine has {n} card(s): this process uses spyre:0 "
+                          "(one card per process: SPYRE_RT_DEVICE_COUNT, or the profile's [device] count)",
                           stacklevel=3)
             index = 0
         _first = index

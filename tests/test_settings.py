@@ -6,6 +6,8 @@ only the whole process can take (the card set's profile and mode) is refused as 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -191,11 +193,31 @@ def test_fuse_epilogues_off_keeps_the_pointwise_kernel_apart(setting, way):
 
 
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
-                                       ("device_profile", "SPYRE_RT_DEVICE_PROFILE")])
+                                       ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
+                                       ("device_count", "SPYRE_RT_DEVICE_COUNT")])
 def test_an_option_only_the_process_can_take_is_refused_saying_where_to_set_it(quiet_functional_compile, name, var):
-    value = {"sim_mode": "timing", "device_profile": "spyre"}[name]
+    value = {"sim_mode": "timing", "device_profile": "spyre", "device_count": 2}[name]
     with pytest.raises(spyre_rt.SpyreCompileError, match=f"{var}.*spyre_rt.configure"):
         _compiled(scaled, {name: value}, torch.randn(8, 64))
+
+
+def test_the_machines_cards_are_the_profiles_count_or_the_variables(monkeypatch):
+    """SPYRE_RT_DEVICE_COUNT sets how many cards of the profile the machine has (one per rank
+    of a tensor-parallel group, without a profile of its own); out of range, a clear error."""
+    import subprocess
+    import sys
+
+    code = "import torch, spyre_rt; print(torch.spyre.device_count(), torch.ones(2).to('spyre:2').device)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPYRE_RT_DEVICE_COUNT": "3"})
+    assert run.stdout.split() == ["3", "spyre:2"], run.stderr[-2000:]
+    for bad, why in (("65", "device_count must be 1..64"), ("-1", "device_count must be 1..64"),
+                     ("two", "invalid literal")):
+        monkeypatch.setenv("SPYRE_RT_DEVICE_COUNT", bad)
+        with pytest.raises(ValueError, match=f"SPYRE_RT_DEVICE_COUNT.*: .*{why}"):
+            config.from_environment()
+    monkeypatch.delenv("SPYRE_RT_DEVICE_COUNT")
+    assert config.from_environment().device_count == 0   # the profile's count
 
 
 def test_a_bad_option_value_is_a_typed_compile_error(quiet_functional_compile):

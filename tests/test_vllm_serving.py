@@ -3,6 +3,7 @@ Hugging Face CPU generate()'s greedy tokens for tiny random-weight models."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,15 +56,17 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
     assert got["together"] == expected
     # every decode step was replayed from torch.spyre.graph captures made at start-up, one per
     # bucket (max_num_seqs=4: 2, 4); steps that also prefill replay their decodes too
-    assert got["decode"]["captures"] == 2
-    assert got["decode"]["replays"] >= 2 * (NEW_TOKENS - 1)
-    assert got["decode"]["compiled"] == 0
+    [decode] = got["decode"]
+    assert decode["captures"] == 2
+    assert decode["replays"] >= 2 * (NEW_TOKENS - 1)
+    assert decode["compiled"] == 0
     if faults:
         # a card fault in a prefill step and one in a decode step (a replay) end the requests of
         # that step with vLLM's error finish reason; the engine serves the next request
         ended = got["faults"]["ended"]
         assert ended == {"prefill-0": ["error", 0], "prefill-1": ["error", 0],
-                         "decode-0": ["error", 1], "decode-1": ["error", 1]}, run.stderr[-3000:]
+                         "decode-0": ["error", 1], "decode-1": ["error", 1],
+                         "late-0": ["error", 2], "late-1": ["error", 2]}, run.stderr[-3000:]
         assert got["faults"]["after"] == expected[0]
 
 
@@ -134,19 +137,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`vllm serve` on a tiny Granite, on 127.0.0.1 and a free port, with vLLM's development
-    endpoints (``/collective_rpc``: the tests inject card faults through it); stopped at the end."""
-    d = tmp_path_factory.mktemp("serve") / "tiny-granite"
-    model = tiny_hf.save_model("granite", d)
+@contextlib.contextmanager
+def serving(model_dir: Path, *args: str, env: dict[str, str] | None = None):
+    """`vllm serve MODEL_DIR ARGS` on 127.0.0.1 and a free port, with vLLM's development
+    endpoints (``/collective_rpc``: the tests inject card faults through it), until ready;
+    stopped (its process group) at the end."""
     port = _free_port()
-    log = open(d.parent / "server.log", "w")
+    log_path = model_dir.parent / f"server-{model_dir.name}.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d), "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.002",
-         "--max-num-seqs", "4", "--max-num-batched-tokens", "128"],
-        stdout=log, stderr=subprocess.STDOUT, env={**_env(), "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True,
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.002",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "128", *args],
+        stdout=log, stderr=subprocess.STDOUT, env={**_env(), "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+        start_new_session=True,
     )
     import urllib.request
 
@@ -155,7 +159,7 @@ def server(tmp_path_factory):
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError("vllm serve exited: " + (d.parent / "server.log").read_text()[-4000:])
+                raise RuntimeError("vllm serve exited: " + log_path.read_text()[-4000:])
             if time.monotonic() - start > 900:
                 raise TimeoutError("vllm serve was not ready in 900 s")
             try:
@@ -164,7 +168,7 @@ def server(tmp_path_factory):
                         break
             except OSError:
                 time.sleep(1)
-        yield {"url": url, "model": str(d), "hf": model, "ready_s": time.monotonic() - start}
+        yield {"url": url, "model": str(model_dir), "ready_s": time.monotonic() - start}
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -173,6 +177,15 @@ def server(tmp_path_factory):
             os.killpg(proc.pid, 9)
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`vllm serve` on a tiny Granite (see :func:`serving`)."""
+    d = tmp_path_factory.mktemp("serve") / "tiny-granite"
+    model = tiny_hf.save_model("granite", d)
+    with serving(d) as s:
+        yield {**s, "hf": model}
 
 
 @pytest.fixture(scope="module")
@@ -633,3 +646,85 @@ def test_moe_experts_in_torch_are_every_tokens_top_k_experts_weighted():
             gate, up = (w13[e] @ x[i]).chunk(2)
             want[i] += weights[i, j] * (w2[e] @ (F.silu(gate) * up))
     assert torch.allclose(experts(x, w13, w2, weights, ids), want, atol=1e-4)
+
+
+# ---- on several cards: vLLM's tensor parallelism, a worker process per card ----
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_llm_on_two_cards_matches_hugging_face(family, tmp_path, two_card_profile):
+    """``LLM(tensor_parallel_size=2)``: the model split over two cards (a ``spyreccl`` group,
+    its all-reduces and the logits' all-gather in the steps' plans), Hugging Face's greedy
+    tokens for requests alone and together, every decode step replayed on both ranks. With
+    Llama, card faults on one rank only (in a prefill, in a decode replay, and at a decode
+    step's last command, after its collectives) fail that step's requests on every rank, and
+    the group, rearmed, serves the next request."""
+    model = tiny_hf.save_model(family, tmp_path / family)
+    expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    faults = family == "llama"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / family), json.dumps(PROMPTS),
+         str(NEW_TOKENS), "tp=2", *(["faults"] if faults else [])],
+        capture_output=True, text=True, timeout=600,
+        env={**_env(), "SPYRE_RT_DEVICE_PROFILE": two_card_profile, "SPYRE_RT_SIM_MODE": "functional"},
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["alone"] == expected[:1]
+    assert got["together"] == expected
+    assert len(got["decode"]) == 2
+    for rank in got["decode"]:
+        assert rank["captures"] == 2 and rank["compiled"] == 0 and rank["replays"] >= 2 * (NEW_TOKENS - 1)
+    if faults:
+        assert got["faults"]["ended"] == {
+            "prefill-0": ["error", 0], "prefill-1": ["error", 0], "decode-0": ["error", 1], "decode-1": ["error", 1],
+            "late-0": ["error", 2], "late-1": ["error", 2]}, run.stderr[-3000:]
+        assert got["faults"]["after"] == expected[0]
+    assert "runs on the CPU" not in run.stderr, "a step of the split model ran an op on the CPU"
+
+
+def test_vllm_serve_on_two_cards(tmp_path):
+    """``vllm serve --tensor-parallel-size 2``: concurrent completions of different lengths
+    and a streamed chat completion give Hugging Face's greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    d = tmp_path / "tiny-granite"
+    model = tiny_hf.save_model("granite", d)
+    prompts = [[(5 * i + j) % 200 + 4 for j in range(4 + 9 * i)] for i in range(6)]   # 4 to 49 tokens
+    expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    with serving(d, "--tensor-parallel-size", "2",   # two cards of the default profile
+                 env={"SPYRE_RT_DEVICE_COUNT": "2", "SPYRE_RT_SIM_MODE": "functional"}) as server:
+        client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+        def complete(p):
+            out = client.completions.create(model=server["model"], prompt=_words(p), max_tokens=NEW_TOKENS,
+                                            temperature=0.0, extra_body={**HF_GREEDY, "return_token_ids": True})
+            return out.choices[0].token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        stream = client.completions.create(model=server["model"], prompt=_words(prompts[1]), max_tokens=NEW_TOKENS,
+                                           temperature=0.0, stream=True, extra_body=HF_GREEDY)
+        assert "".join(c.choices[0].text for c in stream).strip() == _words(expected[1])
+
+
+def test_more_ranks_than_cards_is_a_start_up_error(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from spyre_rt.serving.platform import SpyrePlatform
+
+    monkeypatch.delenv("SPYRE_RT_VLLM_DEVICE", raising=False)
+    cards = torch.spyre.device_count()
+    parallel = SimpleNamespace(tensor_parallel_size=cards + 1, pipeline_parallel_size=1, data_parallel_size=1)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={cards + 1} needs {cards + 1} cards, and the "
+                                         f"machine has {cards}; set SPYRE_RT_DEVICE_COUNT={cards + 1}"):
+        SpyrePlatform._check_cards(parallel)
+    SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=cards, pipeline_parallel_size=1,
+                                               data_parallel_size=1))
+    with pytest.raises(NotImplementedError, match="pipeline and data parallelism"):
+        SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2,
+                                                   data_parallel_size=1))

@@ -1,9 +1,11 @@
 """Runs ``vllm.LLM(model=DIR).generate()`` greedily on token prompts and prints the tokens
 as JSON: one process per engine, as vLLM keeps one engine's state per process. With a
 dtype (``float16``) it prints the prompts' logprobs instead (each token's, given those
-before it), which depend on no sampled token. With ``faults`` it then injects card faults
-into a prefill step and into a decode step (the project's fault injection, through vLLM's
-``collective_rpc``) and prints how each step's requests ended, and a request served after."""
+before it), which depend on no sampled token. With ``tp=N`` the model is split over N
+cards (vLLM's tensor parallelism: a worker process per card). With ``faults`` it then
+injects card faults into a prefill step and into a decode step (the project's fault
+injection, through vLLM's ``collective_rpc``) and prints how each step's requests ended,
+and a request served after."""
 
 import json
 import os
@@ -12,9 +14,11 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _fault_phases(llm, params, prompts) -> dict:
+def _fault_phases(llm, params, prompts, rank: str = "") -> dict:
     """Two requests whose prefill step the card fails; two whose first decode step it fails
-    (a replay); then one request alone."""
+    (a replay); two whose second decode step fails at its last command (after the step's
+    collectives, on several cards); then one request alone. With `rank`, only that rank's
+    card fails."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -31,12 +35,21 @@ def _fault_phases(llm, params, prompts) -> dict:
 
     for i, p in enumerate(prompts[:2]):
         add(f"prefill-{i}", p)
-    llm.collective_rpc("inject_card_fault", args=("command", "3"))
+    llm.collective_rpc("inject_card_fault", args=("command", "3", rank))
     step_until_done()
     for i, p in enumerate(prompts[2:4]):
         add(f"decode-{i}", p)
     engine.step()                                      # their prefill: a first token each
-    llm.collective_rpc("inject_card_fault", args=("command", "20"))
+    llm.collective_rpc("inject_card_fault", args=("command", "20", rank))
+    step_until_done()
+    for i, p in enumerate(prompts[2:4]):
+        add(f"late-{i}", p)
+    engine.step()                                      # their prefill
+    card = int(rank or 0)
+    before = llm.collective_rpc("card_counters")[card]["commands"]
+    engine.step()                                      # a decode step: its commands counted
+    commands = int(llm.collective_rpc("card_counters")[card]["commands"] - before)
+    llm.collective_rpc("inject_card_fault", args=("command", str(commands - 1), rank))
     step_until_done()
     after = list(llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)[0].outputs[0].token_ids)
     return {"ended": ended, "after": after}
@@ -46,16 +59,19 @@ def main() -> None:
     model_dir, prompts_json, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     extra = sys.argv[4:]
     dtype = next((a for a in extra if a.startswith("float")), None)
+    tp = int(next((a for a in extra if a.startswith("tp=")), "tp=1")[3:])
     prompts = json.loads(prompts_json)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
     llm = LLM(model=model_dir, dtype=dtype or "float32", max_model_len=256, gpu_memory_utilization=0.002,
-              max_num_seqs=4, max_num_batched_tokens=128)
-    from spyre_rt.serving.graphs import STATS
+              max_num_seqs=4, max_num_batched_tokens=128, tensor_parallel_size=tp)
 
-    started = dict(STATS)   # captures (and vLLM's warm-up runs) at start-up
+    def stats() -> list[dict]:   # each rank's decode graphs
+        return llm.collective_rpc("decode_graph_stats")
+
+    started = stats()   # captures (and vLLM's warm-up runs) at start-up
     if dtype is not None:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
@@ -70,10 +86,11 @@ def main() -> None:
     together = [list(o.outputs[0].token_ids)
                 for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)]
     result = {"platform": type(current_platform).__qualname__, "alone": alone, "together": together,
-              "decode": {"captures": started["captures"],
-                         **{k: STATS[k] - started[k] for k in ("replays", "compiled")}}}
+              "decode": [{"captures": before["captures"], **{k: after[k] - before[k] for k in ("replays", "compiled")}}
+                         for before, after in zip(started, stats(), strict=True)]}
     if "faults" in extra:
-        result["faults"] = _fault_phases(llm, params, prompts)
+        # on several cards, the last rank's alone: not the rank whose report reaches the engine
+        result["faults"] = _fault_phases(llm, params, prompts, str(tp - 1) if tp > 1 else "")
     print("RESULT " + json.dumps(result))
 
 

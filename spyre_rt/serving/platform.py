@@ -95,6 +95,10 @@ class SpyrePlatform(CpuPlatform):
         register_kernels({"vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping})
 
     @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "spyre_rt.serving.communicator.SpyreCommunicator"
+
+    @classmethod
     def supports_structured_output(cls) -> bool:
         return False
 
@@ -117,6 +121,7 @@ class SpyrePlatform(CpuPlatform):
             raise NotImplementedError("spyre_rt: MLA models are not supported on the card")
         cache.enable_prefix_caching = False
         parallel = vllm_config.parallel_config
+        cls._check_cards(parallel)
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = "spyre_rt.serving.worker.SpyreWorker"
         scheduler = vllm_config.scheduler_config
@@ -129,6 +134,26 @@ class SpyrePlatform(CpuPlatform):
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         cls._static_graphs(vllm_config)
+
+    @classmethod
+    def _check_cards(cls, parallel) -> None:
+        """A card per rank of the machine, as a GPU per rank: more ranks than cards is a
+        start-up error, not two ranks sharing one card."""
+        if on_host():
+            return
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+            raise NotImplementedError(
+                "spyre_rt: pipeline and data parallelism are not supported on the card; "
+                "use --tensor-parallel-size"
+            )
+        cards = torch.spyre.device_count()
+        if ranks > cards:
+            raise ValueError(
+                f"spyre_rt: tensor_parallel_size={ranks} needs {ranks} cards, and the machine has "
+                f"{cards}; set SPYRE_RT_DEVICE_COUNT={ranks} (or a device profile whose [device] count "
+                f"is at least {ranks})"
+            )
 
     @classmethod
     def _static_graphs(cls, vllm_config: VllmConfig) -> None:

@@ -18,7 +18,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 import spyre_rt  # noqa: F401  (registers the device)
-from spyre_rt.errors import SpyreDeviceError, SpyreDeviceLostError
+from spyre_rt.errors import SpyreCollectiveError, SpyreDeviceError, SpyreDeviceLostError
 from spyre_rt.serving import attention, moe
 from spyre_rt.serving.platform import compile_enabled, on_host
 from spyre_rt.serving.scheduler import failed_step
@@ -55,6 +55,14 @@ def check_one_request(budget: int, one_request: int, max_model_len: int, source:
             f"{max_model_len} tokens needs {one_request} bytes; raise gpu_memory_utilization "
             "(or kv_cache_memory_bytes) or lower max_model_len"
         )
+
+
+def _card_group():
+    """The ``spyreccl`` group of this rank's card and its tensor-parallel peers, or None on one card."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return group.device_group if group.world_size > 1 and hasattr(group.device_group, "ring") else None
 
 
 class SpyreModelRunner(CPUModelRunner):
@@ -106,12 +114,26 @@ class SpyreModelRunner(CPUModelRunner):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         """vLLM's step; one the card fails (a command or a DMA: the card keeps its state)
-        is reported as a :class:`~spyre_rt.serving.scheduler.FailedStep` of its requests."""
+        is reported as a :class:`~spyre_rt.serving.scheduler.FailedStep` of its requests.
+
+        On several cards a step ends the same way on every rank, as only one rank's report
+        reaches the engine: a rank whose card failed aborts the group, so that its peers'
+        collectives, or the barrier of the group's ring that ends every step, fail too; every
+        rank then reports the step failed and the ranks rearm the group together."""
+        group = _card_group()
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            out = super().execute_model(scheduler_output, intermediate_tensors)
+            if group is not None:
+                group.ring.barrier()
+            return out
         except SpyreDeviceLostError:
             raise
-        except SpyreDeviceError as e:
+        except (SpyreDeviceError, SpyreCollectiveError) as e:
+            if group is None and isinstance(e, SpyreCollectiveError):
+                raise
+            if group is not None:
+                group.ring.abort(f"a step failed: {e}")   # kept only if the group is not aborted yet
+                group.rearm()
             self.execute_model_state = None
             return failed_step(list(scheduler_output.num_scheduled_tokens), str(e))
 
@@ -174,20 +196,47 @@ class SpyreWorker(CPUWorker):
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
-        torch.spyre.set_device(self.local_rank % torch.spyre.device_count())
+        if not on_host():
+            torch.spyre.set_device(self.local_rank)
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
-                                            self.local_rank, "gloo")
+                                            self.local_rank, self._dist_backend())
         set_random_seed(self.model_config.seed)
         self.model_runner = SpyreModelRunner(self.vllm_config, self.device)
 
-    def inject_card_fault(self, kind: str, after: str = "0") -> None:
+    @staticmethod
+    def _dist_backend() -> str:
+        """The ranks' groups: ``spyreccl`` for the card's tensors (the ring between the cards,
+        collectives in the graph plans), gloo for the host's, as ``"cuda"`` ranks pair NCCL
+        with gloo."""
+        if on_host():
+            return "gloo"
+        import spyre_rt.distributed as ccl  # registers the backend
+
+        return f"cpu:gloo,spyre:{ccl.BACKEND_NAME}"
+
+    def inject_card_fault(self, kind: str, after: str = "0", rank: str = "") -> None:
         """The project's fault injection on this worker's card (``spy_fault_inject``): the
-        `after`-th ``kind`` (command, dma, lost) from now fails. For tests, through vLLM's
-        ``collective_rpc`` (``/collective_rpc`` of a server in ``VLLM_SERVER_DEV_MODE``),
-        which passes arguments as strings."""
+        `after`-th ``kind`` (command, dma, lost) from now fails; with `rank`, on that rank's
+        card only. For tests, through vLLM's ``collective_rpc`` (``/collective_rpc`` of a
+        server in ``VLLM_SERVER_DEV_MODE``), which passes arguments as strings."""
         from spyre_rt import card as cards
 
+        if rank and int(rank) != self.rank:
+            return
         cards.get(torch.spyre.current_device()).fault_inject(kind, int(after))
+
+    def card_counters(self) -> dict[str, float]:
+        """This rank's card's counters (commands, jobs, plan launches, bytes copied...)."""
+        from spyre_rt import card as cards
+
+        return cards.get(torch.spyre.current_device()).counters()
+
+    def decode_graph_stats(self) -> dict[str, int]:
+        """This rank's decode grids captured, replayed and run by the compiled call
+        (:data:`spyre_rt.serving.graphs.STATS`), through vLLM's ``collective_rpc``."""
+        from spyre_rt.serving.graphs import STATS
+
+        return dict(STATS)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         return nullcontext()  # no sleep-mode allocator on the card

@@ -650,22 +650,24 @@ def test_moe_experts_in_torch_are_every_tokens_top_k_experts_weighted():
 
 # ---- on several cards: vLLM's tensor parallelism, a worker process per card ----
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_llm_on_two_cards_matches_hugging_face(family, tmp_path, two_card_profile):
+@pytest.mark.parametrize("family, compiled", [("llama", True), ("qwen3_moe", True), ("llama", False)])
+def test_llm_on_two_cards_matches_hugging_face(family, compiled, tmp_path, two_card_profile):
     """``LLM(tensor_parallel_size=2)``: the model split over two cards (a ``spyreccl`` group,
     its all-reduces and the logits' all-gather in the steps' plans), Hugging Face's greedy
     tokens for requests alone and together, every decode step replayed on both ranks. With
     Llama, card faults on one rank only (in a prefill, in a decode replay, and at a decode
     step's last command, after its collectives) fail that step's requests on every rank, and
-    the group, rearmed, serves the next request."""
+    the group, rearmed, serves the next request. Eager on the cards (``SPYRE_RT_VLLM_COMPILE=0``),
+    the collectives are the group's own calls."""
     model = tiny_hf.save_model(family, tmp_path / family)
     expected = [tiny_hf.hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    faults = family == "llama"
+    faults = family == "llama" and compiled
     run = subprocess.run(
         [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / family), json.dumps(PROMPTS),
          str(NEW_TOKENS), "tp=2", *(["faults"] if faults else [])],
         capture_output=True, text=True, timeout=600,
-        env={**_env(), "SPYRE_RT_DEVICE_PROFILE": two_card_profile, "SPYRE_RT_SIM_MODE": "functional"},
+        env={**_env(), "SPYRE_RT_DEVICE_PROFILE": two_card_profile, "SPYRE_RT_SIM_MODE": "functional",
+             "SPYRE_RT_VLLM_COMPILE": "1" if compiled else "0"},
     )
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, run.stderr[-4000:]
@@ -674,13 +676,17 @@ def test_llm_on_two_cards_matches_hugging_face(family, tmp_path, two_card_profil
     assert got["together"] == expected
     assert len(got["decode"]) == 2
     for rank in got["decode"]:
-        assert rank["captures"] == 2 and rank["compiled"] == 0 and rank["replays"] >= 2 * (NEW_TOKENS - 1)
+        if compiled:
+            assert rank["captures"] == 2 and rank["compiled"] == 0 and rank["replays"] >= 2 * (NEW_TOKENS - 1)
+        else:
+            assert rank["captures"] == 0 and rank["replays"] == 0 and rank["compiled"] >= 2 * (NEW_TOKENS - 1)
     if faults:
         assert got["faults"]["ended"] == {
             "prefill-0": ["error", 0], "prefill-1": ["error", 0], "decode-0": ["error", 1], "decode-1": ["error", 1],
             "late-0": ["error", 2], "late-1": ["error", 2]}, run.stderr[-3000:]
         assert got["faults"]["after"] == expected[0]
-    assert "runs on the CPU" not in run.stderr, "a step of the split model ran an op on the CPU"
+    if compiled:
+        assert "runs on the CPU" not in run.stderr, "a step of the split model ran an op on the CPU"
 
 
 def test_vllm_serve_on_two_cards(tmp_path):

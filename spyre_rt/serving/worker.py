@@ -91,6 +91,11 @@ class SpyreModelRunner(CPUModelRunner):
             constants = torch._dynamo.config.patch(specialize_float=True)
             forward = constants(torch.compile(forward, backend="spyre_rt", dynamic=True))
             logits = constants(torch.compile(logits, backend="spyre_rt", dynamic=True))
+        elif not on_host():
+            # eager on the card: vLLM's helpers compiled with the platform's simple backend
+            # (Inductor, for the host's tensors: a vocabulary shard's mask, say) run eagerly
+            eager = torch.compiler.set_stance("force_eager")
+            forward, logits = eager(forward), eager(logits)
 
         shapes = self.shapes
 

@@ -839,7 +839,11 @@ static spy_status check_record(const spy_loop_record *r)
                                 "ninstrs %u", l, p, r->stages[l].first[p], r->stages[l].count, r->ninstrs);
     for (uint32_t i = 0; i < r->ninstrs; i++) {
         const spy_loop_instr *x = &r->instrs[i];
-        uint64_t irows = x->tile_rows ? r->rows_per_tile : x->instr.rows;
+        if (x->tile_rows && rows % x->tile_rows)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: instrs[%u] covers one in %u tile rows, which does "
+                            "not divide the %llu rows per index of the block variable", i, x->tile_rows,
+                            (unsigned long long)rows);
+        uint64_t irows = x->tile_rows ? r->rows_per_tile / x->tile_rows : x->instr.rows;
         if (!irows || irows > (1u << 26) || !x->instr.cols || x->instr.cols > (1u << 26))
             return spy_fail(SPY_E_INVALID_ARG, -1, "loop record: instrs[%u] covers %llu x %u elements, not 1 .. "
                             "2^26 each way", i, (unsigned long long)irows, x->instr.cols);
@@ -1379,7 +1383,7 @@ static spy_status write_instrs(builder *st)
                 const spy_loop_instr *t = &r->instrs[r->stages[l].first[parity] + k];
                 *x = t->instr;
                 if (t->tile_rows)
-                    x->rows = rows;
+                    x->rows = rows / t->tile_rows;
                 x++;
             }
     }

@@ -838,7 +838,8 @@ SPY_ABI_SIZE(spy_loop_stage, 16)
 
 typedef struct spy_loop_instr {
     spy_instr instr;
-    uint32_t tile_rows; /* nonzero: it covers the tile's rows (instr.rows is not used) */
+    uint32_t tile_rows; /* nonzero: it covers one in tile_rows of the tile's rows, which it
+                         * divides (1: all of them; instr.rows is not used) */
     uint32_t reserved;
 } spy_loop_instr; /* 88 bytes */
 SPY_ABI_SIZE(spy_loop_instr, 88)

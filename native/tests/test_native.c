@@ -1655,6 +1655,9 @@ static void test_loop_builder(void)
     loop_case_init(&c);
     c.stage.count = 2;
     CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "stages[0].first[1]"));
+    loop_case_init(&c);
+    c.instrs[0].tile_rows = 2; /* one in two of the tile's rows, but each block index is one row */
+    CHECK(spy_build_loop(&c.rec, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "instrs[0] covers one in 2"));
     CHECK(spy_build_loop(NULL, &b) == SPY_E_INVALID_ARG);
     spy_device_close(d);
 }

@@ -6,6 +6,8 @@ Python decides, once per kernel, in rooms of one concept each:
   column or scalar), its storage type and the SFU stage that computes it;
 * :mod:`.tiling` — the tiles: the block variable, rows per tile, the tiles and their cores;
 * :mod:`.scratchpad` — the scratchpad layout for tiles of that many rows;
+* :mod:`.reuse` — the loads a tile copies from its own scratchpad instead of fetching
+  (broadcast rows, shifted views of another load);
 * :mod:`.stages` — the SFU stage programs, for any tile of a parity;
 * :mod:`.record` — all of it as the native builder's decision record.
 

@@ -26,6 +26,7 @@ from ...program import INSTR, LOOP_INSTR, LOOP_MERGE, LOOP_TILE, OP_GATHER, OP_L
 from ..context import BuildContext, ScratchpadOverflow
 from ..sfu import ITEMSIZE, KIND_CODE, ROW, TILE
 from .analysis import Unsupported, Value, analyse
+from .reuse import Broadcast, plan_reuse
 from .scratchpad import ScratchpadLayout, lay_out
 from .stages import StagePrograms, element_rows
 from .tiling import Tile, Tiling, choose_tiling
@@ -58,9 +59,11 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
                      merge_regions=tiling.merge_regions, merged=tiling.merged)
     if layout.peak > target.scratchpad_bytes:
         raise ScratchpadOverflow(f"kernel {k.name} needs {layout.peak} bytes of scratchpad")
-    stages = StagePrograms(ctx, tiling, layout)
+    reuse = plan_reuse(tiling, target)
+    stages = StagePrograms(ctx, tiling, layout, reuse)
     programs = [[stages.stage(lvl, slot) for slot in (0, 1)] for lvl in range(a.levels)]
-    moving = [v for v in a.loads + a.stores if v.op.access.ind or any(_moves(tiling, v, t) for t in tiling.tiles)]
+    moving = [v for v in a.loads + a.stores if v.op.id not in reuse.views
+              and (v.op.access.ind or any(_moves(tiling, v, t) for t in tiling.tiles))]
     for v in moving:
         if v.op.access.ind:
             _check_gather(ctx, tiling, v)
@@ -76,7 +79,7 @@ def decide(ctx: BuildContext, k: LoopKernel) -> LoopRecord:
         at += len(p0) + len(p1)
     accesses = ffi.new("spy_loop_access[]", max(1, len(moving)))
     for i, v in enumerate(moving):
-        _fill_access(accesses[i], ctx, tiling, layout, v, slot_of)
+        _fill_access(accesses[i], ctx, tiling, layout, v, slot_of, reuse.broadcasts.get(v.op.id))
     consts = ffi.new("spy_loop_const[]", max(1, len(layout.tile_consts)))
     for i, c in enumerate(layout.tile_consts):
         _fill_const(consts[i], ctx, tiling, layout, stages, c)
@@ -179,7 +182,9 @@ def _check_gather(ctx: BuildContext, tiling: Tiling, v: Value) -> None:
 
 
 def _fill_access(rec, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout, v: Value,
-                 slot_of: dict[str, int]) -> None:
+                 slot_of: dict[str, int], broadcast: Broadcast | None) -> None:
+    """The access as the builder takes it; a broadcast load's box is masked to index 0 of the
+    variables it is broadcast along (the tile's SFU copies the rest)."""
     acc = v.op.access
     table = ctx.layouts[acc.buf]
     load = v.op.op == "load"
@@ -191,8 +196,9 @@ def _fill_access(rec, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayou
                   "stick_bytes": table.stick_bytes}
     rec.base = acc.const + ctx.offset(acc.buf)
     rec.itemsize = ITEMSIZE[v.dtype]
-    rec.masked = functools.reduce(operator.or_, (1 << j for j, _, _ in acc.domain), 0)
-    for j, lo, hi in acc.domain:
+    domain = list(acc.domain) + [(j, 0, 1) for j in (broadcast.variables if broadcast else ())]
+    rec.masked = functools.reduce(operator.or_, (1 << j for j, _, _ in domain), 0)
+    for j, lo, hi in domain:
         rec.lo[j], rec.hi[j] = lo, hi
     rec.coeffs = list(acc.coeffs)
     slots = layout.slots[v.op.id]

@@ -11,6 +11,8 @@ writes for each tile's row count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...cost import round_up
 from ...ir import Access
 from ...native import lib
@@ -20,6 +22,7 @@ from ..sfu import (
     COL,
     COMPARE,
     FLOATS,
+    ITEMSIZE,
     REDUCE,
     ROW,
     SCALAR,
@@ -30,6 +33,7 @@ from ..sfu import (
     compute_type,
 )
 from .analysis import Unsupported, Value
+from .reuse import Broadcast, Reuse, View
 from .scratchpad import ScratchpadLayout
 from .tiling import Tiling
 
@@ -38,7 +42,15 @@ def _imm(value, dtype: str) -> Operand:
     return Operand(SCALAR, dtype, imm=value)
 
 
-TILE_ROWS = "tile rows"  # the rows of an instruction that covers the tile's rows, whichever tile
+@dataclass(frozen=True)
+class TileRows:
+    """The rows of an instruction that covers one in `every` of the tile's rows, whichever
+    tile (`every` divides the rows per index of the block variable)."""
+
+    every: int = 1
+
+
+TILE_ROWS = TileRows()  # all of the tile's rows
 
 
 class Template(Program):
@@ -47,22 +59,23 @@ class Template(Program):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tile_rows: list[bool] = []
+        self.tile_rows: list[int] = []  # per instruction: TileRows.every, or 0 for rows of its own
 
     def emit(self, op: int, rows, cols: int, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
-        whole = rows is TILE_ROWS
+        whole = isinstance(rows, TileRows)
         super().emit(op, 0 if whole else rows, cols, dst, *srcs, aux=aux)
-        self.tile_rows.append(whole)
+        self.tile_rows.append(rows.every if whole else 0)
 
 
 class StagePrograms:
     """Writes the SFU programs of one kernel's tiles under one scratchpad layout."""
 
-    def __init__(self, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout):
+    def __init__(self, ctx: BuildContext, tiling: Tiling, layout: ScratchpadLayout, reuse: Reuse):
         self.ctx = ctx
         self.tiling = tiling
         self.analysis = tiling.analysis
         self.layout = layout
+        self.reuse = reuse
         self.columns = tiling.analysis.columns
 
     def dims(self, kind: str) -> tuple[int | str, int]:
@@ -73,6 +86,11 @@ class StagePrograms:
         """The instructions of stage `level` for the tiles of parity `slot`."""
         a, layout = self.analysis, self.layout
         prog = Template()
+        if level == 0:  # the loads served from the scratchpad, before anything reads them
+            for b in self.reuse.broadcasts.values():
+                self._broadcast(prog, b, slot)
+            for view in self.reuse.views.values():
+                self._view(prog, view, slot)
         for v in a.values.values():
             if v.level == level and v.op.op not in ("load", "store", "constant"):
                 self._compute(prog, v, slot)
@@ -88,6 +106,24 @@ class StagePrograms:
                 if target == level:
                     self._buffer_rows(prog, v, slot)
         return prog
+
+    def _broadcast(self, prog: Template, b: Broadcast, slot: int) -> None:
+        """The rows the DMA fetched (index 0 of the broadcast variables, the innermost)
+        copied to each other index: rows k, k + copies, ... from rows 0, copies, ..."""
+        loaded = self.layout.slots[b.load].operand(slot)
+        step = loaded.pitch * ITEMSIZE[loaded.dtype]  # bytes per tile row
+        _, cols = self.dims(loaded.kind)
+        src = Operand(loaded.kind, loaded.dtype, loaded.off, loaded.pitch * b.copies)
+        for k in range(1, b.copies):
+            prog.emit(lib.SPY_SFU_MOV, TileRows(b.copies), cols, src.at(loaded.off + k * step), src)
+
+    def _view(self, prog: Template, view: View, slot: int) -> None:
+        """The view's columns copied from its source's slot."""
+        dst = self.layout.slots[view.load].operand(slot)
+        src = self.layout.slots[view.source].operand(slot)
+        e = ITEMSIZE[dst.dtype]
+        prog.emit(lib.SPY_SFU_MOV, TILE_ROWS, view.count, dst.at(dst.off + view.first * e),
+                  src.at(src.off + (view.first + view.shift) * e))
 
     def _compute(self, prog: Program, v: Value, slot: int) -> None:
         op = v.op

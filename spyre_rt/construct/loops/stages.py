@@ -78,7 +78,7 @@ class StagePrograms:
         self.reuse = reuse
         self.columns = tiling.analysis.columns
 
-    def dims(self, kind: str) -> tuple[int | str, int]:
+    def dims(self, kind: str) -> tuple[int | TileRows, int]:
         """(rows, columns) an instruction on a value of `kind` covers."""
         return {TILE: (TILE_ROWS, self.columns), ROW: (TILE_ROWS, 1), COL: (1, self.columns), SCALAR: (1, 1)}[kind]
 

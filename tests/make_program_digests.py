@@ -51,7 +51,7 @@ def record(exe, name: str) -> dict:
         copies = exe.snapshots if name == SNAPSHOT else [
             (c.dst, c.dst_off, c.src, c.src_off, c.nbytes) for c in exe.snapshots]
         return {"kind": "copy", "copies": [list(c) for c in copies], "layouts": layouts, "sha256": digest(blob)}
-    kernel = exe.desc.kernels[name]
+    kernel = exe.kernels[name]   # the step's kernels and its row saves' and restores'
     return {"kind": kernel.kind, "kernel": kdesc.to_json(kernel), "layouts": layouts,
             "offsets": {b: exe.bindings.offsets[b] for b in bufs if exe.bindings.offsets.get(b)}, "sha256": digest(blob)}
 

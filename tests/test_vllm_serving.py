@@ -734,3 +734,6 @@ def test_more_ranks_than_cards_is_a_start_up_error(monkeypatch):
     with pytest.raises(NotImplementedError, match="pipeline and data parallelism"):
         SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2,
                                                    data_parallel_size=1))
+    with pytest.raises(NotImplementedError, match="expert parallelism is not supported"):
+        SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                                   data_parallel_size=1, enable_expert_parallel=True))

@@ -147,6 +147,11 @@ class SpyrePlatform(CpuPlatform):
                 "spyre_rt: pipeline and data parallelism are not supported on the card; "
                 "use --tensor-parallel-size"
             )
+        if getattr(parallel, "enable_expert_parallel", False):
+            raise NotImplementedError(
+                "spyre_rt: expert parallelism is not supported on the card; without "
+                "--enable-expert-parallel, --tensor-parallel-size splits each expert over the cards"
+            )
         cards = torch.spyre.device_count()
         if ranks > cards:
             raise ValueError(

@@ -141,7 +141,6 @@ class SpyrePlatform(CpuPlatform):
         start-up error, not two ranks sharing one card."""
         if on_host():
             return
-        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
             raise NotImplementedError(
                 "spyre_rt: pipeline and data parallelism are not supported on the card; "
@@ -152,7 +151,7 @@ class SpyrePlatform(CpuPlatform):
                 "spyre_rt: expert parallelism is not supported on the card; without "
                 "--enable-expert-parallel, --tensor-parallel-size splits each expert over the cards"
             )
-        cards = torch.spyre.device_count()
+        ranks, cards = parallel.tensor_parallel_size, torch.spyre.device_count()
         if ranks > cards:
             raise ValueError(
                 f"spyre_rt: tensor_parallel_size={ranks} needs {ranks} cards, and the machine has "

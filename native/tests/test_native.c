@@ -2036,6 +2036,16 @@ static void *plan_rank_main(void *arg)
     return NULL;
 }
 
+/* Both ranks' plans launched at once, a thread each (each waits in the ring for the other). */
+static void launch_both(plan_rank_run runs[2])
+{
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&threads[i], NULL, plan_rank_main, &runs[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+}
+
 static uint8_t *collective_plan(const spy_collective *coll, uint64_t *len)
 {
     uint64_t head = sizeof(spy_plan_header) + sizeof(spy_plan_job) + 2 * sizeof(spy_reloc) + sizeof(spy_layout);
@@ -2084,11 +2094,7 @@ static void test_plan_collective(void)
     CHECK(spy_plan_set_group(runs[0].plan, 1, c[0]) == SPY_E_INVALID_ARG);             /* one group only */
     for (int i = 0; i < 2; i++)
         CHECK_OK(spy_plan_set_group(runs[i].plan, 0, c[i]));
-    pthread_t threads[2];
-    for (int i = 0; i < 2; i++)
-        pthread_create(&threads[i], NULL, plan_rank_main, &runs[i]);
-    for (int i = 0; i < 2; i++)
-        pthread_join(threads[i], NULL);
+    launch_both(runs);
     for (int i = 0; i < 2; i++) {
         CHECK(runs[i].s == SPY_OK);
         float y[128];
@@ -2107,12 +2113,9 @@ static void test_plan_collective(void)
     uint64_t resume = spy_ccl_rounds(c[0]) > spy_ccl_rounds(c[1]) ? spy_ccl_rounds(c[0]) : spy_ccl_rounds(c[1]);
     for (int i = 0; i < 2; i++)
         CHECK_OK(spy_ccl_rearm(c[i], resume));
-    for (int i = 0; i < 2; i++) {
-        CHECK_OK(spy_mem_write(runs[i].d, runs[i].buf, (float[128]){[0] = (float)(i + 1)}, 128 * sizeof(float)));
-        pthread_create(&threads[i], NULL, plan_rank_main, &runs[i]);
-    }
     for (int i = 0; i < 2; i++)
-        pthread_join(threads[i], NULL);
+        CHECK_OK(spy_mem_write(runs[i].d, runs[i].buf, (float[128]){[0] = (float)(i + 1)}, 128 * sizeof(float)));
+    launch_both(runs);
     for (int i = 0; i < 2; i++) {
         CHECK(runs[i].s == SPY_OK);
         float y[2];

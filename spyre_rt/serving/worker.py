@@ -69,6 +69,7 @@ class SpyreModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.card = torch.device("cpu") if on_host() else torch.device("spyre", torch.spyre.current_device())
+        self.card_group = _card_group()   # the worker made its groups before its runner
         self.block_size = self.cache_config.block_size
         self.max_blocks = -(-self.model_config.max_model_len // self.block_size)
         self._card_model: CardModel | None = None
@@ -125,7 +126,7 @@ class SpyreModelRunner(CPUModelRunner):
         reaches the engine: a rank whose card failed aborts the group, so that its peers'
         collectives, or the barrier of the group's ring that ends every step, fail too; every
         rank then reports the step failed and the ranks rearm the group together."""
-        group = _card_group()
+        group = self.card_group
         try:
             out = super().execute_model(scheduler_output, intermediate_tensors)
             if group is not None:

@@ -725,15 +725,16 @@ def test_more_ranks_than_cards_is_a_start_up_error(monkeypatch):
 
     monkeypatch.delenv("SPYRE_RT_VLLM_DEVICE", raising=False)
     cards = torch.spyre.device_count()
-    parallel = SimpleNamespace(tensor_parallel_size=cards + 1, pipeline_parallel_size=1, data_parallel_size=1)
+
+    def parallel(tp: int, pp: int = 1, ep: bool = False):
+        return SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1,
+                               enable_expert_parallel=ep)
+
     with pytest.raises(ValueError, match=f"tensor_parallel_size={cards + 1} needs {cards + 1} cards, and the "
                                          f"machine has {cards}; set SPYRE_RT_DEVICE_COUNT={cards + 1}"):
-        SpyrePlatform._check_cards(parallel)
-    SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=cards, pipeline_parallel_size=1,
-                                               data_parallel_size=1))
+        SpyrePlatform._check_cards(parallel(cards + 1))
+    SpyrePlatform._check_cards(parallel(cards))
     with pytest.raises(NotImplementedError, match="pipeline and data parallelism"):
-        SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2,
-                                                   data_parallel_size=1))
+        SpyrePlatform._check_cards(parallel(1, pp=2))
     with pytest.raises(NotImplementedError, match="expert parallelism is not supported"):
-        SpyrePlatform._check_cards(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
-                                                   data_parallel_size=1, enable_expert_parallel=True))
+        SpyrePlatform._check_cards(parallel(2, ep=True))

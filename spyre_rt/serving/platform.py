@@ -146,7 +146,7 @@ class SpyrePlatform(CpuPlatform):
                 "spyre_rt: pipeline and data parallelism are not supported on the card; "
                 "use --tensor-parallel-size"
             )
-        if getattr(parallel, "enable_expert_parallel", False):
+        if parallel.enable_expert_parallel:
             raise NotImplementedError(
                 "spyre_rt: expert parallelism is not supported on the card; without "
                 "--enable-expert-parallel, --tensor-parallel-size splits each expert over the cards"

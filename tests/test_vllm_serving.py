@@ -70,6 +70,33 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
         assert got["faults"]["after"] == expected[0]
 
 
+def test_decodes_read_the_context_bucket_of_their_longest_request(tmp_path):
+    """A longest length of 512 tokens in context buckets of 128, 256 and 512
+    (``SPYRE_RT_VLLM_MIN_CONTEXT=128``): a decode replays the capture of its batch size and
+    of its longest request's context, and a request that grows past a bucket moves to the
+    next, with Hugging Face's tokens throughout."""
+    model = tiny_hf.save_model("llama", tmp_path / "llama")
+    prompts = [list(range(4, 4 + 100)), [1, 5, 9]]
+    new = 40   # the long request: 100 to 140 tokens, from the first bucket into the second
+    expected = [tiny_hf.hf_greedy(model, p, new) for p in prompts]
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(tmp_path / "llama"), json.dumps(prompts), str(new),
+         "max_model_len=512"],
+        capture_output=True, text=True, timeout=600, env={**_env(), "SPYRE_RT_VLLM_MIN_CONTEXT": "128"},
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["alone"] == expected[:1] and got["together"] == expected
+    [decode] = got["decode"]
+    assert decode["captures"] == 2 * 3                  # batch sizes 2 and 4, each with 3 contexts
+    assert decode["compiled"] == 0
+    # alone, then together (one grid): a decode step of the long request at n tokens (101 to
+    # 139, its new one counted) needs ceil(n / 64) blocks: 2 up to 128 tokens, then 3, in 4
+    lens = range(len(prompts[0]) + 1, len(prompts[0]) + new)
+    assert decode["contexts"] == {"2": 2 * sum(n <= 128 for n in lens), "4": 2 * sum(n > 128 for n in lens)}, decode
+
+
 FP16_LOGPROB_TOLERANCE = 0.01   # nats, on the prompts' logprobs of a tiny random-weight model (measured: 0.0003)
 
 
@@ -426,7 +453,7 @@ def _paged_batch(seed: int = 0):
     slots = [slot(r, p) for r in range(3) for p in range(lens[r] - qlen[r], lens[r])] + [-1, -1]
     qsl = torch.tensor([0, 3, 73, 78])
     batch = SpyreStepBatch(qsl, torch.tensor(lens), table, torch.tensor(slots), t, 3)
-    grid = layout(batch, [0, 1, 2], 4, 80, block=bs, spare=n, max_blocks=2)
+    grid = layout(batch, [0, 1, 2], 4, 80, block=bs, spare=n, blocks=2)
     keep = grid.source >= 0
 
     def cells(x):
@@ -540,7 +567,44 @@ def test_a_steps_grids_are_its_decodes_then_its_prefill_chunks_in_shapes_of_the_
     qsl = torch.tensor([0, *torch.tensor(qlen).cumsum(0).tolist()])
     batch = SpyreStepBatch(qsl, torch.tensor(qlen), torch.zeros(6, 4, dtype=torch.int64),
                            torch.arange(int(qsl[-1])), int(qsl[-1]), 6)
-    assert list(grids(batch, shapes)) == [([0, 2], 2, 1), ([1, 3, 4], 4, 128), ([5], 2, 256)]
+    assert shapes.contexts == (4,)                   # 256 tokens in 64-token blocks: one context bucket
+    assert list(grids(batch, shapes)) == [([0, 2], 2, 1, 4), ([1, 3, 4], 4, 128, 4), ([5], 2, 256, 4)]
+
+
+def test_a_grid_reads_the_context_bucket_of_its_longest_request_not_the_longest_length():
+    import torch
+
+    from spyre_rt.serving.attention import SpyreStepBatch
+    from spyre_rt.serving.bucketing import context_buckets
+    from spyre_rt.serving.steps import Shapes, grids, layout
+
+    assert context_buckets(2048, 64, 1024) == [16, 32, 64, 128, 256, 512, 1024, 2048]  # 131,072 tokens
+    assert context_buckets(6, 64, 1024) == [6] and context_buckets(6, 64, 0) == [6]
+    assert context_buckets(24, 64, 128) == [2, 4, 8, 16, 24]
+    with pytest.raises(ValueError):
+        context_buckets(0, 64, 128)
+    shapes = Shapes.of(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, block=64, least_context=128)
+    assert shapes.contexts == (2, 4, 8)
+    # decodes with every context; a prefill grid with the contexts its longest query can need
+    assert shapes.steps() == [(2, 1, 2), (2, 1, 4), (2, 1, 8), (4, 1, 2), (4, 1, 4), (4, 1, 8),
+                              (2, 64, 2), (2, 64, 4), (2, 64, 8), (2, 128, 2), (2, 128, 4), (2, 128, 8),
+                              (4, 64, 2), (4, 64, 4), (4, 64, 8)]
+    # a grid 512 tokens wide holds a query of more than 256: no context of fewer blocks
+    wide = Shapes.of(max_num_seqs=2, max_model_len=1024, max_num_batched_tokens=512, block=64, least_context=64)
+    assert wide.contexts == (1, 2, 4, 8, 16)
+    assert [s for s in wide.steps() if s[1] == 512] == [(2, 512, 8), (2, 512, 16)]
+    # two decodes at 100 and 300 tokens, a prefill chunk of 20 tokens ending at 140, one of 70 from 0
+    qlen, seq_lens = [1, 1, 20, 70], [100, 300, 140, 70]
+    qsl = torch.tensor([0, *torch.tensor(qlen).cumsum(0).tolist()])
+    table = torch.arange(4 * 8, dtype=torch.int64).view(4, 8)
+    batch = SpyreStepBatch(qsl, torch.tensor(seq_lens), table, torch.arange(int(qsl[-1])), int(qsl[-1]), 4)
+    laid = list(grids(batch, shapes))
+    assert laid == [([0, 1], 2, 1, 8), ([2, 3], 2, 128, 4)]
+    assert all(tuple(shape) in shapes.steps() for _, *shape in laid)
+    assert list(grids(SpyreStepBatch(qsl[:2], torch.tensor([100]), table[:1], torch.arange(1), 1, 1), shapes)) == \
+        [([0], 2, 1, 2)]
+    grid = layout(batch, [2, 3], 2, 128, block=64, spare=99, blocks=4)
+    assert grid.blocks == 4 and grid.meta.block_table.tolist() == [table[2, :4].tolist(), table[3, :4].tolist()]
 
 
 def test_decode_graphs_are_vllms_full_decode_only_with_the_buckets(monkeypatch):

@@ -2,7 +2,8 @@
 as JSON: one process per engine, as vLLM keeps one engine's state per process. With a
 dtype (``float16``) it prints the prompts' logprobs instead (each token's, given those
 before it), which depend on no sampled token. With ``tp=N`` the model is split over N
-cards (vLLM's tensor parallelism: a worker process per card). With ``faults`` it then
+cards (vLLM's tensor parallelism: a worker process per card); ``max_model_len=N`` sets the
+model's longest length (256 otherwise). With ``faults`` it then
 injects card faults into a prefill step and into a decode step (the project's fault
 injection, through vLLM's ``collective_rpc``) and prints how each step's requests ended,
 and a request served after."""
@@ -60,12 +61,13 @@ def main() -> None:
     extra = sys.argv[4:]
     dtype = next((a for a in extra if a.startswith("float")), None)
     tp = int(next((a for a in extra if a.startswith("tp=")), "tp=1")[3:])
+    max_model_len = int(next((a for a in extra if a.startswith("max_model_len=")), "max_model_len=256")[14:])
     prompts = json.loads(prompts_json)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    llm = LLM(model=model_dir, dtype=dtype or "float32", max_model_len=256, gpu_memory_utilization=0.002,
+    llm = LLM(model=model_dir, dtype=dtype or "float32", max_model_len=max_model_len, gpu_memory_utilization=0.002,
               max_num_seqs=4, max_num_batched_tokens=128, tensor_parallel_size=tp)
 
     def stats() -> list[dict]:   # each rank's decode graphs
@@ -86,7 +88,8 @@ def main() -> None:
     together = [list(o.outputs[0].token_ids)
                 for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)]
     result = {"platform": type(current_platform).__qualname__, "alone": alone, "together": together,
-              "decode": [{"captures": before["captures"], **{k: after[k] - before[k] for k in ("replays", "compiled")}}
+              "decode": [{"captures": before["captures"], **{k: after[k] - before[k] for k in ("replays", "compiled")},
+                          "contexts": {n: after["contexts"][n] - before["contexts"].get(n, 0) for n in after["contexts"]}}
                          for before, after in zip(started, stats(), strict=True)]}
     if "faults" in extra:
         # on several cards, the last rank's alone: not the rank whose report reaches the engine

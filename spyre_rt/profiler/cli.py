@@ -333,6 +333,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     _sim_arguments(p)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N",
                    help="vLLM's token budget of a step (default 1024)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
+                   help="vLLM's longest length (default: --input plus --output, rounded up to 64); a decode "
+                        "step reads the context bucket of its longest request, not this")
     p.add_argument("--compare-output", type=positive_int, default=None, metavar="N",
                    help="output tokens of the runs through the compiled call, which are for the per-step "
                         "comparison (default: --output)")
@@ -354,8 +357,11 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
     opts = serve.Options(model=args.model, concurrency=args.concurrency, input_len=args.input_len,
                          output_len=args.output_len, engine=args.engine, layers=args.layers, sim_mode=args.sim_mode,
-                         max_num_batched_tokens=args.max_num_batched_tokens, compare_output=args.compare_output,
-                         trace=args.trace)
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                         compare_output=args.compare_output, trace=args.trace)
+    if args.max_model_len is not None and args.max_model_len < args.input_len + args.output_len:
+        raise InputError(f"--max-model-len {args.max_model_len} is shorter than a request: --input {args.input_len} "
+                         f"plus --output {args.output_len}")
     try:
         out = serve.measure(opts, console)
     except SpyreProfileError as e:

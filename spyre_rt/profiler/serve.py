@@ -54,6 +54,7 @@ class Options:
     layers: int | None = None
     sim_mode: str | None = None          # the card's; None: the model profile's default
     max_num_batched_tokens: int = 1024   # a step's tokens: prefill chunks of several requests
+    max_model_len: int | None = None     # the engine's longest length; None: a request's, rounded to a stick
     modes: tuple[str, ...] = MODES
     compare_output: int | None = None    # output tokens of the runs through the compiled call
     trace: str | None = None             # a card trace of prefill steps and decode steps at the largest batch
@@ -185,13 +186,18 @@ def _env(opts: Options, sim_mode: str) -> None:
         os.environ["SPYRE_RT_VLLM_DEVICE"] = "cpu"
 
 
-def max_model_len(opts: Options) -> int:
+def request_len(opts: Options) -> int:
+    """A request's tokens, prompt and output, rounded up to a stick."""
     return -(-(opts.input_len + opts.output_len) // 64) * 64
+
+
+def max_model_len(opts: Options) -> int:
+    return opts.max_model_len or request_len(opts)
 
 
 def token_budget(opts: Options) -> int:
     """The engine's tokens per step: at least a whole request's."""
-    return max(opts.max_num_batched_tokens, max_model_len(opts))
+    return max(opts.max_num_batched_tokens, request_len(opts))
 
 
 def start(opts: Options, directory: Path, dtype: str):
@@ -359,7 +365,8 @@ def measure(opts: Options, console=None) -> dict[str, Any]:
         "format": FORMAT, "model": profile.name, "layers": layers, "dtype": dtype, "engine": opts.engine,
         "sim_mode": sim_mode if opts.engine == "card" else None, "concurrency": list(opts.concurrency),
         "input_len": opts.input_len, "output_len": opts.output_len,
-        "max_num_batched_tokens": opts.max_num_batched_tokens, "ready_s": ready_s, "runs": runs,
+        "max_num_batched_tokens": opts.max_num_batched_tokens, "max_model_len": max_model_len(opts),
+        "ready_s": ready_s, "runs": runs,
         "roofline": roofline, "host": host.describe(), "load_during_runs": loads,
     }
 

@@ -92,7 +92,7 @@ class SpyreStepBatch:
 
     query_start_loc: torch.Tensor  # [R + 1] int64
     seq_lens: torch.Tensor         # [R] int64
-    block_table: torch.Tensor      # [R, max_blocks] int64
+    block_table: torch.Tensor      # [R, vLLM's blocks per request] int64
     slot_mapping: torch.Tensor     # [num_tokens] int64, -1 for a token that writes nothing
     num_tokens: int                # tokens of the step, with vLLM's padding past the last request's
     num_reqs: int

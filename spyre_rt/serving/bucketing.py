@@ -10,7 +10,10 @@ number of sizes, and so of plans, however many arrive.
   so the greedy tokens are those of the unpadded prompt.
 - A served step (:mod:`spyre_rt.serving.steps`) is a grid of requests by query tokens:
   the requests are padded to :func:`batch_buckets` and the tokens of each to
-  :func:`query_buckets`, and :func:`grid_buckets` is every such grid a step can need.
+  :func:`query_buckets`, and :func:`grid_buckets` is every such grid a step can need. The
+  context its attention reads, each request's blocks of the KV cache, is padded to
+  :func:`context_buckets`: a step reads the context its longest request needs (at most
+  twice that, or the ladder's first rung), not the model's longest length.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ STICK_ELEMENTS = 64  # a 128-byte stick of fp16 values: the card's unit of a row
 #: token), and its logits two: Dynamo specializes a dimension it first sees at 1 and then
 #: compiles the whole model again for the sizes above (minutes, for an 8B model).
 MIN_ROWS = 2
+#: The first context bucket, in tokens: a request's attention reads at most this much
+#: context more than it needs, and the model's longest length costs log2(that / this) more
+#: step shapes at start-up (``SPYRE_RT_VLLM_MIN_CONTEXT``; 0: one bucket, the longest length).
+MIN_CONTEXT_TOKENS = 1024
 
 
 def bucket_length(n: int, buckets: Sequence[int] | None = None, multiple: int = STICK_ELEMENTS) -> int:
@@ -60,6 +67,19 @@ def query_buckets(longest: int, multiple: int = STICK_ELEMENTS) -> list[int]:
         sizes.append(q)
         q *= 2
     return [*sizes, top]
+
+
+def context_buckets(max_blocks: int, block_size: int, least_tokens: int) -> list[int]:
+    """Padded context widths, in KV cache blocks: the blocks of `least_tokens` times powers
+    of two below `max_blocks` (the model's longest length), and `max_blocks`. With
+    `least_tokens` 0, `max_blocks` alone."""
+    if max_blocks < 1 or block_size < 1 or least_tokens < 0:
+        raise ValueError(f"context buckets of {max_blocks} blocks of {block_size} from {least_tokens} tokens")
+    sizes, b = [], -(-least_tokens // block_size)
+    while 0 < b < max_blocks:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_blocks]
 
 
 def grid_buckets(rows: Sequence[int], longest_query: int, max_tokens: int,

@@ -10,12 +10,14 @@ the driver replays the capture of a decode grid of that size, in every step that
 (a pure decode step, or the decodes of a step with prefill chunks).
 
 A capture is made on persistent card inputs (token ids, positions, and the grid's metadata
-with the block table at the model's longest length), so one capture serves every step of its
-batch size; a step copies its values in and replays: one native call, no Dynamo.
+with the block table as wide as one context bucket), one per batch size and context bucket,
+so a capture serves every step of its batch size whose longest request fits its context; a
+step copies its values in and replays: one native call, no Dynamo.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -26,19 +28,21 @@ from spyre_rt.serving.attention import SpyreAttentionMetadata
 
 #: decode grids captured, replayed, and run by the compiled call instead (read by the tests)
 STATS = {"captures": 0, "replays": 0, "compiled": 0}
+#: replays by the context their block table spans, in blocks
+REPLAYED_CONTEXTS: collections.Counter[int] = collections.Counter()
 
 
 class DecodeGraph:
-    """The capture of one decode grid (`size` requests of one token): its persistent card
-    inputs, the graph, and its static output."""
+    """The capture of one decode grid (`size` requests of one token, `blocks` blocks of
+    context): its persistent card inputs, the graph, and its static output."""
 
-    def __init__(self, size: int, max_blocks: int, spare: int, block: int, card: torch.device) -> None:
-        self.size = size
+    def __init__(self, size: int, blocks: int, spare: int, block: int, card: torch.device) -> None:
+        self.size, self.blocks = size, blocks
         self.ids = torch.zeros(size, dtype=torch.int64, device=card)
         self.positions = torch.zeros(size, dtype=torch.int64, device=card)
         self.meta = SpyreAttentionMetadata(
             slot_mapping=torch.full((size,), spare * block, dtype=torch.int64, device=card),
-            block_table=torch.full((size, max_blocks), spare, dtype=torch.int64, device=card),
+            block_table=torch.full((size, blocks), spare, dtype=torch.int64, device=card),
             query_pos=torch.full((size, 1), -1, dtype=torch.int64, device=card),
         )
 
@@ -60,6 +64,7 @@ class DecodeGraph:
             static.copy_(new)
         self.graph.replay()
         STATS["replays"] += 1
+        REPLAYED_CONTEXTS[self.blocks] += 1
         return self.hidden
 
 

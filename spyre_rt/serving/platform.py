@@ -11,7 +11,7 @@ import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
-from spyre_rt.serving.bucketing import MIN_ROWS, batch_buckets
+from spyre_rt.serving.bucketing import MIN_CONTEXT_TOKENS, MIN_ROWS, batch_buckets
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,6 +39,21 @@ def on_host() -> bool:
 def compile_enabled() -> bool:
     """The forward and the logits compiled with ``backend="spyre_rt"`` (``SPYRE_RT_VLLM_COMPILE=0``: eager)."""
     return _flag("SPYRE_RT_VLLM_COMPILE") and not on_host()
+
+
+def min_context_tokens() -> int:
+    """The first context bucket, in tokens (``SPYRE_RT_VLLM_MIN_CONTEXT``; 0: a step's
+    attention always reads the model's longest length)."""
+    raw = os.environ.get("SPYRE_RT_VLLM_MIN_CONTEXT", "").strip()
+    if not raw:
+        return MIN_CONTEXT_TOKENS
+    try:
+        tokens = int(raw)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens (0 or more), not {raw!r}")
+    return tokens
 
 
 def replay_enabled() -> bool:

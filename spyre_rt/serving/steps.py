@@ -11,6 +11,10 @@ whose sizes come from bucket ladders (:mod:`spyre_rt.serving.bucketing`):
   most ``max_num_batched_tokens`` cells, requests taken in order while the grid's shape is
   one of the set.
 
+A grid's block table, the context its attention gathers and reads, is as wide as the
+context bucket of its longest request (:func:`~spyre_rt.serving.bucketing.context_buckets`),
+so a step's attention costs what its requests need, not the model's longest length.
+
 Padding cells write their keys and values into the spare block and attend to nothing of a
 request's, so every request's tokens are those it would get alone. The set of shapes is
 bounded by the ladders and built at start-up (:meth:`CardModel.build_steps`, a progress
@@ -28,7 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from spyre_rt.serving.attention import SpyreAttentionMetadata, SpyreStepBatch
-from spyre_rt.serving.bucketing import MIN_ROWS, batch_buckets, bucket_of, grid_buckets
+from spyre_rt.serving.bucketing import (
+    MIN_CONTEXT_TOKENS,
+    MIN_ROWS,
+    STICK_ELEMENTS,
+    batch_buckets,
+    bucket_of,
+    context_buckets,
+    grid_buckets,
+)
 from spyre_rt.serving.graphs import STATS, DecodeGraph
 
 
@@ -40,15 +52,20 @@ class Shapes:
     prefill: frozenset[tuple[int, int]]     # (requests, query length) grids of prefill chunks
     logits: tuple[int, ...]                 # padded rows of the logits of the sampled tokens
     prompt_logits: tuple[int, ...]          # and of prompt logprobs, past those (built when first asked)
+    contexts: tuple[int, ...]               # padded context widths, in KV cache blocks
+    block: int                              # tokens of a KV cache block
 
     @classmethod
-    def of(cls, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> Shapes:
+    def of(cls, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+           block: int = STICK_ELEMENTS, least_context: int = MIN_CONTEXT_TOKENS) -> Shapes:
         longest = min(max_model_len, max_num_batched_tokens)
         rows = batch_buckets(max_num_seqs, least=MIN_ROWS)
         return cls(decode=tuple(rows),
                    prefill=frozenset(grid_buckets(rows, longest, max_num_batched_tokens)),
                    logits=tuple(rows),
-                   prompt_logits=tuple(batch_buckets(max(max_num_seqs, max_num_batched_tokens), least=MIN_ROWS)))
+                   prompt_logits=tuple(batch_buckets(max(max_num_seqs, max_num_batched_tokens), least=MIN_ROWS)),
+                   contexts=tuple(context_buckets(-(-max_model_len // block), block, least_context)),
+                   block=block)
 
     def logits_rows(self, rows: int) -> int:
         """The padded rows of a logits call of `rows` rows."""
@@ -58,6 +75,22 @@ class Shapes:
 
     def prefill_grids(self) -> list[tuple[int, int]]:
         return sorted(self.prefill, key=lambda g: (g[0] * g[1], g))
+
+    def context_of(self, seq_lens: Sequence[int]) -> int:
+        """The context bucket (blocks) of a grid of requests whose sequences are `seq_lens`
+        tokens long, the new ones included."""
+        return bucket_of(max([1, *(-(-n // self.block) for n in seq_lens)]), self.contexts)
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(requests, query length, context blocks) of every step shape the set can run:
+        each decode size with each context, and each prefill grid with each context that
+        can hold its longest request (whose query is longer than the next narrower grid's)."""
+        widths = sorted({w for _, w in self.prefill})
+        out = [(rows, 1, ctx) for rows in self.decode for ctx in self.contexts]
+        for rows, width in self.prefill_grids():
+            narrower = max((w for w in widths if w < width), default=1)
+            out += [(rows, width, ctx) for ctx in self.contexts if ctx * self.block > narrower or ctx == self.contexts[-1]]
+        return out
 
 
 @dataclass
@@ -70,6 +103,11 @@ class Grid:
     source: torch.Tensor             # [rows * width] int64
     meta: SpyreAttentionMetadata     # on the host
 
+    @property
+    def blocks(self) -> int:
+        """The context its attention reads, in KV cache blocks (its block table's width)."""
+        return self.meta.block_table.shape[1]
+
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = self.source >= 0
         ids = torch.zeros(self.source.shape[0], dtype=torch.int64)
@@ -80,15 +118,16 @@ class Grid:
 
 
 def layout(batch: SpyreStepBatch, reqs: Sequence[int], rows: int, width: int, *, block: int, spare: int,
-           max_blocks: int) -> Grid:
-    """The requests `reqs` of `batch` (each at most `width` new tokens) as a grid, padded
-    with requests of no token: padding cells write the spare block and see no key."""
+           blocks: int) -> Grid:
+    """The requests `reqs` of `batch` (each at most `width` new tokens, and at most `blocks`
+    blocks of context) as a grid, padded with requests of no token: padding cells write the
+    spare block and see no key."""
     cells = rows * width
     offs = torch.arange(width, dtype=torch.int64)
     slots = (spare * block + torch.arange(cells, dtype=torch.int64) % block).view(rows, width)
     source = torch.full((rows, width), -1, dtype=torch.int64)
     query_pos = torch.full((rows, width), -1, dtype=torch.int64)
-    table = torch.full((rows, max_blocks), spare, dtype=torch.int64)
+    table = torch.full((rows, blocks), spare, dtype=torch.int64)
     n = len(reqs)
     if n:
         r = torch.as_tensor(list(reqs), dtype=torch.int64)
@@ -100,16 +139,21 @@ def layout(batch: SpyreStepBatch, reqs: Sequence[int], rows: int, width: int, *,
         source[:n] = torch.where(valid, tokens, -1)
         query_pos[:n] = torch.where(valid, (batch.seq_lens[r] - qlen)[:, None] + offs[None, :], -1)
         slots[:n] = torch.where(valid & (given >= 0), given, slots[:n])
-        used = min(max_blocks, batch.block_table.shape[1])
+        used = min(blocks, batch.block_table.shape[1])
         table[:n, :used] = batch.block_table[r, :used]
     return Grid(rows, width, source.view(-1),
                 SpyreAttentionMetadata(slot_mapping=slots.view(-1), block_table=table, query_pos=query_pos))
 
 
-def grids(batch: SpyreStepBatch, shapes: Shapes) -> Iterator[tuple[list[int], int, int]]:
-    """(requests, rows, width) of each grid of a step: its decodes, then its prefill
-    chunks, in order, as many to a grid as a shape of the set holds."""
-    qlen = batch.query_lens.tolist()
+def grids(batch: SpyreStepBatch, shapes: Shapes) -> Iterator[tuple[list[int], int, int, int]]:
+    """(requests, rows, width, context blocks) of each grid of a step: its decodes, then
+    its prefill chunks, in order, as many to a grid as a shape of the set holds."""
+    seq_lens = batch.seq_lens.tolist()
+    for reqs, rows, width in _grids(batch.query_lens.tolist(), shapes):
+        yield reqs, rows, width, shapes.context_of([seq_lens[r] for r in reqs])
+
+
+def _grids(qlen: list[int], shapes: Shapes) -> Iterator[tuple[list[int], int, int]]:
     decodes = [r for r, q in enumerate(qlen) if q == 1]
     if decodes:
         yield decodes, bucket_of(len(decodes), shapes.decode), 1
@@ -137,12 +181,11 @@ class CardModel:
     once per grid of the step; decode grids replay their capture when there is one. Other
     attributes are the model's."""
 
-    def __init__(self, model, on_card: Callable, card: torch.device, block_size: int, max_blocks: int,
-                 shapes: Shapes, hidden_size: int) -> None:
+    def __init__(self, model, on_card: Callable, card: torch.device, shapes: Shapes, hidden_size: int) -> None:
         self.model, self.on_card, self.card, self.hidden_size = model, on_card, card, hidden_size
-        self.block_size, self.max_blocks, self.shapes = block_size, max_blocks, shapes
+        self.block_size, self.shapes = shapes.block, shapes
         self.spare_block: int | None = None   # known once the KV cache is allocated
-        self.decode_graphs: dict[int, DecodeGraph] = {}
+        self.decode_graphs: dict[tuple[int, int], DecodeGraph] = {}   # by (requests, context blocks)
         self.replay = True   # decode grids replay their capture (False: the compiled call, for comparison)
 
     def __getattr__(self, name: str):
@@ -158,16 +201,15 @@ class CardModel:
         batch = step_batch()
         if batch is None or self.spare_block is None:
             return out   # a dummy run of vLLM's (warm-up, capture): nothing to compute; build_steps warms
-        for reqs, rows, width in grids(batch, self.shapes):
-            grid = layout(batch, reqs, rows, width, block=self.block_size, spare=self.spare_block,
-                          max_blocks=self.max_blocks)
+        for reqs, rows, width, blocks in grids(batch, self.shapes):
+            grid = layout(batch, reqs, rows, width, block=self.block_size, spare=self.spare_block, blocks=blocks)
             hidden = self._run(grid, *grid.inputs(input_ids, positions)).cpu()
             keep = grid.source >= 0
             out[grid.source[keep]] = hidden[keep]
         return out
 
     def _run(self, grid: Grid, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        graph = self.decode_graphs.get(grid.rows) if grid.width == 1 and self.replay else None
+        graph = self.decode_graphs.get((grid.rows, grid.blocks)) if grid.width == 1 and self.replay else None
         if graph is not None:
             return graph.replay(ids, positions, grid.meta)
         if grid.width == 1:
@@ -176,30 +218,33 @@ class CardModel:
         return self.on_card(input_ids=ids.to(self.card), positions=positions.to(self.card), inputs_embeds=None)
 
     def capture_decode(self, size: int) -> None:
-        """Captures the decode grid of `size` requests, once: its inputs are padding, which
-        writes only the spare block."""
-        if size in self.decode_graphs or self.spare_block is None:
+        """Captures the decode grids of `size` requests, one per context bucket, once: their
+        inputs are padding, which writes only the spare block."""
+        if self.spare_block is None:
             return
-        graph = DecodeGraph(size, self.max_blocks, self.spare_block, self.block_size, self.card)
-        with _metadata_kept():
-            graph.capture(self.on_card, _use_metadata)
-        self.decode_graphs[size] = graph
+        for blocks in self.shapes.contexts:
+            if (size, blocks) in self.decode_graphs:
+                continue
+            graph = DecodeGraph(size, blocks, self.spare_block, self.block_size, self.card)
+            with _metadata_kept():
+                graph.capture(self.on_card, _use_metadata)
+            self.decode_graphs[size, blocks] = graph
 
-    def padding_grid(self, rows: int, width: int) -> Grid:
+    def padding_grid(self, rows: int, width: int, blocks: int) -> Grid:
         empty = SpyreStepBatch(torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                                torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 0, 0)
-        return layout(empty, [], rows, width, block=self.block_size, spare=self.spare_block,
-                      max_blocks=self.max_blocks)
+        return layout(empty, [], rows, width, block=self.block_size, spare=self.spare_block, blocks=blocks)
 
     def build_steps(self, logits: Callable[[torch.Tensor], torch.Tensor], progress=None) -> int:
         """Builds every shape of the set that is not captured: the decode grids, the prefill
-        grids and the logits' rows, each run once on padding. Returns the shapes built."""
-        todo = [(rows, 1) for rows in self.shapes.decode if rows not in self.decode_graphs]
-        todo += self.shapes.prefill_grids()
+        grids (each with its contexts) and the logits' rows, each run once on padding.
+        Returns the shapes built."""
+        todo = [(rows, width, blocks) for rows, width, blocks in self.shapes.steps()
+                if width > 1 or (rows, blocks) not in self.decode_graphs]
         bar = progress(total=len(todo) + len(self.shapes.logits)) if progress else None
         with _metadata_kept():
-            for rows, width in todo:
-                grid = self.padding_grid(rows, width)
+            for rows, width, blocks in todo:
+                grid = self.padding_grid(rows, width, blocks)
                 self._run(grid, *grid.inputs(torch.zeros(0), torch.zeros(0)))
                 if bar:
                     bar.update(1)

@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 import spyre_rt  # noqa: F401  (registers the device)
 from spyre_rt.errors import SpyreCollectiveError, SpyreDeviceError, SpyreDeviceLostError
 from spyre_rt.serving import attention, moe
-from spyre_rt.serving.platform import compile_enabled, on_host
+from spyre_rt.serving.platform import compile_enabled, min_context_tokens, on_host
 from spyre_rt.serving.scheduler import failed_step
 from spyre_rt.serving.steps import CardModel, Shapes
 
@@ -71,10 +71,10 @@ class SpyreModelRunner(CPUModelRunner):
         self.card = torch.device("cpu") if on_host() else torch.device("spyre", torch.spyre.current_device())
         self.card_group = _card_group()   # the worker made its groups before its runner
         self.block_size = self.cache_config.block_size
-        self.max_blocks = -(-self.model_config.max_model_len // self.block_size)
         self._card_model: CardModel | None = None
         sched = self.scheduler_config
-        self.shapes = Shapes.of(sched.max_num_seqs, self.model_config.max_model_len, sched.max_num_batched_tokens)
+        self.shapes = Shapes.of(sched.max_num_seqs, self.model_config.max_model_len, sched.max_num_batched_tokens,
+                                block=self.block_size, least_context=min_context_tokens())
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         from vllm.platforms import current_platform
@@ -111,7 +111,7 @@ class SpyreModelRunner(CPUModelRunner):
         self._logits = compute_logits
         # the runner and the sampler take the logits on the host, as they keep the batch there
         model.compute_logits = compute_logits
-        self._card_model = CardModel(model, forward, self.card, self.block_size, self.max_blocks, self.shapes,
+        self._card_model = CardModel(model, forward, self.card, self.shapes,
                                      self.model_config.get_hidden_size())
         self.model = self._card_model
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
@@ -237,12 +237,13 @@ class SpyreWorker(CPUWorker):
 
         return cards.get(torch.spyre.current_device()).counters()
 
-    def decode_graph_stats(self) -> dict[str, int]:
+    def decode_graph_stats(self) -> dict:
         """This rank's decode grids captured, replayed and run by the compiled call
-        (:data:`spyre_rt.serving.graphs.STATS`), through vLLM's ``collective_rpc``."""
-        from spyre_rt.serving.graphs import STATS
+        (:data:`spyre_rt.serving.graphs.STATS`), and its replays by context blocks, through
+        vLLM's ``collective_rpc``."""
+        from spyre_rt.serving.graphs import REPLAYED_CONTEXTS, STATS
 
-        return dict(STATS)
+        return {**STATS, "contexts": dict(REPLAYED_CONTEXTS)}
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         return nullcontext()  # no sleep-mode allocator on the card

@@ -70,6 +70,25 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
         assert got["faults"]["after"] == expected[0]
 
 
+def test_the_first_context_bucket_is_a_setting_checked_at_start_up(monkeypatch, capsys):
+    from spyre_rt.profiler import cli
+    from spyre_rt.serving.bucketing import MIN_CONTEXT_TOKENS
+    from spyre_rt.serving.platform import min_context_tokens
+
+    monkeypatch.delenv("SPYRE_RT_VLLM_MIN_CONTEXT", raising=False)
+    assert min_context_tokens() == MIN_CONTEXT_TOKENS == 1024
+    for raw, tokens in (("0", 0), (" 256 ", 256)):
+        monkeypatch.setenv("SPYRE_RT_VLLM_MIN_CONTEXT", raw)
+        assert min_context_tokens() == tokens
+    for raw in ("-64", "lots", "1.5"):
+        monkeypatch.setenv("SPYRE_RT_VLLM_MIN_CONTEXT", raw)
+        with pytest.raises(ValueError, match=r"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens .*" + raw):
+            min_context_tokens()
+    # the profiler's longest length must hold a request
+    assert cli.main(["serve", "granite-tiny", "--input", "64", "--output", "16", "--max-model-len", "64"]) == 1
+    assert "--max-model-len 64 is shorter than a request: --input 64 plus --output 16" in capsys.readouterr().err
+
+
 def test_decodes_read_the_context_bucket_of_their_longest_request(tmp_path):
     """A longest length of 512 tokens in context buckets of 128, 256 and 512
     (``SPYRE_RT_VLLM_MIN_CONTEXT=128``): a decode replays the capture of its batch size and

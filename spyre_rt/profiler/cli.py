@@ -349,6 +349,9 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from ..errors import SpyreProfileError
     from . import run as runmod
 
+    if args.max_model_len is not None and args.max_model_len < args.input_len + args.output_len:
+        raise InputError(f"--max-model-len {args.max_model_len} is shorter than a request: --input {args.input_len} "
+                         f"plus --output {args.output_len}")
     try:
         runmod.load_model(args.model)
     except SpyreProfileError as e:
@@ -359,9 +362,6 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
                          output_len=args.output_len, engine=args.engine, layers=args.layers, sim_mode=args.sim_mode,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          compare_output=args.compare_output, trace=args.trace)
-    if args.max_model_len is not None and args.max_model_len < args.input_len + args.output_len:
-        raise InputError(f"--max-model-len {args.max_model_len} is shorter than a request: --input {args.input_len} "
-                         f"plus --output {args.output_len}")
     try:
         out = serve.measure(opts, console)
     except SpyreProfileError as e:

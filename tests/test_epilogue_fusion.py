@@ -201,6 +201,37 @@ def _epilogue(out_dtype: str, dtype: str) -> Epilogue:
         (), (dtype, dtype), (), (dtype, "float32"))
 
 
+def test_the_swiglu_epilogue_needs_two_temporaries():
+    """SiLU(gate) * up as Inductor writes it (gate converted to fp32 twice): the repeated
+    conversion is computed once, the sigmoid's chain overwrites its own temporary, and the
+    product of the two, read only by the store, is written into the staging tile. Two fp32
+    tile temporaries, not three: the room a larger matmul tile needs."""
+    from spyre_rt.construct.matmul import epilogue
+
+    ops = (Op("g", "load", (), "float16", attrs={"input": 0}), Op("a", "to_dtype", ("g",), "float32"),
+           Op("b", "to_dtype", ("g",), "float32"), Op("c", "neg", ("b",)), Op("d", "exp", ("c",)),
+           Op("one", "constant", (), "float32", attrs={"value": 1.0}), Op("e", "add", ("d", "one")),
+           Op("f", "truediv", ("a", "e")), Op("h", "to_dtype", ("f",), "float16"),
+           Op("p", "product", dtype="float16"), Op("m", "mul", ("h", "p")),
+           Op("o", "store", ("m",), "float16", attrs={"output": 0}))
+    tile = View("g", 0, (1, 64, 64), (0, 64, 1))
+    ep = Epilogue(ops, (tile,), ("float16",), (tile,), ("float16",))
+    plan = epilogue.plan(ep)
+    assert [op.id for op in plan.ops if op.op == "to_dtype"] == ["a", "h"]
+    assert plan.ops[2].args == ("a",)                       # neg reads the one conversion
+    assert plan.ntemps == 2 and plan.temp["c"] == plan.temp["d"] == plan.temp["e"]
+    assert plan.stored == {"m": 0} and "m" not in plan.temp
+    assert plan.instrs == 8                                 # the conversion once, no move for the store
+    body = epilogue.program(ep, plan, 0, 0, epilogue.Operand(epilogue.TILE, "float32", 0, 64), [1000, 2000], 64,
+                            [(3000, 64)], [(4000, 64)])
+    assert len(body) == plan.instrs and body[-1][6][4] == 4000   # the product lands in the staging tile
+    # an fp16 value stored as fp32 keeps its own temporary and the store's move: written
+    # straight into an fp32 staging tile, it would not be rounded to fp16 first
+    narrowed = Epilogue((Op("x", "load", (), "float32", attrs={"input": 0}), Op("y", "to_dtype", ("x",), "float16"),
+                         Op("o", "store", ("y",), "float32", attrs={"output": 0})), (), ("float32",), (), ("float32",))
+    assert epilogue.plan(narrowed).stored == {} and epilogue.plan(narrowed).instrs == 2
+
+
 @st.composite
 def epilogue_cases(draw):
     batch = draw(st.sampled_from([1, 1, 2]))

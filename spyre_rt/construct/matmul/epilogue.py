@@ -5,12 +5,16 @@ Values are computed as loop construction computes them (:mod:`..loops.stages`): 
 fp32, rounded only at explicit conversions and stores; ``product`` is the accumulator
 rounded to the matmul's output dtype, as the loop kernel the epilogue came from loaded it.
 Every computed value is a whole tile in one of a few temporaries (reused once a value is
-dead); loads land in double-buffered tiles (a row, for an operand broadcast over the
-rows), and each store's value moves into a double-buffered staging tile.
+dead, or written over by the op that reads it last), or, when only a store reads it, in the
+store's staging tile; the temporaries are most of an epilogue's scratchpad, and every one
+the plan saves leaves room for larger matmul tiles. Loads land in double-buffered tiles (a
+row, for an operand broadcast over the rows), and each other stored value moves into a
+double-buffered staging tile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,8 +28,10 @@ from ..sfu import BINARY, COL, COMPARE, FLOATS, ITEMSIZE, NONE, SCALAR, TILE, UN
 class Plan:
     """Where each value of an epilogue lives (all per core, per tile)."""
 
+    ops: tuple            # the epilogue's ops, each value computed once (arguments renamed to match)
     dtypes: dict          # value id -> storage dtype
     temp: dict            # computed value id -> temporary index
+    stored: dict          # computed value id -> the output it is written to directly (no temporary)
     ntemps: int
     temp_itemsize: int    # bytes per element of a temporary
     input_kinds: tuple    # TILE, or COL for an input broadcast over the rows
@@ -33,17 +39,26 @@ class Plan:
 
 
 def plan(ep: Epilogue) -> Plan:
+    """The values' storage, with as few temporaries as the scratchpad needs: an op that
+    repeats an earlier one (the same operation of the same values) is that value; an
+    elementwise op may write over an argument read last by it whose elements are as wide
+    (the SFU reads each row before it writes it); and a float value whose only reader is a
+    store, computed in fp32 or in the stored dtype, is written into the staging tile (the
+    SFU rounds once, to the destination's dtype, as the store's move would)."""
     kinds = tuple(COL if view[3][1] == 0 and view[2][1] > 1 else TILE for view in ep.inputs)
-    dtypes: dict[str, str] = {}
-    last: dict[str, int] = {}
-    for i, op in enumerate(ep.ops):
+    ops = _computed_once(ep.ops)
+    readers: dict[str, list] = {}
+    for op in ops:
         for a in op.args:
-            last[a] = i
+            readers.setdefault(a, []).append(op)
+    last = {a: max(i for i, op in enumerate(ops) if a in op.args) for a in readers}
+    dtypes: dict[str, str] = {}
     temp: dict[str, int] = {}
+    stored: dict[str, int] = {}
     free: list[int] = []
     live: list[str] = []
     ntemps, instrs = 0, 0
-    for i, op in enumerate(ep.ops):
+    for i, op in enumerate(ops):
         for v in list(live):  # a temporary is free once its value's last reader ran
             if last.get(v, -1) < i:
                 live.remove(v)
@@ -52,7 +67,7 @@ def plan(ep: Epilogue) -> Plan:
             dtypes[op.id] = ep.input_dtypes[op.attrs["input"]]
             continue
         if op.op == "store":
-            instrs += 1
+            instrs += op.args[0] not in stored
             continue
         if op.op == "product":
             dtypes[op.id] = op.dtype
@@ -62,14 +77,49 @@ def plan(ep: Epilogue) -> Plan:
         else:
             dtypes[op.id] = _dtype(op, [SimpleNamespace(dtype=dtypes[a]) for a in op.args], {})
         instrs += 1
-        if free:
+        store = _only_store(readers.get(op.id, []))
+        out_dtype = ep.output_dtypes[store.attrs["output"]] if store is not None else None
+        if (store is not None and dtypes[op.id] in ("float32", out_dtype) and out_dtype in FLOATS
+                and all(dtypes[a] in FLOATS for a in (op.id, *op.args))):
+            stored[op.id] = store.attrs["output"]
+            continue
+        over = next((a for a in op.args if a in live and last[a] == i
+                     and ITEMSIZE[dtypes[a]] == ITEMSIZE[dtypes[op.id]]), None)
+        if over is not None:
+            live.remove(over)
+            temp[op.id] = temp[over]
+        elif free:
             temp[op.id] = free.pop(0)
         else:
             temp[op.id] = ntemps
             ntemps += 1
         live.append(op.id)
     itemsize = max([ITEMSIZE[dtypes[v]] for v in temp] + [4])
-    return Plan(dtypes, temp, ntemps, itemsize, kinds, instrs)
+    return Plan(tuple(ops), dtypes, temp, stored, ntemps, itemsize, kinds, instrs)
+
+
+def _computed_once(ops) -> list:
+    """`ops` with each repeat of an earlier operation left out and its readers reading the
+    earlier value (every op of an epilogue is pure)."""
+    same: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    out = []
+    for op in ops:
+        args = tuple(same.get(a, a) for a in op.args)
+        if args != op.args:
+            op = dataclasses.replace(op, args=args)
+        if op.op != "store":
+            key = (op.op, args, op.dtype, repr(sorted(op.attrs.items())))
+            if key in seen:
+                same[op.id] = seen[key]
+                continue
+            seen[key] = op.id
+        out.append(op)
+    return out
+
+
+def _only_store(readers: list):
+    return readers[0] if len(readers) == 1 and readers[0].op == "store" else None
 
 
 def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: list[int], temp_pitch: int,
@@ -83,7 +133,7 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
         rows_.append((op, aux, 0, 0, rows, cols, dst.encode(), enc))
 
     operands: dict[str, Operand] = {}
-    for op in ep.ops:
+    for op in p.ops:
         name = op.op
         if name == "load":
             i = op.attrs["input"]
@@ -95,11 +145,16 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
             operands[op.id] = Operand(SCALAR, dt, imm=parse_constant(op.attrs.get("value"), dt))
             continue
         if name == "store":
-            off, pitch = stages[op.attrs["output"]]
-            emit(lib.SPY_SFU_MOV, Operand(TILE, ep.output_dtypes[op.attrs["output"]], off, pitch),
-                 operands[op.args[0]])
+            if op.args[0] not in p.stored:
+                off, pitch = stages[op.attrs["output"]]
+                emit(lib.SPY_SFU_MOV, Operand(TILE, ep.output_dtypes[op.attrs["output"]], off, pitch),
+                     operands[op.args[0]])
             continue
-        dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch)
+        if op.id in p.stored:
+            out = p.stored[op.id]
+            dst = Operand(TILE, ep.output_dtypes[out], *stages[out])
+        else:
+            dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch)
         args = [operands[a] for a in op.args]
         if name == "product":
             emit(lib.SPY_SFU_MOV, dst, acc)

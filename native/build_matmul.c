@@ -243,7 +243,7 @@ typedef struct mm_build {
 
 static void *mm_alloc(mm_build *b, uint64_t n, size_t size)
 {
-    void *p = n && n <= SIZE_MAX / size ? calloc((size_t)n, size) : NULL;
+    void *p = n && n <= SIZE_MAX / size && b->nblk < SPY_ARRAY_LEN(b->blocks) ? calloc((size_t)n, size) : NULL;
     if (p)
         b->blocks[b->nblk++] = p;
     return p;
@@ -931,12 +931,36 @@ static void programs(mm_build *b)
 #undef ROOT_SHAPE
 }
 
+/* Where each root's epilogue loads go in program order: during its wave, so that they
+ * arrive while the arrays still work on it (placed at the wave's end, the SFU waited for
+ * them, every core loading at once), and spread over the wave's steps as the stores are,
+ * half a wave apart from them, so that the cores do not all load at once; never before the
+ * program of the root two before (the last reader of the same landing tiles), so that the
+ * core's DMA queue does not wait on it. Roots of a wave are consecutive. */
+static void epilogue_load_keys(const mm_build *b, int64_t *keys)
+{
+    int64_t steps = b->steps ? b->steps : 1;
+    for (uint64_t first = 0, end; first < b->nroots; first = end) {
+        uint32_t wave = b->tasks[b->roots[first].task].wave;
+        for (end = first; end < b->nroots && b->tasks[b->roots[end].task].wave == wave; end++)
+            ;
+        uint64_t n = end - first;
+        for (uint64_t rt = first; rt < end; rt++) {
+            int64_t step = (int64_t)(((rt - first) + n / 2) % n * (uint64_t)steps / n);
+            int64_t key = ((int64_t)wave * steps + step) * 8 + PH_BIAS;
+            int32_t prev2 = b->roots[rt].prev2;
+            int64_t after = prev2 >= 0 ? end_key(b, b->roots[prev2].task, PH_EPILOGUE) + 1 : key;
+            keys[rt] = key > after ? key : after;
+        }
+    }
+}
+
 /* The epilogue's tiles (loads and stores) of each root: one stream each. */
-static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, bool load, run *out, int64_t phase)
+static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int64_t *load_keys, run *out)
 {
     uint64_t st[2] = {tl->view.strides[1], tl->view.strides[2]};
     mm_stream s;
-    stream_init(b, &s, &tl->view, st, (uint64_t)tl->pitch * tl->itemsize, tl->itemsize, load);
+    stream_init(b, &s, &tl->view, st, (uint64_t)tl->pitch * tl->itemsize, tl->itemsize, load_keys != NULL);
     spy_status status = SPY_OK;
     const spy_mm_view *v = &tl->view;
     for (uint64_t rt = 0; rt < b->nroots && status == SPY_OK; rt++) {
@@ -944,7 +968,7 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, bool load,
         const mm_task *t = &b->tasks[x->task];
         uint64_t base = v->offset + t->batch * v->strides[0] + t->row0 * v->strides[1] + t->col0 * v->strides[2];
         status = dma_box(b, &s, base, tl->row ? 1 : t->rows, t->cols, tl->lx[x->slot], t->core,
-                         end_key(b, x->task, (int)phase), &out[rt]);
+                         load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE), &out[rt]);
     }
     if (status == SPY_OK)
         status = stream_end(b, &s);
@@ -982,8 +1006,14 @@ static spy_status epilogue(mm_build *b)
                 depend(b, b->sfu0 + rt, b->radd0 + a);
         }
     spy_status s = SPY_OK;
+    int64_t *load_keys = r->nloads ? mm_alloc(b, R, sizeof(int64_t)) : NULL;
+    if (r->nloads && !load_keys)
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a matmul's %llu epilogue tiles",
+                        (unsigned long long)R);
+    if (load_keys)
+        epilogue_load_keys(b, load_keys);
     for (uint32_t i = 0; i < r->nloads && s == SPY_OK; i++)
-        s = epilogue_tiles(b, &r->loads[i], true, b->ld + i * R, PH_BIAS);
+        s = epilogue_tiles(b, &r->loads[i], load_keys, b->ld + i * R);
     if (s != SPY_OK)
         return s;
     for (uint32_t i = 0; i < r->nloads; i++) {
@@ -998,7 +1028,7 @@ static spy_status epilogue(mm_build *b)
     uint64_t wave_first = 0;
     for (uint32_t o = 0; o < r->nstores; o++) {
         run *st = b->st + o * R;
-        s = epilogue_tiles(b, &r->stores[o], false, st, PH_STORE);
+        s = epilogue_tiles(b, &r->stores[o], NULL, st);
         if (s != SPY_OK)
             return s;
         for (uint64_t rt = 0; rt < R; rt++)

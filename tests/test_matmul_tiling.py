@@ -120,6 +120,39 @@ def test_the_model_tracks_the_simulator(card, m, n, k):
     assert abs(tl.estimate_one(TARGET, p, t) / ns - 1) < 0.15, f"{t}: model vs simulator"
 
 
+def swiglu_up(m: int, n: int, k: int) -> tuple[BuildContext, MatmulSpec]:
+    """The up projection of a SwiGLU MLP with SiLU(gate) * up as its epilogue, as the
+    compiler fuses it (Inductor's ops: gate converted to fp32 twice)."""
+    from spyre_rt.ir import Epilogue, Op
+
+    ctx, spec = linear(m, n, k)
+    ctx.layouts.update({"g": StickLayout(m, n, 2), "h": StickLayout(m, n, 2)})
+    ops = (Op("g", "load", (), "float16", attrs={"input": 0}), Op("a", "to_dtype", ("g",), "float32"),
+           Op("b", "to_dtype", ("g",), "float32"), Op("c", "neg", ("b",)), Op("d", "exp", ("c",)),
+           Op("one", "constant", (), "float32", attrs={"value": 1.0}), Op("e", "add", ("d", "one")),
+           Op("f", "truediv", ("a", "e")), Op("s", "to_dtype", ("f",), "float16"),
+           Op("p", "product", dtype="float16"), Op("y", "mul", ("s", "p")),
+           Op("o", "store", ("y",), "float16", attrs={"output": 0}))
+    tile = (0, (1, m, n), (0, n, 1))
+    ep = Epilogue(ops, (View("g", *tile),), ("float16",), (View("h", *tile),), ("float16",))
+    return ctx, MatmulSpec(spec.a, spec.b, spec.out, spec.in_dtype, spec.out_dtype, epilogue=ep)
+
+
+def test_an_epilogue_costs_its_gemm_little_and_the_model_sees_it(card):
+    """Granite 3.3 8B's up projection at a 1,024-token prefill with SiLU(gate) * up fused:
+    the epilogue's loads spread over each wave, so its cores do not all load at once at
+    the wave's end while the arrays wait, and its temporaries leave room for the plain
+    GEMM's tiles. Simulated, within 2 % of the same GEMM without it and of the model."""
+    plain_ctx, plain = linear(1024, 12800, 4096)
+    build(plain_ctx, plain)
+    plain_ns, _ = simulate(card, plain_ctx)
+    ctx, spec = swiglu_up(1024, 12800, 4096)
+    t = build(ctx, spec).tiling
+    ns, _ = simulate(card, ctx)
+    assert ns <= 1.02 * plain_ns, f"{t}: {ns / 1e3:.0f} us with the epilogue, {plain_ns / 1e3:.0f} without"
+    assert abs(tl.estimate_one(TARGET, Problem.of(spec), t) / ns - 1) < 0.02, f"{t}: model vs simulator"
+
+
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (12800, 4096), (4096, 12800)])
 def test_prefill_gemms_move_at_most_one_and_a_half_times_the_minimum(card, n, k):
     """Each operand once and the output once is the minimum; sharing over the ring keeps a

@@ -149,6 +149,11 @@ def _grids(target: CostModel, p: Problem) -> np.ndarray:
     and as many blocks as whole waves of all groups need, so that every core has a tile in
     every wave. A matmul whose roofline is a few job launches is exempt: its fixed costs
     dominate, and the fewest commands serve it best."""
+    return _grids_and_tiles(target, p)[0]
+
+
+def _grids_and_tiles(target: CostModel, p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of :func:`_grids`, and the rows and columns of each row's largest tile."""
     combos = _core_splits(target.num_cores)
     combos = combos[combos[:, 1] <= max(p.k, 1)]
     groups, pk, pm, pn = combos.T
@@ -169,7 +174,7 @@ def _grids(target: CostModel, p: Problem) -> np.ndarray:
     if roofline_ns(target, p) >= BUSY_FROM * target.job_launch_ns:
         busy = keep & (p.batch * blocks % groups == 0)
         keep = busy if busy.any() else keep
-    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep]
+    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep], tm[keep], tn[keep]
 
 
 def _distinct_ascending(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -196,23 +201,45 @@ def roofline_ns(target: CostModel, p: Problem) -> float:
 
 
 def _with_chunks(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs,
-                 first_fit: bool = False) -> dict[str, np.ndarray]:
+                 first_fit: bool = False, tiles=None) -> dict[str, np.ndarray]:
     """Every grid row with every K chunk and buffer count, as columns (fitting ones only;
-    ``row`` names the grid row, ``tm`` and ``tn`` are its largest tile). With `first_fit`,
-    per row and chunk only the first buffer count of `nbufs` that fits."""
-    combos = np.array([(tk, nb) for tk in tks for nb in nbufs])
-    g = np.repeat(grid, len(combos), axis=0)
-    t = np.tile(combos, (len(grid), 1))
-    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), g.T, strict=True))
-    cand["tk"], cand["nbuf"] = t[:, 0], t[:, 1]
-    tm, tn = tile_max(target, p, grid[:, 4], grid[:, 5])
-    cand["tm"], cand["tn"] = np.repeat(tm, len(combos)), np.repeat(tn, len(combos))
-    fits = lx_bytes(target, p, cand["tm"], cand["tn"], cand["tk"], cand["pk"], cand["nbuf"]) <= target.scratchpad_bytes
+    ``row`` names the grid row, ``tm`` and ``tn`` are its largest tile, or `tiles` when
+    given). With `first_fit`, per row and chunk only the first buffer count of `nbufs`
+    that fits."""
+    cand, fits = _chunked(target, p, grid, tks, nbufs, first_fit, tiles)
+    cand["row"] = np.arange(len(grid))
+    # grid row outer, as the candidates are numbered
+    return {k: np.broadcast_to(v, fits.shape).T[fits.T] for k, v in cand.items()}
+
+
+def _chunked(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs, first_fit: bool = False,
+             tiles=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """What :func:`_with_chunks` makes, unfiltered and in two dimensions: a K chunk and
+    buffer count per row (chunk outer; with `first_fit`, a chunk per row, and per grid row
+    its first buffer count that fits), a grid row per column. The columns broadcast against
+    each other, so that what depends on the grid row only is computed once for all chunks;
+    the mask says which fit."""
+    tm, tn = tile_max(target, p, grid[:, 4], grid[:, 5]) if tiles is None else tiles
+    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True))
+    cand["tm"], cand["tn"] = tm, tn
+    cap = target.scratchpad_bytes
+
+    def fit(tk, nbuf):
+        return lx_bytes(target, p, tm, tn, tk, cand["pk"], nbuf) <= cap
+
     if first_fit:
-        per_chunk = fits.reshape(-1, len(nbufs))
-        fits = (per_chunk & (np.cumsum(per_chunk, axis=1) == 1)).ravel()
-    cand["row"] = np.repeat(np.arange(len(grid)), len(combos))
-    return {k: v[fits] for k, v in cand.items()}
+        cand["tk"] = np.array(tks, dtype=np.int64)[:, None]
+        fits = fit(cand["tk"], nbufs[-1])
+        nbuf = np.full(fits.shape, nbufs[-1], dtype=np.int64)
+        for nb in reversed(nbufs[:-1]):  # an earlier buffer count wins where it fits
+            first = fit(cand["tk"], nb)
+            nbuf[first] = nb
+            fits |= first
+        cand["nbuf"] = nbuf
+        return cand, fits
+    combos = np.array([(tk, nb) for tk in tks for nb in nbufs], dtype=np.int64)
+    cand["tk"], cand["nbuf"] = combos[:, :1], combos[:, 1:]
+    return cand, fit(cand["tk"], cand["nbuf"])
 
 
 def candidates(target: CostModel, p: Problem) -> dict[str, np.ndarray]:
@@ -223,18 +250,20 @@ def candidates(target: CostModel, p: Problem) -> dict[str, np.ndarray]:
     three do not fit."""
     k_max = round_up(max(p.k, 1), K_GRANULE)
     tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
-    grid = _grids(target, p)
-    coarse = _with_chunks(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2), first_fit=True)
+    grid, tm, tn = _grids_and_tiles(target, p)
+    coarse, fits = _chunked(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2), first_fit=True,
+                            tiles=(tm, tn))
     ns, _, _ = estimate(target, p, coarse)
-    best = np.full(len(grid), np.inf)
-    np.minimum.at(best, coarse["row"], ns)
-    fine = _with_chunks(target, p, grid[np.argsort(best, kind="stable")[:SHORTLIST]], tks, NBUFS)
+    best = np.where(fits, ns, np.inf).min(axis=0)
+    short = np.argsort(best, kind="stable")[:SHORTLIST]
+    fine = _with_chunks(target, p, grid[short], tks, NBUFS, tiles=(tm[short], tn[short]))
     del fine["row"]
     return fine
 
 
 def estimate(target: CostModel, p: Problem, cand: dict[str, np.ndarray]):
-    """(estimated device ns, DRAM bytes, commands) of each candidate tiling."""
+    """(estimated device ns, DRAM bytes, commands) of each candidate tiling (its columns
+    may be arrays that broadcast against each other)."""
     t = terms(target, p, cand)
     return t["ns"], t["dram_bytes"], t["cmds"]
 
@@ -323,7 +352,7 @@ def _step_terms(target: CostModel, p: Problem, cand: dict[str, np.ndarray], tile
     a_send, b_send = target.ring_ns(a, hops), target.ring_ns(b, hops)
     t_fwd = np.maximum((pn - 1) * a_send, (pm - 1) * b_send)
     t_ring = (pm * (pn - 1) * a_send + pn * (pm - 1) * b_send) / (pm * pn)
-    t_step = np.maximum.reduce([t_mm, t_ring, t_port, (t_load + t_fwd) / (nbuf - 1)])
+    t_step = np.maximum(np.maximum(np.maximum(t_mm, t_ring), t_port), (t_load + t_fwd) / (nbuf - 1))
     return {"t_mm": t_mm, "t_port": t_port, "t_ring": t_ring, "t_load": t_load, "t_fwd": t_fwd, "t_step": t_step}
 
 

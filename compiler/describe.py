@@ -379,6 +379,14 @@ def _python(expr: sympy.Expr) -> str:
 
 def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[int]:
     """Flat boundaries implied by // and % applied to single loop variables."""
+    return set(_split_points_of(expr, tuple(var_stride.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_points_of(expr: sympy.Expr, var_stride: tuple[tuple[sympy.Symbol, int], ...]) -> frozenset[int]:
+    """:func:`_split_points`, once per expression and loop nest (the layers of a model
+    repeat them)."""
+    var_stride = dict(var_stride)
     points = set()
     for node in sympy.preorder_traversal(expr):
         name = type(node).__name__
@@ -390,7 +398,7 @@ def _split_points(expr: sympy.Expr, var_stride: dict[sympy.Symbol, int]) -> set[
                 points.add(var_stride[x] * int(d))
                 if name == "ModularIndexing" and node.args[2].is_Integer:
                     points.add(var_stride[x] * int(d) * int(node.args[2]))
-    return points
+    return frozenset(points)
 
 
 def _row_points(expr, syms, sizes, var_stride, buf, known: dict[str, Buffer]) -> set[int]:
@@ -402,6 +410,15 @@ def _row_points(expr, syms, sizes, var_stride, buf, known: dict[str, Buffer]) ->
     row = next((n for n, s in zip(info.sizes, info.strides, strict=True) if s == 1 and n > 1), 0)
     if row <= 1:
         return set()
+    return set(_row_points_of(expr, tuple(syms), tuple(sizes), tuple(var_stride[s] for s in syms), row))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_points_of(expr: sympy.Expr, syms: tuple, sizes: tuple[int, ...], strides: tuple[int, ...],
+                   row: int) -> frozenset[int]:
+    """:func:`_row_points` for rows of `row` elements, the variables' flat strides given
+    (once per expression, loop nest and row: the layers of a model repeat them)."""
+    var_stride = dict(zip(syms, strides, strict=True))
     f = _compile_expr(expr, [s for s in syms] + [x for x in expr.free_symbols if x not in syms])
     nargs = len(syms) + len([x for x in expr.free_symbols if x not in syms])
     zero = [0] * nargs
@@ -416,7 +433,7 @@ def _row_points(expr, syms, sizes, var_stride, buf, known: dict[str, Buffer]) ->
                 out.add(var_stride[sym] * row)
         except Exception:
             continue
-    return out
+    return frozenset(out)
 
 
 def canonical_sizes(total: int, boundaries: set[int]) -> list[int]:
@@ -478,26 +495,49 @@ def _affine_at(f: Callable[..., int], base: int, coeffs: list[int], pts: _Points
 def affine_coefficients(expr: sympy.Expr, node_syms, node_sub, canon_sizes, extra_syms=()) -> tuple[int, list[int], list[int]]:
     """(constant, coefficient per canonical variable, coefficient per extra symbol) of an
     index expression; raises NotSupported if it is not affine in them."""
-    ncan = len(canon_sizes)
-    canon = [sympy.Symbol(f"c{j}", integer=True) for j in range(ncan)]
-    extra = list(extra_syms)
+    canon = canonical_symbols(len(canon_sizes))
     sub = {s: node_sub[s](canon) for s in node_syms}
-    full = expr.xreplace(sub) if sub else expr
-    text = _python(full)
-    f = _compiled(text, tuple(s.name for s in canon + extra))
-    zero = [0] * (ncan + len(extra))
+    return _affine_in(expr, expr.xreplace(sub) if sub else expr, canon_sizes, extra_syms)
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_symbols(n: int) -> tuple[sympy.Symbol, ...]:
+    """The canonical variables c0, c1, ... of a kernel with `n` of them."""
+    return tuple(sympy.Symbol(f"c{j}", integer=True) for j in range(n))
+
+
+def _affine_in(expr: sympy.Expr, full: sympy.Expr, canon_sizes, extra_syms) -> tuple[int, list[int], list[int]]:
+    """:func:`affine_coefficients` of `expr`, which is `full` in the canonical variables."""
+    ncan = len(canon_sizes)
+    names = tuple(s.name for s in canonical_symbols(ncan)) + tuple(s.name for s in extra_syms)
+    found = _affine_of(_python(full), names, tuple(canon_sizes))
+    if found is None:
+        raise NotSupported(f"index {expr} is not affine in the loop variables")
+    base, coeffs = found
+    return base, list(coeffs[:ncan]), list(coeffs[ncan:])
+
+
+@functools.lru_cache(maxsize=4096)
+def _affine_of(text: str, names: tuple[str, ...], canon_sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """(constant, coefficients) of an index expression's Python text over `names` (the
+    canonical variables, of these sizes, then the extra symbols), or None when it is not
+    affine at the checked points. A kernel's nodes, and the layers of a model, index with the
+    same few expressions: each is analysed once."""
+    ncan = len(canon_sizes)
+    f = _compiled(text, names)
+    zero = [0] * len(names)
     base = int(f(*zero))
     coeffs = []
-    for j in range(ncan + len(extra)):
+    for j in range(len(names)):
         if j < ncan and canon_sizes[j] == 1:
             coeffs.append(0)
             continue
         pt = list(zero)
         pt[j] = 1
         coeffs.append(int(f(*pt)) - base)
-    if not _affine_at(f, base, coeffs, _affine_points(tuple(canon_sizes), len(extra)), text):
-        raise NotSupported(f"index {expr} is not affine in the loop variables")
-    return base, coeffs[:ncan], coeffs[ncan:]
+    if not _affine_at(f, base, coeffs, _affine_points(canon_sizes, len(names) - ncan), text):
+        return None
+    return base, tuple(coeffs)
 
 
 def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str], known: dict[str, Buffer],
@@ -555,13 +595,12 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
 
     for (sizes, rsizes, syms, ops), var_stride in zip(recorded, flat, strict=True):
         # each node variable is a sum of canonical variables (a mixed-radix group)
-        def sub_for(sym, _vs=var_stride, _sizes=sizes + rsizes, _syms=syms):
-            s = _vs[sym]
-            n = _sizes[_syms.index(sym)]
-            terms = [(j, cstrides[j] // s) for j in range(len(canon)) if s <= cstrides[j] < s * n]
-            return lambda canon_syms: sum((canon_syms[j] * w for j, w in terms), sympy.Integer(0))
-
-        node_sub = {s: sub_for(s) for s in syms}
+        canon_syms = canonical_symbols(len(canon))
+        node_sub = {}
+        for sym, n in zip(syms, sizes + rsizes, strict=True):
+            s = var_stride[sym]
+            node_sub[sym] = sum((canon_syms[j] * (cstrides[j] // s) for j in range(len(canon))
+                                 if s <= cstrides[j] < s * n), sympy.Integer(0))
         ind_syms = {}
         masks_of = {}
         for rec in ops:
@@ -574,7 +613,8 @@ def _describe(name: str, recorded: list, numel: int, rnumel: int, local: set[str
                 expr = rec["index"]
                 extras = [s for s in expr.free_symbols if s.name in ind_syms]
                 try:
-                    const, coeffs, ecoeffs = affine_coefficients(expr, syms, node_sub, canon, extras)
+                    const, coeffs, ecoeffs = _affine_in(expr, expr.xreplace(node_sub) if node_sub else expr,
+                                                        canon, extras)
                 except NotSupported as e:
                     e.op_id, e.indirect = rid, bool(extras)  # the compiler runs that op's node elsewhere
                     raise
@@ -636,9 +676,10 @@ def _one_load_per_access(ops: list[Op]) -> list[Op]:
     for o in ops:
         if rename:
             acc = o.access
-            if acc is not None and acc.ind:
+            if acc is not None and any(i in rename for i, _ in acc.ind):
                 acc = dataclasses.replace(acc, ind=tuple((rename.get(i, i), c) for i, c in acc.ind))
-            o = dataclasses.replace(o, args=tuple(rename.get(a, a) for a in o.args), access=acc)
+            if acc is not o.access or any(a in rename for a in o.args):
+                o = dataclasses.replace(o, args=tuple(rename.get(a, a) for a in o.args), access=acc)
         if o.op == "load":
             key = (o.access, o.dtype)
             if key in first:

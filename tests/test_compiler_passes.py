@@ -284,3 +284,21 @@ def test_the_affinity_check_points_come_from_the_sizes_alone_and_reach_each_far_
     assert len(pts.rows) == d._AFFINE_TRIALS and pts.rows[0][0] == 2 and pts.rows[1][1] == 63
     assert all(0 <= x < n for pt in pts.rows for x, n in zip(pt, (3, 64, 7), strict=True))
     assert pts.cols.T.tolist() == [list(pt) for pt in pts.rows] and pts.top == max(map(max, pts.rows))
+
+
+def test_an_affine_analysis_is_remembered_per_expression_and_sizes():
+    # the same expression over other sizes: a variable of size one has no coefficient
+    assert d.affine_coefficients(7 * X + Y, [X, Y], {X: C0, Y: C1}, [1, 8]) == (0, [0, 1], [])
+    assert d.affine_coefficients(7 * X + Y, [X, Y], {X: C0, Y: C1}, [2, 8]) == (0, [7, 1], [])
+    # and an index found not affine stays refused, with its own expression named
+    for _ in range(2):
+        with pytest.raises(d.NotSupported, match=r"index n0_v0\*\*2 is not affine"):
+            d.affine_coefficients(X * X, [X], {X: C0}, [16])
+
+
+def test_split_and_row_points_are_remembered_per_loop_nest():
+    assert d._split_points(d.FloorDiv(X, 4), {X: 1}) == {4}
+    assert d._split_points(d.FloorDiv(X, 4), {X: 8}) == {32}
+    assert d._row_points(X, [X], [128], {X: 1}, "a", ROWS_OF_32) == {32}
+    assert d._row_points(X, [X], [128], {X: 2}, "a", ROWS_OF_32) == {64}
+    assert d._row_points(X, [X], [128], {X: 1}, "a", {"a": Buffer("a", "float32", (2, 64), (64, 1))}) == {64}

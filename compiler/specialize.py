@@ -4,7 +4,7 @@ A graph Dynamo traced with symbolic sizes is lowered by Inductor once; its step
 description keeps sizes as expressions of the size symbols and its fused groups as
 recorded bodies. At a call, the symbols' values are read off the arguments (an int
 argument, or a size or stride of a tensor); the first call with new values describes every
-kernel for them (:func:`specialize`) and makes a concrete
+kernel for them (:func:`specializer`) and makes a concrete
 :class:`~spyre_rt.executor.CompiledStep`, whose plans are then built, or loaded from the
 plan cache, as any step's are. So a new size costs a plan build, not a compile, as CUDA
 graph trees record a graph per shape.
@@ -13,9 +13,11 @@ graph trees record a graph per shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from spyre_rt import config
 from spyre_rt.executor import CompiledStep
@@ -26,23 +28,32 @@ from .describe import RecordedKernel, Sym, describe, value
 from .fusion import fuse_epilogues
 
 
-def specialize(x, env: Mapping[str, int]):
-    """A description with every size symbol replaced by its value and every recorded
-    kernel described for them."""
+def specializer(x) -> Callable[[Mapping[str, int]], Any] | None:
+    """A function of the size symbols' values that makes `x` for them: every symbol
+    replaced by its value and every recorded kernel described for them. None when `x` is
+    its own: nothing in it depends on the symbols and nothing in it can change (no dict or
+    list, which each concrete step gets a copy of). Made once per symbolic step, so that a
+    new size walks only what depends on it."""
     if isinstance(x, Sym):
-        return value(x, env)
+        return functools.partial(value, x)
     if isinstance(x, RecordedKernel):
-        return describe(x, env)
-    if isinstance(x, tuple):
-        return tuple(specialize(v, env) for v in x)
-    if isinstance(x, list):
-        return [specialize(v, env) for v in x]
+        return functools.partial(describe, x)
+    if isinstance(x, (tuple, list)):
+        parts = [(specializer(v), v) for v in x]
+        if type(x) is tuple and not any(f for f, _ in parts):
+            return None
+        make = list if isinstance(x, list) else tuple  # a named tuple becomes a plain one
+        return lambda env: make(f(env) if f else v for f, v in parts)
     if isinstance(x, dict):
-        return {k: specialize(v, env) for k, v in x.items()}
+        items = [(k, specializer(v), v) for k, v in x.items()]
+        return lambda env: {k: f(env) if f else v for k, f, v in items}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: specialize(getattr(x, f.name), env)
-                                         for f in dataclasses.fields(x) if f.init})
-    return x
+        fields = [(f.name, specializer(getattr(x, f.name)), getattr(x, f.name))
+                  for f in dataclasses.fields(x) if f.init]
+        if x.__dataclass_params__.frozen and not any(f for _, f, _ in fields):
+            return None
+        return lambda env: dataclasses.replace(x, **{name: f(env) if f else v for name, f, v in fields})
+    return None
 
 
 class SymbolicStep:
@@ -55,6 +66,8 @@ class SymbolicStep:
         self.symbols = desc.symbols
         self.int_args = {position for _, kind, position, _ in desc.symbols if kind == "int"}
         self._steps: dict[tuple, CompiledStep] = {}
+        fixed = dataclasses.replace(desc, symbols=())
+        self._concrete = specializer(fixed) or (lambda env: fixed)
         self._lock = threading.Lock()
 
     def sizes(self, args: list) -> dict[str, int]:
@@ -76,7 +89,7 @@ class SymbolicStep:
             with self._lock:
                 step = self._steps.get(key)
                 if step is None:
-                    concrete = specialize(dataclasses.replace(self.desc, symbols=()), env)
+                    concrete = self._concrete(env)
                     if concrete.options.get("fuse_epilogues"):
                         concrete = fuse_epilogues(concrete)
                     digest = hashlib.sha256(f"{self.digest}{key}".encode()).hexdigest()

@@ -113,3 +113,23 @@ def test_a_warm_start_knows_its_kernels_from_the_plan_file():
         fresh([x, w], {})
     assert executor.stats["kernels_built"] == built, "the plans were built, not loaded"
     assert all(job_facts.lookup(n) for n in names)
+
+
+def test_dram_bytes_count_descriptor_lists_by_their_entries():
+    """A plain DMA moves its runs times its counts; one with a descriptor list the bytes of
+    its entries (desc_count of them from src_off); a gather its indices' rows."""
+    import numpy as np
+
+    from spyre_rt.construct.facts import dram_bytes
+    from spyre_rt.program import CMD, CMD_DMA, CMD_GATHER, DESC, DMA_DESCS, OP_GATHER, OP_LOAD, OP_STORE
+
+    cmds = np.zeros(4, dtype=CMD)
+    dma = cmds.view(CMD_DMA)
+    dma["op"][0], dma["run_bytes"][0], dma["ndims"][0], dma["count"][0] = OP_LOAD, 64, 2, (3, 2, 7)
+    dma["op"][1], dma["flags"][1], dma["src_off"][1], dma["desc_count"][1] = OP_LOAD, DMA_DESCS, 1, 2
+    dma["op"][2], dma["flags"][2], dma["src_off"][2], dma["desc_count"][2] = OP_STORE, DMA_DESCS, 0, 1
+    gather = cmds[3:].view(CMD_GATHER)
+    gather["op"], gather["nidx"], gather["run_bytes"], gather["ndims"], gather["count"] = OP_GATHER, 5, 16, 1, (2, 9)
+    descs = np.zeros(4, dtype=DESC)
+    descs["bytes"] = (10, 20, 30, 40)
+    assert dram_bytes(cmds, descs) == 64 * 6 + (20 + 30) + 10 + 5 * 16 * 2

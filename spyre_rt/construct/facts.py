@@ -139,17 +139,21 @@ def dram_bytes(cmds: np.ndarray, descs: np.ndarray) -> int:
     """Bytes the program's DMA, gather and scatter commands move between DRAM and the
     scratchpads."""
     total = 0
-    dma = cmds[np.isin(cmds["op"], (OP_LOAD, OP_STORE))].view(CMD_DMA)
+    op = cmds["op"]
+    dma = cmds[(op == OP_LOAD) | (op == OP_STORE)].view(CMD_DMA)
     listed = (dma["flags"] & DMA_DESCS) != 0
     plain = dma[~listed]
     reps = np.ones(len(plain), dtype=np.int64)
     for k in range(3):
         reps *= np.where(plain["ndims"] > k, plain["count"][:, k], 1)
     total += int((plain["run_bytes"].astype(np.int64) * reps).sum())
-    for c in dma[listed]:
-        first = int(c["src_off"])  # a descriptor list's first entry
-        total += int(descs["bytes"][first: first + int(c["desc_count"])].astype(np.int64).sum())
-    rows = cmds[np.isin(cmds["op"], (OP_GATHER, OP_SCATTER))].view(CMD_GATHER)
+    if listed.any():  # a descriptor list's entries: desc_count of them from src_off
+        lists = dma[listed]
+        ends = np.concatenate(([0], np.cumsum(descs["bytes"], dtype=np.int64)))
+        first = np.minimum(lists["src_off"], len(descs)).astype(np.int64)
+        last = np.minimum(first + lists["desc_count"], len(descs))
+        total += int((ends[last] - ends[first]).sum())
+    rows = cmds[(op == OP_GATHER) | (op == OP_SCATTER)].view(CMD_GATHER)
     reps = np.ones(len(rows), dtype=np.int64)
     for k in range(2):
         reps *= np.where(rows["ndims"] > k, rows["count"][:, k], 1)

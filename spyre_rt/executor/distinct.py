@@ -47,15 +47,18 @@ def form(kernel, layouts: dict, offsets: dict) -> tuple[tuple, list[str]]:
 
 
 def _numbered(x, numbers: dict[str, int]):
+    t = type(x)
+    if t is int or t is float or t is bool or x is None:  # most of a description: sizes, strides, offsets
+        return x
     if isinstance(x, str):
         n = numbers.get(x)
         return x if n is None else ("#", n)
     if isinstance(x, (tuple, list)):
-        return tuple(_numbered(v, numbers) for v in x)
+        return tuple([_numbered(v, numbers) for v in x])
     if isinstance(x, dict):
         return tuple(sorted((k, _numbered(v, numbers)) for k, v in x.items()))
     if dataclasses.is_dataclass(x):
-        return (type(x).__name__, *(_numbered(getattr(x, n), numbers) for n in _program_fields(type(x))))
+        return (t.__name__, *[_numbered(getattr(x, n), numbers) for n in _program_fields(t)])
     return x
 
 

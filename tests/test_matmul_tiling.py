@@ -217,3 +217,29 @@ def test_the_coarse_pass_ranks_grids_as_with_every_buffer_count(p):
         np.minimum.at(best[first_fit], cand["row"], ns)
     assert np.array_equal(best[True], best[False])
     assert np.isfinite(best[True]).any()
+
+
+# prompt-length GEMMs of a small fp32 model (one with a fused epilogue): thousands of grids
+PRUNED_PROBLEMS = SEARCH_PROBLEMS + [Problem(1, m, n, k, 4, 4, 0, False, True, True, stores=stores, epi_temps=temps)
+                                     for (m, n, k), stores, temps in [((47, 1000, 256), (4,), 2), ((29, 64, 256), (), 0),
+                                                                      ((300, 512, 256), (4,), 3)]]
+
+
+def _coarse_of_every_grid(p: Problem, tks) -> np.ndarray:
+    grid = tl._grids(TARGET, p)
+    cand = tl._with_chunks(TARGET, p, grid, tks, (3, 2), first_fit=True)
+    ns, _, _ = tl.estimate(TARGET, p, cand)
+    best = np.full(len(grid), np.inf)
+    np.minimum.at(best, cand["row"], ns)
+    return best
+
+
+@pytest.mark.parametrize("p", PRUNED_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
+def test_the_shortlist_is_the_best_coarse_estimates_of_every_grid(p):
+    # grids whose DRAM floor is above the shortlist's are never estimated
+    tks = (64, 256)
+    grid, tm, tn = tl._grids_and_tiles(TARGET, p)
+    best = _coarse_of_every_grid(p, tks)
+    assert np.array_equal(tl._shortlist(TARGET, p, grid, tm, tn, tks), np.argsort(best, kind="stable")[:tl.SHORTLIST])
+    cols = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True)) | {"tm": tm, "tn": tn}
+    assert (tl._dram_floor(TARGET, p, cols) <= best).all()

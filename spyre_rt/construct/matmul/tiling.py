@@ -43,6 +43,7 @@ NBUFS = (2, 3)
 TIE = 0.02  # tilings within this fraction of the cheapest are equal to the model (its error)
 DRAM_BUDGET = 1.5  # DRAM bytes a tiling may move, in minimums (each operand and the output once)
 SHORTLIST = 48  # grids estimated with every K chunk and buffer count
+COARSE_FIRST = 8 * SHORTLIST  # grids of the lowest DRAM floors estimated first (see _shortlist)
 BUSY_FROM = 10  # job launches of roofline from which every core must have a tile in every wave
 
 
@@ -251,14 +252,49 @@ def candidates(target: CostModel, p: Problem) -> dict[str, np.ndarray]:
     k_max = round_up(max(p.k, 1), K_GRANULE)
     tks = sorted({t for t in K_CHUNKS if t < k_max} | {k_max})
     grid, tm, tn = _grids_and_tiles(target, p)
-    coarse, fits = _chunked(target, p, grid, sorted({tks[0], min(256, k_max)}), (3, 2), first_fit=True,
-                            tiles=(tm, tn))
-    ns, _, _ = estimate(target, p, coarse)
-    best = np.where(fits, ns, np.inf).min(axis=0)
-    short = np.argsort(best, kind="stable")[:SHORTLIST]
+    short = _shortlist(target, p, grid, tm, tn, sorted({tks[0], min(256, k_max)}))
     fine = _with_chunks(target, p, grid[short], tks, NBUFS, tiles=(tm[short], tn[short]))
     del fine["row"]
     return fine
+
+
+def _shortlist(target: CostModel, p: Problem, grid: np.ndarray, tm, tn, tks) -> np.ndarray:
+    """The SHORTLIST grid rows of the best coarse estimates, best first (equal ones in row
+    order). No estimate of a row is below the DRAM streaming its bytes (:func:`_dram_floor`),
+    so rows are estimated from the lowest floor up: once SHORTLIST estimates are at most a
+    value, a row whose floor is above it cannot make the list and is not estimated."""
+    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True)) | {"tm": tm, "tn": tn}
+    floor = _dram_floor(target, p, cand)
+    best = np.full(len(grid), np.inf)
+    first = np.arange(len(grid)) if len(grid) <= COARSE_FIRST else np.sort(np.argpartition(floor, COARSE_FIRST)[:COARSE_FIRST])
+    best[first] = _coarse(target, p, grid[first], tm[first], tn[first], tks)
+    estimated = np.zeros(len(grid), dtype=bool)
+    estimated[first] = True
+    if len(first) < len(grid):
+        cut = np.partition(best[first], SHORTLIST - 1)[SHORTLIST - 1]
+        rest = np.flatnonzero(~estimated & ~(floor > cut))  # a NaN cut prunes nothing
+        best[rest] = _coarse(target, p, grid[rest], tm[rest], tn[rest], tks)
+        estimated[rest] = True
+    rows = np.flatnonzero(estimated)
+    return rows[np.argsort(best[rows], kind="stable")[:SHORTLIST]]
+
+
+def _coarse(target: CostModel, p: Problem, grid: np.ndarray, tm, tn, tks) -> np.ndarray:
+    """Each grid row's best estimate with the K chunks `tks` (three operand buffers where
+    they fit, else two); inf where none fits."""
+    if not len(grid):
+        return np.zeros(0)
+    cand, fits = _chunked(target, p, grid, tks, (3, 2), first_fit=True, tiles=(tm, tn))
+    ns, _, _ = estimate(target, p, cand)
+    return np.where(fits, ns, np.inf).min(axis=0)
+
+
+def _dram_floor(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> np.ndarray:
+    """Per grid row, a time no estimate of it is below, whatever its K chunk and buffers:
+    the DRAM streaming all its bytes and two DMA latencies (`_time`'s ``t_stream`` before
+    it adds the arrays' and the epilogue's time, computed alike)."""
+    moved = _bytes(target, p, cand, _blocks(target, p, cand))
+    return target.dram_ns(moved["dram_bytes"]) + 2 * target.dma_latency_ns
 
 
 def estimate(target: CostModel, p: Problem, cand: dict[str, np.ndarray]):
@@ -276,30 +312,44 @@ def terms(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[st
 
 
 def _shape(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Tiles (largest and average), steps per wave (the longest K slice sets them: full
-    chunks and a shorter last one), blocks, waves and the groups active in a wave."""
-    pk, pm, pn, tk = cand["pk"], cand["pm"], cand["pn"], cand["tk"]
-    tm, tn = (cand["tm"], cand["tn"]) if "tm" in cand else tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
+    """Tiles (largest and average), blocks, waves and the groups active in a wave
+    (:func:`_blocks`), and steps per wave: the longest K slice sets them, full chunks and a
+    shorter last one."""
+    pk, tk = cand["pk"], cand["tk"]
     k_slice = _tile_max(p.k, pk, K_GRANULE)
     steps = -(-k_slice // tk)
+    return _blocks(target, p, cand) | {"steps": steps, "tail": k_slice - (steps - 1) * tk}
+
+
+def _blocks(target: CostModel, p: Problem, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What does not depend on the K chunk: tiles (largest and average), blocks, waves and
+    the groups active in a wave."""
+    pm, pn = cand["pm"], cand["pn"]
+    tm, tn = (cand["tm"], cand["tn"]) if "tm" in cand else tile_max(target, p, cand["m_tiles"], cand["n_tiles"])
     blocks = p.batch * (cand["m_tiles"] // pm) * (cand["n_tiles"] // pn)
-    return {"tm": tm, "tn": tn, "tm_avg": p.m / cand["m_tiles"], "tn_avg": p.n / cand["n_tiles"],
-            "steps": steps, "tail": k_slice - (steps - 1) * tk, "blocks": blocks,
+    return {"tm": tm, "tn": tn, "tm_avg": p.m / cand["m_tiles"], "tn_avg": p.n / cand["n_tiles"], "blocks": blocks,
             "waves": -(-blocks // cand["groups"]), "active": np.minimum(blocks, cand["groups"])}
 
 
 def _dram_bytes(target: CostModel, p: Problem, cand: dict[str, np.ndarray], shape: dict) -> dict[str, np.ndarray]:
+    """Every byte the kernel moves (:func:`_bytes`), and the commands that move and
+    compute them."""
+    pk, pm, pn = cand["pk"], cand["pm"], cand["pn"]
+    sends = pm * (pn - 1) + pn * (pm - 1)
+    cmds = shape["blocks"] * (shape["steps"] * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
+    return _bytes(target, p, cand, shape) | {"cmds": cmds}
+
+
+def _bytes(target: CostModel, p: Problem, cand: dict[str, np.ndarray], shape: dict) -> dict[str, np.ndarray]:
     """Every byte the kernel moves, with average tiles: A once per N block, B once per M
-    block, the output once; and the commands that move and compute them."""
-    pk, pm, pn, k = cand["pk"], cand["pm"], cand["pn"], p.k
+    block, the output once."""
+    pm, pn, k = cand["pm"], cand["pn"], p.k
     tm_avg, tn_avg = shape["tm_avg"], shape["tn_avg"]
     a_strip = target.charged_bytes(k, tm_avg, p.e_in) if p.trans_a else target.charged_bytes(tm_avg, k, p.e_in)
     b_strip = target.charged_bytes(tn_avg, k, p.e_in) if p.trans_b else target.charged_bytes(k, tn_avg, p.e_in)
     tile_bytes = sum(target.charged_bytes(tm_avg, tn_avg, e) for e in (*p.e_stores, *p.epi_tiles))
     per_block = pm * a_strip + pn * b_strip + pm * pn * tile_bytes
-    sends = pm * (pn - 1) + pn * (pm - 1)
-    cmds = shape["blocks"] * (shape["steps"] * pk * (pm + pn + sends + pm * pn) + pm * pn * (pk + 2))
-    return {"per_block": per_block, "dram_bytes": shape["blocks"] * per_block, "cmds": cmds}
+    return {"per_block": per_block, "dram_bytes": shape["blocks"] * per_block}
 
 
 def _time(target: CostModel, p: Problem, cand: dict[str, np.ndarray], shape: dict, moved: dict) -> dict:

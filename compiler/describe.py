@@ -59,13 +59,19 @@ class Sym:
 def value(x, env: Mapping[str, int]) -> int:
     """The integer a size takes for concrete size symbols."""
     if isinstance(x, Sym):
-        x = parse(x.text)
+        return _value_of(x.text, tuple(sorted(env.items())))
     if isinstance(x, sympy.Basic):
         x = x.xreplace({s: sympy.Integer(env[s.name]) for s in x.free_symbols if s.name in env})
         if x.free_symbols:
             raise NotSupported(f"size {x} depends on {sorted(s.name for s in x.free_symbols)}, which no input gives")
         return int(x)
     return int(x)
+
+
+@functools.lru_cache(maxsize=4096)
+def _value_of(text: str, env: tuple[tuple[str, int], ...]) -> int:
+    """:func:`value` of a size's text (a step's sizes repeat a few expressions)."""
+    return value(parse(text), dict(env))
 
 
 def concrete(b: Buffer, env: Mapping[str, int]) -> Buffer:
@@ -280,11 +286,19 @@ def _concrete_op(op: dict, env: Mapping[str, int]) -> dict:
     if isinstance(index, str):
         index = parse(index)
     if isinstance(index, sympy.Basic):
-        subs = {s: sympy.Integer(env[s.name]) for s in index.free_symbols if s.name in env}
-        out["index"] = index.xreplace(subs) if subs else index
+        out["index"] = _with_sizes(index, tuple(sorted(env.items())))
     if "size" in out:
         out["size"] = value(out["size"], env)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_sizes(index: sympy.Basic, env: tuple[tuple[str, int], ...]) -> sympy.Basic:
+    """An index with the size symbols of `env` replaced by their values (the nodes of a
+    step index with a few expressions)."""
+    sizes = dict(env)
+    subs = {s: sympy.Integer(sizes[s.name]) for s in index.free_symbols if s.name in sizes}
+    return index.xreplace(subs) if subs else index
 
 
 def describe(rec: RecordedKernel, env: Mapping[str, int] | None = None) -> LoopKernel:

@@ -302,3 +302,12 @@ def test_split_and_row_points_are_remembered_per_loop_nest():
     assert d._row_points(X, [X], [128], {X: 1}, "a", ROWS_OF_32) == {32}
     assert d._row_points(X, [X], [128], {X: 2}, "a", ROWS_OF_32) == {64}
     assert d._row_points(X, [X], [128], {X: 1}, "a", {"a": Buffer("a", "float32", (2, 64), (64, 1))}) == {64}
+
+
+def test_sizes_and_indices_are_worked_out_per_size_symbols():
+    for n in (2, 3, 2):
+        assert d.value(d.Sym("64*s0 + 1"), {"s0": n}) == 64 * n + 1
+        op = d._concrete_op({"op": "load", "id": "l", "buf": "a", "index": "s0*n0_v0 + n0_v1"}, {"s0": n})
+        assert op["index"] == n * X + Y
+    with pytest.raises(d.NotSupported, match="depends on"):
+        d.value(d.Sym("s1"), {"s0": 3})

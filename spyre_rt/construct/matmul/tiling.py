@@ -169,13 +169,15 @@ def _grids_and_tiles(target: CostModel, p: Problem) -> tuple[np.ndarray, np.ndar
     wn = wn[(np.cumsum(count_n) - count_n)[split_of] + within]
     groups, pk, pm, pn = groups[split_of], pk[split_of], pm[split_of], pn[split_of]
     m_tiles, n_tiles, blocks = pm * wm, pn * wn, wm * wn
-    tm, tn = tile_max(target, p, m_tiles, n_tiles)
-    smallest = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk, 2)
-    keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= target.scratchpad_bytes)
+    keep = np.flatnonzero((m_tiles <= p.m) & (n_tiles <= p.n))  # the tiles' sizes only where there are so many
+    tm, tn = tile_max(target, p, m_tiles[keep], n_tiles[keep])
+    fits = lx_bytes(target, p, tm, tn, np.minimum(K_GRANULE, max(p.k, 1)), pk[keep], 2) <= target.scratchpad_bytes
+    keep, tm, tn = keep[fits], tm[fits], tn[fits]
     if roofline_ns(target, p) >= BUSY_FROM * target.job_launch_ns:
-        busy = keep & (p.batch * blocks % groups == 0)
-        keep = busy if busy.any() else keep
-    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep], tm[keep], tn[keep]
+        busy = p.batch * blocks[keep] % groups[keep] == 0
+        if busy.any():
+            keep, tm, tn = keep[busy], tm[busy], tn[busy]
+    return np.column_stack([groups, pk, pm, pn, m_tiles, n_tiles])[keep], tm, tn
 
 
 def _distinct_ascending(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -66,6 +66,7 @@ class Tiling:
 
 
 _TILING_FIELDS = tuple(f.name for f in fields(Tiling))
+GRID_COLUMNS = ("groups", "pk", "pm", "pn", "m_tiles", "n_tiles")  # a grid row's (see _grids)
 
 
 def divisors(n: int) -> list[int]:
@@ -223,7 +224,7 @@ def _chunked(target: CostModel, p: Problem, grid: np.ndarray, tks, nbufs, first_
     each other, so that what depends on the grid row only is computed once for all chunks;
     the mask says which fit."""
     tm, tn = tile_max(target, p, grid[:, 4], grid[:, 5]) if tiles is None else tiles
-    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True))
+    cand = dict(zip(GRID_COLUMNS, grid.T, strict=True))
     cand["tm"], cand["tn"] = tm, tn
     cap = target.scratchpad_bytes
 
@@ -265,7 +266,7 @@ def _shortlist(target: CostModel, p: Problem, grid: np.ndarray, tm, tn, tks) -> 
     order). No estimate of a row is below the DRAM streaming its bytes (:func:`_dram_floor`),
     so rows are estimated from the lowest floor up: once SHORTLIST estimates are at most a
     value, a row whose floor is above it cannot make the list and is not estimated."""
-    cand = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True)) | {"tm": tm, "tn": tn}
+    cand = dict(zip(GRID_COLUMNS, grid.T, strict=True)) | {"tm": tm, "tn": tn}
     floor = _dram_floor(target, p, cand)
     best = np.full(len(grid), np.inf)
     first = np.arange(len(grid)) if len(grid) <= COARSE_FIRST else np.sort(np.argpartition(floor, COARSE_FIRST)[:COARSE_FIRST])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from scratchpad_races import races
 from spyre_rt.compiler.fusion import fuse_epilogues
 from test_matmul_build import DTYPES, launch_built, operand, tilings
+from test_matmul_tiling import swiglu_up
 
 from spyre_rt import dispatch, dtypes, executor
 from spyre_rt.construct.context import BuildContext
@@ -208,19 +209,12 @@ def test_the_swiglu_epilogue_needs_two_temporaries():
     tile temporaries, not three: the room a larger matmul tile needs."""
     from spyre_rt.construct.matmul import epilogue
 
-    ops = (Op("g", "load", (), "float16", attrs={"input": 0}), Op("a", "to_dtype", ("g",), "float32"),
-           Op("b", "to_dtype", ("g",), "float32"), Op("c", "neg", ("b",)), Op("d", "exp", ("c",)),
-           Op("one", "constant", (), "float32", attrs={"value": 1.0}), Op("e", "add", ("d", "one")),
-           Op("f", "truediv", ("a", "e")), Op("h", "to_dtype", ("f",), "float16"),
-           Op("p", "product", dtype="float16"), Op("m", "mul", ("h", "p")),
-           Op("o", "store", ("m",), "float16", attrs={"output": 0}))
-    tile = View("g", 0, (1, 64, 64), (0, 64, 1))
-    ep = Epilogue(ops, (tile,), ("float16",), (tile,), ("float16",))
+    ep = swiglu_up(64, 64, 64)[1].epilogue
     plan = epilogue.plan(ep)
-    assert [op.id for op in plan.ops if op.op == "to_dtype"] == ["a", "h"]
+    assert [op.id for op in plan.ops if op.op == "to_dtype"] == ["a", "s"]
     assert plan.ops[2].args == ("a",)                       # neg reads the one conversion
     assert plan.ntemps == 2 and plan.temp["c"] == plan.temp["d"] == plan.temp["e"]
-    assert plan.stored == {"m": 0} and "m" not in plan.temp
+    assert plan.stored == {"y": 0} and "y" not in plan.temp
     assert plan.instrs == 8                                 # the conversion once, no move for the store
     body = epilogue.program(ep, plan, 0, 0, epilogue.Operand(epilogue.TILE, "float32", 0, 64), [1000, 2000], 64,
                             [(3000, 64)], [(4000, 64)])

@@ -746,21 +746,18 @@ def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list
     grid = math.prod(canon[j] for j in deps)
     if grid > 1 << 16:
         raise NotSupported("a mask over too many loop indices to analyse")
-    import itertools
-
-    import numpy as np
-
-    true_pts = []
-    for pt in itertools.product(*[range(canon[j]) for j in deps]):
-        env = dict(zip(deps, pt, strict=True))
-        if all(_eval_mask(by_id, m, env) for m in masks):
-            true_pts.append(pt)
-    if not true_pts:
+    # every point of the grid at once: each loop index an array along its own axis
+    env = {j: np.arange(canon[j]).reshape([-1 if k == a else 1 for k in range(len(deps))])
+           for a, j in enumerate(deps)}
+    true = np.ones([canon[j] for j in deps], dtype=bool)
+    for m in masks:
+        true &= np.asarray(_eval_mask(by_id, m, env), dtype=bool)
+    if not true.any():
         ops[pos] = Op(load.id, "constant", (), load.dtype, None, {"value": 0})
         return
-    arr = np.array(true_pts)
-    box = [(j, int(arr[:, k].min()), int(arr[:, k].max()) + 1) for k, j in enumerate(deps)]
-    if len(true_pts) != math.prod(h - lo_ for _, lo_, h in box):
+    where = np.nonzero(true)
+    box = [(j, int(w.min()), int(w.max()) + 1) for j, w in zip(deps, where, strict=True)]
+    if len(where[0]) != math.prod(h - lo_ for _, lo_, h in box):
         raise NotSupported("a mask that is not a box of loop indices")
     ops[pos] = Op(load.id, "load", (), load.dtype, Access(acc.buf, acc.const, acc.coeffs, acc.ind, tuple(box)))
 
@@ -801,19 +798,22 @@ def _leaves_its_row(acc: Access, canon: list[int], ncols: int, b: Buffer) -> boo
     return lo < 0 or hi >= row
 
 
+# on arrays of loop-index values (the grid of a mask's indices, broadcast): the logical
+# operations elementwise
 _MASK_OPS = {
     "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "and_": lambda a, b: a and b,
-    "logical_and": lambda a, b: a and b, "or_": lambda a, b: a or b, "logical_or": lambda a, b: a or b,
-    "logical_not": lambda a: not a, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "and_": np.logical_and,
+    "logical_and": np.logical_and, "or_": np.logical_or, "logical_or": np.logical_or,
+    "logical_not": np.logical_not, "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
 }
 
 
-def _eval_mask(by_id: dict[str, Op], i: str, env: dict[int, int]):
+def _eval_mask(by_id: dict[str, Op], i: str, env: dict):
+    """The value of mask operation `i` at every point of `env` (loop index -> its values)."""
     o = by_id[i]
     if o.op == "index":
-        return o.access.const + sum(c * env.get(j, 0) for j, c in enumerate(o.access.coeffs))
+        return o.access.const + sum(c * env[j] for j, c in enumerate(o.access.coeffs) if c)
     if o.op == "constant":
         return o.attrs["value"]
     if o.op == "to_dtype":

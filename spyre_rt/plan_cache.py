@@ -15,10 +15,11 @@ once. The checksum covers header and payload. A file that is truncated, corrupt,
 format or for another key is detected, logged, counted and rebuilt; the plan blocks are
 validated again by the card when the plans are created. Writes go to a temporary file in
 the cache directory and are renamed into place, so concurrent writers leave one valid file
-and readers never see a partial one. After a write the directory is trimmed to its size
-bound, least recently used first (a hit refreshes a file's time); temp files count
-against the bound, and those left by writers that died (untouched for
-:data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear` removes every file.
+and readers never see a partial one. A write is not synced to the disk: a file that a
+power loss tears fails its checksum and is rebuilt, like any other corrupt file. After a
+write the directory is trimmed to its size bound, least recently used first (a hit
+refreshes a file's time); temp files count against the bound, and those left by writers
+that died (untouched for :data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear` removes every file.
 """
 
 from __future__ import annotations
@@ -207,10 +208,8 @@ class PlanCache:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=self.dir)
             try:
-                with os.fdopen(fd, "wb") as f:
+                with os.fdopen(fd, "wb") as f:  # no fsync: a file a crash tore fails its checksum
                     f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, self.path(key))
             except BaseException:
                 with contextlib.suppress(OSError):

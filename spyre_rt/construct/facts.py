@@ -130,8 +130,10 @@ def _indirect_elements(kernel) -> dict[str, int]:
 
 def program_facts(ctx: BuildContext) -> dict:
     cmds = ctx.commands()
-    cores = np.unique(cmds["core"][cmds["core"] != CORE_CARD])
-    return {"dram_bytes": dram_bytes(cmds, ctx.descriptors()), "cores": int(cores.size),
+    core = cmds["core"]
+    on_cores = core[core != CORE_CARD]
+    cores = int(np.count_nonzero(np.bincount(on_cores))) if on_cores.size else 0  # distinct ones
+    return {"dram_bytes": dram_bytes(cmds, ctx.descriptors()), "cores": cores,
             "scratchpad_peak": int(ctx.scratchpad_peak)}
 
 

@@ -266,6 +266,8 @@ def _rows_that_fit(a: Analysis, needs: frozenset[ScratchNeed], target: CostModel
     if one_row > target.scratchpad_bytes:
         raise ScratchpadOverflow(
             f"one row of {a.columns} columns of kernel {a.kernel.name} needs {one_row} bytes of scratchpad")
+    if want > 1 and peak(want) <= target.scratchpad_bytes:  # a small kernel: every row it wants fits
+        return want
     lo, hi = 1, want
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -422,25 +422,33 @@ def _metric(server, name: str) -> float:
 
 
 def test_a_cancelled_stream_frees_its_kv_blocks(server, client):
-    # a short prompt and the longest answer max-model-len allows: the request runs as long
-    # as it can, so that a client slowed by a loaded host still sees it hold its blocks
-    stream = client.completions.create(model=server["model"], prompt=_words(list(range(10, 20))), max_tokens=240,
-                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
-    # the request holds blocks: the gauge is set as the frontend takes in a step's outputs,
-    # which on a loaded host can come a few tokens behind the stream
-    holds = False
-    for pieces, _ in enumerate(stream, 1):
-        if _metric(server, "vllm:kv_cache_usage_perc") > 0:
-            holds = True
-        if holds or pieces == 100:
+    # The request asks for the longest answer max-model-len allows and the client hangs up
+    # at its first token. Whether the request held blocks is read from what it did, not
+    # from a gauge sampled while it ran (on a loaded host the client samples it too late:
+    # the server runs ahead of a slow reader): it generated tokens, so it ran and held
+    # blocks, and fewer than it asked for, so the disconnect cut it off. A loaded host can
+    # also let the server finish before the client hangs up (240 tokens of the tiny model
+    # take about a second); such an attempt shows nothing, and the next one is made.
+    asked, attempts = 240, []
+    while len(attempts) < 4:
+        generated = _metric(server, "vllm:generation_tokens_total")
+        stream = client.completions.create(model=server["model"], prompt=_words(list(range(10, 20))),
+                                           max_tokens=asked, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()   # the client disconnects mid-stream
+        deadline = time.monotonic() + 60
+        while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:kv_cache_usage_perc"):
+            assert time.monotonic() < deadline, "the cancelled request kept its KV blocks"
+            time.sleep(0.5)
+        attempts.append(_metric(server, "vllm:generation_tokens_total") - generated)
+        assert attempts[-1] >= 1, "the request generated nothing before the client hung up"
+        if attempts[-1] < asked:
             break
-    assert holds, "the streaming request showed no KV blocks in use in its first 100 tokens"
-    stream.close()   # the client disconnects mid-stream
-    deadline = time.monotonic() + 60
-    while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:kv_cache_usage_perc"):
-        assert time.monotonic() < deadline, "the cancelled request kept its KV blocks"
-        time.sleep(0.5)
     _still_serves(server, client)
+    if attempts[-1] == asked:
+        pytest.skip(f"the host was too slow to hang up before the server finished: {len(attempts)} requests "
+                    "each ran to its end (and freed its blocks)")
 
 
 def _paged_batch(seed: int = 0):

@@ -71,9 +71,15 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
 
 
 def test_the_first_context_bucket_is_a_setting_checked_at_start_up(monkeypatch, capsys):
+    from vllm.config import CacheConfig
+
     from spyre_rt.profiler import cli
     from spyre_rt.serving.bucketing import MIN_CONTEXT_TOKENS
-    from spyre_rt.serving.platform import min_context_tokens
+    from spyre_rt.serving.platform import SpyrePlatform, min_context_tokens
+
+    class Config:  # what the platform reads before the setting
+        cache_config = CacheConfig(block_size=64)
+        model_config = None
 
     monkeypatch.delenv("SPYRE_RT_VLLM_MIN_CONTEXT", raising=False)
     assert min_context_tokens() == MIN_CONTEXT_TOKENS == 1024
@@ -84,6 +90,14 @@ def test_the_first_context_bucket_is_a_setting_checked_at_start_up(monkeypatch, 
         monkeypatch.setenv("SPYRE_RT_VLLM_MIN_CONTEXT", raw)
         with pytest.raises(ValueError, match=r"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens .*" + raw):
             min_context_tokens()
+        # vLLM's engine refuses it with its configuration, before a worker starts
+        with pytest.raises(ValueError, match="SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens"):
+            SpyrePlatform.check_and_update_config(Config)
+        # the profiler refuses it before it imports vLLM
+        assert cli.main(["serve", "granite-tiny", "--input", "8", "--output", "4"]) == 1
+        assert f"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens (0 or more), not '{raw}'" \
+            in capsys.readouterr().err
+    monkeypatch.delenv("SPYRE_RT_VLLM_MIN_CONTEXT")
     # the profiler's longest length must hold a request
     assert cli.main(["serve", "granite-tiny", "--input", "64", "--output", "16", "--max-model-len", "64"]) == 1
     assert "--max-model-len 64 is shorter than a request: --input 64 plus --output 16" in capsys.readouterr().err

@@ -347,11 +347,16 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from ..errors import SpyreProfileError
+    from ..serving.bucketing import min_context_tokens
     from . import run as runmod
 
     if args.max_model_len is not None and args.max_model_len < args.input_len + args.output_len:
         raise InputError(f"--max-model-len {args.max_model_len} is shorter than a request: --input {args.input_len} "
                          f"plus --output {args.output_len}")
+    try:
+        min_context_tokens()  # the process settings the engine will read, before vLLM is imported
+    except ValueError as e:
+        raise InputError(str(e)) from None
     try:
         runmod.load_model(args.model)
     except SpyreProfileError as e:

@@ -18,6 +18,7 @@ number of sizes, and so of plans, however many arrive.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,21 @@ MIN_ROWS = 2
 #: context more than it needs, and the model's longest length costs log2(that / this) more
 #: step shapes at start-up (``SPYRE_RT_VLLM_MIN_CONTEXT``; 0: one bucket, the longest length).
 MIN_CONTEXT_TOKENS = 1024
+
+
+def min_context_tokens() -> int:
+    """The first context bucket, in tokens (``SPYRE_RT_VLLM_MIN_CONTEXT``; 0: a step's
+    attention always reads the model's longest length)."""
+    raw = os.environ.get("SPYRE_RT_VLLM_MIN_CONTEXT", "").strip()
+    if not raw:
+        return MIN_CONTEXT_TOKENS
+    try:
+        tokens = int(raw)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens (0 or more), not {raw!r}")
+    return tokens
 
 
 def bucket_length(n: int, buckets: Sequence[int] | None = None, multiple: int = STICK_ELEMENTS) -> int:

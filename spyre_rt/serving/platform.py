@@ -11,7 +11,7 @@ import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
-from spyre_rt.serving.bucketing import MIN_CONTEXT_TOKENS, MIN_ROWS, batch_buckets
+from spyre_rt.serving.bucketing import MIN_ROWS, batch_buckets, min_context_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,21 +39,6 @@ def on_host() -> bool:
 def compile_enabled() -> bool:
     """The forward and the logits compiled with ``backend="spyre_rt"`` (``SPYRE_RT_VLLM_COMPILE=0``: eager)."""
     return _flag("SPYRE_RT_VLLM_COMPILE") and not on_host()
-
-
-def min_context_tokens() -> int:
-    """The first context bucket, in tokens (``SPYRE_RT_VLLM_MIN_CONTEXT``; 0: a step's
-    attention always reads the model's longest length)."""
-    raw = os.environ.get("SPYRE_RT_VLLM_MIN_CONTEXT", "").strip()
-    if not raw:
-        return MIN_CONTEXT_TOKENS
-    try:
-        tokens = int(raw)
-    except ValueError:
-        tokens = -1
-    if tokens < 0:
-        raise ValueError(f"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens (0 or more), not {raw!r}")
-    return tokens
 
 
 def replay_enabled() -> bool:
@@ -130,6 +115,7 @@ class SpyrePlatform(CpuPlatform):
                 f"spyre_rt: block_size {user_block} is not a multiple of {BLOCK_MULTIPLE}, the tokens "
                 "of one stick; pass --block-size 64 (or 128, ...)"
             )
+        min_context_tokens()  # a bad setting is refused here, before the engine starts
         super().check_and_update_config(vllm_config)
         cache.block_size = user_block or DEFAULT_BLOCK_SIZE
         if vllm_config.model_config is not None and vllm_config.model_config.use_mla:

@@ -19,7 +19,8 @@ and readers never see a partial one. A write is not synced to the disk: a file t
 power loss tears fails its checksum and is rebuilt, like any other corrupt file. After a
 write the directory is trimmed to its size bound, least recently used first (a hit
 refreshes a file's time); temp files count against the bound, and those left by writers
-that died (untouched for :data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear` removes every file.
+that died (untouched for :data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear`
+removes every file.
 """
 
 from __future__ import annotations

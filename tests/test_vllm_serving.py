@@ -71,15 +71,9 @@ def test_llm_generate_matches_hugging_face(family, tmp_path):
 
 
 def test_the_first_context_bucket_is_a_setting_checked_at_start_up(monkeypatch, capsys):
-    from vllm.config import CacheConfig
-
     from spyre_rt.profiler import cli
     from spyre_rt.serving.bucketing import MIN_CONTEXT_TOKENS
     from spyre_rt.serving.platform import SpyrePlatform, min_context_tokens
-
-    class Config:  # what the platform reads before the setting
-        cache_config = CacheConfig(block_size=64)
-        model_config = None
 
     monkeypatch.delenv("SPYRE_RT_VLLM_MIN_CONTEXT", raising=False)
     assert min_context_tokens() == MIN_CONTEXT_TOKENS == 1024
@@ -92,7 +86,7 @@ def test_the_first_context_bucket_is_a_setting_checked_at_start_up(monkeypatch, 
             min_context_tokens()
         # vLLM's engine refuses it with its configuration, before a worker starts
         with pytest.raises(ValueError, match="SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens"):
-            SpyrePlatform.check_and_update_config(Config)
+            SpyrePlatform.check_and_update_config(_checked_config(block_size=64))
         # the profiler refuses it before it imports vLLM
         assert cli.main(["serve", "granite-tiny", "--input", "8", "--output", "4"]) == 1
         assert f"SPYRE_RT_VLLM_MIN_CONTEXT must be a number of tokens (0 or more), not '{raw}'" \
@@ -153,18 +147,24 @@ def test_fp16_logprobs_agree_with_fp32(tmp_path):
     assert worst < FP16_LOGPROB_TOLERANCE
 
 
-def test_block_size_must_be_whole_sticks():
+def _checked_config(block_size: int):
+    """What the platform's configuration check reads before it hands over to the CPU
+    platform's: a block size the user chose, and no model."""
     from vllm.config import CacheConfig
 
-    from spyre_rt.serving.platform import SpyrePlatform
-
     class Config:
-        cache_config = CacheConfig(block_size=48)
+        cache_config = CacheConfig(block_size=block_size)
         model_config = None
 
     Config.cache_config.user_specified_block_size = True
+    return Config
+
+
+def test_block_size_must_be_whole_sticks():
+    from spyre_rt.serving.platform import SpyrePlatform
+
     with pytest.raises(ValueError, match="multiple of 64"):
-        SpyrePlatform.check_and_update_config(Config)
+        SpyrePlatform.check_and_update_config(_checked_config(block_size=48))
 
 
 def test_kv_cache_budget_is_the_cards_share():

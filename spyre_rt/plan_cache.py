@@ -19,8 +19,13 @@ and readers never see a partial one. A write is not synced to the disk: a file t
 power loss tears fails its checksum and is rebuilt, like any other corrupt file. After a
 write the directory is trimmed to its size bound, least recently used first (a hit
 refreshes a file's time); temp files count against the bound, and those left by writers
-that died (untouched for :data:`STALE_TEMP_SECONDS`) are removed. :meth:`PlanCache.clear`
-removes every file.
+that died (untouched for :data:`STALE_TEMP_SECONDS`) are removed. Listing the directory
+costs a stat per file, so a write does not list it: the counters file keeps the
+directory's bytes (:data:`TRACKED_BYTES`, set by each trim, grown by each write under the
+counters' lock), and a write trims only when that passes the bound, or when it is the
+process's first write there (a count that a writer killed between its rename and its count
+left short is made right then). A write thus costs the same with ten plans in the cache or
+ten thousand. :meth:`PlanCache.clear` removes every file.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ TEMP_PREFIX = ".tmp-"
 # A temp file untouched this long belongs to a writer that died: a live writer creates,
 # writes and renames its file within moments.
 STALE_TEMP_SECONDS = 600
+TRACKED_BYTES = "bytes"  # the counters file's record of the plan files' bytes (see the module docstring)
+_TRIMMED: set[Path] = set()  # the directories this process has trimmed (listed whole)
 
 
 @dataclass
@@ -220,8 +227,9 @@ class PlanCache:
             log.warning("plan cache: cannot write %s (%s); continuing without it", self.path(key), e)
             return
         stats.writes += 1
-        self._bump("writes")
-        self.trim()
+        over = self._update(lambda counts: _count_write(counts, len(data), self.max_bytes))
+        if over is not False or self.dir not in _TRIMMED:  # None: the counters are unreadable
+            self.trim()
 
     def _listing(self, temps: bool) -> list[tuple[Path, os.stat_result]]:
         out = []
@@ -287,8 +295,14 @@ class PlanCache:
                 removed += 1
             total -= st.st_size
         stats.evictions += removed
-        if removed:
-            self._bump("evictions", removed)
+
+        def record(counts: dict) -> None:
+            counts[TRACKED_BYTES] = total - live  # the plan files': the live temps are counted when they land
+            if removed:
+                counts["evictions"] = counts.get("evictions", 0) + removed
+
+        self._update(record)
+        _TRIMMED.add(self.dir)
         return stale + removed
 
     def clear(self) -> int:
@@ -305,18 +319,27 @@ class PlanCache:
 
     # ---- persistent counters shared by the processes using this directory ----
     def _bump(self, name: str, by: int = 1) -> None:
+        def add(counts: dict) -> None:
+            counts[name] = counts.get(name, 0) + by
+
+        self._update(add)
+
+    def _update(self, change):
+        """Apply `change` to the shared counters under their lock; its result, or None when
+        the counters cannot be read or written."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with open(self.dir / ".stats.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 counts = self.persistent_stats()
-                counts[name] = counts.get(name, 0) + by
+                result = change(counts)
                 counts["updated"] = time.time()
                 tmp = self.dir / f".{STATS_FILE}.{os.getpid()}"
                 tmp.write_text(json.dumps(counts))
                 os.replace(tmp, self.dir / STATS_FILE)
+                return result
         except OSError:
-            pass  # counters are informative; never fail a run for them
+            return None  # counters are informative; never fail a run for them
 
     def persistent_stats(self) -> dict:
         try:
@@ -324,6 +347,17 @@ class PlanCache:
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
+
+
+def _count_write(counts: dict, nbytes: int, bound: int) -> bool:
+    """Count a write of `nbytes` in `counts`; whether the directory may now be over `bound`
+    (or its bytes are not known: a directory no trim has recorded)."""
+    counts["writes"] = counts.get("writes", 0) + 1
+    known = counts.get(TRACKED_BYTES)
+    if type(known) is not int:
+        return True
+    counts[TRACKED_BYTES] = known + nbytes
+    return known + nbytes > bound
 
 
 def of(s) -> PlanCache | None:

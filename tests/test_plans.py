@@ -291,6 +291,44 @@ def test_the_cache_stays_within_its_bound(tmp_path):
     assert left and left[-1] == f"{7:064x}"  # the most recent survive
 
 
+def test_a_write_lists_the_directory_only_when_it_may_be_over_its_bound(tmp_path, monkeypatch):
+    """A write counts its bytes in the counters file; the files are listed (a stat each)
+    at the process's first write and when the count passes the bound, not at every write.
+    A count left short (a writer killed between its rename and its count) is made right
+    at the next process's first write, and the bound holds."""
+    import numpy as np
+
+    monkeypatch.setattr(plan_cache, "_TRIMMED", set())
+    cache = plan_cache.PlanCache(tmp_path, 20_000)
+    listings = []
+    listing = plan_cache.PlanCache._listing
+    monkeypatch.setattr(plan_cache.PlanCache, "_listing", lambda self, temps: listings.append(temps) or listing(self, temps))
+    block = np.zeros(3000, dtype=np.uint8)
+
+    def write(i: int) -> int:
+        listings.clear()
+        cache.store(f"{i:064x}", {"n": i}, [block])
+        os.utime(cache.path(f"{i:064x}"), (1000 + i, 1000 + i))
+        return len(listings)
+
+    size = lambda: sum(p.stat().st_size for p in tmp_path.iterdir() if p.suffix == ".plan")  # noqa: E731
+    assert write(0) == 2  # the first write of the process: temps and plans listed
+    assert [write(i) for i in range(1, 6)] == [0] * 5  # 6 files of about 3 KB: under 20 KB
+    assert cache.persistent_stats()[plan_cache.TRACKED_BYTES] == size()
+    assert write(6) == 2 and size() <= 20_000  # past the bound: listed and trimmed, oldest first
+    assert sorted(p.stem for p in tmp_path.iterdir() if p.suffix == ".plan")[-1] == f"{6:064x}"
+    assert cache.persistent_stats()[plan_cache.TRACKED_BYTES] == size()
+
+    # a writer killed before its count: the file is there, the count does not hold it
+    counts = cache.persistent_stats()
+    extra = np.ones(9000, dtype=np.uint8)
+    (tmp_path / f"{99:064x}.plan").write_bytes(plan_cache.encode(f"{99:064x}", {}, [extra]))
+    (tmp_path / plan_cache.STATS_FILE).write_text(__import__("json").dumps(counts))
+    monkeypatch.setattr(plan_cache, "_TRIMMED", set())  # a new process
+    assert write(7) == 2 and size() <= 20_000
+    assert cache.persistent_stats()[plan_cache.TRACKED_BYTES] == size()
+
+
 def test_timing_mode_runs_the_same_commands(small_cards=None):
     """Timing and functional cards give the same device time for a compiled step."""
     f = torch.compile(mlp, backend="spyre_rt", dynamic=False)

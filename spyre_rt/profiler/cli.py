@@ -495,7 +495,7 @@ def cmd_cache(args: argparse.Namespace, console: Console) -> int:
         t.add_row("bytes", f"{total:,}")
         t.add_row("bound (bytes)", f"{cache.max_bytes:,}")
         for k, v in sorted(cache.persistent_stats().items()):
-            if k != "updated":
+            if k not in ("updated", plan_cache.TRACKED_BYTES):  # the bytes row above is counted
                 t.add_row(k, f"{v:,}")
         console.print(t)
         console.print(_plans_per_step(cache))

@@ -73,6 +73,10 @@ class BuildContext:
     def descriptors(self) -> np.ndarray:
         return self.program.descriptors() if self.block is None else block_sections(self.block)[1]
 
+    def sections(self) -> tuple[np.ndarray, np.ndarray]:
+        """(commands, descriptors): the block's tables read once."""
+        return (self.commands(), self.descriptors()) if self.block is None else block_sections(self.block)
+
     @property
     def ncmds(self) -> int:
         return self.program.ncmds if self.block is None else len(self.commands())

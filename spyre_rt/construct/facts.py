@@ -129,35 +129,33 @@ def _indirect_elements(kernel) -> dict[str, int]:
 
 
 def program_facts(ctx: BuildContext) -> dict:
-    cmds = ctx.commands()
-    core = cmds["core"]
-    on_cores = core[core != CORE_CARD]
+    cmds, descs = ctx.sections()
+    on_cores = cmds["core"][cmds["core"] != CORE_CARD]
     cores = int(np.count_nonzero(np.bincount(on_cores))) if on_cores.size else 0  # distinct ones
-    return {"dram_bytes": dram_bytes(cmds, ctx.descriptors()), "cores": cores,
-            "scratchpad_peak": int(ctx.scratchpad_peak)}
+    return {"dram_bytes": dram_bytes(cmds, descs), "cores": cores, "scratchpad_peak": int(ctx.scratchpad_peak)}
+
+
+_DIMS = np.arange(3)  # a pattern's dimensions, to multiply its first ndims counts
 
 
 def dram_bytes(cmds: np.ndarray, descs: np.ndarray) -> int:
     """Bytes the program's DMA, gather and scatter commands move between DRAM and the
-    scratchpads."""
-    total = 0
+    scratchpads (read through views of the whole table: no record is copied)."""
     op = cmds["op"]
-    dma = cmds[(op == OP_LOAD) | (op == OP_STORE)].view(CMD_DMA)
-    listed = (dma["flags"] & DMA_DESCS) != 0
-    plain = dma[~listed]
-    reps = np.ones(len(plain), dtype=np.int64)
-    for k in range(3):
-        reps *= np.where(plain["ndims"] > k, plain["count"][:, k], 1)
-    total += int((plain["run_bytes"].astype(np.int64) * reps).sum())
+    dma = cmds.view(CMD_DMA)
+    moves = (op == OP_LOAD) | (op == OP_STORE)
+    listed = moves & ((dma["flags"] & DMA_DESCS) != 0)
+    plain = np.flatnonzero(moves ^ listed)
+    reps = np.where(dma["ndims"][plain, None] > _DIMS, dma["count"][plain], 1).prod(axis=1, dtype=np.int64)
+    total = int(reps @ dma["run_bytes"][plain].astype(np.int64))
     if listed.any():  # a descriptor list's entries: desc_count of them from src_off
-        lists = dma[listed]
         ends = np.concatenate(([0], np.cumsum(descs["bytes"], dtype=np.int64)))
-        first = np.minimum(lists["src_off"], len(descs)).astype(np.int64)
-        last = np.minimum(first + lists["desc_count"], len(descs))
+        first = np.minimum(dma["src_off"][listed], len(descs)).astype(np.int64)
+        last = np.minimum(first + dma["desc_count"][listed], len(descs))
         total += int((ends[last] - ends[first]).sum())
-    rows = cmds[(op == OP_GATHER) | (op == OP_SCATTER)].view(CMD_GATHER)
-    reps = np.ones(len(rows), dtype=np.int64)
-    for k in range(2):
-        reps *= np.where(rows["ndims"] > k, rows["count"][:, k], 1)
-    total += int((rows["nidx"].astype(np.int64) * rows["run_bytes"] * reps).sum())
+    rows = np.flatnonzero((op == OP_GATHER) | (op == OP_SCATTER))
+    if rows.size:
+        g = cmds.view(CMD_GATHER)
+        reps = np.where(g["ndims"][rows, None] > _DIMS[:2], g["count"][rows], 1).prod(axis=1, dtype=np.int64)
+        total += int((g["nidx"][rows].astype(np.int64) * g["run_bytes"][rows] * reps).sum())
     return total

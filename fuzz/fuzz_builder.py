@@ -10,7 +10,10 @@ Every input is a decision record as the Python layer hands it over: ``b"C"`` and
 then each array at most its ``LOOP_ARRAYS`` bound, then, for merged stores, their count and
 arrays, as in ``loop_record_bytes``), or
 ``b"A"`` and a ``spy_attention_record`` (the struct, its pointers ignored, then up to 256
-tasks and 16 slot extents, as in ``attention_record_bytes``). The builder must refuse it
+tasks and 16 slot extents, as in ``attention_record_bytes``), or ``b"S"`` and the matmul
+tiling search's arguments (a ``spy_mm_cost``, a ``spy_mm_problem`` and up to 8
+``spy_mm_tiling``: ``spy_mm_choose``, then ``spy_mm_estimate`` of its choice and of those,
+which must succeed or refuse with a typed error). The builder must refuse it
 with a typed error or build a block. Every copy kernel or transfer graph it builds must
 pass the card's validator (``spy_job_validate`` for a copy kernel with commands,
 ``spy_transfer_create`` for a transfer graph): the builder never makes what the card would
@@ -269,9 +272,31 @@ def _build_job(build, rec, what: str, validate=None) -> None:
             stage("validate", validate, rec, blob)
 
 
+TILING_MAX_CORES = 256  # a search over more cores is real work (thousands of grids each), not a finding
+
+
+def tiling_search(body: bytes) -> None:
+    cost, problem = ffi.new("spy_mm_cost *"), ffi.new("spy_mm_problem *")
+    sizes = (ffi.sizeof("spy_mm_cost"), ffi.sizeof("spy_mm_problem"), ffi.sizeof("spy_mm_tiling"))
+    body = body.ljust(sizes[0] + sizes[1], b"\0")
+    ffi.memmove(cost, body[:sizes[0]], sizes[0])
+    ffi.memmove(problem, body[sizes[0]:sizes[0] + sizes[1]], sizes[1])
+    rest = body[sizes[0] + sizes[1]:]
+    n = min(8, len(rest) // sizes[2])
+    tilings = ffi.new("spy_mm_tiling[]", n + 1)
+    ffi.memmove(tilings + 1, rest[:n * sizes[2]], n * sizes[2])
+    if cost.num_cores > TILING_MAX_CORES:
+        return
+    stage("build", check, lib.spy_mm_choose(cost, problem, tilings), "matmul tiling")
+    terms = ffi.new("spy_mm_terms[]", n + 1)
+    stage("validate", check, lib.spy_mm_estimate(cost, problem, tilings, n + 1, terms), "matmul tiling estimate")
+
+
 def target(data: bytes) -> None:
     kind, body = data[:1], data[1:]
-    if kind == b"C":
+    if kind == b"S":
+        tiling_search(body)
+    elif kind == b"C":
         rec, _keep = copy_record(body)
         _build_job(lib.spy_build_copy, rec, "copy record")
     elif kind == b"G":

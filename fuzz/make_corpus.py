@@ -216,6 +216,37 @@ def builder_records() -> dict[str, bytes]:
         assert name.startswith("merged") == bool(decided.record.nmerges), name  # the record owns the arrays
         out[f"loop-{name}"] = b"L" + loop_record_bytes(decided.record)
     out.update(attention_records())
+    out.update(tiling_records())
+    return out
+
+
+def tiling_records() -> dict[str, bytes]:
+    """The matmul tiling search's arguments: Granite 3.3 8B's prefill up projection with its
+    SwiGLU epilogue, a decode GEMV split over K, an fp32 GEMM with A transposed and a bias,
+    and a small prompt-length GEMM, each with the tiling it chooses and one other."""
+    from spyre_rt import device_profile
+    from spyre_rt.construct.matmul import tiling as tl
+    from spyre_rt.construct.matmul.spec import Problem
+    from spyre_rt.cost import CostModel
+    from spyre_rt.native import ffi
+
+    target = CostModel.of_figures(device_profile.load("spyre"))
+    problems = {
+        "tiling-prefill-swiglu": Problem(1, 1024, 12800, 4096, 2, 2, 0, False, True, False, stores=(2,), epi_tiles=(2,),
+                                         epi_temps=2, epi_instrs=8),
+        "tiling-decode-split-k": Problem(1, 1, 64, 49155, 2, 2, 0, False, True, False),
+        "tiling-fp32-bias": Problem(2, 7, 100, 4097, 4, 4, 4, True, False, True, stores=(4,)),
+        "tiling-prompt-length": Problem(1, 31, 1000, 256, 4, 4, 0, False, True, True),
+    }
+    out = {}
+    for name, p in problems.items():
+        t = tl.choose(target, p)
+        other = ffi.new("spy_mm_tiling *", {"groups": 32, "pk": 1, "pm": 1, "pn": 1, "m_tiles": 1, "n_tiles": 1, "tk": 64,
+                                            "nbuf": 2})
+        chosen = ffi.new("spy_mm_tiling *", dict(zip(tl._TILING_FIELDS, (getattr(t, f) for f in tl._TILING_FIELDS),
+                                                     strict=True)))
+        out[name] = (b"S" + bytes(ffi.buffer(tl._cost(target))) + bytes(ffi.buffer(tl._problem(p)))
+                     + bytes(ffi.buffer(chosen)) + bytes(ffi.buffer(other)))
     return out
 
 

@@ -1220,6 +1220,77 @@ SPY_ABI_SIZE(spy_collective, 64)
 spy_status spy_collective_launch(spy_device *dev, spy_ccl *ring, const spy_collective *coll, uint64_t in,
                                  uint64_t out, uint32_t name, double *end_ns);
 
+/* ---- the matmul's tiling search (tiling.c) ---------------------------------------------
+ * How a matmul is spread over the cores, chosen by a cost model made of the card's command
+ * charges (spyre_rt.construct.matmul.tiling documents the grid, the tiles and the model;
+ * spyre_rt.cost the charges, as sim.c makes them). Construction calls it once per matmul
+ * shape; the tests and the profiler read the model's terms through spy_mm_estimate. Every
+ * call checks its arguments whole first (SPY_E_INVALID_ARG names the field) and frees what
+ * it took. */
+#define SPY_MM_K_GRANULE 64   /* K slices and chunks start on whole fp16 sticks */
+#define SPY_MM_SHORTLIST 48   /* grids estimated with every K chunk and buffer count */
+#define SPY_MM_BUSY_FROM 10   /* job launches of roofline from which every core has a tile in every wave */
+#define SPY_MM_MAX_EPI 16     /* element sizes of an epilogue's stores, tiles and rows, each */
+
+/* The card's figures as the cost model uses them (spyre_rt.cost.CostModel's fields). */
+typedef struct spy_mm_cost {
+    uint32_t num_cores;        /* 1 .. SPY_CORE_CARD - 1 */
+    uint32_t stick_bytes;      /* a power of two */
+    uint64_t scratchpad_bytes; /* of one core */
+    uint32_t gran_m, gran_n, gran_k; /* the systolic arrays' granules */
+    uint32_t dram_burst_bytes;
+    double macs_per_ns;        /* one core's sustained fp16 rate */
+    double dram_bytes_per_ns, core_dma_bytes_per_ns, pt_fp32_ratio, pt_latency_ns, dma_latency_ns;
+    double ring_bytes_per_ns, ring_hop_ns, sfu_elems_per_ns, sfu_fp32_ratio, sfu_latency_ns;
+    double job_launch_ns;
+} spy_mm_cost; /* 128 bytes */
+SPY_ABI_SIZE(spy_mm_cost, 128)
+
+/* The shape of a matmul as tiling sees it (spyre_rt.construct.matmul.spec.Problem). */
+typedef struct spy_mm_problem {
+    uint64_t batch, m, n, k;  /* each below 2^32 */
+    uint32_t e_in, e_out;     /* element sizes: 1, 2 or 4 */
+    uint32_t e_bias;          /* 0: no bias */
+    uint32_t trans_a, trans_b, fp32; /* 0 or 1 */
+    uint32_t nstores, ntiles, nrows; /* a fused epilogue's stored tiles (0: the product's, e_out),
+                                        loaded tiles and loaded rows */
+    uint32_t epi_temps, epi_temp_e, epi_instrs;
+    uint32_t e_stores[SPY_MM_MAX_EPI], e_tiles[SPY_MM_MAX_EPI], e_rows[SPY_MM_MAX_EPI];
+} spy_mm_problem; /* 272 bytes */
+SPY_ABI_SIZE(spy_mm_problem, 272)
+
+typedef struct spy_mm_tiling {
+    uint32_t groups, pk, pm, pn, m_tiles, n_tiles, tk, nbuf;
+} spy_mm_tiling; /* 32 bytes */
+SPY_ABI_SIZE(spy_mm_tiling, 32)
+
+/* Every term of a tiling's estimate (times in ns; the tiles, bytes and counts as numbers). */
+typedef struct spy_mm_terms {
+    double tm, tn, tm_avg, tn_avg, blocks, waves, active, steps, tail, per_block, dram_bytes, cmds;
+    double t_mm, t_port, t_ring, t_load, t_fwd, t_step, t_steps, t_reduce, t_epilogue, t_wave;
+    double t_fill, t_drain, t_stream, ns, lx_bytes, floor_ns;
+} spy_mm_terms; /* 224 bytes */
+SPY_ABI_SIZE(spy_mm_terms, 224)
+
+/* The cheapest tiling that fits the scratchpad, by the rule of spyre_rt's `choose`.
+ * SPY_E_SCRATCHPAD when no tile fits. */
+spy_status spy_mm_choose(const spy_mm_cost *c, const spy_mm_problem *p, spy_mm_tiling *out);
+/* The model's terms of each of `n` tilings (any grid: tk and nbuf >= 1 and >= 2). */
+spy_status spy_mm_estimate(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm_tiling *t, uint32_t n,
+                           spy_mm_terms *out);
+/* The grids the search tries, in its order (tk and nbuf 0): up to `cap` into out, *n of them
+ * in all (call with cap 0 to count). */
+spy_status spy_mm_grids(const spy_mm_cost *c, const spy_mm_problem *p, spy_mm_tiling *out, uint32_t cap,
+                        uint32_t *n);
+/* Per grid (spy_mm_grids' order): its best estimate with the search's two coarse K chunks
+ * (inf where none fits), and the DRAM floor under every estimate of it; and the grids the
+ * search shortlists, best first (with `prune` 0 every grid is estimated). Arrays of `cap`. */
+spy_status spy_mm_coarse(const spy_mm_cost *c, const spy_mm_problem *p, uint32_t prune, double *best,
+                         double *floor_ns, uint32_t *shortlist, uint32_t cap, uint32_t *n, uint32_t *nshort);
+/* The tables the search walks: tile aims along M and N, the K chunks (static storage). */
+spy_status spy_mm_aims(const uint32_t **m_aims, uint32_t *nm, const uint32_t **n_aims, uint32_t *nn,
+                       const uint32_t **k_chunks, uint32_t *nk);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,8 +10,10 @@ same figures. They do it here and nowhere else:
   :meth:`~CostModel.charged_bytes`, :meth:`~CostModel.transfer_ns`,
   :meth:`~CostModel.ring_ns`): what the simulator charges one matmul, SFU, DMA or ring
   command, the formulas of sim.c in Python (``tests/test_cost_model.py`` holds each to the
-  simulator's time of a one-command program). The tilings' estimates
-  (``construct/matmul/tiling.py``, ``construct/attention/cost.py``) are made of them;
+  simulator's time of a one-command program). The tilings' estimates are made of them:
+  the attention's here (``construct/attention/cost.py``), the matmul's in the native
+  search (``native/tiling.c``, the same charges in the same order of operations, which
+  ``tests/test_matmul_tiling.py`` holds term by term to these);
 - **the roofline** (:meth:`~CostModel.compute_ns`, :meth:`~CostModel.dram_ns`,
   :meth:`~CostModel.kernel_ns`, :meth:`~CostModel.bound`): a kernel needs at least its
   FLOPs at the card's sustained MAC rate (a multiply-add is two FLOPs) and its minimum DRAM
@@ -19,8 +21,8 @@ same figures. They do it here and nowhere else:
   below the card's fixed cost of a job (its launch and one DMA latency) is bound by
   latency. The profiler's per-op table, efficiency and analytic bounds use these.
 
-The command charges take numbers or numpy arrays alike: the tilings estimate thousands
-of candidates at once.
+The command charges take numbers or numpy arrays alike: a tiling estimates many
+candidates at once.
 """
 
 from __future__ import annotations

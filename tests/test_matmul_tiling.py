@@ -179,7 +179,7 @@ SEARCH_PROBLEMS = [Problem(1, m, n, k, e, e, bias, ta, tb, e == 4, stores=stores
 
 
 def _grids_one_split_at_a_time(p: Problem) -> np.ndarray:
-    """The grid rows as the search defines them, split by split (what _grids vectorises)."""
+    """The grid rows as the search defines them, split by split (what the search makes)."""
     c, rows = TARGET.num_cores, []
     for pk in tl.divisors(c):
         if pk > max(p.k, 1):
@@ -190,9 +190,11 @@ def _grids_one_split_at_a_time(p: Problem) -> np.ndarray:
                     for wn in sorted({max(1, -(-p.n // (pn * a))) for a in tl.N_TILE_AIMS}):
                         rows.append((c // (pk * pm * pn), pk, pm, pn, pm * wm, pn * wn, wm * wn))
     groups, pk, pm, pn, m_tiles, n_tiles, blocks_ = np.array(rows).T
-    tm, tn = tl.tile_max(TARGET, p, m_tiles, n_tiles)
-    smallest = tl.lx_bytes(TARGET, p, tm, tn, np.minimum(tl.K_GRANULE, max(p.k, 1)), pk, 2)
-    keep = (m_tiles <= p.m) & (n_tiles <= p.n) & (smallest <= TARGET.scratchpad_bytes)
+    exist = (m_tiles <= p.m) & (n_tiles <= p.n)
+    smallest = np.minimum(tl.K_GRANULE, max(p.k, 1))
+    lx = tl.terms(TARGET, p, {"groups": groups, "pk": pk, "pm": pm, "pn": pn, "m_tiles": np.minimum(m_tiles, max(p.m, 1)),
+                              "n_tiles": np.minimum(n_tiles, max(p.n, 1)), "tk": smallest, "nbuf": 2})["lx_bytes"]
+    keep = exist & (lx <= TARGET.scratchpad_bytes)
     if tl.roofline_ns(TARGET, p) >= tl.BUSY_FROM * TARGET.job_launch_ns:
         busy = keep & (p.batch * blocks_ % groups == 0)
         keep = busy if busy.any() else keep
@@ -201,22 +203,32 @@ def _grids_one_split_at_a_time(p: Problem) -> np.ndarray:
 
 @pytest.mark.parametrize("p", SEARCH_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
 def test_the_grids_are_every_split_with_every_distinct_tile_count_in_order(p):
-    assert np.array_equal(tl._grids(TARGET, p), _grids_one_split_at_a_time(p))
+    assert np.array_equal(tl.grids(TARGET, p), _grids_one_split_at_a_time(p))
+
+
+def _every_chunk_and_buffer_count(p: Problem, tks) -> np.ndarray:
+    """Per grid, its best estimate over the K chunks `tks` and two or three operand buffers,
+    each that fits (inf where none does)."""
+    grid = tl.grids(TARGET, p)
+    best = np.full(len(grid), np.inf)
+    for tk in tks:
+        for nbuf in (2, 3):
+            t = tl.terms(TARGET, p, dict(zip(tl.GRID_COLUMNS, grid.T, strict=True)) | {"tk": tk, "nbuf": nbuf})
+            best = np.where(t["lx_bytes"] <= TARGET.scratchpad_bytes, np.minimum(best, t["ns"]), best)
+    return best
+
+
+def _coarse_chunks(p: Problem) -> tuple[int, ...]:
+    k_max = -(-max(p.k, 1) // tl.K_GRANULE) * tl.K_GRANULE
+    return tuple(sorted({tl.K_GRANULE, min(256, k_max)}))
 
 
 @pytest.mark.parametrize("p", SEARCH_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
 def test_the_coarse_pass_ranks_grids_as_with_every_buffer_count(p):
     # it tries two operand buffers only where three do not fit: three never take longer
-    grid = tl._grids(TARGET, p)
-    tks = (64, 256)
-    best = {}
-    for first_fit in (False, True):
-        cand = tl._with_chunks(TARGET, p, grid, tks, (3, 2), first_fit=first_fit)
-        ns, _, _ = tl.estimate(TARGET, p, cand)
-        best[first_fit] = np.full(len(grid), np.inf)
-        np.minimum.at(best[first_fit], cand["row"], ns)
-    assert np.array_equal(best[True], best[False])
-    assert np.isfinite(best[True]).any()
+    best, _, _ = tl.coarse(TARGET, p, prune=False)
+    assert np.array_equal(best, _every_chunk_and_buffer_count(p, _coarse_chunks(p)))
+    assert np.isfinite(best).any()
 
 
 # prompt-length GEMMs of a small fp32 model (one with a fused epilogue): thousands of grids
@@ -225,21 +237,43 @@ PRUNED_PROBLEMS = SEARCH_PROBLEMS + [Problem(1, m, n, k, 4, 4, 0, False, True, T
                                                                       ((300, 512, 256), (4,), 3)]]
 
 
-def _coarse_of_every_grid(p: Problem, tks) -> np.ndarray:
-    grid = tl._grids(TARGET, p)
-    cand = tl._with_chunks(TARGET, p, grid, tks, (3, 2), first_fit=True)
-    ns, _, _ = tl.estimate(TARGET, p, cand)
-    best = np.full(len(grid), np.inf)
-    np.minimum.at(best, cand["row"], ns)
-    return best
+@pytest.mark.parametrize("p", PRUNED_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
+def test_the_shortlist_is_the_best_coarse_estimates_of_every_grid(p):
+    # grids whose DRAM floor is above the shortlist's worst are never estimated
+    every, floor, whole = tl.coarse(TARGET, p, prune=False)
+    assert np.array_equal(whole, np.argsort(every, kind="stable")[:tl.SHORTLIST])
+    pruned, _, short = tl.coarse(TARGET, p)
+    assert np.array_equal(short, whole)
+    assert (floor <= every).all()
+    estimated = ~np.isnan(pruned)
+    assert np.array_equal(pruned[estimated], every[estimated])
+    if len(every) > 4 * tl.SHORTLIST:
+        assert estimated.sum() < len(every) / 2, "the floors pruned nothing"
 
 
 @pytest.mark.parametrize("p", PRUNED_PROBLEMS, ids=lambda p: f"{p.m}x{p.n}x{p.k}")
-def test_the_shortlist_is_the_best_coarse_estimates_of_every_grid(p):
-    # grids whose DRAM floor is above the shortlist's are never estimated
-    tks = (64, 256)
-    grid, tm, tn = tl._grids_and_tiles(TARGET, p)
-    best = _coarse_of_every_grid(p, tks)
-    assert np.array_equal(tl._shortlist(TARGET, p, grid, tm, tn, tks), np.argsort(best, kind="stable")[:tl.SHORTLIST])
-    cols = dict(zip(("groups", "pk", "pm", "pn", "m_tiles", "n_tiles"), grid.T, strict=True)) | {"tm": tm, "tn": tn}
-    assert (tl._dram_floor(TARGET, p, cols) <= best).all()
+def test_the_native_model_is_made_of_the_cost_models_charges(p):
+    """The search's terms (native/tiling.c) are the command charges of spyre_rt.cost,
+    term by term, for the tiling it chooses and a few grids of its own."""
+    t = tl.choose(TARGET, p)
+    grid = tl.grids(TARGET, p)[::97][:8]
+    cand = {k: np.append(grid[:, i], getattr(t, k)) for i, k in enumerate(tl.GRID_COLUMNS)}
+    cand |= {"tk": np.append(np.full(len(grid), 128), t.tk), "nbuf": np.append(np.full(len(grid), 3), t.nbuf)}
+    terms = tl.terms(TARGET, p, cand)
+    for i in range(len(cand["tk"])):
+        tm, tn = int(terms["tm"][i]), int(terms["tn"][i])
+        depth = min(int(cand["tk"][i]), max(p.k, 1))
+        assert terms["t_mm"][i] == TARGET.matmul_ns(tm, tn, depth, p.fp32)
+        sfu = TARGET.sfu_ns(tm * tn)
+        assert terms["t_epilogue"][i] == sfu * ((2 if p.e_bias else 1) + p.epi_instrs)
+        assert terms["floor_ns"][i] == TARGET.dram_ns(terms["dram_bytes"][i]) + 2 * TARGET.dma_latency_ns
+        stored = sum(TARGET.charged_bytes(tm, tn, e) for e in p.e_stores)
+        active = terms["active"][i]
+        assert terms["t_drain"][i] == TARGET.transfer_ns(stored, TARGET.dram_share(active * cand["pm"][i] * cand["pn"][i]))
+        tm_avg, tn_avg = p.m / cand["m_tiles"][i], p.n / cand["n_tiles"][i]
+        a = TARGET.charged_bytes(p.k, tm_avg, p.e_in) if p.trans_a else TARGET.charged_bytes(tm_avg, p.k, p.e_in)
+        b = TARGET.charged_bytes(tn_avg, p.k, p.e_in) if p.trans_b else TARGET.charged_bytes(p.k, tn_avg, p.e_in)
+        tiles = sum(TARGET.charged_bytes(tm_avg, tn_avg, e) for e in (*p.e_stores, *p.epi_tiles))
+        pm, pn = int(cand["pm"][i]), int(cand["pn"][i])
+        assert terms["per_block"][i] == pm * a + pn * b + pm * pn * tiles
+        assert terms["ns"][i] >= terms["floor_ns"][i]

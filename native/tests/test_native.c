@@ -2228,6 +2228,73 @@ static void test_host_pool(void)
     }
 }
 
+/* The matmul tiling search: a prefill GEMM gets a 2-D grid that fits, its estimate is at
+ * least its DRAM floor, a shape too large for any tile is refused as a scratchpad error,
+ * and bad arguments are refused naming the field. */
+static void test_matmul_tiling(void)
+{
+    spy_mm_cost c = {.num_cores = 32, .stick_bytes = 128, .scratchpad_bytes = 2u << 20, .gran_m = 8, .gran_n = 64,
+                     .gran_k = 8, .dram_burst_bytes = 64, .macs_per_ns = 1140.0, .dram_bytes_per_ns = 150.0,
+                     .core_dma_bytes_per_ns = 25.0, .pt_fp32_ratio = 0.25, .pt_latency_ns = 20.0, .dma_latency_ns = 500.0,
+                     .ring_bytes_per_ns = 128.0, .ring_hop_ns = 2.0, .sfu_elems_per_ns = 64.0, .sfu_fp32_ratio = 1.0,
+                     .sfu_latency_ns = 10.0, .job_launch_ns = 2000.0};
+    spy_mm_problem p = {.batch = 1, .m = 1024, .n = 12800, .k = 4096, .e_in = 2, .e_out = 2, .trans_b = 1,
+                        .epi_temp_e = 4};
+    spy_mm_tiling t;
+    CHECK_OK(spy_mm_choose(&c, &p, &t));
+    CHECK(t.groups * t.pk * t.pm * t.pn == 32 && t.pm > 1 && t.pn > 1 && t.nbuf >= 2);
+    spy_mm_terms o;
+    CHECK_OK(spy_mm_estimate(&c, &p, &t, 1, &o));
+    CHECK(o.ns >= o.floor_ns && o.lx_bytes <= (double)c.scratchpad_bytes && o.ns > 0);
+    uint32_t n = 0, got = 0;
+    CHECK_OK(spy_mm_grids(&c, &p, NULL, 0, &n));
+    CHECK(n > 1000);
+    spy_mm_tiling *grids = calloc(n, sizeof *grids);
+    double *best = calloc(n, sizeof *best), *floor_ns = calloc(n, sizeof *floor_ns);
+    uint32_t *rows = calloc(n, sizeof *rows), nshort = 0;
+    CHECK(grids && best && floor_ns && rows);
+    if (grids && best && floor_ns && rows) {
+        CHECK_OK(spy_mm_grids(&c, &p, grids, n, &got));
+        CHECK(got == n);
+        CHECK_OK(spy_mm_coarse(&c, &p, 1, best, floor_ns, rows, n, &got, &nshort));
+        CHECK(nshort == SPY_MM_SHORTLIST);
+        for (uint32_t i = 0; i < n; i++)
+            CHECK(isnan(best[i]) || best[i] >= floor_ns[i]);
+    }
+    free(grids);
+    free(best);
+    free(floor_ns);
+    free(rows);
+
+    spy_mm_problem huge = p; /* a 4-byte, 64-deep chunk of these rows cannot fit 1 KiB */
+    spy_mm_cost tiny = c;
+    tiny.scratchpad_bytes = 1024;
+    huge.e_in = huge.e_out = 4;
+    CHECK(spy_mm_choose(&tiny, &huge, &t) == SPY_E_SCRATCHPAD);
+    spy_mm_cost bad = c;
+    bad.stick_bytes = 96;
+    CHECK(spy_mm_choose(&bad, &p, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "stick_bytes"));
+    bad = c;
+    bad.dram_bytes_per_ns = NAN;
+    CHECK(spy_mm_choose(&bad, &p, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "dram_bytes_per_ns"));
+    spy_mm_problem wrong = p;
+    wrong.m = (uint64_t)1 << 32;
+    CHECK(spy_mm_choose(&c, &wrong, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "m "));
+    wrong = p;
+    wrong.nstores = SPY_MM_MAX_EPI + 1;
+    CHECK(spy_mm_choose(&c, &wrong, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "nstores"));
+    spy_mm_tiling over = t;
+    over.n_tiles = 12801;
+    CHECK(spy_mm_estimate(&c, &p, &over, 1, &o) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "n_tiles"));
+    over = t;
+    over.nbuf = 1;
+    CHECK(spy_mm_estimate(&c, &p, &over, 1, &o) == SPY_E_INVALID_ARG);
+    spy_mm_problem empty = p;
+    empty.m = 0;
+    CHECK_OK(spy_mm_choose(&c, &empty, &t));
+    CHECK(t.groups == 32 && t.tk == SPY_MM_K_GRANULE);
+}
+
 int main(void)
 {
     test_allocator();
@@ -2251,6 +2318,7 @@ int main(void)
     test_loop_builder();
     test_loop_merged_stores();
     test_attention_builder();
+    test_matmul_tiling();
     test_ccl();
     test_plan_collective();
     test_timed_job();

@@ -102,6 +102,39 @@ static uint64_t pattern_bytes(uint32_t run, uint32_t ndims, const uint32_t *coun
     return n;
 }
 
+spy_status spy_program_footprint(const spy_cmd *cmds, uint32_t ncmds, const spy_desc *descs, uint32_t ndescs,
+                                 uint64_t *dram_bytes, uint32_t *cores)
+{
+    if ((ncmds && !cmds) || (ndescs && !descs) || !dram_bytes || !cores)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "program footprint: null commands, descriptors or output");
+    uint64_t total = 0, seen[1024] = {0}; /* a bit per core id */
+    uint32_t distinct = 0;
+    for (uint32_t i = 0; i < ncmds; i++) {
+        const spy_cmd *c = &cmds[i];
+        if (c->op == SPY_OP_LOAD || c->op == SPY_OP_STORE) {
+            const spy_dma *d = &c->u.dma;
+            if (c->flags & SPY_DMA_DESCS) {
+                uint64_t first = d->src_off < ndescs ? d->src_off : ndescs;
+                uint64_t end = first + d->desc_count < ndescs ? first + d->desc_count : ndescs;
+                for (uint64_t k = first; k < end; k++)
+                    total += descs[k].bytes;
+            } else {
+                total += pattern_bytes(d->run_bytes, d->ndims < 3 ? d->ndims : 3, d->count);
+            }
+        } else if (c->op == SPY_OP_GATHER || c->op == SPY_OP_SCATTER) {
+            const spy_gather *g = &c->u.gather;
+            total += (uint64_t)g->nidx * pattern_bytes(g->run_bytes, g->ndims < 2 ? g->ndims : 2, g->count);
+        }
+        if (c->core != SPY_CORE_CARD && !(seen[c->core / 64] & (1ull << (c->core % 64)))) {
+            seen[c->core / 64] |= 1ull << (c->core % 64);
+            distinct++;
+        }
+    }
+    *dram_bytes = total;
+    *cores = distinct;
+    return SPY_OK;
+}
+
 static spy_status check_dma(vctx *v, uint32_t i, const spy_cmd *c)
 {
     const spy_dma *d = &c->u.dma;

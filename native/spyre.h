@@ -569,6 +569,15 @@ typedef struct spy_job_info {
     uint64_t lx_high_water; /* highest scratchpad byte any command touches */
 } spy_job_info;
 
+/* What a program's commands move and where they run, as the profiler places a kernel
+ * against the roofline: the bytes its LOAD, STORE, GATHER and SCATTER commands move between
+ * DRAM and the scratchpads (a plain DMA its runs times its counts, one with a descriptor
+ * list the bytes of its entries from src_off, clipped to the table; a gather or scatter
+ * its indices' patterns) and the distinct cores of its commands (SPY_CORE_CARD aside).
+ * Counts beyond a command's dimensions are not read: nothing here is validated. */
+spy_status spy_program_footprint(const spy_cmd *cmds, uint32_t ncmds, const spy_desc *descs, uint32_t ndescs,
+                                 uint64_t *dram_bytes, uint32_t *cores);
+
 /* Validate a program block held in host memory (construction-time check). */
 spy_status spy_job_validate(spy_device *dev, const void *blob, uint64_t len, spy_job_info *info);
 

@@ -2228,6 +2228,43 @@ static void test_host_pool(void)
     }
 }
 
+/* A program's footprint: runs times counts, descriptor entries clipped to the table,
+ * gathers by their indices, distinct cores; counts past a command's dimensions unread. */
+static void test_program_footprint(void)
+{
+    spy_cmd cmds[4];
+    memset(cmds, 0, sizeof cmds);
+    cmds[0].op = SPY_OP_LOAD;
+    cmds[0].core = 3;
+    cmds[0].u.dma.run_bytes = 64;
+    cmds[0].u.dma.ndims = 9; /* hostile: only three counts exist */
+    cmds[0].u.dma.count[0] = 2;
+    cmds[0].u.dma.count[1] = 3;
+    cmds[0].u.dma.count[2] = 5;
+    cmds[1].op = SPY_OP_STORE;
+    cmds[1].core = 3;
+    cmds[1].flags = SPY_DMA_DESCS;
+    cmds[1].u.dma.src_off = 1;
+    cmds[1].u.dma.desc_count = 1000; /* past the table: clipped */
+    cmds[2].op = SPY_OP_GATHER;
+    cmds[2].core = 65534;
+    cmds[2].u.gather.nidx = 4;
+    cmds[2].u.gather.run_bytes = 16;
+    cmds[2].u.gather.ndims = 1;
+    cmds[2].u.gather.count[0] = 3;
+    cmds[3].op = SPY_OP_BARRIER;
+    cmds[3].core = SPY_CORE_CARD;
+    spy_desc descs[3] = {{0, 0, 10, 0}, {0, 0, 20, 0}, {0, 0, 30, 0}};
+    uint64_t bytes = 0;
+    uint32_t cores = 0;
+    CHECK_OK(spy_program_footprint(cmds, 4, descs, 3, &bytes, &cores));
+    CHECK(bytes == 64 * 30 + 20 + 30 + 4 * 16 * 3);
+    CHECK(cores == 2);
+    CHECK_OK(spy_program_footprint(NULL, 0, NULL, 0, &bytes, &cores));
+    CHECK(bytes == 0 && cores == 0);
+    CHECK(spy_program_footprint(cmds, 4, NULL, 3, &bytes, &cores) == SPY_E_INVALID_ARG);
+}
+
 /* The matmul tiling search: a prefill GEMM gets a 2-D grid that fits, its estimate is at
  * least its DRAM floor, a shape too large for any tile is refused as a scratchpad error,
  * and bad arguments are refused naming the field. */
@@ -2319,6 +2356,7 @@ int main(void)
     test_loop_merged_stores();
     test_attention_builder();
     test_matmul_tiling();
+    test_program_footprint();
     test_ccl();
     test_plan_collective();
     test_timed_job();

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from .. import dtypes
-from ..program import CMD_DMA, CMD_GATHER, CORE_CARD, DMA_DESCS, OP_GATHER, OP_LOAD, OP_SCATTER, OP_STORE
+from ..native import check, ffi, lib
 from .context import BuildContext
 
 # loop-body operations that are not arithmetic: data movement and index bookkeeping
@@ -129,33 +129,22 @@ def _indirect_elements(kernel) -> dict[str, int]:
 
 
 def program_facts(ctx: BuildContext) -> dict:
-    cmds, descs = ctx.sections()
-    on_cores = cmds["core"][cmds["core"] != CORE_CARD]
-    cores = int(np.count_nonzero(np.bincount(on_cores))) if on_cores.size else 0  # distinct ones
-    return {"dram_bytes": dram_bytes(cmds, descs), "cores": cores, "scratchpad_peak": int(ctx.scratchpad_peak)}
+    dram, cores = footprint(*ctx.sections())
+    return {"dram_bytes": dram, "cores": cores, "scratchpad_peak": int(ctx.scratchpad_peak)}
 
 
-_DIMS = np.arange(3)  # a pattern's dimensions, to multiply its first ndims counts
+def footprint(cmds: np.ndarray, descs: np.ndarray) -> tuple[int, int]:
+    """(bytes the program's DMA, gather and scatter commands move between DRAM and the
+    scratchpads, distinct cores its commands run on): ``spy_program_footprint``."""
+    cmds, descs = np.ascontiguousarray(cmds), np.ascontiguousarray(descs)
+    out, cores = ffi.new("uint64_t *"), ffi.new("uint32_t *")
+    check(lib.spy_program_footprint(ffi.from_buffer("spy_cmd[]", cmds), len(cmds),
+                                    ffi.from_buffer("spy_desc[]", descs), len(descs), out, cores),
+          "counting a program's DRAM bytes")
+    return int(out[0]), int(cores[0])
 
 
 def dram_bytes(cmds: np.ndarray, descs: np.ndarray) -> int:
     """Bytes the program's DMA, gather and scatter commands move between DRAM and the
-    scratchpads (read through views of the whole table: no record is copied)."""
-    op = cmds["op"]
-    dma = cmds.view(CMD_DMA)
-    moves = (op == OP_LOAD) | (op == OP_STORE)
-    listed = moves & ((dma["flags"] & DMA_DESCS) != 0)
-    plain = np.flatnonzero(moves ^ listed)
-    reps = np.where(dma["ndims"][plain, None] > _DIMS, dma["count"][plain], 1).prod(axis=1, dtype=np.int64)
-    total = int(reps @ dma["run_bytes"][plain].astype(np.int64))
-    if listed.any():  # a descriptor list's entries: desc_count of them from src_off
-        ends = np.concatenate(([0], np.cumsum(descs["bytes"], dtype=np.int64)))
-        first = np.minimum(dma["src_off"][listed], len(descs)).astype(np.int64)
-        last = np.minimum(first + dma["desc_count"][listed], len(descs))
-        total += int((ends[last] - ends[first]).sum())
-    rows = np.flatnonzero((op == OP_GATHER) | (op == OP_SCATTER))
-    if rows.size:
-        g = cmds.view(CMD_GATHER)
-        reps = np.where(g["ndims"][rows, None] > _DIMS[:2], g["count"][rows], 1).prod(axis=1, dtype=np.int64)
-        total += int((g["nidx"][rows].astype(np.int64) * g["run_bytes"][rows] * reps).sum())
-    return total
+    scratchpads."""
+    return footprint(cmds, descs)[0]

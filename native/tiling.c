@@ -17,7 +17,6 @@
  * lowest floor up and those whose floor is above the shortlist's worst are not estimated. */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "internal.h"
 
@@ -345,10 +344,16 @@ static spy_status check_args(const spy_mm_cost *c, const spy_mm_problem *p)
     if (p->nstores > SPY_MM_MAX_EPI || p->ntiles > SPY_MM_MAX_EPI || p->nrows > SPY_MM_MAX_EPI)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: nstores %u, ntiles %u, nrows %u: above %u", p->nstores,
                         p->ntiles, p->nrows, SPY_MM_MAX_EPI);
-    for (uint32_t i = 0; i < SPY_MM_MAX_EPI; i++)
-        if ((i < p->nstores && !itemsize_ok(p->e_stores[i])) || (i < p->ntiles && !itemsize_ok(p->e_tiles[i])) ||
-            (i < p->nrows && !itemsize_ok(p->e_rows[i])))
-            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: epilogue element size %u: not 1, 2 or 4", i);
+    const struct {
+        const char *name;
+        const uint32_t *e;
+        uint32_t n;
+    } epi[] = {{"e_stores", p->e_stores, p->nstores}, {"e_tiles", p->e_tiles, p->ntiles}, {"e_rows", p->e_rows, p->nrows}};
+    for (size_t a = 0; a < SPY_ARRAY_LEN(epi); a++)
+        for (uint32_t i = 0; i < epi[a].n; i++)
+            if (!itemsize_ok(epi[a].e[i]))
+                return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: %s[%u] = %u: not 1, 2 or 4", epi[a].name, i,
+                                epi[a].e[i]);
     if (p->epi_temps > 64 || p->epi_instrs > 4096)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: epi_temps %u above 64 or epi_instrs %u above 4096",
                         p->epi_temps, p->epi_instrs);
@@ -370,7 +375,7 @@ static spy_status check_tiling(const spy_mm_problem *p, const spy_mm_tiling *t, 
 
 /* ---- the search ---------------------------------------------------------------------------- */
 
-/* The grids worth trying (spyre_rt's _grids), in order: per split of the cores (pk, then pm,
+/* The grids worth trying (spyre_rt.construct.matmul.tiling.grids), in order: per split of the cores (pk, then pm,
  * then pn, each ascending), every distinct tile count per core along M (ascending), with
  * every one along N; those whose tiles exist and fit with the smallest chunk; and when the
  * roofline is more than a few launches, those that give every core a tile in every wave (if

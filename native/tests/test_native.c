@@ -2320,6 +2320,10 @@ static void test_matmul_tiling(void)
     wrong = p;
     wrong.nstores = SPY_MM_MAX_EPI + 1;
     CHECK(spy_mm_choose(&c, &wrong, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "nstores"));
+    wrong = p;
+    wrong.ntiles = 1;
+    wrong.e_tiles[0] = 3;
+    CHECK(spy_mm_choose(&c, &wrong, &t) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "e_tiles[0] = 3"));
     spy_mm_tiling over = t;
     over.n_tiles = 12801;
     CHECK(spy_mm_estimate(&c, &p, &over, 1, &o) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "n_tiles"));

@@ -4,7 +4,7 @@
  * file that defines it; a file-local function stays static in its file. The files form
  * layers, and a file calls only into layers below its own (status.c into none):
  *
- *   layer 1  device.c plan.c transfer.c dlpack.c construct.c build_matmul.c build_loop.c build_attention.c   entry points, the builders
+ *   layer 1  device.c plan.c transfer.c dlpack.c construct.c build_matmul.c build_loop.c build_attention.c tiling.c   entry points, the builders, the matmul search
  *   layer 2  job.c memory.c graph.c                one job's run; the memory API; blocks under construction
  *   layer 3  sim.c alloc.c ccl.c                   the timeline; the address space; the ring between processes
  *   layer 4  exec.c trace.c program.c profile.c    effects, trace, validation, figures

@@ -113,6 +113,7 @@ static double dram_ns(const spy_mm_cost *c, double nbytes) { return nbytes / c->
 
 /* ---- the problem's sizes ------------------------------------------------------------------ */
 
+static int64_t k_or_1(const spy_mm_problem *p) { return p->k > 1 ? (int64_t)p->k : 1; } /* K of a chunk's depth */
 static uint32_t e_store(const spy_mm_problem *p, uint32_t i) { return p->nstores ? p->e_stores[i] : p->e_out; }
 static uint32_t n_store(const spy_mm_problem *p) { return p->nstores ? p->nstores : 1; }
 
@@ -159,7 +160,7 @@ static int64_t gran_m_of(const spy_mm_cost *c, const spy_mm_problem *p)
 static int64_t lx_bytes(const spy_mm_cost *c, const spy_mm_problem *p, int64_t tm, int64_t tn, int64_t tk,
                         int64_t pk, int64_t nbuf)
 {
-    int64_t si = c->stick_bytes / p->e_in, k1 = p->k > 1 ? (int64_t)p->k : 1, depth = tk < k1 ? tk : k1;
+    int64_t si = c->stick_bytes / p->e_in, k1 = k_or_1(p), depth = tk < k1 ? tk : k1;
     int64_t st = c->stick_bytes, al = LX_ALIGN;
     int64_t a = (p->trans_a ? depth * round_up(tm, si) : tm * round_up(depth, si)) * p->e_in;
     int64_t b = (p->trans_b ? tn * round_up(depth, si) : depth * round_up(tn, si)) * p->e_in;
@@ -261,7 +262,7 @@ static void estimate(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm
     int64_t sends = pm * (pn - 1) + pn * (pm - 1);
     o->cmds = (double)blocks * ((double)steps * (double)(pk * (pm + pn + sends + pm * pn)) + (double)(pm * pn * (pk + 2)));
 
-    int64_t k1 = p->k > 1 ? (int64_t)p->k : 1;
+    int64_t k1 = k_or_1(p);
     step_terms step = step_of(c, p, t, tm, tn, o->tm_avg, o->tn_avg, tk < k1 ? tk : k1, active);
     step_terms last = step_of(c, p, t, tm, tn, o->tm_avg, o->tn_avg, tail > 1 ? tail : 1, active);
     o->t_mm = step.t_mm;
@@ -380,12 +381,27 @@ static spy_status check_tiling(const spy_mm_problem *p, const spy_mm_tiling *t, 
  * every one along N; those whose tiles exist and fit with the smallest chunk; and when the
  * roofline is more than a few launches, those that give every core a tile in every wave (if
  * any do). *out is malloc'ed (NULL when there are none). */
+/* The distinct tile counts per core along an extent cut over `parts` cores that tiles
+ * aimed at `aims` (ascending) give, ascending: into out, their count returned. */
+static size_t tile_counts(int64_t extent, int64_t parts, const uint32_t *aims, size_t naims, int64_t *out)
+{
+    size_t n = 0;
+    for (size_t a = naims; a-- > 0;) { /* counts of decreasing aims: ascending */
+        int64_t w = ceil_div(extent, parts * aims[a]);
+        w = w > 1 ? w : 1;
+        if (!n || out[n - 1] != w)
+            out[n++] = w;
+    }
+    return n;
+}
+
 static spy_status make_grids(const spy_mm_cost *c, const spy_mm_problem *p, grid **out, uint32_t *n)
 {
     *out = NULL;
     *n = 0;
     uint32_t cores = c->num_cores;
-    int64_t k1 = p->k > 1 ? (int64_t)p->k : 1, gm = gran_m_of(c, p), gn = c->gran_n;
+    int64_t k1 = k_or_1(p), gm = gran_m_of(c, p), gn = c->gran_n;
+    int64_t tk = SPY_MM_K_GRANULE < k1 ? SPY_MM_K_GRANULE : k1; /* the smallest chunk */
     size_t cap = 0, len = 0;
     grid *g = NULL;
     for (uint32_t pk = 1; pk <= cores; pk++) {
@@ -398,26 +414,14 @@ static spy_status make_grids(const spy_mm_cost *c, const spy_mm_problem *p, grid
                 if ((cores / (pk * pm)) % pn)
                     continue;
                 int64_t wm[NM], wn[NN];
-                size_t nwm = 0, nwn = 0;
-                for (size_t a = NM; a-- > 0;) { /* counts of decreasing aims: ascending */
-                    int64_t w = ceil_div((int64_t)p->m, (int64_t)pm * M_AIMS[a]);
-                    w = w > 1 ? w : 1;
-                    if (!nwm || wm[nwm - 1] != w)
-                        wm[nwm++] = w;
-                }
-                for (size_t a = NN; a-- > 0;) {
-                    int64_t w = ceil_div((int64_t)p->n, (int64_t)pn * N_AIMS[a]);
-                    w = w > 1 ? w : 1;
-                    if (!nwn || wn[nwn - 1] != w)
-                        wn[nwn++] = w;
-                }
+                size_t nwm = tile_counts((int64_t)p->m, pm, M_AIMS, NM, wm);
+                size_t nwn = tile_counts((int64_t)p->n, pn, N_AIMS, NN, wn);
                 for (size_t i = 0; i < nwm; i++)
                     for (size_t j = 0; j < nwn; j++) {
                         int64_t m_tiles = pm * wm[i], n_tiles = pn * wn[j];
                         if (m_tiles > (int64_t)p->m || n_tiles > (int64_t)p->n)
                             continue;
                         int64_t tm = tile_max((int64_t)p->m, m_tiles, gm), tn = tile_max((int64_t)p->n, n_tiles, gn);
-                        int64_t tk = SPY_MM_K_GRANULE < k1 ? SPY_MM_K_GRANULE : k1;
                         if (lx_bytes(c, p, tm, tn, tk, pk, 2) > (int64_t)c->scratchpad_bytes)
                             continue;
                         if (len == cap) {
@@ -455,7 +459,7 @@ static spy_status make_grids(const spy_mm_cost *c, const spy_mm_problem *p, grid
  * that extent. Returns their count. */
 static uint32_t chunk_list(const spy_mm_problem *p, int64_t *tks)
 {
-    int64_t k_max = round_up(p->k > 1 ? (int64_t)p->k : 1, SPY_MM_K_GRANULE);
+    int64_t k_max = round_up(k_or_1(p), SPY_MM_K_GRANULE);
     uint32_t n = 0;
     for (size_t i = 0; i < SPY_ARRAY_LEN(K_CHUNKS); i++)
         if (K_CHUNKS[i] < k_max)

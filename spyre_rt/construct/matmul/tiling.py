@@ -76,6 +76,7 @@ class Tiling:
 _TILING_FIELDS = tuple(f.name for f in fields(Tiling))
 GRID_COLUMNS = ("groups", "pk", "pm", "pn", "m_tiles", "n_tiles")  # a grid row's
 TERMS = np.dtype([(name, "f8") for name, _ in ffi.typeof("spy_mm_terms").fields])
+_TILINGS = np.dtype([(name, "u4") for name in _TILING_FIELDS])  # spy_mm_tiling
 
 
 def divisors(n: int) -> list[int]:
@@ -163,7 +164,7 @@ def terms(target: CostModel, p: Problem, cand: dict) -> dict[str, np.ndarray]:
     candidates are columns named as Tiling's fields, arrays that broadcast together."""
     cols = np.broadcast_arrays(*(np.asarray(cand[name]) for name in _TILING_FIELDS))
     shape = cols[0].shape
-    rows = np.empty(cols[0].size, dtype=[(name, "u4") for name in _TILING_FIELDS])
+    rows = np.empty(cols[0].size, dtype=_TILINGS)
     for name, col in zip(_TILING_FIELDS, cols, strict=True):
         rows[name] = col.reshape(-1)
     out = np.empty(rows.size, dtype=TERMS)
@@ -200,19 +201,23 @@ def grids(target: CostModel, p: Problem) -> np.ndarray:
     that every core has a tile in every wave. A matmul whose roofline is a few job launches
     is exempt: its fixed costs dominate, and the fewest commands serve it best."""
     n = ffi.new("uint32_t *")
-    check(lib.spy_mm_grids(_cost(target), _problem(p), ffi.NULL, 0, n), "listing matmul grids")
-    out = np.zeros(n[0], dtype=[(name, "u4") for name in _TILING_FIELDS])
+    out = np.zeros(_grid_count(target, p), dtype=_TILINGS)
     check(lib.spy_mm_grids(_cost(target), _problem(p), ffi.from_buffer("spy_mm_tiling[]", out, require_writable=True),
-                           n[0], n), "listing matmul grids")
+                           len(out), n), "listing matmul grids")
     return np.column_stack([out[name].astype(np.int64) for name in GRID_COLUMNS]).reshape(-1, len(GRID_COLUMNS))
+
+
+def _grid_count(target: CostModel, p: Problem) -> int:
+    n = ffi.new("uint32_t *")
+    check(lib.spy_mm_grids(_cost(target), _problem(p), ffi.NULL, 0, n), "listing matmul grids")
+    return n[0]
 
 
 def coarse(target: CostModel, p: Problem, prune: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per grid of :func:`grids`, its best estimate with the coarse pass's two K chunks (inf
     where none fits; NaN where pruning left it out) and its DRAM floor; and the rows the
     search shortlists, best first. With `prune` false every grid is estimated."""
-    n = len(grids(target, p))
-    cap = max(n, SHORTLIST)
+    cap = max(_grid_count(target, p), SHORTLIST)
     best, floor, short = np.empty(cap), np.empty(cap), np.empty(cap, dtype=np.uint32)
     got, nshort = ffi.new("uint32_t *"), ffi.new("uint32_t *")
     check(lib.spy_mm_coarse(_cost(target), _problem(p), int(prune), ffi.from_buffer("double[]", best, require_writable=True),

@@ -299,7 +299,7 @@ class PlanCache:
         def record(counts: dict) -> None:
             counts[TRACKED_BYTES] = total - live  # the plan files': the live temps are counted when they land
             if removed:
-                counts["evictions"] = counts.get("evictions", 0) + removed
+                _add(counts, "evictions", removed)
 
         self._update(record)
         _TRIMMED.add(self.dir)
@@ -319,10 +319,7 @@ class PlanCache:
 
     # ---- persistent counters shared by the processes using this directory ----
     def _bump(self, name: str, by: int = 1) -> None:
-        def add(counts: dict) -> None:
-            counts[name] = counts.get(name, 0) + by
-
-        self._update(add)
+        self._update(lambda counts: _add(counts, name, by))
 
     def _update(self, change):
         """Apply `change` to the shared counters under their lock; its result, or None when
@@ -349,10 +346,14 @@ class PlanCache:
             return {}
 
 
+def _add(counts: dict, name: str, by: int) -> None:
+    counts[name] = counts.get(name, 0) + by
+
+
 def _count_write(counts: dict, nbytes: int, bound: int) -> bool:
     """Count a write of `nbytes` in `counts`; whether the directory may now be over `bound`
     (or its bytes are not known: a directory no trim has recorded)."""
-    counts["writes"] = counts.get("writes", 0) + 1
+    _add(counts, "writes", 1)
     known = counts.get(TRACKED_BYTES)
     if type(known) is not int:
         return True

@@ -46,9 +46,13 @@ typedef struct attn_shape {
     bool guarded;     /* a row may have seen no key yet: its running max may be -inf */
     uint64_t maxparts;
     uint64_t nblocks;
+    bool paged;       /* keys and values gathered through the block table */
+    uint64_t idx_e;   /* bytes of a table entry */
+    uint64_t unit;    /* keys every task starts and ends on (paged): min(page, kv_block) */
 } attn_shape;
 
-static const char *const VIEW_NAMES[] = {"q", "k", "v", "out", "mask"};
+static const char *const VIEW_NAMES[] = {"q", "k", "v", "out", "mask", "table"};
+#define ATTN_OPERANDS 6
 
 static bool is_float(uint32_t dt) { return dt == SPY_DT_F16 || dt == SPY_DT_BF16 || dt == SPY_DT_F32; }
 
@@ -126,6 +130,19 @@ static spy_status shape_check(const spy_attention_record *r, attn_shape *s)
     s->big = s->group * r->q_rows; /* < 2^64: two 32-bit factors */
     s->fp32 = r->dtype == SPY_DT_F32;
     s->guarded = r->causal || r->mask_kind != SPY_ATTN_MASK_NONE;
+    s->paged = r->page != 0;
+    if (!s->paged)
+        return SPY_OK;
+    if (r->table_dtype != SPY_DT_I64 && r->table_dtype != SPY_DT_I32)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: table_dtype %u is not I64 or I32", r->table_dtype);
+    if (r->kv_len % r->page)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: kv_len %u is not a multiple of page %u", r->kv_len,
+                        r->page);
+    if (r->kv_block % r->page && r->page % r->kv_block)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: kv_block %u neither divides page %u nor is a "
+                        "multiple of it", r->kv_block, r->page);
+    s->idx_e = spy_dtype_size(r->table_dtype);
+    s->unit = r->page < r->kv_block ? r->page : r->kv_block;
     return SPY_OK;
 }
 
@@ -162,6 +179,10 @@ static spy_status tasks_check(const spy_attention_record *r, attn_shape *s)
             return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu].leader %lld is not %s", n,
                             (long long)t->leader, t->part == 0 ? "the task itself (its part 0)"
                                                                : "the part 0 of a task of as many parts and rows");
+        if (s->paged && ((uint64_t)t->kv0 % s->unit || (uint64_t)t->kv1 % s->unit))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu].kv0 %lld and kv1 %lld do not start "
+                            "and end on %llu keys (paged: min(page, kv_block))", n, (long long)t->kv0,
+                            (long long)t->kv1, (unsigned long long)s->unit);
         if (t->group < -1 || t->step < 0)
             return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu].%s is negative", n,
                             t->group < -1 ? "group" : "step");
@@ -195,6 +216,21 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
                             pitches[i].name, (unsigned long long)pitches[i].pitch,
                             (unsigned long long)pitches[i].width);
     uint64_t big = s->big, e = s->e, row_need, o_bytes, need;
+    if (s->paged) { /* whole sticks per key, as a gather moves them */
+        uint64_t sb = r->k.layout.stick_bytes;
+        const struct { const char *name; uint64_t pitch, width; } kv[] = {{"k_pitch", x->k_pitch, r->dim},
+                                                                           {"v_pitch", x->v_pitch, r->v_dim}};
+        for (int i = 0; i < 2; i++)
+            if (kv[i].pitch * e != (kv[i].width * e + sb - 1) / sb * sb)
+                return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.%s %llu is not %llu columns rounded up "
+                                "to %llu-byte sticks (paged)", kv[i].name, (unsigned long long)kv[i].pitch,
+                                (unsigned long long)kv[i].width, (unsigned long long)sb);
+        if (r->lx_table % 8 || r->table_pitch % 8 || r->table_pitch < (uint64_t)(r->kv_len / r->page) * s->idx_e ||
+            !r->table_rows)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx_table %llu and table_pitch %u (multiples of "
+                            "8) and table_rows %u do not hold rows of %u table entries", (unsigned long long)r->lx_table,
+                            r->table_pitch, r->table_rows, r->kv_len / r->page);
+    }
     if (!spy_mul_ok(big, 4, &row_need) || x->row_bytes < row_need)
         return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.row_bytes %u holds fewer than %llu rows",
                         x->row_bytes, (unsigned long long)big);
@@ -216,7 +252,8 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
         {"alpha", x->alpha, big, 4, 1, true}, {"t", x->t, big, 4, 1, true}, {"flag", x->flag, big, 1, 1, true},
         {"diag", x->diag, r->q_rows, x->s_pitch, 4, causal},
         {"diag_flag", x->diag_flag, r->q_rows, x->flag_pitch, 1, causal},
-        {"stage", x->stage, big, x->stage_pitch, e, true}};
+        {"stage", x->stage, big, x->stage_pitch, e, true},
+        {"table", r->lx_table, r->table_rows, r->table_pitch, 1, s->paged}};
     for (size_t i = 0; i < SPY_ARRAY_LEN(regions); i++) {
         const attn_region *g = &regions[i];
         uint64_t bytes, end;
@@ -235,6 +272,29 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
     return SPY_OK;
 }
 
+/* Paged keys and values: one storage row per key from column 0, pages and heads whole rows
+ * apart (a gather's pattern is then a page's rows of whole sticks); a table of the index
+ * dtype in a storage of one row per batch element. */
+static spy_status paged_check(const spy_attention_record *r, const attn_shape *s)
+{
+    const spy_attention_view *kv[2] = {&r->k, &r->v};
+    for (int i = 0; i < 2; i++) {
+        const spy_attention_view *v = kv[i];
+        uint64_t n = v->layout.row_len;
+        if (v->strides[3] != 1 || v->strides[2] != n || v->strides[0] % n || v->strides[1] % n || v->offset % n ||
+            v->layout.stick_bytes != r->k.layout.stick_bytes)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: paged %s (strides %llu %llu %llu %llu, offset "
+                            "%llu) is not one storage row of %llu elements per key from column 0", VIEW_NAMES[1 + i],
+                            (unsigned long long)v->strides[0], (unsigned long long)v->strides[1],
+                            (unsigned long long)v->strides[2], (unsigned long long)v->strides[3],
+                            (unsigned long long)v->offset, (unsigned long long)n);
+    }
+    if (r->table.layout.itemsize != s->idx_e)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: the table's storage holds %u-byte elements, not "
+                        "table_dtype %u's", r->table.layout.itemsize, r->table_dtype);
+    return SPY_OK;
+}
+
 static spy_status record_check(const spy_attention_record *r, attn_shape *s)
 {
     if ((r->ntasks && !r->tasks) || (r->nslots && !r->slot_extent))
@@ -246,12 +306,21 @@ static spy_status record_check(const spy_attention_record *r, attn_shape *s)
     if (st != SPY_OK || !r->ntasks)
         return st;
     uint64_t b = r->batch, h = r->heads, kh = r->kv_heads, ql = r->q_len, kl = r->kv_len;
-    const uint64_t want[5][4] = {{b, h, ql, r->dim}, {b, kh, kl, r->dim}, {b, kh, kl, r->v_dim},
-                                 {b, h, ql, r->v_dim}, {b, h, ql, kl}};
-    const spy_attention_view *views[5] = {&r->q, &r->k, &r->v, &r->out, &r->mask};
-    for (int i = 0; i < (r->mask_kind != SPY_ATTN_MASK_NONE ? 5 : 4); i++)
+    uint64_t kb = s->paged ? r->k.sizes[0] : b, vb = s->paged ? r->v.sizes[0] : b; /* paged: pages */
+    uint64_t kr = s->paged ? r->page : kl;                                        /* paged: keys per page */
+    const uint64_t want[ATTN_OPERANDS][4] = {{b, h, ql, r->dim}, {kb, kh, kr, r->dim}, {vb, kh, kr, r->v_dim},
+                                             {b, h, ql, r->v_dim}, {b, h, ql, kl}, {b, s->paged ? kl / r->page : 0, 1, 1}};
+    const spy_attention_view *views[ATTN_OPERANDS] = {&r->q, &r->k, &r->v, &r->out, &r->mask, &r->table};
+    if (s->paged && (!kb || !vb))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: a paged cache of no pages");
+    for (int i = 0; i < ATTN_OPERANDS; i++) {
+        if ((i == 4 && r->mask_kind == SPY_ATTN_MASK_NONE) || (i == 5 && !s->paged))
+            continue;
         if ((st = view_check(r, views[i], VIEW_NAMES[i], want[i])) != SPY_OK)
             return st;
+    }
+    if (s->paged && (st = paged_check(r, s)) != SPY_OK)
+        return st;
     return regions_check(r, s);
 }
 
@@ -482,6 +551,7 @@ typedef struct attn_block {
     uint64_t kv_move;            /* its K and V moves, when src is itself */
     uint64_t q1_task;            /* the task whose Q loads it hosts after its own loads (nq1) */
     uint32_t nq0, nq1, nk, nv, nm; /* its commands loading Q (a task's first, then the next task's), K, V, mask */
+    uint32_t nt;                   /* a core's first block (paged): its commands loading the core's table rows */
     uint16_t core;
     bool first, last;
     uint64_t a, b;               /* the first rows of its groups A and B */
@@ -496,6 +566,8 @@ typedef struct attn_tstate {
     uint32_t prog, nprog; /* its finish's or combine's instructions */
     int64_t prev_store;   /* the task before it on its core that stores, or -1 */
     uint64_t parts_begin, nparts; /* a leader's other parts: parts[parts_begin, +nparts) */
+    uint64_t region, owner;       /* paged: its table row's region on its core, the task that loads it */
+    uint64_t table_move;          /* the owner's: its table row's load */
 } attn_tstate;
 
 /* An SFU program made: its kind and arguments, where its instructions are. */
@@ -511,7 +583,7 @@ typedef struct attn {
     attn_block *blk;
     attn_tstate *tk;
     uint64_t *recv;      /* receiving blocks, grouped by the block that sends to them */
-    attn_operand op[5];  /* q, k, v, out, mask (VIEW_NAMES) */
+    attn_operand op[ATTN_OPERANDS]; /* q, k, v, out, mask, table (VIEW_NAMES) */
     attn_prog *progs;    /* the SFU programs made, by their kind and arguments (a hash table) */
     uint64_t progs_mask;
     spy_vec instrs;      /* their instructions */
@@ -526,7 +598,7 @@ typedef struct attn {
     uint64_t ndescs;
 } attn;
 
-enum { OP_Q, OP_K, OP_V, OP_OUT, OP_MASK };
+enum { OP_Q, OP_K, OP_V, OP_OUT, OP_MASK, OP_TABLE };
 
 static void attn_free(attn *a)
 {
@@ -537,7 +609,7 @@ static void attn_free(attn *a)
     free(a->parts);
     free(a->dep_at);
     spy_vec_free(&a->deps);
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < ATTN_OPERANDS; i++) {
         spy_vec_free(&a->op[i].patterns);
         spy_vec_free(&a->op[i].moves);
     }
@@ -643,6 +715,32 @@ static void make_sends(attn *a)
         }
 }
 
+/* Paged: each task's table region on its core, one per distinct batch element of the
+ * core's tasks (the first task of each loads it). */
+static spy_status make_tables(attn *a)
+{
+    const spy_attention_record *r = a->r;
+    for (uint64_t lo = 0, hi; lo < r->ntasks; lo = hi) {
+        uint64_t regions = 0;
+        for (hi = lo; hi < r->ntasks && r->tasks[hi].core == r->tasks[lo].core; hi++) {
+            uint64_t k = lo;
+            while (k < hi && (r->tasks[k].batch != r->tasks[hi].batch || a->tk[k].owner != k))
+                k++;
+            if (k == hi) { /* a new batch element: a region of its own */
+                if (regions == r->table_rows)
+                    return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: core %lld's tasks read the table "
+                                    "rows of more than table_rows %u batch elements", (long long)r->tasks[lo].core,
+                                    r->table_rows);
+                a->tk[hi].region = regions++;
+            } else {
+                a->tk[hi].region = a->tk[k].region;
+            }
+            a->tk[hi].owner = k;
+        }
+    }
+    return SPY_OK;
+}
+
 static const attn_move *move_at(const attn_operand *op, uint64_t i) { return (const attn_move *)op->moves.data + i; }
 static attn_move *move_of(attn_operand *op, uint64_t i) { return (attn_move *)op->moves.data + i; }
 
@@ -724,12 +822,18 @@ static spy_status make_moves(attn *a)
             if (a->tk[t].out_move == UINT64_MAX)
                 return SPY_E_HOST_NOMEM;
         }
+        if (a->s.paged && a->tk[t].owner == t) { /* the row of its batch element's pages */
+            const spy_attention_view *tv = &r->table;
+            attn_box tb = {1, {tv->sizes[1]}, {tv->strides[1]}, {a->s.idx_e}};
+            if ((a->tk[t].table_move = add_move(&a->op[OP_TABLE], tv->offset + b * tv->strides[0], &tb)) == UINT64_MAX)
+                return SPY_E_HOST_NOMEM;
+        }
     }
     for (uint64_t i = 0; i < a->s.nblocks; i++) {
         attn_block *blk = &a->blk[i];
         const spy_attention_task *k = &r->tasks[blk->task];
         uint64_t b = (uint64_t)k->batch, h = (uint64_t)k->kv_head;
-        if (blk->src == i) {
+        if (blk->src == i && !a->s.paged) { /* paged: a gather each (fill_gathers) */
             const spy_attention_view *kv[2] = {&r->k, &r->v};
             uint64_t dims[2] = {r->dim, r->v_dim}, pitches[2] = {x->k_pitch, x->v_pitch};
             for (int w = 0; w < 2; w++) {
@@ -753,12 +857,13 @@ static spy_status make_moves(attn *a)
     return SPY_OK;
 }
 
-/* Rows of a block's commands: group A is its K loads, the Q loads of a core's first task,
+/* Rows of a block's commands: group A is (paged, a core's first block) the loads of the
+ * core's table rows, its K loads, the Q loads of a core's first task,
  * its mask and V loads, the Q loads of the next task (behind this block's own loads: Q has
  * two slots), the sends of K, then of V, to its group's other cores, the matmul S; group B
  * its SFU program, the matmul O, after a task's last block its end and stores. */
-static uint64_t k_row(const attn_block *b) { return b->a; }
-static uint64_t m_row(const attn_block *b) { return b->a + b->nk + b->nq0; }
+static uint64_t k_row(const attn_block *b) { return b->a + b->nt; }
+static uint64_t m_row(const attn_block *b) { return k_row(b) + b->nk + b->nq0; }
 static uint64_t v_row(const attn_block *b) { return m_row(b) + b->nm; }
 static uint64_t ks_row(const attn_block *b) { return v_row(b) + b->nv + b->nq1; }
 static uint64_t vs_row(const attn_block *b) { return ks_row(b) + b->nsend; }
@@ -778,13 +883,21 @@ static uint64_t place(attn *a)
     }
     for (uint64_t i = 0; i < a->s.nblocks; i++) {
         attn_block *b = &a->blk[i];
-        if (b->src == i) {
+        if (b->src == i && a->s.paged) {
+            b->nk = b->nv = 1;
+        } else if (b->src == i) {
             b->nk = (uint32_t)move_at(&a->op[OP_K], b->kv_move)->ncmds;
             b->nv = (uint32_t)move_at(&a->op[OP_V], b->kv_move)->ncmds;
         }
         if (r->mask_kind != SPY_ATTN_MASK_NONE)
             b->nm = (uint32_t)move_at(&a->op[OP_MASK], i)->ncmds;
     }
+    if (a->s.paged) /* a core's table rows, first of all */
+        for (uint64_t t = 0; t < r->ntasks; t++)
+            if (a->tk[t].owner == t) {
+                attn_block *first = &a->blk[a->tk[t - a->tk[t].tseq].first_block];
+                first->nt += (uint32_t)move_at(&a->op[OP_TABLE], a->tk[t].table_move)->ncmds;
+            }
     /* a core's first task loads its queries with its first block; each later task while
      * the task before it runs, in that task's second block (or its only one) */
     for (uint64_t t = 0; t < r->ntasks; t++) {
@@ -806,7 +919,7 @@ static uint64_t place(attn *a)
             if (i < hi) { /* A(i) */
                 attn_block *b = &a->blk[i];
                 b->a = pos;
-                pos += (uint64_t)b->nq0 + b->nq1 + b->nk + b->nm + b->nv + 2 * b->nsend + 1;
+                pos += (uint64_t)b->nt + b->nq0 + b->nq1 + b->nk + b->nm + b->nv + 2 * b->nsend + 1;
             }
             if (i > lo) { /* B(i - 1) */
                 attn_block *b = &a->blk[i - 1];
@@ -820,7 +933,7 @@ static uint64_t place(attn *a)
         const attn_block *host;
         if (!ts->tseq) {
             host = &a->blk[ts->first_block];
-            ts->q_row = host->a + host->nk;
+            ts->q_row = k_row(host) + host->nk;
         } else {
             const attn_tstate *p = &a->tk[t - 1];
             host = &a->blk[p->first_block + 1 < p->last_block ? p->first_block + 1 : p->last_block];
@@ -1163,6 +1276,50 @@ static void sfu_command(spy_cmd *c, uint32_t begin, uint32_t n)
     c->u.sfu.ninstrs = n;
 }
 
+/* Paged: each block's K and V as one GATHER each through its batch element's table row
+ * (in the scratchpad): whole pages (or the block's rows of one page), each key a storage
+ * row of whole sticks, packed row-major into the slot as a LOAD would lay it. */
+static void fill_gathers(attn *a)
+{
+    const spy_attention_record *r = a->r;
+    const spy_attention_lx *x = &r->lx;
+    uint64_t e = a->s.e, page = r->page;
+    for (uint64_t i = 0; i < a->s.nblocks; i++) {
+        const attn_block *b = &a->blk[i];
+        if (b->src != i)
+            continue;
+        const attn_tstate *ts = &a->tk[b->task];
+        uint64_t h = (uint64_t)r->tasks[b->task].kv_head, in_page = b->kv0 % page;
+        uint64_t rows = r->kv_block < page ? b->keys : page; /* keys per index */
+        const spy_attention_view *views[2] = {&r->k, &r->v};
+        uint64_t pitches[2] = {x->k_pitch, x->v_pitch}, lx[2] = {x->k[b->g % 2], x->v[b->g % 2]};
+        uint64_t rowz[2] = {k_row(b), v_row(b)};
+        for (int w = 0; w < 2; w++) {
+            const spy_attention_view *v = views[w];
+            const spy_layout *l = &v->layout;
+            uint64_t sb = l->stick_bytes, n = l->row_len;
+            spy_cmd *c = &a->cmds[rowz[w]];
+            c->op = SPY_OP_GATHER;
+            spy_gather *g = &c->u.gather;
+            g->table_slot = v->slot;
+            g->idx_off = (uint32_t)(r->lx_table + ts->region * r->table_pitch + b->kv0 / page * a->s.idx_e);
+            g->idx_dtype = r->table_dtype;
+            g->nidx = (uint32_t)(b->keys / rows);
+            g->table_off = phys(l, v->offset + h * v->strides[1] + in_page * n);
+            g->row_stride = v->strides[0] / n * sb;
+            g->limit = v->sizes[0];
+            g->lx_off = (uint32_t)lx[w];
+            g->lx_pitch = (uint32_t)(rows * pitches[w] * e);
+            g->run_bytes = (uint32_t)sb;
+            g->ndims = 2;
+            g->count[0] = (uint32_t)(pitches[w] * e / sb); /* the sticks of a key, then the keys */
+            g->count[1] = (uint32_t)rows;
+            g->stride[0] = (l->rows ? l->rows : 1) * sb;
+            g->stride[1] = sb;
+        }
+    }
+}
+
 /* Every command but the DMA of the tiles: the sends of shared blocks, the matmuls, the
  * SFU programs, a task's end (its finish, or a part's state sent to its leader). */
 static void fill_compute(attn *a)
@@ -1251,8 +1408,15 @@ static uint64_t end_of(const attn *a, uint64_t task) { return end_row(&a->blk[a-
 static void link_a(attn *a, uint64_t i)
 {
     const attn_block *b = &a->blk[i], *p2 = b->prev2 >= 0 ? &a->blk[b->prev2] : NULL;
+    const attn_move *table = NULL; /* paged: the load of the row its gathers read */
+    if (a->s.paged && b->src == i)
+        table = move_at(&a->op[OP_TABLE], a->tk[a->tk[b->task].owner].table_move);
+    for (uint32_t k = 0; k < b->nt; k++) /* a core's table rows: regions of their own, never reused */
+        link_next(a);
     for (uint32_t k = 0; k < b->nk; k++) {
         link_next(a);
+        if (table)
+            wait_on(a, table->row, table->ncmds);
         if (p2) {
             wait_on(a, mm1_row(p2), 1);
             wait_on(a, ks_row(p2), p2->nsend);
@@ -1267,6 +1431,8 @@ static void link_a(attn *a, uint64_t i)
     }
     for (uint32_t k = 0; k < b->nv; k++) {
         link_next(a);
+        if (table)
+            wait_on(a, table->row, table->ncmds);
         if (p2) {
             wait_on(a, mm2_row(p2), 1);
             wait_on(a, vs_row(p2), p2->nsend);
@@ -1403,9 +1569,21 @@ static void place_moves(attn *a)
             o->lx_off = r->lx.stage;
         }
     }
+    uint64_t at = 0; /* paged: the next table row's command in its core's first block */
+    for (uint64_t t = 0; a->s.paged && t < r->ntasks; t++) {
+        const attn_tstate *ts = &a->tk[t];
+        if (!ts->tseq)
+            at = a->blk[ts->first_block].a;
+        if (ts->owner != t)
+            continue;
+        attn_move *m = move_of(&a->op[OP_TABLE], ts->table_move);
+        m->row = at;
+        m->lx_off = r->lx_table + ts->region * r->table_pitch;
+        at += m->ncmds;
+    }
     for (uint64_t i = 0; i < a->s.nblocks; i++) {
         const attn_block *b = &a->blk[i];
-        if (b->src == i) {
+        if (b->src == i && !a->s.paged) {
             attn_move *k = move_of(&a->op[OP_K], b->kv_move), *v = move_of(&a->op[OP_V], b->kv_move);
             k->row = k_row(b);
             k->lx_off = r->lx.k[b->g % 2];
@@ -1440,20 +1618,23 @@ static spy_status build(attn *a, spy_built *out)
                             (unsigned long long)nb);
         if ((st = make_blocks(a)) != SPY_OK)
             return st;
+        if (a->s.paged && (st = make_tables(a)) != SPY_OK)
+            return st;
         make_sends(a);
-        const spy_attention_view *views[5] = {&r->q, &r->k, &r->v, &r->out, &r->mask};
-        for (int i = 0; i < 5; i++) {
+        const spy_attention_view *views[ATTN_OPERANDS] = {&r->q, &r->k, &r->v, &r->out, &r->mask, &r->table};
+        for (int i = 0; i < ATTN_OPERANDS; i++) {
             a->op[i].view = views[i];
             a->op[i].load = i != OP_OUT;
         }
-        uint64_t most[5] = {nt, nb, nb, nt, r->mask_kind != SPY_ATTN_MASK_NONE ? nb : 0}; /* tiles per operand */
-        for (int i = 0; i < 5; i++) /* room for them at once: the vectors grow no more */
+        uint64_t most[ATTN_OPERANDS] = {nt, nb, nb, nt, r->mask_kind != SPY_ATTN_MASK_NONE ? nb : 0,
+                                        a->s.paged ? nt : 0}; /* tiles per operand */
+        for (int i = 0; i < ATTN_OPERANDS; i++) /* room for them at once: the vectors grow no more */
             if (most[i] && spy_vec_push(&a->op[i].moves, most[i]))
                 a->op[i].moves.len = 0;
         if (make_moves(a) != SPY_OK)
             return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for the DMA of an attention's tiles");
         ncmds = place(a);
-        for (int i = 0; i < 5; i++)
+        for (int i = 0; i < ATTN_OPERANDS; i++)
             ndescs += a->op[i].ndescs;
         make_programs(a);
         if (a->instrs.failed)
@@ -1510,10 +1691,12 @@ static spy_status build(attn *a, spy_built *out)
                 a->cmds[k].ndeps = a->dep_at[k + 1] - a->dep_at[k];
             }
     }
-    const int order[5] = {OP_Q, OP_K, OP_V, OP_MASK, OP_OUT}; /* the descriptor lists' order */
-    for (int i = 0; i < 5; i++)
+    const int order[ATTN_OPERANDS] = {OP_Q, OP_K, OP_V, OP_MASK, OP_OUT, OP_TABLE}; /* the descriptor lists' order */
+    for (int i = 0; i < ATTN_OPERANDS; i++)
         if ((st = fill_moves(a, &a->op[order[i]])) != SPY_OK)
             return st;
+    if (a->s.paged)
+        fill_gathers(a);
     fill_compute(a);
     return SPY_OK;
 }
@@ -1530,7 +1713,7 @@ spy_status spy_build_attention(const spy_attention_record *r, spy_built *out)
     spy_status st = record_check(r, &a.s);
     if (st != SPY_OK)
         return st;
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < ATTN_OPERANDS; i++) {
         a.op[i].patterns.elem = sizeof(attn_pattern);
         a.op[i].moves.elem = sizeof(attn_move);
     }

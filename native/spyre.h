@@ -976,6 +976,22 @@ typedef struct spy_attention_record {
     const uint64_t *slot_extent; /* nslots extents */
     spy_attention_view q, k, v, out, mask; /* mask: read only with a mask_kind */
     spy_attention_lx lx;
+    /* Paged keys and values (page > 0; vLLM's paged KV cache): k and v are views (pages,
+     * kv_heads, page, dim) of a cache of pages, one storage row per key (strides[3] 1,
+     * strides[2] the storage's row_len, column 0), and key j of batch element b is row
+     * j % page of page table[b, j / page]. Each block of keys is then one GATHER through
+     * the batch element's row of the table (whole sticks per key: k_pitch and v_pitch are
+     * their dims rounded up to sticks), the row loaded once per core into one of
+     * table_rows regions of table_pitch bytes from lx_table, a region per distinct batch
+     * element of the core's tasks. kv_len is a multiple of page; kv_block divides page or
+     * is a multiple of it; every task's keys start and end on min(page, kv_block). A page
+     * number outside [0, pages) fails the launch with SPY_E_INDEX. */
+    uint32_t page;             /* keys per page; 0: k and v are dense views */
+    uint32_t table_dtype;      /* SPY_DT_I64 or SPY_DT_I32 */
+    spy_attention_view table;  /* (batch, kv_len / page, 1, 1) */
+    uint64_t lx_table;         /* the first region: a multiple of 8 */
+    uint32_t table_pitch;      /* bytes per region: a multiple of 8 */
+    uint32_t table_rows;       /* regions */
 } spy_attention_record;
 
 spy_status spy_build_attention(const spy_attention_record *rec, spy_built *out);

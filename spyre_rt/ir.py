@@ -182,7 +182,11 @@ class AttentionKernel:
     query head h reads kv head ``h // (heads // kv_heads)`` (grouped-query attention). The
     mask is broadcast to (batch, heads, q_len, kv_len): a boolean mask keeps the scores
     where it is true, a float mask is added to them. ``causal`` keeps key j for query i
-    when ``j <= i + q_offset`` (torch's ``is_causal`` aligns the corners: offset 0)."""
+    when ``j <= i + q_offset`` (torch's ``is_causal`` aligns the corners: offset 0).
+
+    Paged (``page`` > 0, vLLM's paged KV cache): k and v are (pages, kv_heads, page, dim)
+    views of a cache of pages, and key j of batch element b is row ``j % page`` of page
+    ``block_table[b, j // page]``; kv_len is the table's width times ``page``."""
 
     name: str
     q: View
@@ -198,11 +202,14 @@ class AttentionKernel:
     buffers: tuple[Buffer, ...] = ()
     origins: tuple[str, ...] = ()
     module: str = ""
+    page: int = 0
+    block_table: View | None = None  # (batch, kv_len // page)
+    table_dtype: str = ""
 
     kind = "attention"
 
     def views(self) -> list[View]:
-        out = [self.q, self.k, self.v, self.out]
+        out = [self.q, self.k, self.v, self.out] + ([self.block_table] if self.block_table is not None else [])
         if self.mask is not None:  # its broadcast dimensions read nothing more
             name, off, sizes, strides = self.mask
             moving = [(n, s) for n, s in zip(sizes, strides, strict=True) if s != 0]

@@ -322,6 +322,9 @@ def _matmul(k: MatmulKernel, memory: Memory) -> None:
 
 def _attention(k: AttentionKernel, memory: Memory) -> None:
     q, key, v = (_view(memory, x).to(torch.float32) for x in (k.q, k.k, k.v))
+    if k.page:  # (pages, kv_heads, page, dim) through the table: (batch, kv_heads, kv_len, dim)
+        table = _view(memory, k.block_table).to(torch.int64)
+        key, v = (x[table].permute(0, 2, 1, 3, 4).flatten(2, 3) for x in (key, v))
     heads, kv_heads = q.shape[1], key.shape[1]
     if kv_heads != heads:  # grouped-query attention: query head h reads kv head h // group
         key = key.repeat_interleave(heads // kv_heads, dim=1)

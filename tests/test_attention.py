@@ -30,8 +30,11 @@ from spyre_rt.construct import attention as A
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.cost import CostModel
 from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.errors import SpyreError
 from spyre_rt.ir import AttentionKernel, LoopKernel
 from spyre_rt.layout import StickLayout
+from spyre_rt.native import lib
+from spyre_rt.program import block_sections
 
 MODES = dispatch.NAMES  # every dispatch mode, from the table
 F32, F16 = torch.float32, torch.float16
@@ -304,6 +307,109 @@ def test_cores_of_a_kv_head_share_its_keys_over_the_ring(card):
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
     _no_races(blob)
+
+
+# ---- paged keys and values: gathered through the block table --------------------------------
+
+
+def run_paged(card, q, cache, table, mask, tiling=None):
+    """The builder's program for one paged attention (q (batch, heads, q_len, dim), cache
+    (2, kv_heads, pages, page, dim) as serving lays it out, table (batch, width) of page
+    numbers, mask (batch, 1, q_len, width * page)); (output, tiling, program)."""
+    batch, heads, q_len, dim = q.shape
+    _, kv_heads, pages, page, _ = cache.shape
+    out = torch.zeros(batch, q_len, heads, dim, dtype=q.dtype)
+    host = {"q": q, "cache": cache, "table": table, "mask": mask, "out": out}
+    views = {n: (n, 0, tuple(t.shape), tuple(t.stride())) for n, t in host.items()}
+    k, v = (cache[i].transpose(0, 1) for i in range(2))  # (pages, kv_heads, page, dim)
+    kv_len = table.shape[1] * page
+    m = mask.expand(batch, heads, q_len, kv_len)
+    kernel = AttentionKernel(
+        "attention", views["q"], ("cache", 0, tuple(k.shape), tuple(k.stride())),
+        ("cache", cache[1].storage_offset(), tuple(v.shape), tuple(v.stride())),
+        ("out", 0, (batch, heads, q_len, dim), tuple(out.transpose(1, 2).stride())), dtypes.name(q.dtype),
+        1 / math.sqrt(dim), mask=("mask", 0, tuple(m.shape), tuple(m.stride())), mask_dtype="bool", page=page,
+        block_table=views["table"], table_dtype=dtypes.name(table.dtype))
+    placed = {n: _upload(card, t.contiguous(), t.shape[-1]) for n, t in host.items()}
+    ctx = BuildContext(CostModel.of_figures(card.profile), {n: lay for n, (_, lay) in placed.items()})
+    tiling = A.build(ctx, kernel, tiling)
+    blob = ctx.encode()
+    try:
+        program = jobs.ResidentProgram(card, blob, "attention")
+        try:
+            program.launch([placed[n][0] for n in ctx.buffers()])
+            card.synchronize()
+        finally:
+            program.free()
+        got = _download(card, *placed["out"], out).view(batch, q_len, heads, -1).transpose(1, 2)
+    finally:
+        for addr, _ in placed.values():
+            card.free(addr)
+    return got, tiling, blob
+
+
+def paged_case(g, *, batch, heads, kv_heads, q_len, width, page, pages, dim=64, dtype=F16, table_dtype=torch.int64):
+    """Random queries and cache, each element's pages drawn without repeats, and its
+    positions: element b's last query sits at a random length (the keys past it masked)."""
+    q = torch.randn(batch, heads, q_len, dim, generator=g).to(dtype)
+    cache = torch.randn(2, kv_heads, pages, page, dim, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(pages, generator=g)[:width] for _ in range(batch)]).to(table_dtype)
+    seen = torch.randint(q_len, width * page + 1, (batch,), generator=g)
+    pos = seen[:, None] - q_len + torch.arange(q_len)[None, :]
+    mask = (torch.arange(width * page)[None, None, :] <= pos[:, :, None])[:, None]
+    return q, cache, table, mask
+
+
+def paged_want(q, cache, table, mask):
+    """The dense attention over each element's pages, in fp32."""
+    k, v = (cache[i].float()[:, table.long()].permute(1, 0, 2, 3, 4).flatten(2, 3) for i in range(2))
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "q_len", "width", "page", "dtype", "table_dtype", "expect"), [
+    (1, 2, 1, 33, 64, F16, torch.int64, "split"),       # decode, one element: its keys over 16 cores each
+    (4, 2, 1, 5, 128, F32, torch.int32, "split"),       # decode of a batch, an int32 table
+    (32, 4, 1, 3, 64, F16, torch.int64, "rows"),        # more tasks than cores: a core reads several rows
+    (2, 2, 1, 2, 1024, F16, torch.int64, "in-page"),    # blocks of one page's rows
+    (1, 2, 100, 4, 192, F32, torch.int64, "in-page"),   # pages of 192 keys: 64-key blocks
+    (2, 2, 37, 6, 64, F16, torch.int64, "split"),       # a prefill chunk per element
+    (1, 2, 300, 8, 64, F16, torch.int64, "shared"),     # a chunk's tiles walk the keys together
+])
+def test_paged_attention_gathers_each_block_through_the_block_table(card, batch, kv_heads, q_len, width, page, dtype,
+                                                                     table_dtype, expect):
+    g = torch.Generator().manual_seed(batch * 1000 + q_len + page)
+    q, cache, table, mask = paged_case(g, batch=batch, heads=4 * kv_heads, kv_heads=kv_heads, q_len=q_len,
+                                       width=width, page=page, pages=width * batch + 3, dtype=dtype,
+                                       table_dtype=table_dtype)
+    got, record, blob = run_paged(card, q, cache, table, mask)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.float(), paged_want(q, cache, table, mask), rtol=rtol, atol=atol)
+    _no_races(blob)
+    tasks = record.tiling.tasks
+    assert {"split": tasks[:, A.PARTS].max() > 1, "rows": record.lx.table_rows > 1,
+            "in-page": record.tiling.kv_block < page, "shared": (tasks[:, A.GROUP] >= 0).any()}[expect]
+    # one gather per block of keys and of values, where the dense kernel's loads were
+    assert gathers(blob) == 2 * blocks_loaded(record)
+
+
+def gathers(blob) -> int:
+    return int((block_sections(blob)[0]["op"] == lib.SPY_OP_GATHER).sum())
+
+
+def blocks_loaded(record) -> int:
+    """Blocks of keys loaded: every task's, those of a sharing group's step once."""
+    tiling = record.tiling
+    walks = {(int(t[A.GROUP]), int(t[A.STEP])) if t[A.GROUP] >= 0 else ("task", i): (int(t[A.KV0]), int(t[A.KV1]))
+             for i, t in enumerate(tiling.tasks)}
+    return sum(-(-(hi - lo) // tiling.kv_block) for lo, hi in walks.values())
+
+
+def test_a_page_number_outside_the_cache_fails_the_launch_naming_it(card):
+    g = torch.Generator().manual_seed(9)
+    q, cache, table, mask = paged_case(g, batch=2, heads=4, kv_heads=2, q_len=1, width=3, page=64, pages=6)
+    table[1, 2] = 6
+    with pytest.raises(SpyreError, match="index 6 .*outside the table's 6 rows"):
+        run_paged(card, q, cache, table, mask)
 
 
 # ---- the tiling ------------------------------------------------------------------------------

@@ -1856,6 +1856,103 @@ static void test_attention_builder(void)
     spy_device_close(d);
 }
 
+/* The record above over a paged cache: 256 keys in 4 pages of 64 of a cache of 8 pages
+ * ((kv_heads, pages, page, dim) storage, read pages first), a table of 4 page numbers. */
+static void paged_record(spy_attention_record *r, spy_attention_task *tasks, uint64_t *extents)
+{
+    attention_record(r, tasks, extents);
+    r->nslots = 5;
+    r->kv_len = 256;
+    for (int i = 0; i < 4; i++)
+        tasks[i].kv0 = i % 2 ? 128 : 0, tasks[i].kv1 = i % 2 ? 256 : 128;
+    extents[1] = extents[2] = 1024 * 128, extents[4] = 128;
+    spy_attention_view kv = {1, 0, {1024, 64, 2, 128}, 0, {8, 2, 64, 64}, {4096, 32768, 64, 1}};
+    r->k = r->v = kv;
+    r->v.slot = 2;
+    r->page = 64;
+    r->table_dtype = SPY_DT_I64;
+    r->table = (spy_attention_view){4, 0, {1, 4, 8, 128}, 0, {1, 4, 1, 1}, {4, 1, 1, 1}};
+    r->lx_table = 71040, r->table_pitch = 32, r->table_rows = 1;
+}
+
+static void test_paged_attention_builder(void)
+{
+    current = "paged attention builder";
+    spy_profile pr = test_profile();
+    spy_device *d;
+    CHECK_OK(spy_device_open(&pr, SPY_MODE_TIMING, 0, &d));
+    spy_attention_record r;
+    spy_attention_task tasks[4];
+    uint64_t extents[5];
+    paged_record(&r, tasks, extents);
+    spy_built b;
+    spy_job_info info;
+    CHECK_OK(spy_build_attention(&r, &b));
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    /* a table row loaded per core, then one gather of two pages each for K and V per task */
+    const spy_job_header *h = (const spy_job_header *)b.data;
+    const spy_cmd *cmds = (const spy_cmd *)((const spy_slot *)(h + 1) + h->nslots);
+    uint32_t gathers = 0, loads = 0;
+    for (uint32_t i = 0; i < h->ncmds; i++) {
+        if (cmds[i].op == SPY_OP_GATHER) {
+            const spy_gather *g = &cmds[i].u.gather;
+            gathers++;
+            CHECK(g->nidx == 2 && g->limit == 8 && g->row_stride == 64 * 128 && g->lx_pitch == 64 * 128);
+            CHECK(g->idx_off == r.lx_table + (cmds[i].core % 2 ? 16u : 0u)); /* the second part: pages 2, 3 */
+        }
+        loads += cmds[i].op == SPY_OP_LOAD && cmds[i].u.dma.dst_off == r.lx_table;
+    }
+    CHECK(gathers == 8 && loads == 4);
+    spy_built_free(&b);
+
+    struct {
+        const char *field;
+        spy_status status;
+    } cases[] = {
+        {"multiple of page", SPY_E_INVALID_ARG}, {"neither divides", SPY_E_INVALID_ARG},
+        {"tasks[1].kv0", SPY_E_INVALID_ARG},     {"table_rows", SPY_E_INVALID_ARG},
+        {"paged k", SPY_E_INVALID_ARG},          {"table's storage", SPY_E_INVALID_ARG},
+        {"table_dtype", SPY_E_INVALID_ARG},      {"table.sizes[1]", SPY_E_INVALID_ARG},
+        {"lx.table", SPY_E_SCRATCHPAD},          {"k_pitch", SPY_E_INVALID_ARG},
+        {"table.offset", SPY_E_BAD_ADDRESS},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        paged_record(&r, tasks, extents);
+        switch (i) {
+        case 0: r.page = 96; break;                                    /* 256 keys are not whole pages */
+        case 1: r.page = 128, r.kv_block = 96; break;                  /* a block across pages */
+        case 2: tasks[1].kv0 = 96; break;                              /* a task starting inside a block */
+        case 3: r.table_pitch = 24; break;                             /* a region short of a row */
+        case 4: r.k.strides[2] = 32; break;                            /* two keys per storage row */
+        case 5: r.table_dtype = SPY_DT_I32; break;                     /* entries of the wrong width */
+        case 6: r.table_dtype = SPY_DT_F32; break;
+        case 7: r.table.sizes[1] = 3; break;                           /* not kv_len / page entries */
+        case 8: r.lx_table = r.scratchpad_bytes - 8; break;            /* the regions outside */
+        case 9: r.lx.k_pitch = 128; break;                             /* a key of more sticks than its dim */
+        case 10: r.table.offset = 1; break;                            /* a row reaching past its storage */
+        }
+        b.data = (uint8_t *)&b;
+        spy_status s = spy_build_attention(&r, &b);
+        CHECK(s == cases[i].status && !b.data && b.bytes == 0);
+        if (!strstr(spy_last_error(), cases[i].field))
+            fprintf(stderr, "case %zu: %s\n", i, spy_last_error());
+        CHECK(strstr(spy_last_error(), cases[i].field) != NULL);
+    }
+    /* a core reading the rows of more batch elements than its regions */
+    paged_record(&r, tasks, extents);
+    r.batch = 2;
+    r.table.layout.rows = 2, r.table.sizes[0] = 2, extents[4] = 256;
+    r.q.sizes[0] = r.out.sizes[0] = 2, r.q.layout.rows = r.out.layout.rows = 8, extents[0] = extents[3] = 8 * 128;
+    tasks[1].core = 0, tasks[1].batch = 1, tasks[1].part = 0, tasks[1].parts = 1, tasks[1].leader = 1;
+    tasks[0].parts = 1;
+    CHECK(spy_build_attention(&r, &b) == SPY_E_INVALID_ARG && strstr(spy_last_error(), "table_rows 1 batch"));
+    r.table_rows = 2;
+    CHECK_OK(spy_build_attention(&r, &b));
+    CHECK_OK(spy_job_validate(d, b.data, b.bytes, &info));
+    spy_built_free(&b);
+    spy_device_close(d);
+}
+
 /* ---- collectives (ccl.c) and timed jobs: two ranks as two threads of one process ---- */
 
 typedef struct ccl_rank_run {
@@ -2359,6 +2456,7 @@ int main(void)
     test_loop_builder();
     test_loop_merged_stores();
     test_attention_builder();
+    test_paged_attention_builder();
     test_matmul_tiling();
     test_program_footprint();
     test_ccl();

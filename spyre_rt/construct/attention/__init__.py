@@ -85,10 +85,28 @@ def decide(ctx: BuildContext, kernel) -> Record:
         if dt not in dtypes.MATMUL:
             raise Refused(f"attention in {dt}")
     views = {n: view(getattr(kernel, n)) for n in ("q", "k", "v", "out", "mask")}
-    shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"])
+    views["table"] = view(getattr(kernel, "block_table", None)) if getattr(kernel, "page", 0) else None
+    shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"], views["table"])
+    if shape.page:
+        _paged_fits(ctx, shape, views)
     tiling = choose(shape, ctx.target)
     lx = Scratchpad(shape, ctx.target, tiling)
     return Record(ctx.target, shape, tiling, lx, views, ctx.layouts, kernel.scale)
+
+
+def _paged_fits(ctx: BuildContext, shape: Shape, views: dict) -> None:
+    """Paged keys and values are gathered a key per storage row, whole sticks from column 0
+    (native/build_attention.c): refuse a cache or table laid out otherwise."""
+    if shape.causal:
+        raise Refused("paged attention with a causal diagonal (paged attention masks by positions)")
+    if shape.table_dtype not in ("int64", "int32"):
+        raise Refused(f"a block table of {shape.table_dtype}")
+    for name in ("k", "v"):
+        v = views[name]
+        row_len = ctx.layouts[v.buf].row_len
+        if v.strides[3] != 1 or v.strides[2] != row_len or v.offset % row_len or any(
+                s % row_len for s in v.strides[:2]):
+            raise Refused(f"a paged {name} cache that is not one storage row per key")
 
 
 def build(ctx: BuildContext, kernel, record: Record | None = None) -> Record:

@@ -16,7 +16,7 @@ from .shape import Shape
 from .tasks import Tiling
 
 MASK_KIND = {"": lib.SPY_ATTN_MASK_NONE, "bool": lib.SPY_ATTN_MASK_BOOL, "add": lib.SPY_ATTN_MASK_ADD}
-OPERANDS = ("q", "k", "v", "mask", "out")  # the order their buffers take slots in
+OPERANDS = ("q", "k", "v", "mask", "out", "table")  # the order their buffers take slots in
 
 
 class Record:
@@ -51,13 +51,16 @@ class Record:
             "slot_extent": self._keep[1],
             **{name: self._view(views[name], layouts) for name in OPERANDS},
             "lx": self._regions(lx),
+            "page": shape.page, "table_dtype": dtypes.CODE[shape.table_dtype] if shape.page else 0,
+            "lx_table": lx.table, "table_pitch": lx.table_pitch, "table_rows": lx.table_rows,
         })
 
     def _view(self, view: View | None, layouts: dict) -> dict:
         if view is None or view.buf not in self.slot_of:
             return {}
+        pad = 4 - len(view.sizes)  # the block table is (batch, pages): (batch, pages, 1, 1)
         return {"slot": self.slot_of[view.buf], "layout": tuple(layouts[view.buf]), "offset": view.offset,
-                "sizes": list(view.sizes), "strides": list(view.strides)}
+                "sizes": list(view.sizes) + [1] * pad, "strides": list(view.strides) + [1] * pad}
 
     @staticmethod
     def _regions(lx: Scratchpad) -> dict:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ... import dtypes
 from ...cost import CostModel, round_up
 from ..context import ScratchpadPlan
 from .shape import Shape
-from .tasks import Tiling
+from .tasks import BATCH, CORE, Tiling
 
 
 class Scratchpad:
@@ -54,6 +56,10 @@ class Scratchpad:
         self.diag_flag = lx.take(rows * self.flag_pitch) if shape.causal else 0
         self.stage_pitch = pitch(shape.v_dim, e)
         self.stage = lx.take(big * self.stage_pitch * e)
+        # paged: the block-table row of each batch element a core's tasks read, loaded once
+        self.table_pitch = round_up(shape.table_width * dtypes.ITEMSIZE.get(shape.table_dtype, 8), 8)
+        self.table_rows = _most_batches(tiling) if shape.page else 0
+        self.table = lx.take(self.table_rows * self.table_pitch) if shape.page else 0
         self.top = lx.top
 
     def state_of(self, part: int) -> int:
@@ -64,3 +70,11 @@ class Scratchpad:
         """The state of a task of `rows` tile rows: m and l, then O."""
         return 2 * self.row_bytes + rows * self.o_pitch * 4
 
+
+
+def _most_batches(tiling: Tiling) -> int:
+    """The most distinct batch elements among one core's tasks."""
+    t = tiling.tasks
+    if not len(t):
+        return 0
+    return int(np.bincount(np.unique(t[:, [CORE, BATCH]], axis=0)[:, 0]).max())

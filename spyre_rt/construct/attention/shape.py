@@ -25,6 +25,8 @@ class Shape:
     mask_heads: int     # mask rows per query: 1 when the heads share them, else the group
     causal: bool
     q_offset: int
+    page: int = 0           # paged keys and values: keys per page (0: dense)
+    table_dtype: str = ""   # of the block table
 
     @property
     def group(self) -> int:
@@ -43,11 +45,19 @@ class Shape:
         """Rows may see no key in a block: the running max may be -inf."""
         return self.causal or bool(self.mask)
 
+    @property
+    def table_width(self) -> int:
+        """Pages per batch element (paged)."""
+        return self.kv_len // self.page if self.page else 0
+
     @classmethod
-    def of(cls, k, q: View, kv: View, v: View, mask: View | None) -> Shape:
+    def of(cls, k, q: View, kv: View, v: View, mask: View | None, table: View | None = None) -> Shape:
         batch, heads, q_len, dim = q.sizes
         _, kv_heads, kv_len, _ = kv.sizes
+        page = int(getattr(k, "page", 0) or 0)
+        if page:  # k is (pages, kv_heads, page, dim): the keys are the table's pages
+            kv_len = table.sizes[1] * page
         kind = "" if mask is None else "bool" if k.mask_dtype == "bool" else "add"
         mask_heads = 1 if mask is None or mask.strides[1] == 0 else heads // kv_heads
         return cls(batch, heads, kv_heads, q_len, kv_len, dim, v.sizes[3], k.dtype, kind, k.mask_dtype,
-                   mask_heads, bool(k.causal), int(k.q_offset))
+                   mask_heads, bool(k.causal), int(k.q_offset), page, k.table_dtype if page else "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,18 +81,19 @@ def make_tasks(shape: Shape, target: CostModel, q_rows: int, kv_block: int, shar
     """The tasks of a tiling, on their cores (see :class:`Tiling`)."""
     units = units_of(shape, q_rows)
     if 0 < len(units) < target.num_cores:
-        return _split(shape, target, units)
+        return _split(shape, target, units, min(shape.page, kv_block) if shape.page else 1)
     if shared:
         return _shared(shape, target, units)
     cost = functools.cache(lambda n, end: task_ns(shape, target, n, end, kv_block))
     return _on_cores(units, [cost(n, end) for _, _, _, n, end in units], target.num_cores)
 
 
-def _split(shape: Shape, target: CostModel, units: list) -> np.ndarray:
+def _split(shape: Shape, target: CostModel, units: list, unit: int = 1) -> np.ndarray:
     """Too few tiles for the cores: each one's keys in parts on cores of their own (at
-    least a stick of mask columns each)."""
+    least a stick of mask columns each, and whole `unit`s of keys: paged, the blocks a
+    gather moves)."""
     cores = target.num_cores
-    align = max(64, target.stick_bytes // dtypes.ITEMSIZE.get(shape.mask_dtype, 2))
+    align = math.lcm(max(64, target.stick_bytes // dtypes.ITEMSIZE.get(shape.mask_dtype, 2)), unit)
     rows = []
     for i, (b, h, q0, n, end) in enumerate(units):
         parts = cores // len(units) + (i < cores % len(units))

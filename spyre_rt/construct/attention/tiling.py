@@ -37,6 +37,8 @@ def candidates(shape: Shape, target: CostModel) -> list[tuple[int, int, bool]]:
     """(query rows per head, keys per block, shared), the largest tiles first."""
     rows = sorted({shape.q_len} | {r for r in (8, 16, 32, 64, 128, 256, 512) if r < shape.q_len}, reverse=True)
     keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
+    if shape.page:  # a block is whole pages, or rows of one page (a gather each)
+        keys = [k for k in (512, 256, 128, 64) if k % shape.page == 0 or shape.page % k == 0] or [shape.page]
     return [(r, k, shared) for r in rows for k in keys
             for shared in ((True, False) if can_share(shape, target, r) else (False,))]
 

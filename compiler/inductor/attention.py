@@ -34,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from spyre_rt import dtypes
 from spyre_rt.ir import AttentionKernel
+from spyre_rt.paged_attention import PAGED_ATTENTION
 
 from .record import (
     buffer_info,
@@ -66,6 +67,8 @@ def _(query, key, value, attn_mask, is_causal, scale):
 
 
 ATTENTION = torch.ops.spyre_rt.attention.default
+
+
 
 
 # ---- 1. Dynamo's graph: the call ------------------------------------------------------------
@@ -178,18 +181,24 @@ def _is_call(node, targets) -> bool:
 
 
 class SpyreAttention(ir.ExternKernelOut):
-    """Attention as one kernel of the card (see :mod:`spyre_rt.construct.attention`)."""
+    """Attention as one kernel of the card (see :mod:`spyre_rt.construct.attention`);
+    paged (``page`` > 0), its inputs are q, the key and value caches, the mask and the
+    block table."""
 
-    def __init__(self, layout, inputs, *, scale: float, causal: bool):
-        super().__init__(layout, inputs, python_kernel_name="spyre_rt.attention")
-        self.scale, self.causal = scale, causal
+    def __init__(self, layout, inputs, *, scale: float, causal: bool, page: int = 0):
+        name = "spyre_rt.paged_attention" if page else "spyre_rt.attention"
+        super().__init__(layout, inputs, python_kernel_name=name)
+        self.scale, self.causal, self.page = scale, causal, page
 
     def spyre_kernel(self, name: str) -> AttentionKernel:
         """Its description: views in logical elements of their buffers."""
         q, k, v = (view_of(x) for x in self.inputs[:3])
         mask = view_of(self.inputs[3]) if len(self.inputs) > 3 else None
+        table = view_of(self.inputs[4]) if self.page else None
+        if self.page:  # the caches (kv_heads, pages, page, dim) as the kernel reads them: pages first
+            k, v = ((b, off, (n[1], n[0], *n[2:]), (st[1], st[0], *st[2:])) for b, off, n, st in (k, v))
         out = buffer_info(self.get_name())
-        views = [q, k, v] + ([mask] if mask else [])
+        views = [q, k, v] + ([mask] if mask else []) + ([table] if table else [])
         bufs = {view[0]: buffer_info(view[0]) for view in views}
         bufs[out.name] = out
         return AttentionKernel(
@@ -198,7 +207,9 @@ class SpyreAttention(ir.ExternKernelOut):
             scale=self.scale, causal=self.causal, mask=stored_view(mask) if mask else None,
             mask_dtype=dtype_name(self.inputs[3].get_dtype()) if mask else "",
             buffers=tuple(stored_buffer(b) for b in bufs.values()), origins=node_origins(self),
-            module=module_of(fx_origins([self])),
+            module=module_of(fx_origins([self])), page=self.page,
+            block_table=stored_view(table) if table else None,
+            table_dtype=dtype_name(self.inputs[4].get_dtype()) if table else "",
         )
 
 
@@ -224,6 +235,45 @@ def lower(query, key, value, attn_mask=None, is_causal=False, scale=None):
     layout = ir.FixedLayout(query.get_device(), query.get_dtype(), [batch, heads, q_len, v_dim],
                             [q_len * heads * v_dim, v_dim, heads * v_dim, 1])
     return ir.TensorBox.create(SpyreAttention(layout, operands, scale=float(scale), causal=bool(is_causal)))
+
+
+def lower_paged(query, key_cache, value_cache, block_table, mask, scale):
+    """The SpyreAttention node of a paged attention the card takes, else None: the caches
+    read in place, a key per storage row (vLLM's cache as serving lays it out)."""
+    inputs = [query, key_cache, value_cache, block_table, mask]
+    if not all(_on_spyre(x) for x in inputs) or not _card_computes(query, key_cache, value_cache, None):
+        return None
+    if dtype_name(block_table.get_dtype()) not in ("int64", "int32") or mask.get_dtype() != torch.bool:
+        return None
+    from torch._inductor.virtualized import V
+
+    # the page and head sizes shape the kernel's gathers: fixed for a server, so a size
+    # symbol of them is specialised (a guard) rather than refused
+    page = V.graph.sizevars.guard_int(key_cache.get_size()[2])
+    if not _known(value_cache.get_size()[2], page):
+        return None
+    batch, heads, q_len, _ = query.get_size()
+    kv_len = block_table.get_size()[1] * page
+    caches = [ir.ExternKernel.realize_input(c) for c in (key_cache, value_cache)]
+    if not all(_one_row_per_key(c) for c in caches):
+        return None
+    operands = [_rows_contiguous(query), *caches, _broadcast_mask(mask, [batch, heads, q_len, kv_len]),
+                ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(block_table))]
+    v_dim = value_cache.get_size()[-1]
+    layout = ir.FixedLayout(query.get_device(), query.get_dtype(), [batch, heads, q_len, v_dim],
+                            [q_len * heads * v_dim, v_dim, heads * v_dim, 1])
+    return ir.TensorBox.create(SpyreAttention(layout, operands, scale=float(scale), causal=False, page=page))
+
+
+def _one_row_per_key(cache) -> bool:
+    """A (kv_heads, pages, page, dim) cache whose keys are rows of its buffer: dim
+    contiguous, each key a row's length apart, heads and pages whole pages apart."""
+    from torch._inductor.virtualized import V
+
+    dim = V.graph.sizevars.guard_int(cache.get_size()[3])
+    heads_stride, page_stride, key_stride, unit = cache.get_stride()
+    return _unit(unit) and _known(key_stride, dim) and all(
+        V.graph.sizevars.statically_known_multiple_of(s, dim) for s in (heads_stride, page_stride))
 
 
 def _tiles_fit(operands, attn_mask, is_causal) -> bool:
@@ -304,3 +354,10 @@ def install() -> None:
     def attention_lowering(query, key, value, attn_mask=None, is_causal=False, scale=None):
         node = lower(query, key, value, attn_mask, is_causal, scale)
         return node if node is not None else on_cpu(query, key, value, attn_mask, is_causal, scale)
+
+    paged_on_cpu = L.fallback_handler(PAGED_ATTENTION, add_to_fallback_set=False)
+
+    @L.register_lowering(PAGED_ATTENTION, type_promotion_kind=None)
+    def paged_attention_lowering(query, key_cache, value_cache, block_table, mask, scale):
+        node = lower_paged(query, key_cache, value_cache, block_table, mask, scale)
+        return node if node is not None else paged_on_cpu(query, key_cache, value_cache, block_table, mask, scale)

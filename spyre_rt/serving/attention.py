@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from spyre_rt.paged_attention import PAGED_ATTENTION
 from spyre_rt.serving.platform import BLOCK_MULTIPLE
 
 
@@ -133,12 +134,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Writes the grid's keys and values into the cache, then attends: ``[R * Q, H, D]``.
 
-    The cache is head-major, so that a request's context gathered by its block table is
-    already the ``[KVH, R, ctx, D]`` operand of the score and value matmuls: a gather that
-    feeds a matmul through a transposition of its batch dimensions is not a card kernel."""
+    The cache is head-major, each key one row of ``D``: the attention op
+    (:mod:`spyre_rt.paged_attention`) reads each request's keys and values through its row
+    of the block table, in place, a gather per block of keys on the card."""
     _, kvh, n_blocks, block, d = kv_cache.shape
     heads = query.shape[1]
-    group = heads // kvh
     per_head = n_blocks * block
     # one write of the keys and values of every head: row (half, head, slot) of the cache
     # viewed as [2 * KVH * N * S, D]
@@ -148,21 +148,12 @@ def paged_attention(
 
     reqs, width = meta.query_pos.shape
     ctx = meta.block_table.shape[1] * block
-    # indexed by the [R, B] table itself, the gather is [KVH, R, B, S, D] and its context one
-    # merge of two static dims. (A flat index_select viewed as [KVH, R, ctx, D] splits a
-    # dimension of R * B, which Inductor cannot prove a view of when R is a size symbol: it
-    # copied K and V once more before each matmul, 1.6x the layer's attention time at batch 32.)
-    keys = kv_cache[0][:, meta.block_table].flatten(2, 3)
-    values = kv_cache[1][:, meta.block_table].flatten(2, 3)
-
-    q = query.view(reqs, width, kvh, group, d).permute(2, 0, 3, 1, 4).reshape(kvh, reqs, group * width, d)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale               # [KVH, R, G*Q, ctx]
-    scores = scores.view(kvh, reqs, group, width, ctx)
+    # a query at position p sees its request's keys 0..p: a prefill chunk's causal mask and
+    # a decode's length mask in one comparison (padding, at -1, sees none)
     visible = torch.arange(ctx, device=query.device)[None, None, :] <= meta.query_pos[:, :, None]
-    scores = scores.masked_fill(~visible[None, :, None, :, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).view(kvh, reqs, group * width, ctx)
-    out = torch.matmul(probs, values).view(kvh, reqs, group, width, d)
-    return out.permute(1, 3, 0, 2, 4).reshape(reqs * width, heads, d)
+    q = query.view(reqs, width, heads, d).transpose(1, 2)
+    out = PAGED_ATTENTION(q, kv_cache[0], kv_cache[1], meta.block_table, visible[:, None], scale)
+    return out.transpose(1, 2).reshape(reqs * width, heads, d)
 
 
 def _attention_compiled() -> bool:

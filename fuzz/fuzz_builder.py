@@ -9,8 +9,9 @@ Every input is a decision record as the Python layer hands it over: ``b"C"`` and
 ``matmul_record_bytes``), ``b"L"`` and a ``spy_loop_record`` (its fields up to its arrays,
 then each array at most its ``LOOP_ARRAYS`` bound, then, for merged stores, their count and
 arrays, as in ``loop_record_bytes``), or
-``b"A"`` and a ``spy_attention_record`` (the struct, its pointers ignored, then up to 256
-tasks and 16 slot extents, as in ``attention_record_bytes``), or ``b"S"`` and the matmul
+``b"A"`` and a ``spy_attention_record`` (the struct up to its paged fields, its pointers
+ignored, then up to 256 tasks and 16 slot extents, then the paged fields, as in
+``attention_record_bytes``), or ``b"S"`` and the matmul
 tiling search's arguments (a ``spy_mm_cost``, a ``spy_mm_problem`` and up to 8
 ``spy_mm_tiling``: ``spy_mm_choose``, then ``spy_mm_estimate`` of its choice and of those,
 which must succeed or refuse with a typed error). The builder must refuse it
@@ -83,25 +84,33 @@ def graph_record(data: bytes):
     return rec, (keys, after, before, cmds)
 
 
+# The record's paged fields come after its tasks and extents in an input, so that inputs of
+# a dense attention (written before the record had them) read as they did.
+ATTENTION_DENSE = ffi.offsetof("spy_attention_record", "page")
+
+
 def attention_record_bytes(rec, tasks: bytes, extents) -> bytes:
-    """An attention record as bytes: the struct (its pointers zero), then its tasks and
-    slot extents."""
+    """An attention record as bytes: the struct up to its paged fields (its pointers zero),
+    its tasks and slot extents, then the paged fields."""
     plain = ffi.new("spy_attention_record *", rec[0])
     plain.tasks = plain.slot_extent = ffi.NULL
-    return bytes(ffi.buffer(plain)) + tasks + b"".join(struct.pack("<Q", e) for e in extents)
+    raw = bytes(ffi.buffer(plain))
+    return raw[:ATTENTION_DENSE] + tasks + b"".join(struct.pack("<Q", e) for e in extents) + raw[ATTENTION_DENSE:]
 
 
 def attention_record(data: bytes):
     size = ffi.sizeof("spy_attention_record")
     rec = ffi.new("spy_attention_record *")
-    head = data[:size]
+    head = data[:ATTENTION_DENSE]
     ffi.memmove(rec, head, len(head))
     ntasks, nslots = min(rec.ntasks, MAX_TASKS), min(rec.nslots, MAX_ITEMS)
-    body = data[size:].ljust(TASK_BYTES * ntasks + 8 * nslots, b"\0")
+    body = data[ATTENTION_DENSE:].ljust(TASK_BYTES * ntasks + 8 * nslots, b"\0")
     tasks = ffi.new("spy_attention_task[]", max(1, ntasks))
     ffi.memmove(tasks, body[: TASK_BYTES * ntasks], TASK_BYTES * ntasks)
     at = TASK_BYTES * ntasks
     extents = ffi.new("uint64_t[]", [struct.unpack_from("<Q", body, at + 8 * i)[0] for i in range(nslots)] or [0])
+    paged = body[at + 8 * nslots: at + 8 * nslots + size - ATTENTION_DENSE]
+    ffi.memmove(ffi.cast("char *", rec) + ATTENTION_DENSE, paged, len(paged))
     rec.ntasks, rec.nslots, rec.tasks, rec.slot_extent = ntasks, nslots, tasks, extents
     return rec, (tasks, extents)
 

@@ -331,6 +331,24 @@ def attention_records() -> dict[str, bytes]:
         extents = [r.c.slot_extent[i] for i in range(r.c.nslots)]
         return b"A" + attention_record_bytes(r.c, r.tasks.tobytes(), extents)
 
+    def paged(batch, q_len, width, page=64, pages=50):
+        """Keys and values through a block table: a cache (2, 2 KV heads, pages, page, 64)."""
+        kv_len = width * page
+        views = {"q": ("q", 0, (batch, 8, q_len, 64), (512 * q_len, 64, 512, 1)),
+                 "out": ("out", 0, (batch, 8, q_len, 64), (512 * q_len, 64, 512, 1)),
+                 "m": ("m", 0, (batch, 8, q_len, kv_len), (q_len * kv_len, 0, kv_len, 1)),
+                 "t": ("t", 0, (batch, width), (width, 1))}
+        kv = [("c", half * 2 * pages * page * 64, (pages, 2, page, 64), (page * 64, pages * page * 64, 64, 1))
+              for half in (0, 1)]
+        layouts = {"q": StickLayout(batch * q_len, 512, 2), "out": StickLayout(batch * q_len, 512, 2),
+                   "c": StickLayout(2 * 2 * pages * page, 64, 2), "m": StickLayout(batch * q_len, kv_len, 1),
+                   "t": StickLayout(batch, width, 8)}
+        kernel = AttentionKernel("attention", views["q"], *kv, views["out"], "float16", 0.125, mask=views["m"],
+                                 mask_dtype="bool", page=page, block_table=views["t"], table_dtype="int64")
+        r = attention.build(BuildContext(target, layouts), kernel)
+        extents = [r.c.slot_extent[i] for i in range(r.c.nslots)]
+        return b"A" + attention_record_bytes(r.c, r.tasks.tobytes(), extents)
+
     def padding(q_len, kv_len):  # a row of keys per query, broadcast over the heads
         return ("m", 0, (1, 8, q_len, kv_len), (0, 0, kv_len, 1)), StickLayout(q_len, kv_len, 1)
 
@@ -342,6 +360,8 @@ def attention_records() -> dict[str, bytes]:
         # mask rows 3 elements apart in a one-row storage: no compact pattern, descriptor lists
         "attention-mask-listed": record(5, 40, mask=(("m", 1, (1, 8, 5, 40), (0, 0, 43, 1)),
                                                      StickLayout(40, 7, 1))),
+        "attention-paged-decode": paged(4, 1, 5),
+        "attention-paged-chunk": paged(1, 37, 9),
     }
 
 

@@ -560,6 +560,19 @@ def test_paged_attention_compiles_to_the_card_with_no_cpu_op():
     kernels = list(exe.desc.kernels.values())
     (attention,) = [k for k in kernels if k.kind == "attention"]
     assert attention.page == cache.shape[3] and attention.k[0] == attention.v[0]
+    # the profiler's figures: the (query, key) pairs of each request's pages, and of the
+    # cache only those pages (their keys and values), not the whole cache
+    from spyre_rt.construct import facts
+
+    reqs, blocks = grid.meta.block_table.shape
+    _, kvh, _, bs, d = cache.shape
+    heads, width = q.shape[1], grid.width
+    assert facts.flops(attention) == 2 * reqs * heads * width * blocks * bs * 2 * d
+    e = cache.element_size()
+    pages = 2 * reqs * blocks * kvh * bs * d * e
+    q_and_out = 2 * reqs * width * heads * d * e
+    mask_and_table = reqs * width * blocks * bs + reqs * blocks * 8   # the mask: one row per query, bools
+    assert facts.min_bytes(attention) == pages + q_and_out + mask_and_table
     reads_cache = [k.name for k in kernels if k.kind == "loop" and any(
         op.op == "load" and op.access.buf == attention.k[0] for op in k.ops)]
     assert reads_cache == []

@@ -67,6 +67,8 @@ def attention_flops(kernel) -> int:
     keeps is known only when it runs)."""
     batch, heads, q_len, dim = kernel.q[2]
     kv_len, v_dim = kernel.v[2][2], kernel.v[2][3]
+    if kernel.page:  # paged: the keys are the table's pages
+        kv_len = kernel.block_table[2][1] * kernel.page
     if kernel.causal:
         seen = np.clip(np.arange(q_len) + 1 + kernel.q_offset, 0, kv_len)
         pairs = int(seen.sum())
@@ -86,10 +88,23 @@ def min_bytes(kernel) -> int:
     for buf, sizes in _direct_views(kernel):
         per_buffer[buf] = max(per_buffer.get(buf, 0), math.prod(sizes) * itemsize.get(buf, 4))
     whole = {b.name: math.prod(b.sizes) * itemsize[b.name] for b in kernel.buffers}
+    if kernel.kind == "attention" and kernel.page:  # the pages the table names, not the cache
+        indirect = _paged_elements(kernel)
+        for buf in indirect:
+            per_buffer.pop(buf, None)
     for buf, elements in indirect.items():
         moved = elements * itemsize.get(buf, 4)
         per_buffer[buf] = max(per_buffer.get(buf, 0), min(moved, whole.get(buf, moved)))
     return sum(per_buffer.values())
+
+
+def _paged_elements(kernel) -> dict[str, int]:
+    """A paged attention's keys and values: each batch element's pages, once per KV head."""
+    batch, width = kernel.block_table[2]
+    moved: dict[str, int] = {}
+    for buf, _, (_, kv_heads, page, dim), _ in (kernel.k, kernel.v):
+        moved[buf] = moved.get(buf, 0) + batch * width * kv_heads * page * dim
+    return moved
 
 
 def _direct_views(kernel) -> list[tuple[str, tuple[int, ...]]]:

@@ -48,9 +48,12 @@ INDUCTOR_PATCHES = {
 
 def _inductor_patches() -> dict:
     from .inductor.attention import FoldRepeatedKV
+    from .inductor.gated_gemm import SplitGatedGEMM
 
-    # attention reads the KV heads repeat_kv copied (see compiler/inductor/attention.py)
-    return {**INDUCTOR_PATCHES, "post_grad_custom_pre_pass": FoldRepeatedKV()}
+    # attention reads the KV heads repeat_kv copied (see compiler/inductor/attention.py); a
+    # merged gate-and-up GEMM is two, its activation an epilogue (compiler/inductor/gated_gemm.py)
+    return {**INDUCTOR_PATCHES, "post_grad_custom_pre_pass": FoldRepeatedKV(),
+            "post_grad_custom_post_pass": SplitGatedGEMM()}
 
 
 def register() -> None:
@@ -147,6 +150,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "cpu_fallback": settings.cpu_fallback,
         "compute_dtype": settings.compute_dtype,
         "fuse_epilogues": settings.fuse_epilogues,
+        "split_gated_gemms": settings.split_gated_gemms,
         "step_settings": config.step_fields(settings),
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),

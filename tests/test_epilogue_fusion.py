@@ -296,3 +296,75 @@ def test_a_kernel_loads_each_tile_once(dtype):
         for a, b in zip(out[mode], want, strict=True):
             torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
         assert all(_same_bits(a, b) for a, b in zip(out[mode], out["prebuilt"], strict=True))
+
+
+# ---- a merged gate-and-up GEMM: two GEMMs, the activation an epilogue ----------------------
+
+
+def merged_gate_up(x, w, wd):
+    """vLLM's MLP: one GEMM over the gate and up weights stacked, SiluAndMul on its halves."""
+    y = x @ w.t()
+    d = y.shape[-1] // 2
+    return (F.silu(y[:, :d]) * y[:, d:]) @ wd.t()
+
+
+def chunked_gate_up(x, w, wd):
+    """A Hugging Face MLP with a merged projection (Phi-3): a 3-D input, the product chunked."""
+    gate, up = (x @ w.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ wd.t()
+
+
+def merged_returned(x, w, wd):
+    y = x @ w.t()
+    return F.silu(y[:, :65]) * y[:, 65:], y
+
+
+def merged_thirds(x, w, wd):
+    q, k, v = (x @ w.t()).split([40, 50, 40], dim=-1)
+    return q * k[:, :40] + v
+
+
+MERGED = {
+    "prefill": (merged_gate_up, (100, 72)),
+    "decode_row": (merged_gate_up, (1, 72)),
+    "chunked": (chunked_gate_up, (2, 50, 72)),
+}
+
+
+def _compile_with(fn, args, **options):
+    torch._dynamo.reset()
+    before = set(executor.live_steps())
+    compiled = torch.compile(fn, backend="spyre_rt", dynamic=False, options=options)
+    res = compiled(*(a.to("spyre") for a in args))
+    (step,) = set(executor.live_steps()) - before
+    return [t.cpu() for t in (res if isinstance(res, tuple) else (res,))], step.desc
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", list(MERGED))
+def test_a_merged_gate_and_up_gemm_is_split_and_its_activation_fused(case, dtype):
+    fn, x_shape = MERGED[case]
+    g = torch.Generator().manual_seed(11)
+    args = (torch.randn(*x_shape, dtype=dtype, generator=g), torch.randn(130, 72, dtype=dtype, generator=g),
+            torch.randn(48, 65, dtype=dtype, generator=g))
+    split, desc = _compile_with(fn, args)
+    whole, whole_desc = _compile_with(fn, args, split_gated_gemms=False)
+    matmuls = [k for k in desc.kernels.values() if isinstance(k, MatmulKernel)]
+    assert len(matmuls) == 3 and len(_fused(desc)) == 1 and not _loops(desc), "the activation is not an epilogue"
+    assert _loops(whole_desc) and not _fused(whole_desc), "the merged GEMM's activation ran as a kernel"
+    if dtype == torch.float32:  # each element the same dot product, the activation the same ops
+        assert _same_bits(split[0], whole[0])
+    want = fn(*(a.double() for a in args))
+    tol = 0.05 if dtype == torch.float16 else 1e-4
+    for got in (split[0], whole[0]):
+        assert (got.double() - want).abs().max().item() <= tol * (1 + want.abs().max().item())
+
+
+@pytest.mark.parametrize("fn", [merged_returned, merged_thirds])
+def test_a_merged_gemm_read_otherwise_is_left_whole(fn):
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(20, 72, generator=g), torch.randn(130, 72, generator=g), torch.randn(48, 65, generator=g))
+    out, desc = _compile_with(fn, args)
+    assert len([k for k in desc.kernels.values() if isinstance(k, MatmulKernel)]) == 1
+    for a, b in zip(out, (fn(*args) if isinstance(fn(*args), tuple) else (fn(*args),)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

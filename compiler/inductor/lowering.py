@@ -8,6 +8,8 @@ back to the original one.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._decomp import get_decompositions
 from torch._inductor import ir
@@ -28,6 +30,7 @@ from .record import (
     buffer_info,
     dtype_name,
     fx_origins,
+    gathered_apart,
     module_of,
     node_key,
     node_origins,
@@ -38,6 +41,7 @@ from .record import (
 )
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 class SpyreMatmul(ir.ExternKernelOut):
@@ -206,6 +210,10 @@ def _checked(op, lowering):
         result = lowering(*args, **kwargs)
         if node is not None and node_key(node) in options.realize_nodes and isinstance(result, ir.TensorBox):
             result.realize()  # a buffer of its own, read by the kernels that fused it before
+        elif op in _GATHERS and node is not None and isinstance(result, ir.TensorBox) and _on_spyre(*args) \
+                and rebroadcast(node):
+            result.realize()  # gathered once, not again for every element its readers broadcast it to
+            gathered_apart(V.graph).add(node_key(node))
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
                 # Work on a CPU tensor (a 0-d tensor a model passes, say) inside a graph
@@ -225,6 +233,46 @@ def _checked(op, lowering):
         return handler(*args, **kwargs)
 
     return checked
+
+
+_GATHERS = (aten.index_select.default, aten.embedding.default, aten.index.Tensor)
+_PASS_THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                 aten.squeeze.dim, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+                 aten.expand.default, prims.convert_element_type.default, operator.getitem)
+# a gather whose readers use each gathered element this many times or more is computed apart
+REBROADCAST = 4
+
+
+def rebroadcast(node: torch.fx.Node) -> bool:
+    """The rows `node` gathers are read, past views, splits and casts, by an op of at least
+    REBROADCAST times as many elements (the cos and sin rows of a rotary embedding, gathered
+    by position and read by every head): fused into it, the gather would fetch each row once
+    per element that reads it, in runs of a row."""
+    gathered = _numel(node)
+    if gathered is None:
+        return False
+    todo, seen = list(node.users), set()
+    while todo:
+        user = todo.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if user.target in _PASS_THROUGH:
+            todo.extend(user.users)
+            continue
+        reader = _numel(user)
+        if reader is not None and V.graph.sizevars.statically_known_geq(reader, REBROADCAST * gathered):
+            return True
+    return False
+
+
+def _numel(node: torch.fx.Node):
+    """The elements of the node's value: an int, or the sympy expression of a symbolic count."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    n = value.numel()
+    return n.node.expr if isinstance(n, torch.SymInt) else n
 
 
 def _unrunnable_externs(operations) -> list:
@@ -426,3 +474,4 @@ def decompositions() -> dict:
 def decomposition_table() -> dict:
     """Module-level and picklable by name: Inductor's FX graph cache keys on it."""
     return decompositions()
+

@@ -331,8 +331,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="card: vLLM on the card (the spyre_rt platform); host: the same vLLM runner with the "
                         "model eager on the host CPU, the per-step anchor")
     _sim_arguments(p)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, metavar="N",
-                   help="vLLM's token budget of a step (default 1024)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
+                   help="vLLM's token budget of a step (default 8192, vLLM's own for `vllm serve` on a "
+                        "device of the card's memory)")
     p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="vLLM's longest length (default: --input plus --output, rounded up to 64); a decode "
                         "step reads the context bucket of its longest request, not this")

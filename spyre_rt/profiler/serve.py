@@ -53,7 +53,9 @@ class Options:
     engine: str = "card"
     layers: int | None = None
     sim_mode: str | None = None          # the card's; None: the model profile's default
-    max_num_batched_tokens: int = 1024   # a step's tokens: prefill chunks of several requests
+    # a step's tokens (prefill chunks of several requests): vLLM's default for `vllm serve` on
+    # a device of 70 GiB or more, as the card is (its engine arguments' defaults by memory)
+    max_num_batched_tokens: int = 8192
     max_model_len: int | None = None     # the engine's longest length; None: a request's, rounded to a stick
     modes: tuple[str, ...] = MODES
     compare_output: int | None = None    # output tokens of the runs through the compiled call

@@ -729,22 +729,42 @@ def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list
     if lo >= 0 and hi < storage_numel(b.sizes, b.strides, b.offset) and not _leaves_its_row(acc, canon, ncols, b):
         return  # reading the full box is safe; the mask picks the values
     by_id = {o.id: o for o in ops}
-    deps = set()
 
-    def visit(i: str):
+    def deps_of(i: str, deps: set[int]) -> set[int]:
         o = by_id[i]
         if o.op == "index":
             deps.update(j for j, c in enumerate(o.access.coeffs) if c)
         elif o.op in ("load", "indirect", "reduction"):
             raise NotSupported("a load masked by a data-dependent condition may read out of bounds")
         for a in o.args:
-            visit(a)
+            deps_of(a, deps)
+        return deps
 
+    # masks over disjoint loop indices (a cat's along the rows and a rotation's along the
+    # columns) are boxes of their own: each group of masks sharing indices is analysed alone
+    groups: list[tuple[set[int], list[str]]] = []
     for m in masks:
-        visit(m)
-    deps = sorted(deps)
+        deps, group = deps_of(m, set()), [m]
+        for other in [g for g in groups if g[0] & deps]:
+            groups.remove(other)
+            deps |= other[0]
+            group += other[1]
+        groups.append((deps, group))
+    box = []
+    for deps, group in groups:
+        part = _mask_box(by_id, group, sorted(deps), canon)
+        if part is None:
+            ops[pos] = Op(load.id, "constant", (), load.dtype, None, {"value": 0})
+            return
+        box += part
+    ops[pos] = Op(load.id, "load", (), load.dtype, Access(acc.buf, acc.const, acc.coeffs, acc.ind, tuple(sorted(box))))
+
+
+def _mask_box(by_id: dict[str, Op], masks: list[str], deps: list[int], canon: list[int]):
+    """The box (loop index, lo, hi) of the points where all `masks` (over loop indices
+    `deps` only) are true; None when they never are."""
     grid = math.prod(canon[j] for j in deps)
-    if grid > 1 << 16:
+    if grid > 1 << 20:
         raise NotSupported("a mask over too many loop indices to analyse")
     # every point of the grid at once: each loop index an array along its own axis
     env = {j: np.arange(canon[j]).reshape([-1 if k == a else 1 for k in range(len(deps))])
@@ -753,13 +773,12 @@ def _restrict_masked_load(ops: list[Op], rid: str, masks: list[str], canon: list
     for m in masks:
         true &= np.asarray(_eval_mask(by_id, m, env), dtype=bool)
     if not true.any():
-        ops[pos] = Op(load.id, "constant", (), load.dtype, None, {"value": 0})
-        return
+        return None
     where = np.nonzero(true)
     box = [(j, int(w.min()), int(w.max()) + 1) for j, w in zip(deps, where, strict=True)]
     if len(where[0]) != math.prod(h - lo_ for _, lo_, h in box):
         raise NotSupported("a mask that is not a box of loop indices")
-    ops[pos] = Op(load.id, "load", (), load.dtype, Access(acc.buf, acc.const, acc.coeffs, acc.ind, tuple(box)))
+    return box
 
 
 def _row_length(b: Buffer) -> int:

@@ -184,6 +184,28 @@ def test_a_masked_gathered_load_whose_columns_leave_the_row_gets_the_box_of_its_
     assert ops[-1].access.domain == ()
 
 
+def test_masks_over_disjoint_loop_indices_are_boxes_of_their_own():
+    """A cat of a rotated key along the tokens (rows < 4096) with the rotation's half along
+    the columns (< 64): 8,192 x 128 points together, past what is enumerated at once, but
+    each mask alone is a range of one index, and a mask sharing an index joins its group."""
+    ops = [Op("r", "index", (), "int64", Access("", 0, (1, 0, 0))),
+           Op("n", "constant", (), "int64", None, {"value": 4096}),
+           Op("m0", "lt", ("r", "n")),
+           Op("c", "index", (), "int64", Access("", 0, (0, 0, 1))),
+           Op("h", "constant", (), "int64", None, {"value": 64}),
+           Op("m1", "lt", ("c", "h")),
+           Op("k", "constant", (), "int64", None, {"value": 4}),
+           Op("m2", "ge", ("c", "k")),
+           Op("l", "load", (), "float32", Access("x", 64, (128, 0, 1)))]
+    buffers = {"x": Buffer("x", "float32", (4096, 128), (128, 1))}
+    d._restrict_masked_load(ops, "l", ["m0", "m1", "m2"], [8192, 8, 128], buffers)
+    assert ops[-1].access.domain == ((0, 0, 4096), (2, 4, 64))
+    ops[2] = Op("m0", "lt", ("r", "k"))
+    ops[7] = Op("m2", "ge", ("r", "n"))  # rows < 4 and >= 4096: never true
+    d._restrict_masked_load(ops, "l", ["m0", "m1", "m2"], [8192, 8, 128], buffers)
+    assert ops[-1].op == "constant"
+
+
 def test_a_masked_load_inside_its_buffer_keeps_its_whole_box():
     ops, buffers = _masked_load("lt", 5, storage_cols=8)
     d._restrict_masked_load(ops, "l", ["m"], [2, 8], buffers)

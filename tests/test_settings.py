@@ -192,6 +192,21 @@ def test_fuse_epilogues_off_keeps_the_pointwise_kernel_apart(setting, way):
     assert len(fused.desc.kernels) < len(apart.desc.kernels)
 
 
+def merged_gate_up(x, w):
+    y = x @ w.t()
+    return torch.nn.functional.silu(y[:, :64]) * y[:, 64:]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_split_gated_gemms_off_keeps_the_merged_gemm_whole(setting, way):
+    x, w = torch.randn(16, 64), torch.randn(128, 64)
+    options = setting("SPYRE_RT_SPLIT_GATED_GEMMS", "split_gated_gemms", False, way)
+    whole, _ = _compiled(merged_gate_up, options, x, w)
+    split, _ = _compiled(merged_gate_up, {"split_gated_gemms": True}, x, w)
+    kinds = lambda step: sorted(k.kind for k in step.desc.kernels.values())  # noqa: E731
+    assert kinds(whole) == ["loop", "matmul"] and kinds(split) == ["matmul", "matmul"]
+
+
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
                                        ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
                                        ("device_count", "SPYRE_RT_DEVICE_COUNT")])

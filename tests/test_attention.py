@@ -243,20 +243,30 @@ def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=Non
     kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], dtypes.name(q.dtype),
                              1 / math.sqrt(dim), causal, q_offset, views.get("mask"),
                              dtypes.name(mask.dtype) if mask is not None else "")
+    return _launch(card, kernel, host, tiling)
+
+
+def _launch(card, kernel, host: dict, record=None):
+    """`kernel` built and run once on the card over the host tensors `host` (each its own
+    buffer; "out" (batch, q_len, heads, dim)); (output as (batch, heads, q_len, dim), the
+    decision record, the program)."""
     placed = {n: _upload(card, t.contiguous(), t.shape[-1]) for n, t in host.items()}
     ctx = BuildContext(CostModel.of_figures(card.profile), {n: lay for n, (_, lay) in placed.items()})
-    tiling = A.build(ctx, kernel, tiling)
+    record = A.build(ctx, kernel, record)
     blob = ctx.encode()
     try:
         program = jobs.ResidentProgram(card, blob, "attention")
-        program.launch([placed[n][0] for n in ctx.buffers()])
-        card.synchronize()
-        program.free()
-        got = _download(card, *placed["out"], out).view(batch, q_len, heads, -1).transpose(1, 2)
+        try:
+            program.launch([placed[n][0] for n in ctx.buffers()])
+            card.synchronize()
+        finally:
+            program.free()
+        out = host["out"]
+        got = _download(card, *placed["out"], out).view(out.shape).transpose(1, 2)
     finally:
         for addr, _ in placed.values():
             card.free(addr)
-    return got, tiling, blob
+    return got, record, blob
 
 
 def _no_races(blob):
@@ -330,22 +340,7 @@ def run_paged(card, q, cache, table, mask, tiling=None):
         ("out", 0, (batch, heads, q_len, dim), tuple(out.transpose(1, 2).stride())), dtypes.name(q.dtype),
         1 / math.sqrt(dim), mask=("mask", 0, tuple(m.shape), tuple(m.stride())), mask_dtype="bool", page=page,
         block_table=views["table"], table_dtype=dtypes.name(table.dtype))
-    placed = {n: _upload(card, t.contiguous(), t.shape[-1]) for n, t in host.items()}
-    ctx = BuildContext(CostModel.of_figures(card.profile), {n: lay for n, (_, lay) in placed.items()})
-    tiling = A.build(ctx, kernel, tiling)
-    blob = ctx.encode()
-    try:
-        program = jobs.ResidentProgram(card, blob, "attention")
-        try:
-            program.launch([placed[n][0] for n in ctx.buffers()])
-            card.synchronize()
-        finally:
-            program.free()
-        got = _download(card, *placed["out"], out).view(batch, q_len, heads, -1).transpose(1, 2)
-    finally:
-        for addr, _ in placed.values():
-            card.free(addr)
-    return got, tiling, blob
+    return _launch(card, kernel, host, tiling)
 
 
 def paged_case(g, *, batch, heads, kv_heads, q_len, width, page, pages, dim=64, dtype=F16, table_dtype=torch.int64):

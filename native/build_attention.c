@@ -225,11 +225,14 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
                 return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.%s %llu is not %llu columns rounded up "
                                 "to %llu-byte sticks (paged)", kv[i].name, (unsigned long long)kv[i].pitch,
                                 (unsigned long long)kv[i].width, (unsigned long long)sb);
-        if (r->lx_table % 8 || r->table_pitch % 8 || r->table_pitch < (uint64_t)(r->kv_len / r->page) * s->idx_e ||
-            !r->table_rows)
+        /* a row of more than a stick loads as whole sticks: its region holds them */
+        uint64_t tb = r->table.layout.stick_bytes, row = (uint64_t)(r->kv_len / r->page) * s->idx_e;
+        uint64_t least = row > tb && tb ? (row + tb - 1) / tb * tb : row;
+        if (r->lx_table % 8 || r->table_pitch % 8 || r->table_pitch < least || !r->table_rows)
             return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx_table %llu and table_pitch %u (multiples of "
-                            "8) and table_rows %u do not hold rows of %u table entries", (unsigned long long)r->lx_table,
-                            r->table_pitch, r->table_rows, r->kv_len / r->page);
+                            "8, %llu bytes at least) and table_rows %u do not hold rows of %u table entries",
+                            (unsigned long long)r->lx_table, r->table_pitch, (unsigned long long)least, r->table_rows,
+                            r->kv_len / r->page);
     }
     if (!spy_mul_ok(big, 4, &row_need) || x->row_bytes < row_need)
         return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.row_bytes %u holds fewer than %llu rows",

@@ -990,7 +990,7 @@ typedef struct spy_attention_record {
     uint32_t table_dtype;      /* SPY_DT_I64 or SPY_DT_I32 */
     spy_attention_view table;  /* (batch, kv_len / page, 1, 1) */
     uint64_t lx_table;         /* the first region: a multiple of 8 */
-    uint32_t table_pitch;      /* bytes per region: a multiple of 8 */
+    uint32_t table_pitch;      /* bytes per region: a multiple of 8; a row of more than a stick loads as whole sticks */
     uint32_t table_rows;       /* regions */
 } spy_attention_record;
 

@@ -365,6 +365,7 @@ def paged_want(q, cache, table, mask):
     (1, 2, 1, 33, 64, F16, torch.int64, "split"),       # decode, one element: its keys over 16 cores each
     (4, 2, 1, 5, 128, F32, torch.int32, "split"),       # decode of a batch, an int32 table
     (32, 4, 1, 3, 64, F16, torch.int64, "rows"),        # more tasks than cores: a core reads several rows
+    (32, 4, 1, 20, 64, F16, torch.int64, "rows"),       # ... each of more than a stick (whole sticks loaded)
     (2, 2, 1, 2, 1024, F16, torch.int64, "in-page"),    # blocks of one page's rows
     (1, 2, 100, 4, 192, F32, torch.int64, "in-page"),   # pages of 192 keys: 64-key blocks
     (2, 2, 37, 6, 64, F16, torch.int64, "split"),       # a prefill chunk per element

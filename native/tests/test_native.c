@@ -1914,7 +1914,7 @@ static void test_paged_attention_builder(void)
         {"paged k", SPY_E_INVALID_ARG},          {"table's storage", SPY_E_INVALID_ARG},
         {"table_dtype", SPY_E_INVALID_ARG},      {"table.sizes[1]", SPY_E_INVALID_ARG},
         {"lx.table", SPY_E_SCRATCHPAD},          {"k_pitch", SPY_E_INVALID_ARG},
-        {"table.offset", SPY_E_BAD_ADDRESS},
+        {"table.offset", SPY_E_BAD_ADDRESS},     {"256 bytes at least", SPY_E_INVALID_ARG},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         paged_record(&r, tasks, extents);
@@ -1930,6 +1930,10 @@ static void test_paged_attention_builder(void)
         case 8: r.lx_table = r.scratchpad_bytes - 8; break;            /* the regions outside */
         case 9: r.lx.k_pitch = 128; break;                             /* a key of more sticks than its dim */
         case 10: r.table.offset = 1; break;                            /* a row reaching past its storage */
+        case 11:                                                       /* 32 entries: two whole sticks */
+            r.page = 8, r.k.sizes[2] = r.v.sizes[2] = 8, r.table.sizes[1] = 32, r.table.layout.row_len = 32;
+            extents[4] = 256;
+            break;
         }
         b.data = (uint8_t *)&b;
         spy_status s = spy_build_attention(&r, &b);

@@ -57,7 +57,9 @@ class Scratchpad:
         self.stage_pitch = pitch(shape.v_dim, e)
         self.stage = lx.take(big * self.stage_pitch * e)
         # paged: the block-table row of each batch element a core's tasks read, loaded once
-        self.table_pitch = round_up(shape.table_width * dtypes.ITEMSIZE.get(shape.table_dtype, 8), 8)
+        # (a row of more than a stick loads as whole sticks)
+        row = shape.table_width * dtypes.ITEMSIZE.get(shape.table_dtype, 8)
+        self.table_pitch = round_up(row, target.stick_bytes if row > target.stick_bytes else 8)
         self.table_rows = _most_batches(tiling) if shape.page else 0
         self.table = lx.take(self.table_rows * self.table_pitch) if shape.page else 0
         self.top = lx.top

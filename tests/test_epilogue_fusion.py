@@ -319,6 +319,12 @@ def merged_returned(x, w, wd):
     return F.silu(y[:, :65]) * y[:, 65:], y
 
 
+def merged_apart(x, w, wd):
+    """Two projections stacked whose halves are read apart (a Mamba block's x and z)."""
+    y = x @ w.t()
+    return y[:, :65] * 2, y[:, 65:] + 1
+
+
 def merged_thirds(x, w, wd):
     q, k, v = (x @ w.t()).split([40, 50, 40], dim=-1)
     return q * k[:, :40] + v
@@ -360,7 +366,7 @@ def test_a_merged_gate_and_up_gemm_is_split_and_its_activation_fused(case, dtype
         assert (got.double() - want).abs().max().item() <= tol * (1 + want.abs().max().item())
 
 
-@pytest.mark.parametrize("fn", [merged_returned, merged_thirds])
+@pytest.mark.parametrize("fn", [merged_returned, merged_apart, merged_thirds])
 def test_a_merged_gemm_read_otherwise_is_left_whole(fn):
     g = torch.Generator().manual_seed(5)
     args = (torch.randn(20, 72, generator=g), torch.randn(130, 72, generator=g), torch.randn(48, 65, generator=g))

@@ -88,9 +88,22 @@ def halves(mm: torch.fx.Node) -> Halves | None:
         if found is None:
             return None
         readers += found
-    if {half for _, half in readers} != {0, 1}:
+    if {half for _, half in readers} != {0, 1} or not _gated(readers):
         return None
     return Halves(wt.args[0], d, shape, readers)
+
+
+def _gated(readers: list[tuple[torch.fx.Node, int]], depth: int = 8) -> bool:
+    """The second half meets the first (an activation of it, within `depth` ops) in one op:
+    the gate's product, which the split lets fuse as an epilogue. Halves read apart (the
+    projections of a Mamba block's input, say) stay one GEMM: split, each would be a GEMM of
+    its own with nothing to fuse."""
+    seen: set[torch.fx.Node] = set()
+    frontier = [r for r, half in readers if half == 0]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function" and u not in seen]
+        seen.update(frontier)
+    return any(u in seen for r, half in readers if half == 1 for u in r.users)
 
 
 def _read_halves(user: torch.fx.Node, last: int, d: int, n: int) -> list[tuple[torch.fx.Node, int]] | None:

@@ -85,7 +85,7 @@ def decide(ctx: BuildContext, kernel) -> Record:
         if dt not in dtypes.MATMUL:
             raise Refused(f"attention in {dt}")
     views = {n: view(getattr(kernel, n)) for n in ("q", "k", "v", "out", "mask")}
-    views["table"] = view(getattr(kernel, "block_table", None)) if getattr(kernel, "page", 0) else None
+    views["table"] = view(kernel.block_table) if kernel.page else None
     shape = Shape.of(kernel, views["q"], views["k"], views["v"], views["mask"], views["table"])
     if shape.page:
         _paged_fits(ctx, shape, views)

@@ -54,7 +54,7 @@ class Shape:
     def of(cls, k, q: View, kv: View, v: View, mask: View | None, table: View | None = None) -> Shape:
         batch, heads, q_len, dim = q.sizes
         _, kv_heads, kv_len, _ = kv.sizes
-        page = int(getattr(k, "page", 0) or 0)
+        page = int(k.page)
         if page:  # k is (pages, kv_heads, page, dim): the keys are the table's pages
             kv_len = table.sizes[1] * page
         kind = "" if mask is None else "bool" if k.mask_dtype == "bool" else "add"

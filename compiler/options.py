@@ -17,6 +17,9 @@ fuse_epilogues: bool = True   # pointwise kernels on a matmul's product become i
 # a GEMM read only as its two halves of columns (vLLM's merged gate and up) is two GEMMs, so
 # that the gated activation becomes the second one's epilogue (compiler/inductor/gated_gemm.py)
 split_gated_gemms: bool = True
+# a residual add of a matmul's product that several ops read (h + attn(h) * m) is computed
+# once, as the matmul's epilogue, not inlined into each reader (lowering.residual_sum)
+fuse_residuals: bool = True
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 # the settings the step carries to its calls (spyre_rt.config.step_fields); {} = the process's

@@ -40,6 +40,7 @@ class Settings:
     compute_dtype: str = "auto"            # auto: each kernel computes in its operands' dtype
     fuse_epilogues: bool = True            # pointwise kernels on a matmul's product as its epilogue
     split_gated_gemms: bool = True         # a merged gate-and-up GEMM as two, its activation an epilogue
+    fuse_residuals: bool = True            # a residual add of a matmul's product as that matmul's epilogue
     trace: bool = False
     trace_commands: bool = True
 
@@ -58,7 +59,8 @@ def _bool(value: str) -> bool:
 
 # What each setting shapes: the step's code (part of its plan key), its calls (carried by
 # the step), or the process (the card set that every tensor lives on).
-COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "split_gated_gemms")
+COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "split_gated_gemms",
+                  "fuse_residuals")
 STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
 PROCESS_FIELDS = {
     "device_profile": "SPYRE_RT_DEVICE_PROFILE",
@@ -78,6 +80,7 @@ ENV = {
     "SPYRE_RT_COMPUTE_DTYPE": ("compute_dtype", str),
     "SPYRE_RT_FUSE_EPILOGUES": ("fuse_epilogues", _bool),
     "SPYRE_RT_SPLIT_GATED_GEMMS": ("split_gated_gemms", _bool),
+    "SPYRE_RT_FUSE_RESIDUALS": ("fuse_residuals", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
     "SPYRE_RT_TRACE_COMMANDS": ("trace_commands", _bool),
 }

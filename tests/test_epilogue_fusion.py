@@ -374,3 +374,67 @@ def test_a_merged_gemm_read_otherwise_is_left_whole(fn):
     assert len([k for k in desc.kernels.values() if isinstance(k, MatmulKernel)]) == 1
     for a, b in zip(out, (fn(*args) if isinstance(fn(*args), tuple) else (fn(*args),)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---- a residual sum several ops read: computed once, in the matmul's epilogue ------------------
+
+def residual_block(x, h, w, nw, w2):
+    """A decoder layer's residual stream: the sum is read by the norm and by the next add."""
+    h2 = h + (x @ w.t()) * 0.25
+    n = h2.float()
+    n = (n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * nw
+    return h2 + (n @ w2.t()) * 0.25
+
+
+def embedded_residual(ids, table, x, w, nw, w2):
+    """The same, its stream starting from a token embedding (a gather an epilogue cannot load)."""
+    return residual_block(x, F.embedding(ids, table) * 12.0, w, nw, w2)
+
+
+RESIDUAL_ROWS = {"prefill": (100,), "decode_row": (1,), "batched": (2, 50)}
+
+
+def _residual_args(rows, dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*rows, 72, dtype=dtype, generator=g), torch.randn(*rows, 130, dtype=dtype, generator=g),
+            torch.randn(130, 72, dtype=dtype, generator=g) / 8, 1 + torch.rand(130, dtype=dtype, generator=g),
+            torch.randn(130, 130, dtype=dtype, generator=g) / 8)
+
+
+def _norm_loads(desc: StepDesc) -> list[str]:
+    """The (M, N)-sized buffers the norm's kernel (the one reduction) loads."""
+    (norm,) = [k for k in _loops(desc) if k.reduce]
+    sizes = {b.name: b.sizes for b in norm.buffers}
+    return sorted({o.access.buf for o in norm.ops if o.op == "load" and len(sizes[o.access.buf]) > 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("rows", list(RESIDUAL_ROWS))
+def test_a_residual_sum_read_twice_is_the_matmuls_epilogue(rows, dtype):
+    args = _residual_args(RESIDUAL_ROWS[rows], dtype)
+    fused, desc = _compile_with(residual_block, args)
+    inline, inline_desc = _compile_with(residual_block, args, fuse_residuals=False)
+    # fused: the first matmul stores the sum, the norm loads it alone, the second matmul adds it
+    assert len(_fused(desc)) == 2 and len(_loops(desc)) == 1, "the sum is not the first matmul's epilogue"
+    assert len(_norm_loads(desc)) == 1
+    # inlined: the norm loads both terms, the second matmul's epilogue adds both again
+    assert len(_norm_loads(inline_desc)) == 2
+    if dtype == torch.float32:  # the same ops in the same order, the sum stored in fp32
+        assert _same_bits(fused[0], inline[0])
+    want = residual_block(*(a.double() for a in args))
+    tol = 0.02 if dtype == torch.float16 else 1e-5
+    for got in (fused[0], inline[0]):
+        assert (got.double() - want).abs().max().item() <= tol * (1 + want.abs().max().item())
+
+
+def test_a_residual_stream_from_a_gather_stays_inlined():
+    """A sum with a gathered term realized apart would be a kernel of its own, reading both
+    terms and writing the sum before the norm reads it: the rule leaves it to Inductor."""
+    g = torch.Generator().manual_seed(4)
+    x, h, w, nw, w2 = _residual_args((20,), torch.float32)
+    args = (torch.randint(0, 50, (20,), generator=g), torch.randn(50, 130, generator=g), x, w, nw, w2)
+    out, desc = _compile_with(embedded_residual, args)
+    off, off_desc = _compile_with(embedded_residual, args, fuse_residuals=False)
+    assert sorted(k.kind for k in desc.kernels.values()) == sorted(k.kind for k in off_desc.kernels.values())
+    assert _same_bits(out[0], off[0])
+    torch.testing.assert_close(out[0], embedded_residual(*args), rtol=1e-4, atol=1e-4)

@@ -207,6 +207,21 @@ def test_split_gated_gemms_off_keeps_the_merged_gemm_whole(setting, way):
     assert kinds(whole) == ["loop", "matmul"] and kinds(split) == ["matmul", "matmul"]
 
 
+def residual_read_twice(x, h, w):
+    h2 = h + x @ w.t()
+    return h2 * h2.sum(-1, keepdim=True) + h2 * 2
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_fuse_residuals_off_leaves_the_sum_to_its_readers(setting, way):
+    x, h, w = torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)
+    options = setting("SPYRE_RT_FUSE_RESIDUALS", "fuse_residuals", False, way)
+    inline, _ = _compiled(residual_read_twice, options, x, h, w)
+    fused, _ = _compiled(residual_read_twice, {"fuse_residuals": True}, x, h, w)
+    epilogues = lambda step: sum(getattr(k, "epilogue", None) is not None for k in step.desc.kernels.values())  # noqa: E731
+    assert epilogues(fused) == 1 and epilogues(inline) == 0
+
+
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
                                        ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
                                        ("device_count", "SPYRE_RT_DEVICE_COUNT")])

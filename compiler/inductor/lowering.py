@@ -16,6 +16,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.virtualized import V
+from torch.utils._sympy.symbol import SymT, free_symbol_is_type
 
 from spyre_rt import dtypes
 from spyre_rt.construct.loops import CARD_OPS
@@ -30,7 +31,7 @@ from .record import (
     buffer_info,
     dtype_name,
     fx_origins,
-    gathered_apart,
+    kept_apart,
     module_of,
     node_key,
     node_origins,
@@ -213,7 +214,12 @@ def _checked(op, lowering):
         elif op in _GATHERS and node is not None and isinstance(result, ir.TensorBox) and _on_spyre(*args) \
                 and rebroadcast(node):
             result.realize()  # gathered once, not again for every element its readers broadcast it to
-            gathered_apart(V.graph).add(node_key(node))
+            kept_apart(V.graph).add(node_key(node))
+        elif op in _RESIDUAL_SUMS and node is not None and node.target is op and isinstance(result, ir.TensorBox) \
+                and options.fuse_residuals and options.fuse_epilogues and _on_spyre(*args) and residual_sum(node) \
+                and all(_reads_plainly(a) for a in args[:_RESIDUAL_SUMS[op]]):
+            result.realize()  # once, in the matmul's epilogue, not again by each of its readers
+            kept_apart(V.graph).add(node_key(node))
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
                 # Work on a CPU tensor (a 0-d tensor a model passes, say) inside a graph
@@ -263,6 +269,62 @@ def rebroadcast(node: torch.fx.Node) -> bool:
         reader = _numel(user)
         if reader is not None and V.graph.sizevars.statically_known_geq(reader, REBROADCAST * gathered):
             return True
+    return False
+
+
+_MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+_SCALINGS = (aten.mul.Tensor, aten.div.Tensor)
+# the ops that may add a residual to a matmul's product, and how many of their leading
+# arguments are the terms an epilogue would load (an addmm's matmul is its own)
+_RESIDUAL_SUMS = {aten.add.Tensor: 2, aten.addmm.default: 1}
+
+
+def residual_sum(node: torch.fx.Node) -> bool:
+    """`node` adds a matmul's product (past views, casts and scalings by a number, none of
+    them read by anything else) to a tensor of the sum's size, and more than one op reads
+    the sum: a residual stream (``h + attn(h) * m``, read by the next norm and the next
+    residual add; an ``addmm`` whose input is such a tensor). Inductor would inline the add
+    into each reader, which then loads both terms; realized, the add is the matmul's
+    epilogue (``compiler/fusion.py``) and each reader loads the sum alone."""
+    size = _numel(node)
+    if len(node.users) < 2 or size is None:
+        return False
+    if node.target is aten.addmm.default:
+        return isinstance(node.args[0], torch.fx.Node) and _numel(node.args[0]) == size
+    terms = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    if len(terms) != 2 or any(_numel(t) != size for t in terms):
+        return False  # a broadcast term (a bias, a scalar) is not a residual
+    return any(_private_product(t) for t in terms)
+
+
+def _reads_plainly(x) -> bool:
+    """`x` (a lowered term) is a buffer, or computed from buffers at affine indices: an
+    epilogue can load what it reads (a term that gathers, a token embedding's rows, would
+    keep the realized sum a kernel of its own)."""
+    if not isinstance(x, ir.IRNode):
+        return False
+    if ir.is_storage_and_layout(x):
+        return True
+    try:
+        reads = x.get_reads()
+    except NotImplementedError:
+        return False
+    # an index loaded from memory shows as a tmp (or indirect) symbol in the read's index
+    return not any(free_symbol_is_type(dep.index, (SymT.TMP, SymT.INDIRECT)) for dep in reads if hasattr(dep, "index"))
+
+
+def _private_product(x: torch.fx.Node) -> bool:
+    """`x` is a matmul's product, past views, casts and scalings by a number, and each
+    node on the way is read once."""
+    while len(x.users) == 1:
+        if x.target in _MATMULS:
+            return True
+        if x.target in _PASS_THROUGH or (x.target in _SCALINGS and not isinstance(x.args[1], torch.fx.Node)):
+            x = x.args[0]
+            if not isinstance(x, torch.fx.Node):
+                return False
+            continue
+        return False
     return False
 
 

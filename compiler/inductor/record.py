@@ -300,13 +300,15 @@ def node_key(node) -> str:
     return f"{graph}/{node.name}" if graph else node.name
 
 
-def gathered_apart(graph) -> set[str]:
-    """The nodes of the graph being lowered whose gather ``lowering.rebroadcast`` realized,
-    kept out of their readers' kernels (``SpyreScheduling.can_fuse_vertical``) as the
-    nodes of the backend's ``options.realize_nodes`` are."""
-    if not hasattr(graph, "spyre_gathered_apart"):
-        graph.spyre_gathered_apart = set()
-    return graph.spyre_gathered_apart
+def kept_apart(graph) -> set[str]:
+    """The nodes of the graph being lowered that the lowering realized for a reason of its
+    own (a gather ``lowering.rebroadcast`` computes once, a residual sum
+    ``lowering.residual_sum`` computes in a matmul's epilogue), kept out of their readers'
+    kernels (``SpyreScheduling.can_fuse_vertical``) as the nodes of the backend's
+    ``options.realize_nodes`` are."""
+    if not hasattr(graph, "spyre_kept_apart"):
+        graph.spyre_kept_apart = set()
+    return graph.spyre_kept_apart
 
 
 def computing_origins(snodes) -> set[str]:

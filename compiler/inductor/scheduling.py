@@ -23,7 +23,7 @@ from spyre_rt.construct.loops import Unsupported, check_kernel
 
 from ..describe import NotSupported, describe
 from ..errors import compile_error
-from .record import computing_origins, gathered_apart, hints, indexing_origins, node_key, record_kernel
+from .record import computing_origins, hints, indexing_origins, kept_apart, node_key, record_kernel
 
 
 class SpyreScheduling(SIMDScheduling):
@@ -73,7 +73,7 @@ class SpyreScheduling(SIMDScheduling):
         # a node the backend realized (see options.realize_nodes) keeps its own kernel
         from .. import options
 
-        realized = set(options.realize_nodes) | gathered_apart(V.graph)
+        realized = set(options.realize_nodes) | kept_apart(V.graph)
         if realized and any(node_key(o) in realized for n in node1.get_nodes()
                             for o in getattr(n.node, "origins", ())):
             return False

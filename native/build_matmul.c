@@ -67,6 +67,9 @@ typedef struct mm_root {
     uint32_t task, slot;
     int32_t prev2;     /* the root two before on its core: the last to use the same staging tiles */
     uint32_t program;  /* its program's first instruction */
+    uint32_t pieces;   /* its last matmul, program and stores cut in column pieces (1: whole) */
+    uint32_t width;    /* rows of each piece but the last */
+    uint32_t extra;    /* its pieces after the first: their index among every root's */
 } mm_root;
 
 /* ---- DMA patterns in the stick layout ------------------------------------------------------ */
@@ -236,6 +239,10 @@ typedef struct mm_build {
     run *loaded[2], *arrival[2], *sends[2];
     uint32_t mm0, rsend0, radd0, sfu0;   /* the first of each block of one command per op */
     run *ld, *st;                        /* per (tiles, root) */
+    uint64_t nextra;                     /* pieces after a root's first, of every root */
+    uint32_t pmm0, psfu0;                /* their matmuls and programs, one command each */
+    uint32_t *pprog;                     /* each one's program */
+    run *pst;                            /* per (store tiles, extra piece) */
     bool overflow;                       /* more dependencies than a program block holds */
     void *blocks[32];                    /* every allocation, freed at the end */
     uint32_t nblk;
@@ -670,6 +677,44 @@ static spy_status schedule(mm_build *b)
     return SPY_OK;
 }
 
+/* ---- a core's last tile, in pieces -------------------------------------------------------------
+ * A core's last tile is stored when its arrays have nothing left to do, and every core
+ * stores at once: the job ends a whole tile's stores after the last matmul. Cut in pieces
+ * of rows, that tile's last matmul, its program and its stores go piece by piece, so that a
+ * piece's stores run while the arrays compute the next piece. Rows, not columns: a piece is
+ * then one range of each scratchpad tile, apart from the others'. Not with split-K (the
+ * partial sums are added whole), nor for a tile of few rows, whose stores take little time. */
+#define MM_PIECES 4          /* pieces of a core's last tile, at most */
+#define MM_PIECE_MIN_ROWS 16 /* rows of a piece, at least */
+#define MM_PIECE_ALIGN 8     /* rows the arrays fill at a time (pt_gran_m) */
+
+static void plan_pieces(mm_build *b)
+{
+    b->nextra = 0;
+    for (uint64_t rt = 0; rt < b->nroots; rt++) {
+        mm_root *x = &b->roots[rt];
+        const mm_task *t = &b->tasks[x->task];
+        x->pieces = 1, x->width = t->rows, x->extra = 0;
+        if (b->npairs || t->next >= 0 || !t->nuses || t->rows < 2 * MM_PIECE_MIN_ROWS)
+            continue;
+        uint32_t n = t->rows / MM_PIECE_MIN_ROWS < MM_PIECES ? t->rows / MM_PIECE_MIN_ROWS : MM_PIECES;
+        uint32_t w = ((t->rows + n - 1) / n + MM_PIECE_ALIGN - 1) / MM_PIECE_ALIGN * MM_PIECE_ALIGN;
+        x->pieces = (t->rows + w - 1) / w;
+        x->width = w;
+        x->extra = (uint32_t)b->nextra;
+        b->nextra += x->pieces - 1;
+    }
+}
+
+/* Piece p of a root: its first row in the tile and its rows. */
+static uint32_t piece_row(const mm_root *x, uint32_t p) { return p * x->width; }
+
+static uint32_t piece_rows(const mm_build *b, const mm_root *x, uint32_t p)
+{
+    uint32_t rows = b->tasks[x->task].rows, r0 = piece_row(x, p);
+    return rows - r0 < x->width ? rows - r0 : x->width;
+}
+
 /* ---- the commands ------------------------------------------------------------------------------ */
 
 /* One operand (0: A, 1: B): a load per shared chunk, a ring send per other use of it. */
@@ -768,7 +813,9 @@ static void matmuls(mm_build *b)
         mm->a_off = (uint32_t)r->a_lx[y->slot];
         mm->b_off = (uint32_t)r->b_lx[y->slot];
         mm->c_off = (uint32_t)r->acc_lx;
-        mm->m = x->rows, mm->n = x->cols, mm->k = b->k_size[y->chunk];
+        /* a root's last matmul: its first piece (all of it when it is whole) */
+        bool last = x->root >= 0 && y->step + 1 == x->nuses;
+        mm->m = last ? b->roots[x->root].width : x->rows, mm->n = x->cols, mm->k = b->k_size[y->chunk];
         mm->lda = r->a_pitch, mm->ldb = r->b_pitch, mm->ldc = r->c_pitch;
         mm->a_dtype = mm->b_dtype = r->in_dtype;
         keys[u] = use_key(b, u, PH_MATMUL);
@@ -811,6 +858,36 @@ static int64_t last_mm(const mm_build *b, uint32_t task)
 {
     const mm_task *x = &b->tasks[task];
     return x->nuses ? (int64_t)x->first_use + x->nuses - 1 : -1;
+}
+
+/* The pieces after the first of a root's last matmul: the same matmul on later rows of A
+ * and of the accumulator, each after the one before. */
+static void piece_matmuls(mm_build *b)
+{
+    if (!b->nextra)
+        return;
+    spy_cmd *c = add_cmds(b, b->nextra, 0, SPY_OP_MATMUL, &b->pmm0);
+    if (!c)
+        return;
+    const spy_cmd *cmds = (const spy_cmd *)b->g.cmds.data;
+    uint32_t isz = spy_dtype_size(b->r->in_dtype);
+    for (uint64_t rt = 0; rt < b->nroots; rt++) {
+        const mm_root *x = &b->roots[rt];
+        if (x->pieces < 2)
+            continue;
+        uint32_t base = b->mm0 + (uint32_t)last_mm(b, x->task);
+        int64_t key = keys_at(b, base)[0];
+        for (uint32_t p = 1; p < x->pieces; p++) {
+            uint32_t e = x->extra + p - 1, r0 = piece_row(x, p);
+            c[e] = cmds[base];
+            spy_matmul *mm = &c[e].u.mm;
+            mm->m = piece_rows(b, x, p);
+            mm->a_off += (b->r->flags & SPY_MM_TRANS_A ? r0 : r0 * mm->lda) * isz;
+            mm->c_off += r0 * mm->ldc * 4;
+            keys_at(b, b->pmm0)[e] = key;
+            depend(b, b->pmm0 + e, p == 1 ? base : b->pmm0 + e - 1);
+        }
+    }
 }
 
 static spy_operand tile_operand(uint8_t dtype, uint32_t pitch, uint64_t off)
@@ -931,6 +1008,54 @@ static void programs(mm_build *b)
 #undef ROOT_SHAPE
 }
 
+static void shift_rows(spy_operand *o, uint32_t r0)
+{
+    if (o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW)
+        o->v.off += (uint64_t)r0 * o->pitch * spy_dtype_size(o->dtype);
+}
+
+/* The programs of a root in pieces, one per piece: the root's program on the piece's rows
+ * (its tile and row operands moved down by the piece's first row). */
+static void piece_programs(mm_build *b)
+{
+    const spy_matmul_record *r = b->r;
+    if (!b->nextra)
+        return;
+    uint64_t n = r->ninstrs, total = 0, begin, at = 0;
+    for (uint64_t rt = 0; rt < b->nroots; rt++)
+        if (b->roots[rt].pieces > 1)
+            total += b->roots[rt].pieces;
+    spy_instr *ins = spy_graph_instrs(&b->g, total * n, &begin);
+    b->pprog = mm_alloc(b, b->nextra, sizeof(uint32_t));
+    if (!b->pprog) {
+        b->g.instrs.failed = true;
+        return;
+    }
+    for (uint64_t rt = 0; rt < b->nroots; rt++) {
+        mm_root *x = &b->roots[rt];
+        for (uint32_t p = 0; x->pieces > 1 && p < x->pieces; p++, at += n) {
+            uint32_t first = (uint32_t)(begin + at), r0 = piece_row(x, p);
+            if (p)
+                b->pprog[x->extra + p - 1] = first;
+            else
+                x->program = first;
+            for (uint64_t k = 0; ins && k < n; k++) {
+                spy_instr *in = &ins[at + k];
+                *in = r->program[k].ins;
+                in->rows = piece_rows(b, x, p), in->cols = b->tasks[x->task].cols;
+                if (x->slot) {
+                    in->dst.v.off = r->program[k].v1[0];
+                    for (int a = 0; a < 3; a++)
+                        in->src[a].v.off = r->program[k].v1[1 + a];
+                }
+                shift_rows(&in->dst, r0);
+                for (int a = 0; a < 3; a++)
+                    shift_rows(&in->src[a], r0);
+            }
+        }
+    }
+}
+
 /* Where each root's epilogue loads go in program order: during its wave, so that they
  * arrive while the arrays still work on it (placed at the wave's end, the SFU waited for
  * them, every core loading at once), and spread over the wave's steps as the stores are,
@@ -955,8 +1080,10 @@ static void epilogue_load_keys(const mm_build *b, int64_t *keys)
     }
 }
 
-/* The epilogue's tiles (loads and stores) of each root: one stream each. */
-static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int64_t *load_keys, run *out)
+/* The epilogue's tiles (loads and stores) of each root: one stream each. A root in pieces
+ * stores its first piece's rows in `out` and each later piece's in `pieces_out`. */
+static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int64_t *load_keys, run *out,
+                                 run *pieces_out)
 {
     uint64_t st[2] = {tl->view.strides[1], tl->view.strides[2]};
     mm_stream s;
@@ -967,8 +1094,20 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
         const mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
         uint64_t base = v->offset + t->batch * v->strides[0] + t->row0 * v->strides[1] + t->col0 * v->strides[2];
-        status = dma_box(b, &s, base, tl->row ? 1 : t->rows, t->cols, tl->lx[x->slot], t->core,
-                         load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE), &out[rt]);
+        status = dma_box(b, &s, base, tl->row ? 1 : load_keys ? t->rows : x->width, t->cols, tl->lx[x->slot],
+                         t->core, load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE), &out[rt]);
+    }
+    for (uint64_t rt = 0; pieces_out && rt < b->nroots && status == SPY_OK; rt++) {
+        const mm_root *x = &b->roots[rt];
+        const mm_task *t = &b->tasks[x->task];
+        for (uint32_t p = 1; p < x->pieces && status == SPY_OK; p++) {
+            uint32_t r0 = piece_row(x, p);
+            uint64_t base = v->offset + t->batch * v->strides[0] + (uint64_t)(t->row0 + r0) * v->strides[1] +
+                            t->col0 * v->strides[2];
+            status = dma_box(b, &s, base, piece_rows(b, x, p), t->cols,
+                             tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize, t->core,
+                             end_key(b, x->task, PH_STORE), &pieces_out[x->extra + p - 1]);
+        }
     }
     if (status == SPY_OK)
         status = stream_end(b, &s);
@@ -985,6 +1124,7 @@ static spy_status epilogue(mm_build *b)
     const spy_matmul_record *r = b->r;
     uint64_t R = b->nroots;
     programs(b);
+    piece_programs(b);
     spy_cmd *c = add_cmds(b, R, 0, SPY_OP_SFU, &b->sfu0);
     for (uint64_t rt = 0; c && rt < R; rt++) {
         const mm_root *x = &b->roots[rt];
@@ -1005,6 +1145,19 @@ static spy_status epilogue(mm_build *b)
             if (a >= 0)
                 depend(b, b->sfu0 + rt, b->radd0 + a);
         }
+    /* a root in pieces: each later piece's program after its matmul */
+    c = b->nextra && b->pprog ? add_cmds(b, b->nextra, 0, SPY_OP_SFU, &b->psfu0) : NULL;
+    for (uint64_t rt = 0; c && rt < R; rt++) {
+        const mm_root *x = &b->roots[rt];
+        for (uint32_t p = 1; p < x->pieces; p++) {
+            uint32_t e = x->extra + p - 1;
+            c[e].core = (uint16_t)b->tasks[x->task].core;
+            c[e].u.sfu.ninstrs = r->ninstrs;
+            c[e].u.sfu.instr_begin = b->pprog[e];
+            keys_at(b, b->psfu0)[e] = end_key(b, x->task, PH_EPILOGUE);
+            depend(b, b->psfu0 + e, b->pmm0 + e);
+        }
+    }
     spy_status s = SPY_OK;
     int64_t *load_keys = r->nloads ? mm_alloc(b, R, sizeof(int64_t)) : NULL;
     if (r->nloads && !load_keys)
@@ -1013,13 +1166,16 @@ static spy_status epilogue(mm_build *b)
     if (load_keys)
         epilogue_load_keys(b, load_keys);
     for (uint32_t i = 0; i < r->nloads && s == SPY_OK; i++)
-        s = epilogue_tiles(b, &r->loads[i], load_keys, b->ld + i * R);
+        s = epilogue_tiles(b, &r->loads[i], load_keys, b->ld + i * R, NULL);
     if (s != SPY_OK)
         return s;
     for (uint32_t i = 0; i < r->nloads; i++) {
         const run *ld = b->ld + i * R;
         for (uint64_t rt = 0; rt < R; rt++)
             depend_runs(b, (run){b->sfu0 + (uint32_t)rt, 1}, ld[rt]);
+        for (uint64_t rt = 0; b->pprog && rt < R; rt++)
+            for (uint32_t p = 1; p < b->roots[rt].pieces; p++)
+                depend_runs(b, (run){b->psfu0 + b->roots[rt].extra + p - 1, 1}, ld[rt]);
         for (uint64_t rt = 0; rt < R; rt++) /* its tile was read */
             if (b->roots[rt].prev2 >= 0)
                 depend_runs(b, ld[rt], (run){b->sfu0 + (uint32_t)b->roots[rt].prev2, 1});
@@ -1027,8 +1183,8 @@ static spy_status epilogue(mm_build *b)
     /* per root, the wave's pacing of its stores */
     uint64_t wave_first = 0;
     for (uint32_t o = 0; o < r->nstores; o++) {
-        run *st = b->st + o * R;
-        s = epilogue_tiles(b, &r->stores[o], NULL, st);
+        run *st = b->st + o * R, *pst = b->pst ? b->pst + o * b->nextra : NULL;
+        s = epilogue_tiles(b, &r->stores[o], NULL, st, pst);
         if (s != SPY_OK)
             return s;
         for (uint64_t rt = 0; rt < R; rt++)
@@ -1036,6 +1192,13 @@ static spy_status epilogue(mm_build *b)
         for (uint64_t rt = 0; rt < R; rt++) /* the staging tile is free */
             if (b->roots[rt].prev2 >= 0)
                 depend_runs(b, (run){b->sfu0 + (uint32_t)rt, 1}, st[b->roots[rt].prev2]);
+        for (uint64_t rt = 0; pst && b->pprog && rt < R; rt++) /* the same for each later piece */
+            for (uint32_t p = 1; p < b->roots[rt].pieces; p++) {
+                uint32_t e = b->roots[rt].extra + p - 1;
+                depend_runs(b, pst[e], (run){b->psfu0 + e, 1});
+                if (b->roots[rt].prev2 >= 0)
+                    depend_runs(b, (run){b->psfu0 + e, 1}, st[b->roots[rt].prev2]);
+            }
         if (!b->nuses)
             continue;
         wave_first = 0;
@@ -1354,6 +1517,8 @@ spy_status spy_build_matmul(const spy_matmul_record *r, spy_built *out)
     if (r->batch && r->m && r->n) {
         spy_graph_reserve(&b.g, b.least + b.least / 8, 3 * b.least); /* about what a matmul makes */
         s = schedule(&b);
+        if (s == SPY_OK)
+            plan_pieces(&b);
         uint64_t R = b.nroots;
         for (int op = 0; op < 2 && s == SPY_OK; op++) {
             b.loaded[op] = mm_alloc(&b, b.nchunks[op] ? b.nchunks[op] : 1, sizeof(run));
@@ -1365,13 +1530,15 @@ spy_status spy_build_matmul(const spy_matmul_record *r, spy_built *out)
         if (s == SPY_OK) {
             b.ld = mm_alloc(&b, (r->nloads ? r->nloads : 1) * R, sizeof(run));
             b.st = mm_alloc(&b, r->nstores * R, sizeof(run));
-            if (!b.ld || !b.st)
+            b.pst = b.nextra ? mm_alloc(&b, r->nstores * b.nextra, sizeof(run)) : NULL;
+            if (!b.ld || !b.st || (b.nextra && !b.pst))
                 s = spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a matmul's operations");
         }
         for (int op = 0; op < 2 && s == SPY_OK; op++)
             s = operand(&b, op);
         if (s == SPY_OK) {
             matmuls(&b);
+            piece_matmuls(&b);
             buffer_reuse(&b, 0);
             buffer_reuse(&b, 1);
             in_step_order(&b, 0);

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from scratchpad_races import races
+from scratchpad_races import decode, races
 
 from spyre_rt import device_profile, dtypes, jobs
 from spyre_rt.card import Card
@@ -23,6 +23,7 @@ from spyre_rt.construct.matmul import MatmulSpec, Problem, Tiling, View, build, 
 from spyre_rt.construct.matmul.tiling import divisors
 from spyre_rt.cost import CostModel
 from spyre_rt.layout import StickLayout
+from spyre_rt.program import CMD_MM, OP_MATMUL, OP_SFU
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -233,6 +234,29 @@ def test_decode_splits_k_and_adds_the_partial_sums_on_the_card(card):
     out = operand("o", torch.float32, 1, 1, 64, gen=g)
     tiling = check(card, a, b, out)
     assert tiling.pk > 1
+
+
+def test_a_cores_last_tile_is_finished_in_pieces_of_rows(card):
+    """The second wave's tiles are each core's last: their last matmul, program and stores go
+    in pieces of rows, so that a piece's stores run while the arrays compute the next one
+    (the job would otherwise end with every core storing a whole tile at once); the first
+    wave's stay whole. Exact, with no scratchpad races, and with a residual-like epilogue
+    (a bias) read by each piece at its rows."""
+    g = torch.Generator().manual_seed(7)
+    a = operand("a", torch.float16, 1, 1024, 64, gen=g)
+    b = operand("b", torch.float16, 1, 64, 256, gen=g, transposed=True)
+    out = operand("o", torch.float16, 1, 1024, 256, gen=g)
+    bias = operand("bias", torch.float32, 1, 1, 256, gen=g)
+    bias.view = View("bias", 0, (1, 1024, 256), (0, 0, 1))
+    for with_bias in (None, bias):
+        tiling = Tiling(2, 1, 4, 4, 16, 4, 64, 2)  # tiles of 64 x 64, two waves of 32
+        assert check(card, a, b, out, with_bias, tiling) == tiling
+        _, _, blob = run(card, a, b, out, with_bias, tiling)
+        cmds, _, _, _ = decode(blob)
+        mms = cmds[cmds["op"] == OP_MATMUL].view(CMD_MM)
+        rows = sorted(int(m) for m in mms["m"])
+        assert rows == [16] * 128 + [64] * 32, "the last wave's matmuls are not in four pieces of 16 rows"
+        assert int((cmds["op"] == OP_SFU).sum()) == 32 + 32 * 4
 
 
 def test_fp16_gemm_of_normal_values_is_close_to_torch(card):

@@ -214,7 +214,7 @@ def residual_read_twice(x, h, w):
 
 @pytest.mark.parametrize("way", WAYS)
 def test_fuse_residuals_off_leaves_the_sum_to_its_readers(setting, way):
-    x, h, w = torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)
+    x, h, w = torch.randn(4096, 64), torch.randn(4096, 64), torch.randn(64, 64)  # a sum of 1 MiB
     options = setting("SPYRE_RT_FUSE_RESIDUALS", "fuse_residuals", False, way)
     inline, _ = _compiled(residual_read_twice, options, x, h, w)
     fused, _ = _compiled(residual_read_twice, {"fuse_residuals": True}, x, h, w)

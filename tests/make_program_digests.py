@@ -28,7 +28,8 @@ from spyre_rt.executor.step import live_steps
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "program_digests.json")
 FAMILIES = ("granite", "gemma2", "gpt2", "bert")  # a decoder each with its own features, an encoder
-PER_KIND = 8  # kernels of a tiny family kept per kind (the distinct ones, in build order)
+PER_KIND = 12  # kernels of a tiny family kept per kind (the distinct ones, in build order: the row
+# saves of the KV caches come first, then the layer's kernels, its rotary embeddings among them)
 # transfer graphs: (rows, row_len, itemsize, offset, sizes, strides)
 TRANSFERS = [
     (1024, 4096, 2, 0, (1024, 4096), (4096, 1)),       # a Granite 8B hidden state

@@ -67,7 +67,7 @@ typedef struct mm_root {
     uint32_t task, slot;
     int32_t prev2;     /* the root two before on its core: the last to use the same staging tiles */
     uint32_t program;  /* its program's first instruction */
-    uint32_t pieces;   /* its last matmul, program and stores cut in column pieces (1: whole) */
+    uint32_t pieces;   /* its last matmul, program and stores cut in pieces of rows (1: whole) */
     uint32_t width;    /* rows of each piece but the last */
     uint32_t extra;    /* its pieces after the first: their index among every root's */
 } mm_root;

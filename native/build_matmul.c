@@ -241,7 +241,6 @@ typedef struct mm_build {
     run *ld, *st;                        /* per (tiles, root) */
     uint64_t nextra;                     /* pieces after a root's first, of every root */
     uint32_t pmm0, psfu0;                /* their matmuls and programs, one command each */
-    uint32_t *pprog;                     /* each one's program */
     run *pst;                            /* per (store tiles, extra piece) */
     bool overflow;                       /* more dependencies than a program block holds */
     void *blocks[32];                    /* every allocation, freed at the end */
@@ -968,79 +967,47 @@ static void reduction(mm_build *b)
         depend(b, b->radd0 + p, b->mm0 + last_mm(b, b->pairs[p].rcv));
 }
 
-/* The per-tile programs: one for each (staging slot, rows, cols) of the roots, in that
- * order; each root's first instruction. */
-static void programs(mm_build *b)
-{
-    const spy_matmul_record *r = b->r;
-    uint64_t nshape = 2 * (uint64_t)b->ndm * b->ndn, n = r->ninstrs;
-    uint32_t *index = mm_alloc(b, nshape, sizeof(uint32_t));
-    if (!index) {
-        b->g.instrs.failed = true;
-        return;
-    }
-#define ROOT_SHAPE(x) (((uint64_t)(x)->slot * b->ndm + b->tasks[(x)->task].rank_m) * b->ndn + b->tasks[(x)->task].rank_n)
-    for (uint64_t rt = 0; rt < b->nroots; rt++)
-        index[ROOT_SHAPE(&b->roots[rt])] = 1;
-    uint64_t nprog = 0, begin;
-    for (uint64_t i = 0; i < nshape; i++)
-        if (index[i])
-            index[i] = (uint32_t)++nprog;
-    spy_instr *ins = spy_graph_instrs(&b->g, nprog * n, &begin);
-    for (uint64_t rt = 0; rt < b->nroots; rt++) {
-        mm_root *x = &b->roots[rt];
-        const mm_task *t = &b->tasks[x->task];
-        uint32_t p = index[ROOT_SHAPE(x)] - 1;
-        x->program = (uint32_t)(begin + p * n);
-        if (!ins || ins[p * n].rows) /* written already (a tile has rows) */
-            continue;
-        for (uint64_t k = 0; k < n; k++) {
-            spy_instr *in = &ins[p * n + k];
-            *in = r->program[k].ins;
-            in->rows = t->rows, in->cols = t->cols;
-            if (x->slot) {
-                in->dst.v.off = r->program[k].v1[0];
-                for (int a = 0; a < 3; a++)
-                    in->src[a].v.off = r->program[k].v1[1 + a];
-            }
-        }
-    }
-#undef ROOT_SHAPE
-}
-
 static void shift_rows(spy_operand *o, uint32_t r0)
 {
     if (o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW)
         o->v.off += (uint64_t)r0 * o->pitch * spy_dtype_size(o->dtype);
 }
 
-/* The programs of a root in pieces, one per piece: the root's program on the piece's rows
- * (its tile and row operands moved down by the piece's first row). */
-static void piece_programs(mm_build *b)
+/* The per-tile programs: one for each (whole or in pieces, staging slot, rows, cols) of the
+ * roots, in that order; each root's first instruction. A root in pieces has the program once
+ * per piece, on the piece's rows (its tile and row operands moved down by the piece's first
+ * row): piece p's starts p * ninstrs after the root's first. */
+static void programs(mm_build *b)
 {
     const spy_matmul_record *r = b->r;
-    if (!b->nextra)
-        return;
-    uint64_t n = r->ninstrs, total = 0, begin, at = 0;
-    for (uint64_t rt = 0; rt < b->nroots; rt++)
-        if (b->roots[rt].pieces > 1)
-            total += b->roots[rt].pieces;
-    spy_instr *ins = spy_graph_instrs(&b->g, total * n, &begin);
-    b->pprog = mm_alloc(b, b->nextra, sizeof(uint32_t));
-    if (!b->pprog) {
+    uint64_t nshape = 4 * (uint64_t)b->ndm * b->ndn, n = r->ninstrs;
+    uint64_t *at = mm_alloc(b, nshape, sizeof(uint64_t));
+    if (!at) {
         b->g.instrs.failed = true;
         return;
     }
+#define ROOT_SHAPE(x) \
+    ((((uint64_t)((x)->pieces > 1) * 2 + (x)->slot) * b->ndm + b->tasks[(x)->task].rank_m) * b->ndn + \
+     b->tasks[(x)->task].rank_n)
+    /* a root's pieces follow from its rows: alike for every root of its shape */
+    for (uint64_t rt = 0; rt < b->nroots; rt++)
+        at[ROOT_SHAPE(&b->roots[rt])] = b->roots[rt].pieces * n;
+    uint64_t total = 0, begin;
+    for (uint64_t i = 0; i < nshape; i++) { /* each shape's instructions -> its first */
+        uint64_t len = at[i];
+        at[i] = total;
+        total += len;
+    }
+    spy_instr *ins = spy_graph_instrs(&b->g, total, &begin);
     for (uint64_t rt = 0; rt < b->nroots; rt++) {
         mm_root *x = &b->roots[rt];
-        for (uint32_t p = 0; x->pieces > 1 && p < x->pieces; p++, at += n) {
-            uint32_t first = (uint32_t)(begin + at), r0 = piece_row(x, p);
-            if (p)
-                b->pprog[x->extra + p - 1] = first;
-            else
-                x->program = first;
-            for (uint64_t k = 0; ins && k < n; k++) {
-                spy_instr *in = &ins[at + k];
+        uint64_t first = at[ROOT_SHAPE(x)];
+        x->program = (uint32_t)(begin + first);
+        if (!ins || ins[first].rows) /* written already (a tile has rows) */
+            continue;
+        for (uint32_t p = 0; p < x->pieces; p++)
+            for (uint64_t k = 0; k < n; k++) {
+                spy_instr *in = &ins[first + p * n + k];
                 *in = r->program[k].ins;
                 in->rows = piece_rows(b, x, p), in->cols = b->tasks[x->task].cols;
                 if (x->slot) {
@@ -1048,12 +1015,12 @@ static void piece_programs(mm_build *b)
                     for (int a = 0; a < 3; a++)
                         in->src[a].v.off = r->program[k].v1[1 + a];
                 }
-                shift_rows(&in->dst, r0);
+                shift_rows(&in->dst, piece_row(x, p));
                 for (int a = 0; a < 3; a++)
-                    shift_rows(&in->src[a], r0);
+                    shift_rows(&in->src[a], piece_row(x, p));
             }
-        }
     }
+#undef ROOT_SHAPE
 }
 
 /* Where each root's epilogue loads go in program order: during its wave, so that they
@@ -1093,20 +1060,13 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
     for (uint64_t rt = 0; rt < b->nroots && status == SPY_OK; rt++) {
         const mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
-        uint64_t base = v->offset + t->batch * v->strides[0] + t->row0 * v->strides[1] + t->col0 * v->strides[2];
-        status = dma_box(b, &s, base, tl->row ? 1 : load_keys ? t->rows : x->width, t->cols, tl->lx[x->slot],
-                         t->core, load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE), &out[rt]);
-    }
-    for (uint64_t rt = 0; pieces_out && rt < b->nroots && status == SPY_OK; rt++) {
-        const mm_root *x = &b->roots[rt];
-        const mm_task *t = &b->tasks[x->task];
-        for (uint32_t p = 1; p < x->pieces && status == SPY_OK; p++) {
-            uint32_t r0 = piece_row(x, p);
+        for (uint32_t p = 0; p < (load_keys ? 1 : x->pieces) && status == SPY_OK; p++) {
+            uint32_t r0 = piece_row(x, p), rows = tl->row ? 1 : load_keys ? t->rows : piece_rows(b, x, p);
             uint64_t base = v->offset + t->batch * v->strides[0] + (uint64_t)(t->row0 + r0) * v->strides[1] +
                             t->col0 * v->strides[2];
-            status = dma_box(b, &s, base, piece_rows(b, x, p), t->cols,
-                             tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize, t->core,
-                             end_key(b, x->task, PH_STORE), &pieces_out[x->extra + p - 1]);
+            status = dma_box(b, &s, base, rows, t->cols, tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize,
+                             t->core, load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE),
+                             p ? &pieces_out[x->extra + p - 1] : &out[rt]);
         }
     }
     if (status == SPY_OK)
@@ -1124,7 +1084,6 @@ static spy_status epilogue(mm_build *b)
     const spy_matmul_record *r = b->r;
     uint64_t R = b->nroots;
     programs(b);
-    piece_programs(b);
     spy_cmd *c = add_cmds(b, R, 0, SPY_OP_SFU, &b->sfu0);
     for (uint64_t rt = 0; c && rt < R; rt++) {
         const mm_root *x = &b->roots[rt];
@@ -1146,14 +1105,14 @@ static spy_status epilogue(mm_build *b)
                 depend(b, b->sfu0 + rt, b->radd0 + a);
         }
     /* a root in pieces: each later piece's program after its matmul */
-    c = b->nextra && b->pprog ? add_cmds(b, b->nextra, 0, SPY_OP_SFU, &b->psfu0) : NULL;
+    c = b->nextra ? add_cmds(b, b->nextra, 0, SPY_OP_SFU, &b->psfu0) : NULL;
     for (uint64_t rt = 0; c && rt < R; rt++) {
         const mm_root *x = &b->roots[rt];
         for (uint32_t p = 1; p < x->pieces; p++) {
             uint32_t e = x->extra + p - 1;
             c[e].core = (uint16_t)b->tasks[x->task].core;
             c[e].u.sfu.ninstrs = r->ninstrs;
-            c[e].u.sfu.instr_begin = b->pprog[e];
+            c[e].u.sfu.instr_begin = x->program + p * r->ninstrs;
             keys_at(b, b->psfu0)[e] = end_key(b, x->task, PH_EPILOGUE);
             depend(b, b->psfu0 + e, b->pmm0 + e);
         }
@@ -1173,7 +1132,7 @@ static spy_status epilogue(mm_build *b)
         const run *ld = b->ld + i * R;
         for (uint64_t rt = 0; rt < R; rt++)
             depend_runs(b, (run){b->sfu0 + (uint32_t)rt, 1}, ld[rt]);
-        for (uint64_t rt = 0; b->pprog && rt < R; rt++)
+        for (uint64_t rt = 0; rt < R; rt++)
             for (uint32_t p = 1; p < b->roots[rt].pieces; p++)
                 depend_runs(b, (run){b->psfu0 + b->roots[rt].extra + p - 1, 1}, ld[rt]);
         for (uint64_t rt = 0; rt < R; rt++) /* its tile was read */
@@ -1192,7 +1151,7 @@ static spy_status epilogue(mm_build *b)
         for (uint64_t rt = 0; rt < R; rt++) /* the staging tile is free */
             if (b->roots[rt].prev2 >= 0)
                 depend_runs(b, (run){b->sfu0 + (uint32_t)rt, 1}, st[b->roots[rt].prev2]);
-        for (uint64_t rt = 0; pst && b->pprog && rt < R; rt++) /* the same for each later piece */
+        for (uint64_t rt = 0; pst && rt < R; rt++) /* the same for each later piece */
             for (uint32_t p = 1; p < b->roots[rt].pieces; p++) {
                 uint32_t e = b->roots[rt].extra + p - 1;
                 depend_runs(b, pst[e], (run){b->psfu0 + e, 1});

@@ -211,14 +211,9 @@ def _checked(op, lowering):
         result = lowering(*args, **kwargs)
         if node is not None and node_key(node) in options.realize_nodes and isinstance(result, ir.TensorBox):
             result.realize()  # a buffer of its own, read by the kernels that fused it before
-        elif op in _GATHERS and node is not None and isinstance(result, ir.TensorBox) and _on_spyre(*args) \
-                and rebroadcast(node):
-            result.realize()  # gathered once, not again for every element its readers broadcast it to
-            kept_apart(V.graph).add(node_key(node))
-        elif op in _RESIDUAL_SUMS and node is not None and node.target is op and isinstance(result, ir.TensorBox) \
-                and options.fuse_residuals and options.fuse_epilogues and _on_spyre(*args) and residual_sum(node) \
-                and all(_reads_plainly(a) for a in args[:_RESIDUAL_SUMS[op]]):
-            result.realize()  # once, in the matmul's epilogue, not again by each of its readers
+        elif node is not None and isinstance(result, ir.TensorBox) and _on_spyre(*args) \
+                and _computed_apart(op, node, args):
+            result.realize()  # computed once, not again by each of its readers
             kept_apart(V.graph).add(node_key(node))
         if not _on_spyre(*args, *kwargs.values()):
             if options.compiler_version and not op.is_view and on_cpu(result):
@@ -239,6 +234,21 @@ def _checked(op, lowering):
         return handler(*args, **kwargs)
 
     return checked
+
+
+def _computed_apart(op, node: torch.fx.Node, args) -> bool:
+    """Whether the lowering computes `node`'s value (the result of `op` on the card) into a
+    buffer of its own, kept out of its readers' kernels: a gather whose readers broadcast
+    its rows (:func:`rebroadcast`), gathered once, not again for every element that reads
+    it; a residual sum (:func:`residual_sum`), computed once in the matmul's epilogue."""
+    from .. import options
+
+    if op in _GATHERS:
+        return rebroadcast(node)
+    if op in _RESIDUAL_SUMS:
+        return (node.target is op and options.fuse_residuals and options.fuse_epilogues and residual_sum(node)
+                and all(_reads_plainly(a) for a in args[:_RESIDUAL_SUMS[op]]))
+    return False
 
 
 _GATHERS = (aten.index_select.default, aten.embedding.default, aten.index.Tensor)

@@ -27,6 +27,18 @@ COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}
     | frozenset(BINARY) | frozenset(COMPARE)
 
 
+def fuse_kernels(step: StepDesc) -> StepDesc:
+    """The step's fusions its options turn on: epilogues, then prologues (an epilogue can
+    make a matmul's A, so that the kernel after it is a norm the next matmuls take in)."""
+    if step.options.get("fuse_epilogues"):
+        step = fuse_epilogues(step)
+    if step.options.get("fuse_prologues"):
+        from .prologue import fuse_prologues
+
+        step = fuse_prologues(step)
+    return step
+
+
 def fuse_epilogues(step: StepDesc) -> StepDesc:
     """The step with every pointwise loop kernel that can be a matmul's epilogue folded
     into it (kernels named as before; the loop kernels and the products' buffers gone)."""

@@ -20,6 +20,9 @@ split_gated_gemms: bool = True
 # a residual add of a matmul's product that several ops read (h + attn(h) * m) is computed
 # once, as the matmul's epilogue, not inlined into each reader (lowering.residual_sum)
 fuse_residuals: bool = True
+# a loop kernel whose result only matmuls read as A (RMSNorm) becomes their prologue: its
+# per-row part stays a kernel, its elementwise part runs on each A chunk (compiler/prologue.py)
+fuse_prologues: bool = True
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 # the settings the step carries to its calls (spyre_rt.config.step_fields); {} = the process's

@@ -25,7 +25,7 @@ from spyre_rt.executor.step import adopted
 from spyre_rt.ir import StepDesc, from_json
 
 from .describe import RecordedKernel, Sym, describe, value
-from .fusion import fuse_epilogues
+from .fusion import fuse_kernels
 
 
 def specializer(x) -> Callable[[Mapping[str, int]], Any] | None:
@@ -90,8 +90,7 @@ class SymbolicStep:
                 step = self._steps.get(key)
                 if step is None:
                     concrete = self._concrete(env)
-                    if concrete.options.get("fuse_epilogues"):
-                        concrete = fuse_epilogues(concrete)
+                    concrete = fuse_kernels(concrete)
                     digest = hashlib.sha256(f"{self.digest}{key}".encode()).hexdigest()
                     step = self._steps[key] = CompiledStep(concrete, digest, family=(self.digest, dict(env)),
                                                                  settings=self.settings)

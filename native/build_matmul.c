@@ -242,8 +242,10 @@ typedef struct mm_build {
     uint64_t nextra;                     /* pieces after a root's first, of every root */
     uint32_t pmm0, psfu0;                /* their matmuls and programs, one command each */
     run *pst;                            /* per (store tiles, extra piece) */
+    run *pro_ready, *pro_vec;            /* an A prologue's: per A chunk, its program and (per
+                                            vector, per chunk) its vectors' loads */
     bool overflow;                       /* more dependencies than a program block holds */
-    void *blocks[32];                    /* every allocation, freed at the end */
+    void *blocks[40];                    /* every allocation, freed at the end */
     uint32_t nblk;
 } mm_build;
 
@@ -716,6 +718,113 @@ static uint32_t piece_rows(const mm_build *b, const mm_root *x, uint32_t p)
 
 /* ---- the commands ------------------------------------------------------------------------------ */
 
+static void shift_rows(spy_operand *o, uint32_t r0);
+
+/* The instructions of an A prologue for chunks of `rows` x `depth` in operand buffer `slot`,
+ * strip by strip: made once per distinct (slot, rows, depth). UINT32_MAX when host memory
+ * ran out (the encode says so). */
+typedef struct pro_variant {
+    uint32_t slot, rows, depth, begin, count;
+} pro_variant;
+
+/* Whether an operand of the prologue moves down with the strip: the chunk's tile (in place)
+ * and the values per row; not the temporaries (a strip's) nor the values per column. */
+static bool pro_moves(const spy_matmul_record *r, const spy_operand *o, uint32_t slot)
+{
+    return o->kind == SPY_OPND_ROW || (o->kind == SPY_OPND_TILE && o->v.off == r->a_lx[slot]);
+}
+
+static const pro_variant *pro_instrs(mm_build *b, pro_variant *seen, uint32_t *nseen, uint64_t most, uint32_t slot,
+                                     uint32_t rows, uint32_t depth)
+{
+    const spy_matmul_record *r = b->r;
+    for (uint32_t i = 0; i < *nseen; i++)
+        if (seen[i].slot == slot && seen[i].rows == rows && seen[i].depth == depth)
+            return &seen[i];
+    if (*nseen >= most)
+        return NULL;
+    uint32_t strip = r->pro_strip < rows ? r->pro_strip : rows, strips = (rows + strip - 1) / strip;
+    uint64_t begin;
+    spy_instr *ins = spy_graph_instrs(&b->g, (uint64_t)strips * r->npro_instrs, &begin);
+    if (!ins)
+        return NULL;
+    for (uint32_t s = 0; s < strips; s++)
+        for (uint32_t k = 0; k < r->npro_instrs; k++) {
+            spy_instr *in = &ins[(uint64_t)s * r->npro_instrs + k];
+            *in = r->pro_program[(uint64_t)slot * r->npro_instrs + k];
+            in->rows = rows - s * strip < strip ? rows - s * strip : strip, in->cols = depth;
+            spy_operand *o[4] = {&in->dst, &in->src[0], &in->src[1], &in->src[2]};
+            for (int a = 0; a < 4; a++)
+                if (pro_moves(r, o[a], slot))
+                    shift_rows(o[a], s * strip);
+        }
+    seen[*nseen] = (pro_variant){slot, rows, depth, (uint32_t)begin, strips * r->npro_instrs};
+    return &seen[(*nseen)++];
+}
+
+/* An A prologue: for each A chunk, on the core that loads it, the loads of its vectors (in
+ * the chunk's buffer's regions) and one SFU command running the program over the chunk in
+ * place once the chunk and its vectors landed. The writes into a buffer's regions wait for
+ * the buffer's previous use as the chunk's load does (buffer_reuse). */
+static spy_status prologue(mm_build *b)
+{
+    const spy_matmul_record *r = b->r;
+    uint64_t nc = b->nchunks[0];
+    spy_status status = SPY_OK;
+    for (uint32_t v = 0; v < r->npro_vectors && status == SPY_OK; v++) {
+        const spy_mm_vector *pv = &r->pro_vectors[v];
+        uint64_t st[2] = {0, pv->per_row ? pv->view.strides[1] : pv->view.strides[2]};
+        mm_stream s;
+        uint64_t pitch = (uint64_t)pv->itemsize * (pv->per_row ? b->tm : b->depth); /* one row */
+        stream_init(b, &s, &pv->view, st, pitch, pv->itemsize, true);
+        for (uint64_t c = 0; c < nc && status == SPY_OK; c++) {
+            uint32_t u = b->loader[0][c];
+            const mm_use *y = &b->uses[u];
+            const mm_task *x = &b->tasks[y->task];
+            uint64_t base = pv->view.offset + x->batch * pv->view.strides[0], n;
+            if (pv->per_row)
+                base += x->row0 * pv->view.strides[1], n = x->rows;
+            else
+                base += b->k_start[y->chunk] * pv->view.strides[2], n = b->k_size[y->chunk];
+            status = dma_box(b, &s, base, 1, n, pv->lx[y->slot], x->core, use_key(b, u, PH_LOAD),
+                             &b->pro_vec[v * nc + c]);
+        }
+        if (status == SPY_OK)
+            status = stream_end(b, &s);
+        spy_vec_free(&s.pending);
+    }
+    if (status != SPY_OK)
+        return status;
+    /* distinct (buffer, rows, depth): rows of each M tile size, depths of each chunk size */
+    uint64_t most = (uint64_t)r->nbuf * b->ndm * (b->nk < 64 ? b->nk : 64);
+    pro_variant *seen = mm_alloc(b, most ? most : 1, sizeof *seen);
+    if (!seen)
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a matmul's prologue");
+    uint32_t nseen = 0, first;
+    spy_cmd *c = add_cmds(b, nc, 0, SPY_OP_SFU, &first);
+    for (uint64_t k = 0; k < nc; k++) {
+        uint32_t u = b->loader[0][k];
+        const mm_use *y = &b->uses[u];
+        const mm_task *x = &b->tasks[y->task];
+        b->pro_ready[k] = (run){first + (uint32_t)k, 1};
+        if (!c)
+            continue;
+        const pro_variant *pv = pro_instrs(b, seen, &nseen, most, y->slot, x->rows, b->k_size[y->chunk]);
+        if (!pv) {
+            b->g.instrs.failed = true; /* reported by the encode */
+            continue;
+        }
+        c[k].core = (uint16_t)x->core;
+        c[k].u.sfu.ninstrs = pv->count;
+        c[k].u.sfu.instr_begin = pv->begin;
+        keys_at(b, first)[k] = use_key(b, u, PH_LOAD);
+        depend_runs(b, b->pro_ready[k], b->loaded[0][k]);
+        for (uint32_t v = 0; v < r->npro_vectors; v++)
+            depend_runs(b, b->pro_ready[k], b->pro_vec[v * nc + k]);
+    }
+    return SPY_OK;
+}
+
 /* One operand (0: A, 1: B): a load per shared chunk, a ring send per other use of it. */
 static spy_status operand(mm_build *b, int op)
 {
@@ -747,8 +856,12 @@ static spy_status operand(mm_build *b, int op)
     if (status == SPY_OK)
         status = stream_end(b, &s);
     spy_vec_free(&s.pending);
+    if (status == SPY_OK && op == 0 && r->npro_instrs)
+        status = prologue(b);
     if (status != SPY_OK)
         return status;
+    /* what the forwards and the matmuls of a chunk wait for: its load, or its prologue */
+    const run *ready = op == 0 && r->npro_instrs ? b->pro_ready : loaded;
 
     /* the sends, grouped by chunk so that a chunk's sends are one run */
     for (uint64_t c = 0; c < nc; c++)
@@ -770,7 +883,7 @@ static spy_status operand(mm_build *b, int op)
     for (uint64_t u = 0; u < b->nuses; u++) {
         const mm_use *y = &b->uses[u];
         if (y->loads[op]) {
-            arrival[u] = loaded[y->shared[op]];
+            arrival[u] = ready[y->shared[op]];
             continue;
         }
         run *sr = &sends[y->shared[op]];
@@ -789,9 +902,9 @@ static spy_status operand(mm_build *b, int op)
         x->u.ring.bytes = (uint32_t)(rows * pitch * b->e_in);
         keys_at(b, i)[0] = use_key(b, u, PH_SEND);
     }
-    for (uint64_t k = 0; k < nc; k++) /* a chunk is forwarded once it landed */
+    for (uint64_t k = 0; k < nc; k++) /* a chunk is forwarded once it landed (and was rewritten) */
         for (uint32_t i = 0; i < sends[k].count; i++)
-            depend_runs(b, (run){sends[k].first + i, 1}, loaded[k]);
+            depend_runs(b, (run){sends[k].first + i, 1}, ready[k]);
     return SPY_OK;
 }
 
@@ -826,18 +939,32 @@ static void matmuls(mm_build *b)
 static void buffer_reuse(mm_build *b, int op)
 {
     run *arrival = b->arrival[op];
+    bool pro = op == 0 && b->r->npro_instrs;
+    uint64_t nc = b->nchunks[op];
     for (uint64_t u = 0; u < b->nuses; u++)
         depend_runs(b, (run){b->mm0 + (uint32_t)u, 1}, arrival[u]); /* a matmul waits for its chunks */
-    for (uint64_t u = 0; u < b->nuses; u++)
-        if (b->uses[u].prev >= 0)
-            depend_runs(b, arrival[u], (run){b->mm0 + (uint32_t)b->uses[u].prev, 1});
+    for (uint64_t u = 0; u < b->nuses; u++) {
+        const mm_use *y = &b->uses[u];
+        if (y->prev < 0)
+            continue;
+        run before = {b->mm0 + (uint32_t)y->prev, 1};
+        depend_runs(b, arrival[u], before);
+        if (pro && y->loads[0]) { /* what writes the buffer's regions before the prologue */
+            depend_runs(b, b->loaded[0][y->shared[0]], before);
+            for (uint32_t v = 0; v < b->r->npro_vectors; v++)
+                depend_runs(b, b->pro_vec[v * nc + y->shared[0]], before);
+        }
+    }
     for (uint64_t u = 0; u < b->nuses; u++) {
         int32_t prev = b->uses[u].prev;
         if (prev < 0 || !b->uses[prev].loads[op])
             continue;
         run fw = b->sends[op][b->uses[prev].shared[op]];
-        if (fw.count)
-            depend_runs(b, arrival[u], fw);
+        if (!fw.count)
+            continue;
+        depend_runs(b, arrival[u], fw);
+        if (pro && b->uses[u].loads[0])
+            depend_runs(b, b->loaded[0][b->uses[u].shared[0]], fw);
     }
 }
 
@@ -1293,6 +1420,62 @@ static spy_status sizes_check(const uint32_t *size, uint32_t n, uint64_t total, 
     return SPY_OK;
 }
 
+/* An A prologue: its vectors' views and regions, and its program over a chunk of tm rows
+ * and the deepest K chunk in each operand buffer, inside the scratchpad. */
+static spy_status prologue_check(mm_build *b)
+{
+    const spy_matmul_record *r = b->r;
+    if (!r->npro_instrs && !r->npro_vectors)
+        return SPY_OK;
+    if (!r->npro_instrs || r->npro_instrs > SPY_MM_MAX_PROGRAM || r->npro_vectors > SPY_MM_MAX_VECTORS ||
+        !r->pro_strip || !r->pro_program || (r->npro_vectors && !r->pro_vectors) || !r->k ||
+        (r->flags & SPY_MM_TRANS_A))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: a prologue of %u instructions, %u vectors and strips "
+                        "of %u rows (1 .. %u, at most %u, at least 1; with their arrays, over a K that is not empty "
+                        "and an A read with K contiguous)", r->npro_instrs, r->npro_vectors, r->pro_strip,
+                        SPY_MM_MAX_PROGRAM, SPY_MM_MAX_VECTORS);
+    spy_status s;
+    char what[48];
+    for (uint32_t v = 0; v < r->npro_vectors; v++) {
+        const spy_mm_vector *pv = &r->pro_vectors[v];
+        snprintf(what, sizeof what, "pro_vectors[%u]", v);
+        if (pv->per_row > 1 || pv->view.strides[pv->per_row ? 2 : 1] != 0)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: %s is not one value per row (per_row 1, "
+                            "strides[2] 0) or per column (per_row 0, strides[1] 0)", what);
+        if ((s = view_check(r, &pv->view, what, r->m, r->k, pv->itemsize)) != SPY_OK)
+            return s;
+        uint64_t n = pv->per_row ? b->tm : b->depth;
+        for (uint32_t i = 0; i < r->nbuf; i++) {
+            snprintf(what, sizeof what, "pro_vectors[%u].lx[%u]", v, i);
+            if ((s = region_check(r, what, pv->lx[i], 1, n, n, pv->itemsize)) != SPY_OK)
+                return s;
+        }
+    }
+    const char *opnd[4] = {"dst", "src[0]", "src[1]", "src[2]"};
+    uint32_t strip = r->pro_strip < b->tm ? r->pro_strip : b->tm;
+    for (uint64_t i = 0; i < (uint64_t)r->nbuf * r->npro_instrs; i++) {
+        const spy_instr *in = &r->pro_program[i];
+        const spy_operand *o[4] = {&in->dst, &in->src[0], &in->src[1], &in->src[2]};
+        for (int k = 0; k < 4; k++) {
+            uint64_t lo, hi;
+            if (o[k]->kind == SPY_OPND_NONE || o[k]->kind == SPY_OPND_IMM)
+                continue;
+            /* what moves with the strips spans the chunk's rows; the rest, a strip's */
+            uint32_t rows = pro_moves(r, o[k], (uint32_t)(i / r->npro_instrs)) ? b->tm : strip;
+            if (o[k]->kind > SPY_OPND_IMM || o[k]->dtype >= SPY_DT_COUNT || o[k]->pitch > SPY_MM_MAX_PITCH ||
+                o[k]->v.off > r->scratchpad_bytes || !spy_operand_extent(o[k], rows, b->depth, &lo, &hi) ||
+                hi > r->scratchpad_bytes)
+                return spy_fail(SPY_E_SCRATCHPAD, -1, "matmul record: pro_program[%llu].%s (kind %u, dtype %u, at "
+                                "%llu, pitch %u) is unknown or outside the %llu-byte scratchpad for a %ux%u chunk",
+                                (unsigned long long)i, opnd[k], o[k]->kind, o[k]->dtype,
+                                (unsigned long long)o[k]->v.off, o[k]->pitch,
+                                (unsigned long long)r->scratchpad_bytes, b->tm, b->depth);
+        }
+    }
+    b->least += b->nchunks[0] * (1 + (uint64_t)r->npro_vectors);
+    return b->least > MM_MAX_OPS ? too_big() : SPY_OK;
+}
+
 static spy_status matmul_check(mm_build *b)
 {
     const spy_matmul_record *r = b->r;
@@ -1452,7 +1635,7 @@ static spy_status matmul_check(mm_build *b)
             if ((s = operand_check(r, o[k], in->v1[k], i, opnd[k], tm, tn)) != SPY_OK)
                 return s;
     }
-    return SPY_OK;
+    return prologue_check(b);
 }
 
 spy_status spy_build_matmul(const spy_matmul_record *r, spy_built *out)
@@ -1485,6 +1668,13 @@ spy_status spy_build_matmul(const spy_matmul_record *r, spy_built *out)
             b.arrival[op] = mm_alloc(&b, b.nuses ? b.nuses : 1, sizeof(run));
             if (!b.loaded[op] || !b.sends[op] || !b.arrival[op])
                 s = spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a matmul's operations");
+        }
+        if (s == SPY_OK && r->npro_instrs) {
+            uint64_t nc = b.nchunks[0] ? b.nchunks[0] : 1;
+            b.pro_ready = mm_alloc(&b, nc, sizeof(run));
+            b.pro_vec = mm_alloc(&b, nc * (r->npro_vectors ? r->npro_vectors : 1), sizeof(run));
+            if (!b.pro_ready || !b.pro_vec)
+                s = spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for a matmul's prologue");
         }
         if (s == SPY_OK) {
             b.ld = mm_alloc(&b, (r->nloads ? r->nloads : 1) * R, sizeof(run));

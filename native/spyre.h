@@ -737,6 +737,20 @@ typedef struct spy_mm_tiles {
 } spy_mm_tiles; /* 72 bytes */
 SPY_ABI_SIZE(spy_mm_tiles, 72)
 
+/* A vector an A prologue reads with each chunk of A it rewrites: one value per row of A
+ * (per_row: an SFU ROW operand, the chunk's row r at lx + r * itemsize) or one per column
+ * (a COL operand, the chunk's column c at lx + c * itemsize). Its view is batch x M x K,
+ * the stride of the dimension it does not vary along 0. Loaded with the chunk, into the
+ * region of the chunk's operand buffer. */
+#define SPY_MM_MAX_VECTORS 4
+typedef struct spy_mm_vector {
+    spy_mm_view view;
+    uint64_t lx[SPY_MM_MAX_NBUF]; /* one region per operand buffer */
+    uint32_t itemsize;            /* bytes per element (the slot layout's) */
+    uint32_t per_row;             /* 1: a value per row of A; 0: per column (along K) */
+} spy_mm_vector; /* 80 bytes */
+SPY_ABI_SIZE(spy_mm_vector, 80)
+
 /* One instruction of the per-tile program: `ins` as for a tile in slot 0 (its rows and
  * cols are each tile's, filled in), and its operands' v (dst, src[0..2]) for slot 1. */
 typedef struct spy_mm_instr {
@@ -774,6 +788,16 @@ typedef struct spy_matmul_record {
     const spy_mm_tiles *loads;   /* nloads */
     const spy_mm_tiles *stores;  /* nstores (at least one) */
     const spy_mm_instr *program; /* ninstrs (at least one) */
+    /* An A prologue (npro_instrs 0: none): the pointwise kernel that made A, folded into the
+     * matmul. The core that loads an A chunk loads the vectors with it and runs the program
+     * on the chunk in place, before forwarding or multiplying it, in strips of pro_strip
+     * rows (its temporaries hold a strip). The program for a chunk in operand buffer i is
+     * pro_program[i * npro_instrs ..], rows and cols filled in (a strip's rows, the chunk's
+     * K depth); each strip's moves the chunk's tile and ROW operands down to its first row.
+     * A is read with K contiguous. */
+    uint32_t npro_vectors, npro_instrs, pro_strip, reserved2;
+    const spy_mm_vector *pro_vectors; /* npro_vectors */
+    const spy_instr *pro_program;     /* nbuf * npro_instrs */
 } spy_matmul_record;
 
 spy_status spy_build_matmul(const spy_matmul_record *rec, spy_built *out);
@@ -1281,8 +1305,13 @@ typedef struct spy_mm_problem {
                                         loaded tiles and loaded rows */
     uint32_t epi_temps, epi_temp_e, epi_instrs;
     uint32_t e_stores[SPY_MM_MAX_EPI], e_tiles[SPY_MM_MAX_EPI], e_rows[SPY_MM_MAX_EPI];
-} spy_mm_problem; /* 272 bytes */
-SPY_ABI_SIZE(spy_mm_problem, 272)
+    /* an A prologue's (pro_instrs 0: none): its temporaries, its instructions per strip,
+     * the element sizes of the vectors it loads per row of A and per column */
+    uint32_t pro_temps, pro_temp_e, pro_instrs, npro_rows, npro_cols;
+    uint32_t e_pro_rows[SPY_MM_MAX_VECTORS], e_pro_cols[SPY_MM_MAX_VECTORS];
+    uint32_t pro_strip; /* rows of A the prologue's temporaries hold */
+} spy_mm_problem; /* 328 bytes */
+SPY_ABI_SIZE(spy_mm_problem, 328)
 
 typedef struct spy_mm_tiling {
     uint32_t groups, pk, pm, pn, m_tiles, n_tiles, tk, nbuf;
@@ -1293,9 +1322,9 @@ SPY_ABI_SIZE(spy_mm_tiling, 32)
 typedef struct spy_mm_terms {
     double tm, tn, tm_avg, tn_avg, blocks, waves, active, steps, tail, per_block, dram_bytes, cmds;
     double t_mm, t_port, t_ring, t_load, t_fwd, t_step, t_steps, t_reduce, t_epilogue, t_wave;
-    double t_fill, t_drain, t_stream, ns, lx_bytes, floor_ns;
-} spy_mm_terms; /* 224 bytes */
-SPY_ABI_SIZE(spy_mm_terms, 224)
+    double t_fill, t_drain, t_stream, ns, lx_bytes, floor_ns, t_prologue;
+} spy_mm_terms; /* 232 bytes */
+SPY_ABI_SIZE(spy_mm_terms, 232)
 
 /* The cheapest tiling that fits the scratchpad, by the rule of spyre_rt's `choose`.
  * SPY_E_SCRATCHPAD when no tile fits. */

@@ -180,7 +180,15 @@ static int64_t lx_bytes(const spy_mm_cost *c, const spy_mm_problem *p, int64_t t
         more += 2 * round_up(round_up(tn, st / e) * e, al);
     }
     int64_t temps = (int64_t)p->epi_temps * round_up(tm * round_up(tn, 32) * p->epi_temp_e, al);
-    return nbuf * (round_up(a, al) + round_up(b, al)) + round_up(acc, al) * (pk > 1 ? 2 : 1) + more +
+    /* an A prologue: its vectors, per operand buffer, and its temporaries over a chunk */
+    int64_t vectors = 0;
+    for (uint32_t i = 0; i < p->npro_rows; i++)
+        vectors += round_up(tm * p->e_pro_rows[i], al);
+    for (uint32_t i = 0; i < p->npro_cols; i++)
+        vectors += round_up(depth * p->e_pro_cols[i], al);
+    int64_t strip = p->pro_strip && p->pro_strip < tm ? p->pro_strip : tm;
+    temps += (int64_t)p->pro_temps * round_up(strip * round_up(depth, 32) * p->pro_temp_e, al);
+    return nbuf * (round_up(a, al) + round_up(b, al) + vectors) + round_up(acc, al) * (pk > 1 ? 2 : 1) + more +
            2 * round_up(bias, al) + temps;
 }
 
@@ -193,7 +201,7 @@ typedef struct grid {
 } grid;
 
 typedef struct step_terms {
-    double t_mm, t_port, t_ring, t_load, t_fwd, t_step;
+    double t_mm, t_port, t_ring, t_load, t_fwd, t_pro, t_step;
 } step_terms;
 
 static void chunks(const spy_mm_cost *c, const spy_mm_problem *p, double tm, double tn, double depth, double *a,
@@ -221,7 +229,12 @@ static step_terms step_of(const spy_mm_cost *c, const spy_mm_problem *p, const s
     double a_send = ring_ns(c, a, hops), b_send = ring_ns(c, b, hops);
     s.t_fwd = dmax((double)(pn - 1) * a_send, (double)(pm - 1) * b_send);
     s.t_ring = ((double)(pm * (pn - 1)) * a_send + (double)(pn * (pm - 1)) * b_send) / (double)(pm * pn);
-    s.t_step = dmax(dmax(dmax(s.t_mm, s.t_ring), s.t_port), (s.t_load + s.t_fwd) / (double)(t->nbuf - 1));
+    /* an A prologue: its loader rewrites each A chunk between the load and the forwards; a
+     * core loads 1 / pn of its A chunks */
+    int64_t strip = p->pro_strip && p->pro_strip < tm ? p->pro_strip : tm;
+    s.t_pro = p->pro_instrs ? (double)(p->pro_instrs * ceil_div(tm, strip)) * sfu_ns(c, strip * depth) : 0;
+    s.t_step = dmax(dmax(dmax(dmax(s.t_mm, s.t_ring), s.t_port), s.t_pro / (double)pn),
+                    (s.t_load + s.t_pro + s.t_fwd) / (double)(t->nbuf - 1));
     return s;
 }
 
@@ -270,6 +283,7 @@ static void estimate(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm
     o->t_ring = step.t_ring;
     o->t_load = step.t_load;
     o->t_fwd = step.t_fwd;
+    o->t_prologue = step.t_pro;
     o->t_step = step.t_step;
     o->t_steps = steps > 0 ? (double)(steps - 1) * step.t_step + last.t_step : 0;
 
@@ -280,7 +294,8 @@ static void estimate(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm
     o->t_epilogue = sfu * (double)((p->e_bias ? 2 : 1) + p->epi_instrs);
     o->t_wave = dmax(o->t_steps, dram_ns(c, (double)active * o->per_block)) + o->t_reduce + o->t_epilogue;
 
-    o->t_fill = steps > 0 ? step.t_fwd + step.t_load - dmax(0, step.t_load - c->dma_latency_ns - step.t_mm) : 0;
+    o->t_fill = steps > 0 ? step.t_fwd + step.t_load + step.t_pro - dmax(0, step.t_load - c->dma_latency_ns - step.t_mm)
+                          : 0;
     double storing = dram_share(c, (double)(active * pm * pn));
     double stored = 0;
     for (uint32_t i = 0; i < n_store(p); i++)
@@ -358,6 +373,17 @@ static spy_status check_args(const spy_mm_cost *c, const spy_mm_problem *p)
     if (p->epi_temps > 64 || p->epi_instrs > 4096)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: epi_temps %u above 64 or epi_instrs %u above 4096",
                         p->epi_temps, p->epi_instrs);
+    if (p->pro_temps > 64 || p->pro_instrs > SPY_MM_MAX_PROGRAM || p->npro_rows > SPY_MM_MAX_VECTORS ||
+        p->npro_cols > SPY_MM_MAX_VECTORS || (p->pro_instrs && (p->trans_a || !itemsize_ok(p->pro_temp_e))))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: an A prologue of %u temporaries of %u bytes, %u "
+                        "instructions, %u + %u vectors (at most 64, %u, %u each; A not transposed)", p->pro_temps,
+                        p->pro_temp_e, p->pro_instrs, p->npro_rows, p->npro_cols, SPY_MM_MAX_PROGRAM,
+                        SPY_MM_MAX_VECTORS);
+    for (uint32_t i = 0; i < p->npro_rows + p->npro_cols; i++) {
+        uint32_t e = i < p->npro_rows ? p->e_pro_rows[i] : p->e_pro_cols[i - p->npro_rows];
+        if (!itemsize_ok(e) && e != 8)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: a prologue vector of %u-byte elements", e);
+    }
     return SPY_OK;
 }
 

@@ -41,6 +41,7 @@ class Settings:
     fuse_epilogues: bool = True            # pointwise kernels on a matmul's product as its epilogue
     split_gated_gemms: bool = True         # a merged gate-and-up GEMM as two, its activation an epilogue
     fuse_residuals: bool = True            # a residual add of a matmul's product as that matmul's epilogue
+    fuse_prologues: bool = True            # a kernel that makes a matmul's A (RMSNorm) as its prologue
     trace: bool = False
     trace_commands: bool = True
 
@@ -60,7 +61,7 @@ def _bool(value: str) -> bool:
 # What each setting shapes: the step's code (part of its plan key), its calls (carried by
 # the step), or the process (the card set that every tensor lives on).
 COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "split_gated_gemms",
-                  "fuse_residuals")
+                  "fuse_residuals", "fuse_prologues")
 STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
 PROCESS_FIELDS = {
     "device_profile": "SPYRE_RT_DEVICE_PROFILE",
@@ -81,6 +82,7 @@ ENV = {
     "SPYRE_RT_FUSE_EPILOGUES": ("fuse_epilogues", _bool),
     "SPYRE_RT_SPLIT_GATED_GEMMS": ("split_gated_gemms", _bool),
     "SPYRE_RT_FUSE_RESIDUALS": ("fuse_residuals", _bool),
+    "SPYRE_RT_FUSE_PROLOGUES": ("fuse_prologues", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
     "SPYRE_RT_TRACE_COMMANDS": ("trace_commands", _bool),
 }

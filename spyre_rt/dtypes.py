@@ -43,6 +43,7 @@ BY_NAME = {d.name: d for d in TABLE}
 SUPPORTED = tuple(BY_TORCH)
 ITEMSIZE = {d.name: d.itemsize for d in TABLE}
 CODE = {d.name: d.code for d in TABLE if d.code is not None}   # the dtypes the card computes on
+NAME = {code: name for name, code in CODE.items()}             # the name of a card dtype code
 FLOATS = frozenset(d.name for d in TABLE if d.is_float and d.code is not None)
 # the systolic arrays' operand types (their accumulators are fp32)
 MATMUL = frozenset({"float32", "float16", "bfloat16"})

@@ -145,10 +145,28 @@ class Epilogue:
 
 @description
 @dataclass(frozen=True)
+class Prologue:
+    """Pointwise work a matmul does on each chunk of A before multiplying it: the loop
+    kernel that made A (a normalization's elementwise part: ``w * (x * rstd)``), folded in.
+
+    ``ops`` is an SSA body over the (batch, M, K) elements of A; ``load`` reads
+    ``inputs[attrs["input"]]`` and the one ``store`` is A's element. ``inputs[0]`` is the
+    tile the matmul loads in A's place (the same dtype, K contiguous); the others are
+    vectors, one value per row (a K stride of 0) or per column (an M stride of 0)."""
+
+    ops: tuple[Op, ...]
+    inputs: tuple[View, ...]
+    input_dtypes: tuple[str, ...]
+    fused: str = ""          # the loop kernel it came from
+
+
+@description
+@dataclass(frozen=True)
 class MatmulKernel:
     """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers.
     With an ``epilogue``, ``out`` only names the product: the epilogue's stores are what
-    the kernel writes."""
+    the kernel writes. With a ``prologue``, ``a`` is the prologue's result, and what the
+    kernel reads in its place are the prologue's inputs (``a`` is their first)."""
 
     name: str
     a: tuple[str, int, tuple[int, ...], tuple[int, ...]]      # (buffer, offset, sizes, strides)
@@ -162,11 +180,14 @@ class MatmulKernel:
     origins: tuple[str, ...] = ()
     module: str = ""
     epilogue: Epilogue | None = None
+    prologue: Prologue | None = None
 
     kind = "matmul"
 
     def views(self) -> list[View]:
         out = [v for v in (self.a, self.b, self.bias) if v is not None]
+        if self.prologue is not None:
+            out += self.prologue.inputs[1:]
         if self.epilogue is None:
             return [*out, self.out]
         return [*out, *self.epilogue.inputs, *self.epilogue.outputs]

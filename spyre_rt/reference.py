@@ -101,6 +101,8 @@ def extents(kernel) -> dict[str, tuple[int, int] | None]:
     views += [kernel.out]
     if isinstance(kernel, MatmulKernel) and kernel.epilogue is not None:
         views += [*kernel.epilogue.inputs, *kernel.epilogue.outputs]
+    if isinstance(kernel, MatmulKernel) and kernel.prologue is not None:
+        views += kernel.prologue.inputs[1:]
     for v in views:
         if v is not None:
             name, off, sizes, strides = v
@@ -290,27 +292,16 @@ def _view(memory: Memory, view) -> torch.Tensor:
     return place.flat.as_strided(tuple(sizes), tuple(strides), place.start + off)
 
 
-def _matmul(k: MatmulKernel, memory: Memory) -> None:
-    acc = torch.matmul(_view(memory, k.a).to(torch.float32), _view(memory, k.b).to(torch.float32))
-    if k.bias is not None:
-        acc = acc + _view(memory, k.bias).to(torch.float32)
-    product = acc.to(torch_dtype(k.out_dtype))
-    ep = k.epilogue
-    if ep is None:
-        _view(memory, k.out).copy_(product)
-        return
+def _body(ops, load, on_store) -> None:
+    """Evaluate a fused body (an epilogue's or a prologue's): `load(op)` gives a load's
+    value and dtype, `on_store(op, value)` takes each stored value."""
     values: dict[str, tuple[torch.Tensor, str]] = {}
-    for op in ep.ops:
+    for op in ops:
         name = op.op
-        if name == "product":
-            values[op.id] = (product.to(torch.float32), op.dtype)
-        elif name == "load":
-            i = op.attrs["input"]
-            dtype = ep.input_dtypes[i]
-            values[op.id] = (_view(memory, ep.inputs[i]).to(_TORCH[compute_type(dtype)]), dtype)
-        elif name == "store":
-            out = _view(memory, ep.outputs[op.attrs["output"]])
-            out.copy_(values[op.args[0]][0].expand(out.shape).to(out.dtype))
+        if name == "store":
+            on_store(op, values[op.args[0]][0])
+        elif name in ("load", "product"):
+            values[op.id] = load(op)
         elif name == "constant":
             values[op.id] = (_constant(op, 3), _dtype(op, [], {}))
         elif name == "to_dtype":
@@ -318,6 +309,45 @@ def _matmul(k: MatmulKernel, memory: Memory) -> None:
         else:
             dtype = _computed(op, values, {})
             values[op.id] = (_elementwise(name, dtype, [values[a][0] for a in op.args]), dtype)
+
+
+def _operand_a(k: MatmulKernel, memory: Memory) -> torch.Tensor:
+    """A as the matmul multiplies it: read, or made by its prologue."""
+    pro = k.prologue
+    if pro is None:
+        return _view(memory, k.a)
+    _, _, sizes, _ = k.a
+    made = []
+
+    def load(op):
+        dtype = pro.input_dtypes[op.attrs["input"]]
+        return _view(memory, pro.inputs[op.attrs["input"]]).to(_TORCH[compute_type(dtype)]), dtype
+
+    _body(pro.ops, load, lambda op, value: made.append(value.expand(tuple(sizes)).to(torch_dtype(k.in_dtype))))
+    return made[0]
+
+
+def _matmul(k: MatmulKernel, memory: Memory) -> None:
+    acc = torch.matmul(_operand_a(k, memory).to(torch.float32), _view(memory, k.b).to(torch.float32))
+    if k.bias is not None:
+        acc = acc + _view(memory, k.bias).to(torch.float32)
+    product = acc.to(torch_dtype(k.out_dtype))
+    ep = k.epilogue
+    if ep is None:
+        _view(memory, k.out).copy_(product)
+        return
+
+    def load(op):
+        if op.op == "product":
+            return product.to(torch.float32), op.dtype
+        dtype = ep.input_dtypes[op.attrs["input"]]
+        return _view(memory, ep.inputs[op.attrs["input"]]).to(_TORCH[compute_type(dtype)]), dtype
+
+    def store(op, value):
+        out = _view(memory, ep.outputs[op.attrs["output"]])
+        out.copy_(value.expand(out.shape).to(out.dtype))
+
+    _body(ep.ops, load, store)
 
 
 def _attention(k: AttentionKernel, memory: Memory) -> None:

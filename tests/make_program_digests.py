@@ -2,7 +2,8 @@
 
     python tests/make_program_digests.py
 
-Compiles a few tiny model families and a one-layer Granite 3.3 8B (prefill and decode),
+Compiles a few tiny model families and a two-layer Granite 3.3 8B (prefill and decode; its
+layers compiled once, as the main job compiles them, the norms as the projections' prologues),
 on a timing-mode card, in ``construct`` mode, and records every distinct card kernel it
 builds (loop, matmul with its epilogues, attention, the snapshot copies) as plain data: the
 kernel's description (JSON), the stick layouts and logical offsets of its buffers, and
@@ -97,7 +98,7 @@ def main() -> None:
             r = parity.runner(fam, model, cfg, torch.float16, "spyre", compiled=True)
             torch._dynamo.reset()
             collect(name, lambda r=r: r.run(steps=1), out, seen)
-    session = runmod.Session(runmod.Options("granite-3.3-8b", seq=1024, layers=1, sim_mode="timing"))
+    session = runmod.Session(runmod.Options("granite-3.3-8b", seq=1024, layers=2, sim_mode="timing"))
 
     def granite():
         with session.active():

@@ -2,7 +2,7 @@
 
 ``tests/program_digests.json`` (made by ``tests/make_program_digests.py``) holds, for a
 set of kernels of every kind (loops, matmuls with their epilogues, attention, snapshot
-copies) from tiny model families and one layer of Granite 3.3 8B (prefill and decode),
+copies) from tiny model families and the layers of Granite 3.3 8B (prefill and decode),
 and for transfer graphs of a few view geometries, the plain data a build starts from and
 the sha256 of the program it encoded. Each is built again here, as a launch builds it.
 """

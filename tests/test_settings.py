@@ -222,6 +222,22 @@ def test_fuse_residuals_off_leaves_the_sum_to_its_readers(setting, way):
     assert epilogues(fused) == 1 and epilogues(inline) == 0
 
 
+def normed_projection(h, w, wq):
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    return x @ wq.t()
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_fuse_prologues_off_keeps_the_norm_a_kernel_of_its_own(setting, way):
+    h, w, wq = torch.randn(64, 128), torch.rand(128) + 0.5, torch.randn(96, 128)
+    options = setting("SPYRE_RT_FUSE_PROLOGUES", "fuse_prologues", False, way)
+    apart, out_apart = _compiled(normed_projection, options, h, w, wq)
+    fused, out_fused = _compiled(normed_projection, {"fuse_prologues": True}, h, w, wq)
+    prologues = lambda step: sum(getattr(k, "prologue", None) is not None for k in step.desc.kernels.values())  # noqa: E731
+    assert prologues(fused) == 1 and prologues(apart) == 0
+    assert torch.equal(out_apart, out_fused)
+
+
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
                                        ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
                                        ("device_count", "SPYRE_RT_DEVICE_COUNT")])

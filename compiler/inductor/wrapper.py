@@ -31,7 +31,7 @@ from spyre_rt.ir import TORCH_CONSTANT_NAMES, Buffer, CpuOp, StepDesc, to_json
 
 from ..describe import NotSupported, RecordedKernel, Sym, copy_kernel, text
 from ..errors import compile_error, source_of
-from ..fusion import fuse_epilogues
+from ..fusion import fuse_kernels
 from ..prebuild import prebuild
 from ..regions import Inlined, inline
 from . import STATIC_INPUTS, collectives
@@ -368,8 +368,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
             sources={k: v for k, v in self.kernel_sources.items() if v and k in self.spyre_kernels},
         )
         _check_unused(read_back, step)
-        if step.options["fuse_epilogues"] and not self._symbolic(step):
-            step = fuse_epilogues(step)  # a symbolic step's are fused once its sizes are known
+        if not self._symbolic(step):  # a symbolic step's are fused once its sizes are known
+            step = fuse_kernels(step)
         return step
 
     def _symbolic(self, step: StepDesc) -> bool:
@@ -444,7 +444,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
         return {"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
                 "compute_dtype": options.compute_dtype, "fuse_epilogues": options.fuse_epilogues,
-                "compiler_version": compiler_version()}
+                "fuse_prologues": options.fuse_prologues, "compiler_version": compiler_version()}
 
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)

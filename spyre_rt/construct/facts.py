@@ -108,9 +108,11 @@ def _paged_elements(kernel) -> dict[str, int]:
 
 
 def _direct_views(kernel) -> list[tuple[str, tuple[int, ...]]]:
-    """(buffer, box sizes) of every access that is not indirect."""
+    """(buffer, box sizes) of every access that is not indirect (a dimension it is broadcast
+    along, a stride of 0, is not part of the box)."""
     if kernel.kind != "loop":
-        return [(buf, sizes) for buf, _, sizes, _ in kernel.views()]
+        return [(buf, tuple(n for n, s in zip(sizes, strides, strict=True) if s and n > 1))
+                for buf, _, sizes, strides in kernel.views()]
     return [(op.access.buf, tuple(n for n, c in zip(kernel.sizes, op.access.coeffs, strict=True) if c and n > 1))
             for op in kernel.ops if op.access is not None and op.access.buf and not op.access.ind]
 

@@ -66,9 +66,12 @@ def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = 
     if ep is not None:
         ep = dataclasses.replace(ep, inputs=tuple(view(v) for v in ep.inputs),
                                  outputs=tuple(view(v) for v in ep.outputs))
+    pro = k.prologue
+    if pro is not None:
+        pro = dataclasses.replace(pro, inputs=tuple(view(v) for v in pro.inputs))
     spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
                       bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
-                      epilogue=ep)
+                      epilogue=ep, prologue=pro)
     rec = decide(ctx, spec, previous)
     rec.kernel = k
     rec.build(ctx)

@@ -18,10 +18,23 @@ import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from ...ir import Epilogue
+from ...ir import Epilogue, Prologue
 from ...native import lib
 from ..loops.analysis import _dtype
-from ..sfu import BINARY, COL, COMPARE, FLOATS, ITEMSIZE, NONE, SCALAR, TILE, UNARY, Operand, parse_constant
+from ..sfu import (
+    BINARY,
+    COL,
+    COMPARE,
+    FLOATS,
+    ITEMSIZE,
+    NONE,
+    ROW,
+    SCALAR,
+    TILE,
+    UNARY,
+    Operand,
+    parse_constant,
+)
 
 
 @dataclass(frozen=True)
@@ -38,14 +51,26 @@ class Plan:
     instrs: int           # SFU instructions of the epilogue's body (stores' moves included)
 
 
-def plan(ep: Epilogue) -> Plan:
+def prologue_plan(pro: Prologue, in_dtype: str) -> Plan:
+    """An A prologue's plan, as an epilogue's whose one output is A's chunk (its dtype the
+    matmul's operands'), written in place over the first input: each input read in A's
+    chunk is a TILE, a vector one value per row of A a ROW, per column a COL."""
+    kinds = tuple(TILE if i == 0 else ROW if view[3][2] == 0 else COL for i, view in enumerate(pro.inputs))
+    ops = tuple(dataclasses.replace(op, attrs={**op.attrs, "output": 0}) if op.op == "store" else op
+                for op in pro.ops)
+    return plan(SimpleNamespace(ops=ops, inputs=pro.inputs, input_dtypes=pro.input_dtypes,
+                                output_dtypes=(in_dtype,)), kinds)
+
+
+def plan(ep: Epilogue, kinds: tuple | None = None) -> Plan:
     """The values' storage, with as few temporaries as the scratchpad needs: an op that
     repeats an earlier one (the same operation of the same values) is that value; an
     elementwise op may write over an argument read last by it whose elements are as wide
     (the SFU reads each row before it writes it); and a float value whose only reader is a
     store, computed in fp32 or in the stored dtype, is written into the staging tile (the
     SFU rounds once, to the destination's dtype, as the store's move would)."""
-    kinds = tuple(COL if view[3][1] == 0 and view[2][1] > 1 else TILE for view in ep.inputs)
+    if kinds is None:
+        kinds = tuple(COL if view[3][1] == 0 and view[2][1] > 1 else TILE for view in ep.inputs)
     ops = _computed_once(ep.ops)
     readers: dict[str, list] = {}
     for op in ops:

@@ -12,6 +12,9 @@ makes the commands, dependencies, DMA patterns and SFU programs, and encodes the
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 
 from ... import dtypes
@@ -21,10 +24,10 @@ from ...native import ffi, lib
 from ...program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_TILE, built_block
 from .. import sfu as sfu_ops
 from ..context import BuildContext, ScratchpadPlan
-from ..sfu import TILE
+from ..sfu import ROW, TILE
 from . import epilogue
-from .spec import ITEMSIZE, MatmulSpec, Problem, View
-from .tiling import K_GRANULE, Tiling, choose, granule, preferred_granules, split
+from .spec import ITEMSIZE, PRO_STRIP, MatmulSpec, Problem, View
+from .tiling import K_GRANULE, Tiling, choose, granule, lx_bytes_of, preferred_granules, split
 
 NONE = (OPND_NONE, 0, 0, 0, 0)
 MM_INSTR = np.dtype([("ins", INSTR), ("v1", "u8", (4,))])  # spy_mm_instr
@@ -64,6 +67,15 @@ class Scratchpad:
                 rows = tm if kind == TILE else 1
                 self.epi_in.append((pitch, e, [lx.take(rows * pitch * e) for _ in range(2)]))
             self.temps = [lx.take(tm * self.c_pitch * pl.temp_itemsize) for _ in range(pl.ntemps)]
+        self.pro_vectors, self.pro_temps, self.pro_pitch = [], [], round_up(depth, 32)
+        if spec.prologue is not None:  # per operand buffer its vectors' regions; its temporaries
+            pro = spec.prologue
+            pl = epilogue.prologue_plan(pro, dtypes.NAME[spec.in_dtype])
+            for dt, kind in zip(pro.input_dtypes[1:], pl.input_kinds[1:], strict=True):
+                n = tm if kind == ROW else depth
+                self.pro_vectors.append([lx.take(n * dtypes.ITEMSIZE[dt]) for _ in range(t.nbuf)])
+            strip = min(tm, PRO_STRIP)
+            self.pro_temps = [lx.take(strip * self.pro_pitch * pl.temp_itemsize) for _ in range(pl.ntemps)]
         self.peak = lx.top  # bytes of each core's scratchpad the program holds
 
 
@@ -111,7 +123,7 @@ def decide(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) ->
         raise NotImplementedError("matmul alpha/beta other than 1 are lowered to pointwise ops")
     target = ctx.target
     p = Problem.of(spec)
-    t = tiling or choose(target, p)
+    t = tiling or _tiling(target, spec, p)
     rec = MatmulRecord(spec, t, ctx)
     r = {"num_cores": target.num_cores, "stick_bytes": target.stick_bytes,
          "scratchpad_bytes": target.scratchpad_bytes, "batch": p.batch, "m": p.m, "n": p.n, "k": p.k}
@@ -126,6 +138,16 @@ def decide(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) ->
     rec.cdata = ffi.new("spy_matmul_record *", r)
     rec._keep.append(slots)
     return rec
+
+
+def _tiling(target: CostModel, spec: MatmulSpec, p: Problem) -> Tiling:
+    """The cost model's choice; with an A prologue, the choice without it where the prologue
+    fits beside it: the same K chunks and slices add the products in the same order, so the
+    matmul's values are those of the unfused kernels bit for bit."""
+    if spec.prologue is None:
+        return choose(target, p)
+    plain = choose(target, Problem.of(dataclasses.replace(spec, prologue=None)))
+    return plain if lx_bytes_of(target, p, plain) <= target.scratchpad_bytes else choose(target, p)
 
 
 def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: MatmulRecord, r: dict) -> None:
@@ -166,6 +188,8 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
               "k_slice": ffi.new("uint64_t[]", k_slice.tolist()),
               "loads": ffi.new("spy_mm_tiles[]", loads or 1), "stores": ffi.new("spy_mm_tiles[]", stores),
               "program": ffi.cast("spy_mm_instr *", ffi.from_buffer(program))}
+    if spec.prologue is not None:
+        _prologue(ctx, spec, lx, rec, arrays)
     rec._keep += [*arrays.values(), program]
     r.update(arrays)
     r.update({"in_dtype": spec.in_dtype,
@@ -174,6 +198,32 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
               "tk": t.tk, "nbuf": t.nbuf, "a_lx": lx.a, "b_lx": lx.b, "acc_lx": lx.acc, "recv_lx": lx.recv,
               "a_pitch": lx.a_pitch, "b_pitch": lx.b_pitch, "c_pitch": lx.c_pitch, "a": a, "b": b,
               "nloads": len(loads), "nstores": len(stores), "ninstrs": len(program)})
+
+
+def _prologue(ctx: BuildContext, spec: MatmulSpec, lx: Scratchpad, rec: MatmulRecord, arrays: dict) -> None:
+    """An A prologue's vectors and its program for a chunk in each operand buffer, rewriting
+    the chunk in place."""
+    pro = spec.prologue
+    in_dtype = dtypes.NAME[spec.in_dtype]
+    pl = epilogue.prologue_plan(pro, in_dtype)
+    vectors = []
+    for v, dt, kind, regions in zip(pro.inputs[1:], pro.input_dtypes[1:], pl.input_kinds[1:], lx.pro_vectors,
+                                    strict=True):
+        vectors.append({"view": _view(ctx, v), "lx": regions + [0] * (lib.SPY_MM_MAX_NBUF - len(regions)),
+                        "itemsize": dtypes.ITEMSIZE[dt], "per_row": int(kind == ROW)})
+    program = []
+    body = SimpleNamespace(output_dtypes=(in_dtype,))
+    for i, chunk in enumerate(lx.a):
+        inputs = [(chunk, lx.a_pitch)] + [(regions[i], 1 if kind == ROW else 0)
+                                          for regions, kind in zip(lx.pro_vectors, pl.input_kinds[1:], strict=True)]
+        program += epilogue.program(body, pl, 0, 0, None, lx.pro_temps, lx.pro_pitch, inputs, [(chunk, lx.a_pitch)])
+    if len(program) != len(lx.a) * pl.instrs:
+        raise AssertionError(f"an A prologue of {len(program)} instructions for {len(lx.a)} buffers of {pl.instrs}")
+    instrs = np.array(program, dtype=INSTR)
+    arrays["pro_vectors"] = ffi.new("spy_mm_vector[]", vectors or 1)
+    arrays["pro_program"] = ffi.cast("spy_instr *", ffi.from_buffer(instrs))
+    rec._keep.append(instrs)
+    arrays["npro_vectors"], arrays["npro_instrs"], arrays["pro_strip"] = len(vectors), pl.instrs, PRO_STRIP
 
 
 def _view(ctx: BuildContext, v: View) -> dict:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import dtypes
-from ...ir import Epilogue, View
+from ...ir import Epilogue, Prologue, View
 from ...native import lib
+from ..sfu import COL, ROW
 from . import epilogue
 
 ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
+# rows of A a prologue rewrites at a time: its temporaries hold a strip, not a chunk
+PRO_STRIP = 32
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class MatmulSpec:
     alpha: float = 1.0
     beta: float = 1.0
     epilogue: Epilogue | None = None  # its views in logical elements of the storages, as the others
+    prologue: Prologue | None = None  # A made from its inputs (`a` is its first), views as the others
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,14 @@ class Problem:
     epi_temps: int = 0
     epi_temp_e: int = 4
     epi_instrs: int = 0
+    # an A prologue (see .epilogue.prologue_plan): its temporaries, instructions per chunk and
+    # the element sizes of its vectors per row of A and per column
+    pro_temps: int = 0
+    pro_temp_e: int = 4
+    pro_instrs: int = 0
+    pro_rows: tuple[int, ...] = ()
+    pro_cols: tuple[int, ...] = ()
+    pro_strip: int = 0
 
     @classmethod
     def of(cls, spec: MatmulSpec) -> Problem:
@@ -62,6 +74,14 @@ class Problem:
                      "epi_tiles": tuple(dtypes.ITEMSIZE[d] for d in tiles),
                      "epi_rows": tuple(dtypes.ITEMSIZE[d] for d in rows),
                      "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs}
+        if spec.prologue is not None:
+            pro = spec.prologue
+            pl = epilogue.prologue_plan(pro, dtypes.NAME[spec.in_dtype])
+            vectors = list(zip(pro.input_dtypes[1:], pl.input_kinds[1:], strict=True))
+            extra.update({"pro_temps": pl.ntemps, "pro_temp_e": pl.temp_itemsize, "pro_instrs": pl.instrs,
+                          "pro_rows": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == ROW),
+                          "pro_cols": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == COL),
+                          "pro_strip": PRO_STRIP})
         return cls(batch, m, spec.b.sizes[2], k, ITEMSIZE[spec.in_dtype], ITEMSIZE[spec.out_dtype],
                    ITEMSIZE.get(spec.bias_dtype, 4) if spec.bias is not None else 0,
                    transposed(spec.a, contiguous_inner=2, other=1),

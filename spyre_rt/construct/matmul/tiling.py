@@ -134,10 +134,16 @@ def _problem(p: Problem):
         "batch": p.batch, "m": p.m, "n": p.n, "k": p.k, "e_in": p.e_in, "e_out": p.e_out, "e_bias": p.e_bias,
         "trans_a": int(p.trans_a), "trans_b": int(p.trans_b), "fp32": int(p.fp32),
         "nstores": len(p.stores), "ntiles": len(p.epi_tiles), "nrows": len(p.epi_rows),
-        "epi_temps": p.epi_temps, "epi_temp_e": p.epi_temp_e, "epi_instrs": p.epi_instrs})
+        "epi_temps": p.epi_temps, "epi_temp_e": p.epi_temp_e, "epi_instrs": p.epi_instrs,
+        "pro_temps": p.pro_temps, "pro_temp_e": p.pro_temp_e, "pro_instrs": p.pro_instrs,
+        "npro_rows": len(p.pro_rows), "npro_cols": len(p.pro_cols), "pro_strip": p.pro_strip})
     for name, values in (("e_stores", p.stores), ("e_tiles", p.epi_tiles), ("e_rows", p.epi_rows)):
         if len(values) > lib.SPY_MM_MAX_EPI:
             raise ValueError(f"an epilogue with {len(values)} {name[2:]}: at most {lib.SPY_MM_MAX_EPI}")
+        getattr(c, name)[0:len(values)] = list(values)
+    for name, values in (("e_pro_rows", p.pro_rows), ("e_pro_cols", p.pro_cols)):
+        if len(values) > lib.SPY_MM_MAX_VECTORS:
+            raise ValueError(f"an A prologue with {len(values)} vectors of one kind: at most {lib.SPY_MM_MAX_VECTORS}")
         getattr(c, name)[0:len(values)] = list(values)
     return c
 

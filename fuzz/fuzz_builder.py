@@ -144,11 +144,30 @@ def copy_record(data: bytes):
 
 
 # a matmul record's arrays, in this order after the record itself (its pointers ignored),
-# each at most this long
+# each at most this long; counted by a field, or by a product of two (the last one capped)
 MM_ARRAYS = (("m_size", "m_tiles", "uint32_t", 256), ("n_size", "n_tiles", "uint32_t", 256),
              ("k_slice", "pk", "uint64_t", 64), ("slots", "nslots", "spy_layout", 16),
              ("loads", "nloads", "spy_mm_tiles", 16), ("stores", "nstores", "spy_mm_tiles", 16),
-             ("program", "ninstrs", "spy_mm_instr", 32))
+             ("program", "ninstrs", "spy_mm_instr", 32), ("pro_vectors", "npro_vectors", "spy_mm_vector", 4),
+             ("pro_program", ("nbuf", "npro_instrs"), "spy_instr", 64))
+
+
+def _count(rec, count) -> int:
+    if isinstance(count, str):
+        return getattr(rec, count)
+    return getattr(rec, count[0]) * getattr(rec, count[1])
+
+
+def _cap(rec, count, most: int) -> int:
+    """The array's length, at most `most`, its counting field lowered to match."""
+    if isinstance(count, str):
+        n = min(getattr(rec, count), most)
+        setattr(rec, count, n)
+        return n
+    per, field = getattr(rec, count[0]), count[1]
+    if per * getattr(rec, field) > most:
+        setattr(rec, field, most // per if per else 0)
+    return per * getattr(rec, field)
 MAX_MM_USES = 1 << 14  # a bigger matmul that the builder accepts is real work, not a finding: skipped
 
 
@@ -159,7 +178,9 @@ def matmul_record_bytes(rec) -> bytes:
         setattr(plain, field, ffi.NULL)
     out = bytes(ffi.buffer(plain))
     for field, count, ctype, _ in MM_ARRAYS:
-        out += bytes(ffi.buffer(getattr(rec, field), ffi.sizeof(ctype) * getattr(rec, count)))
+        n = _count(rec, count)
+        if n:
+            out += bytes(ffi.buffer(getattr(rec, field), ffi.sizeof(ctype) * n))
     return out
 
 
@@ -169,8 +190,7 @@ def matmul_record(data: bytes):
     ffi.memmove(rec, data.ljust(size, b"\0"), size)
     at, keep = size, []
     for field, count, ctype, most in MM_ARRAYS:
-        n = min(getattr(rec, count), most)
-        setattr(rec, count, n)
+        n = _cap(rec, count, most)
         arr = ffi.new(f"{ctype}[]", max(n, 1))
         nbytes = ffi.sizeof(ctype) * n
         ffi.memmove(arr, data[at: at + nbytes].ljust(nbytes, b"\0"), nbytes)

@@ -251,9 +251,9 @@ def tiling_records() -> dict[str, bytes]:
 
 
 def matmul_records() -> dict[str, bytes]:
-    """Decision records of matmuls: a bias row, split-K, a fused epilogue, a transposed
-    weight, rows that wrap in their storage (descriptor lists), an empty K, nothing to
-    compute."""
+    """Decision records of matmuls: a bias row, split-K, a fused epilogue, an A prologue (a
+    norm's rewrite of each chunk, split-K), a transposed weight, rows that wrap in their
+    storage (descriptor lists), an empty K, nothing to compute."""
 
     from fuzz_builder import matmul_record_bytes
 
@@ -261,16 +261,17 @@ def matmul_records() -> dict[str, bytes]:
     from spyre_rt.construct import matmul as mm
     from spyre_rt.construct.context import BuildContext
     from spyre_rt.cost import CostModel
-    from spyre_rt.ir import Epilogue, Op
+    from spyre_rt.ir import Epilogue, Op, Prologue
     from spyre_rt.layout import StickLayout
     from spyre_rt.native import lib
 
     target = CostModel.of_figures(device_profile.load("spyre"))
     f16 = lib.SPY_DT_F16
 
-    def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, tiling=None, layouts=None):
+    def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, prologue=False, tiling=None, layouts=None):
         lay = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
-               "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2)} | (layouts or {})
+               "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2), "s": StickLayout(1, m, 4),
+               "w": StickLayout(1, k, 2)} | (layouts or {})
         ep = None
         if epilogue:  # (product + r) as fp16, the SiLU of it
             ops = (Op("p", "product", dtype="float16"), Op("r", "load", dtype="float16", attrs={"input": 0}),
@@ -278,10 +279,20 @@ def matmul_records() -> dict[str, bytes]:
                    Op("w", "store", ("y",), attrs={"output": 0}))
             ep = Epilogue(ops, (mm.View("r", 0, (1, m, n), (0, n, 1)),), ("float16",),
                           (mm.View("o", 0, (1, m, n), (0, n, 1)),), ("float16",))
-        spec = mm.MatmulSpec(a or mm.View("a", 0, (1, m, k), (0, k, 1)), b or mm.View("b", 0, (1, k, n), (0, n, 1)),
+        a = a or mm.View("a", 0, (1, m, k), (0, k, 1))
+        pro = None
+        if prologue:  # RMSNorm's elementwise part: w * fp16(x * rstd)
+            ops = (Op("x", "load", dtype="float16", attrs={"input": 0}), Op("s", "load", dtype="float32",
+                                                                           attrs={"input": 1}),
+                   Op("y", "mul", ("x", "s")), Op("h", "to_dtype", ("y",), "float16"),
+                   Op("w", "load", dtype="float16", attrs={"input": 2}), Op("z", "mul", ("w", "h")),
+                   Op("a", "store", ("z",), "float16", attrs={"output": 0}))
+            pro = Prologue(ops, (a, mm.View("s", 0, (1, m, k), (0, 1, 0)), mm.View("w", 0, (1, m, k), (0, 0, 1))),
+                           ("float16", "float32", "float16"))
+        spec = mm.MatmulSpec(a, b or mm.View("b", 0, (1, k, n), (0, n, 1)),
                              mm.View("o", 0, (1, m, n), (0, n, 1)), f16, f16,
                              bias=mm.View("bias", 0, (1, m, n), (0, 0, 1)) if bias else None,
-                             bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep)
+                             bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep, prologue=pro)
         ctx = BuildContext(target, lay)
         decided = mm.build(ctx, spec, tiling)  # owns the arrays its record points at
         return b"M" + matmul_record_bytes(decided.cdata)
@@ -290,6 +301,7 @@ def matmul_records() -> dict[str, bytes]:
         "matmul-bias": record(64, 130, 200, bias=True),
         "matmul-split-k": record(1, 256, 1024, tiling=mm.Tiling(2, 4, 1, 4, 1, 4, 128, 3)),
         "matmul-epilogue": record(40, 96, 64, epilogue=True),
+        "matmul-prologue": record(70, 64, 512, prologue=True, tiling=mm.Tiling(4, 2, 2, 2, 4, 2, 128, 2)),
         "matmul-transposed-weight": record(16, 64, 128, b=mm.View("b", 0, (1, 128, 64), (0, 1, 128)),
                                            layouts={"b": StickLayout(64, 128, 2)}),
         "matmul-wrapping-rows": record(4, 70, 192, a=mm.View("a", 0, (1, 4, 192), (0, 192, 1)),

@@ -58,8 +58,34 @@ def prologue_plan(pro: Prologue, in_dtype: str) -> Plan:
     kinds = tuple(TILE if i == 0 else ROW if view[3][2] == 0 else COL for i, view in enumerate(pro.inputs))
     ops = tuple(dataclasses.replace(op, attrs={**op.attrs, "output": 0}) if op.op == "store" else op
                 for op in pro.ops)
-    return plan(SimpleNamespace(ops=ops, inputs=pro.inputs, input_dtypes=pro.input_dtypes,
-                                output_dtypes=(in_dtype,)), kinds)
+    body = SimpleNamespace(ops=_widened_in_place(ops, pro.input_dtypes), inputs=pro.inputs,
+                           input_dtypes=pro.input_dtypes, output_dtypes=(in_dtype,))
+    return plan(body, kinds)
+
+
+def _widened_in_place(ops, input_dtypes) -> tuple:
+    """`ops` without their conversions of a float value to fp32: the SFU reads every float
+    operand as fp32 (a narrower one exactly), so the readers read the value itself. Each
+    such move of a chunk is a pass of the SFU on the prologue's share of the pipeline."""
+    dtypes: dict[str, str] = {}
+    same: dict[str, str] = {}
+    out = []
+    for op in ops:
+        args = tuple(same.get(a, a) for a in op.args)
+        if args != op.args:
+            op = dataclasses.replace(op, args=args)
+        if op.op == "store":
+            out.append(op)
+            continue
+        if op.op == "to_dtype" and op.dtype == "float32" and dtypes[args[0]] in FLOATS:
+            same[op.id] = args[0]
+            continue
+        if op.op == "load":
+            dtypes[op.id] = input_dtypes[op.attrs["input"]]
+        else:
+            dtypes[op.id] = _dtype(op, [SimpleNamespace(dtype=dtypes[a]) for a in args], {})
+        out.append(op)
+    return tuple(out)
 
 
 def plan(ep: Epilogue, kinds: tuple | None = None) -> Plan:

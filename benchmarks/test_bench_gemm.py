@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from targets import check_target
 
+from spyre_rt import card as cards
 from spyre_rt import jobs
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
@@ -90,3 +92,53 @@ def test_granite_gemm(benchmark, timing_card, layer, n, k, phase, m):
     print(f"\n{layer:9s} {phase:7s} {m}x{n}x{k}: device {dev / 1e3:9.1f} us  roofline {roof / 1e3:9.1f} us"
           f"  {roof / dev:6.1%}  DRAM {info['dma_bytes'] / min_bytes:4.2f}x min  {ctx.ncmds} cmds  {tiles}"
           f"  construct {construct_us:7.1f} us")
+
+
+def rms_qkv(h, w, wq, wk, wv):
+    """A Granite layer's input RMSNorm (Hugging Face's: fp32 statistics, rounded back) and
+    the q, k and v projections of its result."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    x = w * x.to(h.dtype)
+    return x @ wq.t(), x @ wk.t(), x @ wv.t()
+
+
+def _step_device_ns(fn, args, options: dict) -> float:
+    """Device ns of one call of `fn` compiled with `options` (the second call: plans built)."""
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="spyre_rt", dynamic=False, options=options)
+    card = cards.card_set().cards[0]
+    f(*args)
+    card.synchronize()
+    before = card.counters()["device_busy_ns"]
+    f(*args)
+    card.synchronize()
+    return card.counters()["device_busy_ns"] - before
+
+
+@pytest.mark.benchmark(group="gemm")
+@pytest.mark.parametrize("phase,m", [("prefill", 1024)], ids=["prefill"])
+def test_norm_in_the_projections(benchmark, phase, m):
+    """Granite 3.3 8B's input norm and q, k, v projections at a 1,024-token prefill on a
+    timing-mode card, the norm as the projections' prologue (fuse_prologues) against the norm
+    as a kernel of its own, side by side: device time of the step, the fused one's ratio to
+    the unfused (target: below 1; the norm no longer writes its rows for the projections to
+    read back)."""
+    with cards.configured(None, "timing"):
+        args = [torch.empty(m, HIDDEN, dtype=torch.float16).to("spyre"),
+                torch.empty(HIDDEN, dtype=torch.float16).to("spyre")]
+        args += [torch.empty(n, HIDDEN, dtype=torch.float16).to("spyre")
+                 for n in (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)]
+        figures = {}
+
+        def run():
+            for fuse in (True, False):
+                figures[fuse] = _step_device_ns(rms_qkv, args, {"fuse_prologues": fuse})
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    ratio = figures[True] / figures[False]
+    benchmark.extra_info.update({"fused_device_us": figures[True] / 1e3, "unfused_device_us": figures[False] / 1e3,
+                                 "fused_over_unfused": round(ratio, 4)})
+    check_target(benchmark, ratio < 1, f"the norm as a prologue takes {ratio:.3f} of the unfused step's device time")
+    print(f"\nnorm + q, k, v {phase}: fused {figures[True] / 1e3:.1f} us, unfused {figures[False] / 1e3:.1f} us "
+          f"({ratio:.3f})")

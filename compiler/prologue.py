@@ -20,6 +20,9 @@ A fusion moves the elementwise work to each matmul's place, so nothing in betwee
 write what it reads. It applies when A is K-contiguous and exactly one input is read in
 A's place; every other input must be a vector (one value per row, or per column of A).
 Layer 0's first norm, whose rows are gathered from the token embedding, stays a kernel.
+And the fused matmul must have a tiling that fits the scratchpad of the card the step is
+compiled for, its prologue's regions beside its own: checked here, so that a fusion that
+does not fit leaves the kernels apart instead of failing when the plan is built.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import dataclasses
 from types import SimpleNamespace
 
 from spyre_rt import dtypes
+from spyre_rt.construct.context import ScratchpadOverflow
 from spyre_rt.construct.loops.analysis import Unsupported, _dtype
+from spyre_rt.construct.matmul import MatmulSpec, Problem, View, choose
+from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc
 
 from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes
@@ -36,9 +42,14 @@ from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes
 MAX_VECTORS = 4  # the vectors a matmul's prologue loads beside its tile (SPY_MM_MAX_VECTORS)
 
 
-def fuse_prologues(step: StepDesc) -> StepDesc:
+def fuse_prologues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     """The step with every loop kernel whose result only matmuls read, as their A, folded
-    into them as a prologue: the kernel reduced to its per-row part, or gone."""
+    into them as a prologue: the kernel reduced to its per-row part, or gone. `target`: the
+    card whose scratchpad the fused matmuls must fit (the current card set's by default)."""
+    if target is None:
+        from spyre_rt import card
+
+        target = CostModel.of_figures(card.card_set().profile)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
     buffers = dict(step.buffers)
@@ -48,7 +59,7 @@ def fuse_prologues(step: StepDesc) -> StepDesc:
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
             found = _fusion(step, kernels, seq, buffers, i)
-            if found is not None:
+            if found is not None and all(_fits(m, target) for m in found[1]):
                 stats, fused, new_buffers, product = found
                 changed = True
                 kernels.update((m.name, m) for m in fused)
@@ -113,6 +124,21 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, buffers: dict, i: int):
         fused.append(dataclasses.replace(m, a=prologue.inputs[0], prologue=prologue, buffers=tuple(bufs.values()),
                                          origins=tuple(sorted({*m.origins, *k.origins}))))
     return stats, fused, stats_buffers, product
+
+
+def _fits(m: MatmulKernel, target: CostModel) -> bool:
+    """Whether a tiling of the fused matmul fits the target's scratchpad."""
+    def view(v):
+        return View(v[0], v[1], tuple(v[2]), tuple(v[3]))
+
+    spec = MatmulSpec(view(m.a), view(m.b), view(m.out), dtypes.CODE[m.in_dtype], dtypes.CODE[m.out_dtype],
+                      bias=view(m.bias) if m.bias else None, bias_dtype=dtypes.CODE.get(m.bias_dtype, 0),
+                      epilogue=m.epilogue, prologue=m.prologue)
+    try:
+        choose(target, Problem.of(spec))
+    except ScratchpadOverflow:
+        return False
+    return True
 
 
 def _readers(step: StepDesc, kernels: dict, seq: list, i: int, product: str) -> list[int] | None:

@@ -721,8 +721,8 @@ static uint32_t piece_rows(const mm_build *b, const mm_root *x, uint32_t p)
 static void shift_rows(spy_operand *o, uint32_t r0);
 
 /* The instructions of an A prologue for chunks of `rows` x `depth` in operand buffer `slot`,
- * strip by strip: made once per distinct (slot, rows, depth). UINT32_MAX when host memory
- * ran out (the encode says so). */
+ * strip by strip: made once per distinct (slot, rows, depth), of at most `most`. NULL when
+ * host memory ran out (the encode says so). */
 typedef struct pro_variant {
     uint32_t slot, rows, depth, begin, count;
 } pro_variant;

@@ -50,11 +50,11 @@ def product_also_multiplied(x, w, w2, r):
     return y @ w2, y * 2 + r
 
 
-def _compile_and_run(fn, args, fuse: bool):
-    """{mode: outputs on the CPU}, and the step's description."""
+def _compile_and_run(fn, args, fuse: bool, option: str = "fuse_epilogues"):
+    """{mode: outputs on the CPU}, and the step's description (`option` set to `fuse`)."""
     torch._dynamo.reset()
     before = set(executor.live_steps())
-    compiled = torch.compile(fn, backend="spyre_rt", dynamic=False, options={"fuse_epilogues": fuse})
+    compiled = torch.compile(fn, backend="spyre_rt", dynamic=False, options={option: fuse})
     out = {}
     for mode in MODES:
         with dispatch_mode(mode):

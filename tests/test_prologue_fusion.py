@@ -22,13 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scratchpad_races import races
 from spyre_rt.compiler.prologue import fuse_prologues
+from test_epilogue_fusion import _compile_and_run as compile_and_run
+from test_epilogue_fusion import _same_bits
 from test_matmul_build import launch_built, operand, tilings
 
 from spyre_rt import dispatch, dtypes, executor
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
 from spyre_rt.cost import CostModel
-from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.errors import SpyreError
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc, from_json, to_json
 
@@ -76,16 +77,7 @@ CASES = {  # (function, arguments, the prologues and loop kernels of the fused s
 
 def _compile_and_run(fn, args, fuse: bool):
     """{mode: outputs on the CPU}, and the step's description."""
-    torch._dynamo.reset()
-    before = set(executor.live_steps())
-    compiled = torch.compile(fn, backend="spyre_rt", dynamic=False, options={"fuse_prologues": fuse})
-    out = {}
-    for mode in MODES:
-        with dispatch_mode(mode):
-            res = compiled(*(a.to("spyre") for a in args))
-        out[mode] = [t.cpu() for t in (res if isinstance(res, tuple) else (res,))]
-    (step,) = set(executor.live_steps()) - before
-    return out, step.desc
+    return compile_and_run(fn, args, fuse, "fuse_prologues")
 
 
 def _with_prologue(desc: StepDesc) -> list[MatmulKernel]:
@@ -99,10 +91,6 @@ def _loops(desc: StepDesc) -> list[LoopKernel]:
 def _stored_elements(k: LoopKernel, desc: StepDesc) -> list[int]:
     """The elements of each buffer the kernel stores."""
     return [torch.Size(desc.buffers[o.access.buf].sizes).numel() for o in k.ops if o.op == "store"]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -250,6 +238,21 @@ def test_the_pass_does_not_move_the_work_past_a_write_of_what_it_reads():
     assert fuse_prologues(step) == step
     step = _step([_norm(), _scale("w", "x", "x"), _mm()], ["w", "n", "mm"])
     assert fuse_prologues(step).kernels["mm"].prologue is not None
+
+
+def test_a_fusion_that_does_not_fit_the_cards_scratchpad_leaves_the_kernels_apart():
+    """On a card of 17 KiB scratchpads the plain matmul has a tiling and the fused one, its
+    prologue's regions beside it, has none: the pass leaves the norm a kernel of its own
+    (checked when the step compiles, not when its plan is built)."""
+    from small_profiles import profile_text_with
+
+    from spyre_rt import device_profile
+
+    step = _step([_norm(), _mm()], ["n", "mm"])
+    small = CostModel.of_figures(device_profile.parse(profile_text_with(scratchpad_mib=17 / 1024)))
+    assert fuse_prologues(step, small) == step
+    roomier = CostModel.of_figures(device_profile.parse(profile_text_with(scratchpad_mib=18 / 1024)))
+    assert fuse_prologues(step, roomier).kernels["mm"].prologue is not None
 
 
 def test_a_pointwise_kernel_is_gone_into_its_matmul():

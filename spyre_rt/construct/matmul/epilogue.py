@@ -71,21 +71,25 @@ def _widened_in_place(ops, input_dtypes) -> tuple:
     same: dict[str, str] = {}
     out = []
     for op in ops:
-        args = tuple(same.get(a, a) for a in op.args)
-        if args != op.args:
-            op = dataclasses.replace(op, args=args)
+        op = _renamed(op, same)
         if op.op == "store":
             out.append(op)
             continue
-        if op.op == "to_dtype" and op.dtype == "float32" and dtypes[args[0]] in FLOATS:
-            same[op.id] = args[0]
+        if op.op == "to_dtype" and op.dtype == "float32" and dtypes[op.args[0]] in FLOATS:
+            same[op.id] = op.args[0]
             continue
         if op.op == "load":
             dtypes[op.id] = input_dtypes[op.attrs["input"]]
         else:
-            dtypes[op.id] = _dtype(op, [SimpleNamespace(dtype=dtypes[a]) for a in args], {})
+            dtypes[op.id] = _dtype(op, [SimpleNamespace(dtype=dtypes[a]) for a in op.args], {})
         out.append(op)
     return tuple(out)
+
+
+def _renamed(op, same: dict):
+    """`op` reading, for each argument `same` maps, the value it maps it to."""
+    args = tuple(same.get(a, a) for a in op.args)
+    return op if args == op.args else dataclasses.replace(op, args=args)
 
 
 def plan(ep: Epilogue, kinds: tuple | None = None) -> Plan:
@@ -156,11 +160,9 @@ def _computed_once(ops) -> list:
     seen: dict[tuple, str] = {}
     out = []
     for op in ops:
-        args = tuple(same.get(a, a) for a in op.args)
-        if args != op.args:
-            op = dataclasses.replace(op, args=args)
+        op = _renamed(op, same)
         if op.op != "store":
-            key = (op.op, args, op.dtype, repr(sorted(op.attrs.items())))
+            key = (op.op, op.args, op.dtype, repr(sorted(op.attrs.items())))
             if key in seen:
                 same[op.id] = seen[key]
                 continue

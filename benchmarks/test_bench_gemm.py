@@ -142,3 +142,30 @@ def test_norm_in_the_projections(benchmark, phase, m):
     check_target(benchmark, ratio < 1, f"the norm as a prologue takes {ratio:.3f} of the unfused step's device time")
     print(f"\nnorm + q, k, v {phase}: fused {figures[True] / 1e3:.1f} us, unfused {figures[False] / 1e3:.1f} us "
           f"({ratio:.3f})")
+
+
+def two_projections(x, wk, wv):
+    return x @ wk.t(), x @ wv.t()
+
+
+@pytest.mark.benchmark(group="gemm")
+def test_k_and_v_as_one_matmul(benchmark):
+    """Granite 3.3 8B's k and v projections at a 1,024-token prefill on a timing-mode card,
+    grouped (group_matmuls: one matmul, the two weights and outputs its parts) against apart,
+    side by side: device time of the step, the grouped one's ratio to the two apart (target:
+    below 1; the fill and drain of one matmul instead of two)."""
+    with cards.configured(None, "timing"):
+        args = [torch.empty(1024, HIDDEN, dtype=torch.float16).to("spyre")]
+        args += [torch.empty(KV_HEADS * HEAD_DIM, HIDDEN, dtype=torch.float16).to("spyre") for _ in range(2)]
+        figures = {}
+
+        def run():
+            for group in (True, False):
+                figures[group] = _step_device_ns(two_projections, args, {"group_matmuls": group})
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    ratio = figures[True] / figures[False]
+    benchmark.extra_info.update({"grouped_device_us": figures[True] / 1e3, "apart_device_us": figures[False] / 1e3,
+                                 "grouped_over_apart": round(ratio, 4)})
+    check_target(benchmark, ratio < 1, f"k and v grouped take {ratio:.3f} of their device time apart")
+    print(f"\nk and v prefill: grouped {figures[True] / 1e3:.1f} us, apart {figures[False] / 1e3:.1f} us ({ratio:.3f})")

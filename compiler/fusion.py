@@ -29,13 +29,18 @@ COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}
 
 def fuse_kernels(step: StepDesc) -> StepDesc:
     """The step's fusions its options turn on: epilogues, then prologues (an epilogue can
-    make a matmul's A, so that the kernel after it is a norm the next matmuls take in)."""
+    make a matmul's A, so that the kernel after it is a norm the next matmuls take in), then
+    groups of matmuls of one A (their prologues made alike by then)."""
     if step.options.get("fuse_epilogues"):
         step = fuse_epilogues(step)
     if step.options.get("fuse_prologues"):
         from .prologue import fuse_prologues
 
         step = fuse_prologues(step)
+    if step.options.get("group_matmuls"):
+        from .grouping import group_matmuls
+
+        step = group_matmuls(step)
     return step
 
 
@@ -91,7 +96,7 @@ def _writes(step: StepDesc, kernels: dict, item) -> set[str]:
         if isinstance(k, LoopKernel):
             return {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
         if isinstance(k, MatmulKernel):
-            views = k.epilogue.outputs if k.epilogue is not None else (k.out,)
+            views = k.epilogue.outputs if k.epilogue is not None else k.outs()
             return {_base(step, v[0]) for v in views}
         if getattr(k, "kind", "") == "attention":
             return {_base(step, k.out[0])}
@@ -116,7 +121,7 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, i: int) -> tuple[int, Matm
     for j in range(i - 1, -1, -1):
         kind, x = seq[j]
         mm = kernels.get(x) if kind == "run" else None
-        if isinstance(mm, MatmulKernel) and mm.epilogue is None and _base(step, mm.out[0]) in loaded:
+        if isinstance(mm, MatmulKernel) and mm.epilogue is None and not mm.parts and _base(step, mm.out[0]) in loaded:
             break
     else:
         return None

@@ -23,6 +23,9 @@ fuse_residuals: bool = True
 # a loop kernel whose result only matmuls read as A (RMSNorm) becomes their prologue: its
 # per-row part stays a kernel, its elementwise part runs on each A chunk (compiler/prologue.py)
 fuse_prologues: bool = True
+# matmuls of one A whose tilings are alike (a layer's k and v projections) are computed as one
+# grouped matmul, their weights and outputs its parts (compiler/grouping.py)
+group_matmuls: bool = True
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 # the settings the step carries to its calls (spyre_rt.config.step_fields); {} = the process's

@@ -151,7 +151,8 @@ def _readers(step: StepDesc, kernels: dict, seq: list, i: int, product: str) -> 
         m = kernels.get(item[1]) if item[0] == "run" else None
         if t < i or not isinstance(m, MatmulKernel) or m.prologue is not None or m.a[0] != product:
             return None
-        others = [m.b, m.bias, m.out, *(m.epilogue.inputs + m.epilogue.outputs if m.epilogue else ())]
+        others = [m.b, m.bias, *m.outs(), *(v for part in m.parts for v in part),
+                  *(m.epilogue.inputs + m.epilogue.outputs if m.epilogue else ())]
         if any(v is not None and _base(step, v[0]) == product for v in others):
             return None
         if dtypes.ITEMSIZE.get(m.in_dtype) is None or step.buffers[product].dtype != m.in_dtype:

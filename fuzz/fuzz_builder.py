@@ -149,7 +149,7 @@ MM_ARRAYS = (("m_size", "m_tiles", "uint32_t", 256), ("n_size", "n_tiles", "uint
              ("k_slice", "pk", "uint64_t", 64), ("slots", "nslots", "spy_layout", 16),
              ("loads", "nloads", "spy_mm_tiles", 16), ("stores", "nstores", "spy_mm_tiles", 16),
              ("program", "ninstrs", "spy_mm_instr", 32), ("pro_vectors", "npro_vectors", "spy_mm_vector", 4),
-             ("pro_program", ("nbuf", "npro_instrs"), "spy_instr", 64))
+             ("pro_program", ("nbuf", "npro_instrs"), "spy_instr", 64), ("parts", "nparts", "spy_mm_part", 8))
 
 
 def _count(rec, count) -> int:

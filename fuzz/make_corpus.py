@@ -252,8 +252,9 @@ def tiling_records() -> dict[str, bytes]:
 
 def matmul_records() -> dict[str, bytes]:
     """Decision records of matmuls: a bias row, split-K, a fused epilogue, an A prologue (a
-    norm's rewrite of each chunk, split-K), a transposed weight, rows that wrap in their
-    storage (descriptor lists), an empty K, nothing to compute."""
+    norm's rewrite of each chunk, split-K), a group of three with a prologue, a transposed
+    weight, rows that wrap in their storage (descriptor lists), an empty K, nothing to
+    compute."""
 
     from fuzz_builder import matmul_record_bytes
 
@@ -268,7 +269,8 @@ def matmul_records() -> dict[str, bytes]:
     target = CostModel.of_figures(device_profile.load("spyre"))
     f16 = lib.SPY_DT_F16
 
-    def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, prologue=False, tiling=None, layouts=None):
+    def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, prologue=False, parts=0, tiling=None,
+               layouts=None):
         lay = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
                "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2), "s": StickLayout(1, m, 4),
                "w": StickLayout(1, k, 2)} | (layouts or {})
@@ -289,10 +291,14 @@ def matmul_records() -> dict[str, bytes]:
                    Op("a", "store", ("z",), "float16", attrs={"output": 0}))
             pro = Prologue(ops, (a, mm.View("s", 0, (1, m, k), (0, 1, 0)), mm.View("w", 0, (1, m, k), (0, 0, 1))),
                            ("float16", "float32", "float16"))
+        more = []
+        for i in range(parts):  # a grouped matmul: more weights and outputs beside b and o
+            lay[f"b{i}"], lay[f"o{i}"] = StickLayout(k, n, 2), StickLayout(m, n, 2)
+            more.append((mm.View(f"b{i}", 0, (1, k, n), (0, n, 1)), mm.View(f"o{i}", 0, (1, m, n), (0, n, 1))))
         spec = mm.MatmulSpec(a, b or mm.View("b", 0, (1, k, n), (0, n, 1)),
                              mm.View("o", 0, (1, m, n), (0, n, 1)), f16, f16,
                              bias=mm.View("bias", 0, (1, m, n), (0, 0, 1)) if bias else None,
-                             bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep, prologue=pro)
+                             bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep, prologue=pro, parts=tuple(more))
         ctx = BuildContext(target, lay)
         decided = mm.build(ctx, spec, tiling)  # owns the arrays its record points at
         return b"M" + matmul_record_bytes(decided.cdata)
@@ -302,6 +308,7 @@ def matmul_records() -> dict[str, bytes]:
         "matmul-split-k": record(1, 256, 1024, tiling=mm.Tiling(2, 4, 1, 4, 1, 4, 128, 3)),
         "matmul-epilogue": record(40, 96, 64, epilogue=True),
         "matmul-prologue": record(70, 64, 512, prologue=True, tiling=mm.Tiling(4, 2, 2, 2, 4, 2, 128, 2)),
+        "matmul-grouped": record(40, 128, 256, prologue=True, parts=2, tiling=mm.Tiling(2, 1, 2, 4, 2, 12, 128, 3)),
         "matmul-transposed-weight": record(16, 64, 128, b=mm.View("b", 0, (1, 128, 64), (0, 1, 128)),
                                            layouts={"b": StickLayout(64, 128, 2)}),
         "matmul-wrapping-rows": record(4, 70, 192, a=mm.View("a", 0, (1, 4, 192), (0, 192, 1)),

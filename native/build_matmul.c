@@ -825,37 +825,53 @@ static spy_status prologue(mm_build *b)
     return SPY_OK;
 }
 
-/* One operand (0: A, 1: B): a load per shared chunk, a ring send per other use of it. */
+/* The part of a grouped matmul whose columns hold column `col` (0 when B is whole). */
+static uint32_t part_of(const spy_matmul_record *r, uint64_t col)
+{
+    uint32_t p = 0;
+    while (p + 1 < r->nparts && r->parts[p + 1].n0 <= col)
+        p++;
+    return p;
+}
+
+/* One operand (0: A, 1: B): a load per shared chunk, a ring send per other use of it. A
+ * grouped matmul's B is loaded part by part, each part's view a stream of its own. */
 static spy_status operand(mm_build *b, int op)
 {
     const spy_matmul_record *r = b->r;
-    const spy_mm_view *v = op ? &r->b : &r->a;
     bool trans = r->flags & (op ? SPY_MM_TRANS_B : SPY_MM_TRANS_A);
     const uint64_t *region = op ? r->b_lx : r->a_lx;
     uint32_t pitch = op ? r->b_pitch : r->a_pitch;
-    uint64_t st[2] = {trans ? v->strides[2] : v->strides[1], trans ? v->strides[1] : v->strides[2]};
-    mm_stream s;
-    stream_init(b, &s, v, st, (uint64_t)pitch * b->e_in, b->e_in, true);
+    uint32_t nstreams = op && r->nparts ? r->nparts : 1;
     uint64_t nc = b->nchunks[op];
     run *loaded = b->loaded[op], *arrival = b->arrival[op], *sends = b->sends[op];
     spy_status status = SPY_OK;
-    for (uint64_t c = 0; c < nc && status == SPY_OK; c++) {
-        uint32_t u = b->loader[op][c];
-        const mm_use *y = &b->uses[u];
-        const mm_task *x = &b->tasks[y->task];
-        uint64_t k0 = b->k_start[y->chunk], depth = b->k_size[y->chunk], base, box0, box1;
-        if (op == 0) {
-            base = v->offset + x->batch * v->strides[0] + x->row0 * v->strides[1] + k0 * v->strides[2];
-            box0 = trans ? depth : x->rows, box1 = trans ? x->rows : depth;
-        } else {
-            base = v->offset + x->batch * v->strides[0] + k0 * v->strides[1] + x->col0 * v->strides[2];
-            box0 = trans ? x->cols : depth, box1 = trans ? depth : x->cols;
+    for (uint32_t part = 0; part < nstreams && status == SPY_OK; part++) {
+        const spy_mm_view *v = op ? (r->nparts ? &r->parts[part].b : &r->b) : &r->a;
+        uint64_t n0 = op && r->nparts ? r->parts[part].n0 : 0;
+        uint64_t st[2] = {trans ? v->strides[2] : v->strides[1], trans ? v->strides[1] : v->strides[2]};
+        mm_stream s;
+        stream_init(b, &s, v, st, (uint64_t)pitch * b->e_in, b->e_in, true);
+        for (uint64_t c = 0; c < nc && status == SPY_OK; c++) {
+            uint32_t u = b->loader[op][c];
+            const mm_use *y = &b->uses[u];
+            const mm_task *x = &b->tasks[y->task];
+            uint64_t k0 = b->k_start[y->chunk], depth = b->k_size[y->chunk], base, box0, box1;
+            if (op == 0) {
+                base = v->offset + x->batch * v->strides[0] + x->row0 * v->strides[1] + k0 * v->strides[2];
+                box0 = trans ? depth : x->rows, box1 = trans ? x->rows : depth;
+            } else {
+                if (nstreams > 1 && part_of(r, x->col0) != part)
+                    continue;
+                base = v->offset + x->batch * v->strides[0] + k0 * v->strides[1] + (x->col0 - n0) * v->strides[2];
+                box0 = trans ? x->cols : depth, box1 = trans ? depth : x->cols;
+            }
+            status = dma_box(b, &s, base, box0, box1, region[y->slot], x->core, use_key(b, u, PH_LOAD), &loaded[c]);
         }
-        status = dma_box(b, &s, base, box0, box1, region[y->slot], x->core, use_key(b, u, PH_LOAD), &loaded[c]);
+        if (status == SPY_OK)
+            status = stream_end(b, &s);
+        spy_vec_free(&s.pending);
     }
-    if (status == SPY_OK)
-        status = stream_end(b, &s);
-    spy_vec_free(&s.pending);
     if (status == SPY_OK && op == 0 && r->npro_instrs)
         status = prologue(b);
     if (status != SPY_OK)
@@ -1184,13 +1200,16 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
     stream_init(b, &s, &tl->view, st, (uint64_t)tl->pitch * tl->itemsize, tl->itemsize, load_keys != NULL);
     spy_status status = SPY_OK;
     const spy_mm_view *v = &tl->view;
+    uint64_t n0 = tl->part ? b->r->parts[tl->part - 1].n0 : 0;
     for (uint64_t rt = 0; rt < b->nroots && status == SPY_OK; rt++) {
         const mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
+        if (tl->part && part_of(b->r, t->col0) != tl->part - 1)
+            continue; /* another part's tile: its runs stay empty */
         for (uint32_t p = 0; p < (load_keys ? 1 : x->pieces) && status == SPY_OK; p++) {
             uint32_t r0 = piece_row(x, p), rows = tl->row ? 1 : load_keys ? t->rows : piece_rows(b, x, p);
             uint64_t base = v->offset + t->batch * v->strides[0] + (uint64_t)(t->row0 + r0) * v->strides[1] +
-                            t->col0 * v->strides[2];
+                            (t->col0 - n0) * v->strides[2];
             status = dma_box(b, &s, base, rows, t->cols, tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize,
                              t->core, load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE),
                              p ? &pieces_out[x->extra + p - 1] : &out[rt]);
@@ -1420,6 +1439,36 @@ static spy_status sizes_check(const uint32_t *size, uint32_t n, uint64_t total, 
     return SPY_OK;
 }
 
+/* Columns of part p of a grouped matmul. */
+static uint64_t part_cols(const spy_matmul_record *r, uint32_t p)
+{
+    return (p + 1 < r->nparts ? r->parts[p + 1].n0 : r->n) - r->parts[p].n0;
+}
+
+/* A grouped matmul's parts: from column 0, increasing, each N tile inside one. */
+static spy_status parts_check(const spy_matmul_record *r)
+{
+    if (!r->nparts)
+        return SPY_OK;
+    if (r->nparts > SPY_MM_MAX_PARTS || !r->parts || r->parts[0].n0 != 0)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: %u parts (at most %u, with their array, the first "
+                        "from column 0)", r->nparts, SPY_MM_MAX_PARTS);
+    for (uint32_t p = 1; p < r->nparts; p++)
+        if (r->parts[p].n0 <= r->parts[p - 1].n0 || r->parts[p].n0 >= r->n)
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: parts[%u] from column %llu: the parts' columns "
+                            "do not increase inside n %llu", p, (unsigned long long)r->parts[p].n0,
+                            (unsigned long long)r->n);
+    uint64_t at = 0;
+    for (uint32_t x = 0; x < r->n_tiles; x++) {
+        uint32_t p = part_of(r, at);
+        if (at + r->n_size[x] > r->parts[p].n0 + part_cols(r, p))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: N tile %u (columns %llu, +%u) crosses the end of "
+                            "part %u", x, (unsigned long long)at, r->n_size[x], p);
+        at += r->n_size[x];
+    }
+    return SPY_OK;
+}
+
 /* An A prologue: its vectors' views and regions, and its program over a chunk of tm rows
  * and the deepest K chunk in each operand buffer, inside the scratchpad. */
 static spy_status prologue_check(mm_build *b)
@@ -1586,10 +1635,18 @@ static spy_status matmul_check(mm_build *b)
         tn = r->n_size[x] > tn ? r->n_size[x] : tn;
     b->tm = tm, b->tn = tn;
     bool ta = r->flags & SPY_MM_TRANS_A, tb = r->flags & SPY_MM_TRANS_B;
+    if ((s = parts_check(r)) != SPY_OK)
+        return s;
     if (r->k) {
         if ((s = view_check(r, &r->a, "a", r->m, r->k, b->e_in)) != SPY_OK ||
-            (s = view_check(r, &r->b, "b", r->k, r->n, b->e_in)) != SPY_OK)
+            (!r->nparts && (s = view_check(r, &r->b, "b", r->k, r->n, b->e_in)) != SPY_OK))
             return s;
+        char part[32];
+        for (uint32_t p = 0; p < r->nparts; p++) {
+            snprintf(part, sizeof part, "parts[%u].b", p);
+            if ((s = view_check(r, &r->parts[p].b, part, r->k, part_cols(r, p), b->e_in)) != SPY_OK)
+                return s;
+        }
     } else if (r->a.slot >= r->nslots || r->b.slot >= r->nslots) {
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: a.slot %u or b.slot %u is not one of %u slots",
                         r->a.slot, r->b.slot, r->nslots);
@@ -1605,8 +1662,12 @@ static spy_status matmul_check(mm_build *b)
         const spy_mm_tiles *t = load ? &r->loads[i] : &r->stores[i - r->nloads];
         uint32_t x = load ? i : i - r->nloads;
         snprintf(what, sizeof what, "%s[%u]", load ? "loads" : "stores", x);
+        if (t->part > r->nparts || (load && t->part))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: %s.part %u: not a store of one of %u parts", what,
+                            t->part, r->nparts);
         /* every row of the output: a row's tiles start at their tile's first row too */
-        if ((s = view_check(r, &t->view, what, r->m, r->n, t->itemsize)) != SPY_OK)
+        if ((s = view_check(r, &t->view, what, r->m, t->part ? part_cols(r, t->part - 1) : r->n, t->itemsize)) !=
+            SPY_OK)
             return s;
         for (int slot = 0; slot < 2; slot++) {
             snprintf(what, sizeof what, "%s[%u].lx[%d]", load ? "loads" : "stores", x, slot);

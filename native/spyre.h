@@ -733,9 +733,20 @@ typedef struct spy_mm_tiles {
     uint32_t pitch;     /* elements per scratchpad row */
     uint32_t itemsize;  /* bytes per element (the slot layout's) */
     uint32_t row;       /* 1: one row per tile, broadcast over the tile's rows (a bias) */
-    uint32_t reserved;
+    uint32_t part;      /* stores of a grouped matmul: i + 1 for part i's columns alone, the
+                           view's column 0 the part's first (0: every column) */
 } spy_mm_tiles; /* 72 bytes */
 SPY_ABI_SIZE(spy_mm_tiles, 72)
+
+/* A part of a grouped matmul: matmuls of one A side by side, C = A @ [B0 B1 ...], each B its
+ * own view (K x N_i) from column n0 on (0 for the first, increasing). Every N tile lies in
+ * one part. */
+#define SPY_MM_MAX_PARTS 8
+typedef struct spy_mm_part {
+    spy_mm_view b;
+    uint64_t n0;
+} spy_mm_part; /* 48 bytes */
+SPY_ABI_SIZE(spy_mm_part, 48)
 
 /* A vector an A prologue reads with each chunk of A it rewrites: one value per row of A
  * (per_row: an SFU ROW operand, the chunk's row r at lx + r * itemsize) or one per column
@@ -798,6 +809,10 @@ typedef struct spy_matmul_record {
     uint32_t npro_vectors, npro_instrs, pro_strip, reserved2;
     const spy_mm_vector *pro_vectors; /* npro_vectors */
     const spy_instr *pro_program;     /* nbuf * npro_instrs */
+    /* a grouped matmul (nparts 0: B is `b`): B in parts, each output part stored by the
+     * store tiles of its part */
+    uint32_t nparts, reserved3;
+    const spy_mm_part *parts;         /* nparts */
 } spy_matmul_record;
 
 spy_status spy_build_matmul(const spy_matmul_record *rec, spy_built *out);

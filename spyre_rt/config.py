@@ -42,6 +42,7 @@ class Settings:
     split_gated_gemms: bool = True         # a merged gate-and-up GEMM as two, its activation an epilogue
     fuse_residuals: bool = True            # a residual add of a matmul's product as that matmul's epilogue
     fuse_prologues: bool = True            # a kernel that makes a matmul's A (RMSNorm) as its prologue
+    group_matmuls: bool = True             # matmuls of one A cut alike (k and v) computed as one
     trace: bool = False
     trace_commands: bool = True
 
@@ -61,7 +62,7 @@ def _bool(value: str) -> bool:
 # What each setting shapes: the step's code (part of its plan key), its calls (carried by
 # the step), or the process (the card set that every tensor lives on).
 COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "split_gated_gemms",
-                  "fuse_residuals", "fuse_prologues")
+                  "fuse_residuals", "fuse_prologues", "group_matmuls")
 STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
 PROCESS_FIELDS = {
     "device_profile": "SPYRE_RT_DEVICE_PROFILE",
@@ -83,6 +84,7 @@ ENV = {
     "SPYRE_RT_SPLIT_GATED_GEMMS": ("split_gated_gemms", _bool),
     "SPYRE_RT_FUSE_RESIDUALS": ("fuse_residuals", _bool),
     "SPYRE_RT_FUSE_PROLOGUES": ("fuse_prologues", _bool),
+    "SPYRE_RT_GROUP_MATMULS": ("group_matmuls", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
     "SPYRE_RT_TRACE_COMMANDS": ("trace_commands", _bool),
 }

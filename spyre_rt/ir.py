@@ -166,7 +166,9 @@ class MatmulKernel:
     """``out = a @ b (+ bias)``, batched; views in logical elements of their buffers.
     With an ``epilogue``, ``out`` only names the product: the epilogue's stores are what
     the kernel writes. With a ``prologue``, ``a`` is the prologue's result, and what the
-    kernel reads in its place are the prologue's inputs (``a`` is their first)."""
+    kernel reads in its place are the prologue's inputs (``a`` is their first). ``parts``
+    groups more matmuls of the same A with it: each a (B, out) pair whose columns follow
+    those of the ones before (``b`` and ``out`` are the first), computed as one."""
 
     name: str
     a: tuple[str, int, tuple[int, ...], tuple[int, ...]]      # (buffer, offset, sizes, strides)
@@ -181,6 +183,7 @@ class MatmulKernel:
     module: str = ""
     epilogue: Epilogue | None = None
     prologue: Prologue | None = None
+    parts: tuple[tuple[tuple, tuple], ...] = ()
 
     kind = "matmul"
 
@@ -188,9 +191,14 @@ class MatmulKernel:
         out = [v for v in (self.a, self.b, self.bias) if v is not None]
         if self.prologue is not None:
             out += self.prologue.inputs[1:]
+        out += [b for b, _ in self.parts]
         if self.epilogue is None:
-            return [*out, self.out]
+            return [*out, self.out, *self.outs()[1:]]
         return [*out, *self.epilogue.inputs, *self.epilogue.outputs]
+
+    def outs(self) -> list:
+        """The views of its products: ``out``, then each part's."""
+        return [self.out, *(o for _, o in self.parts)]
 
 
 @description

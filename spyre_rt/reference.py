@@ -58,7 +58,7 @@ def written(kernel) -> set[str]:
         return {op.access.buf for op in kernel.ops if op.op == "store"}
     if isinstance(kernel, MatmulKernel):
         if kernel.epilogue is None:
-            return {kernel.out[0]}
+            return {v[0] for v in kernel.outs()}
         return {v[0] for v in kernel.epilogue.outputs}
     return {kernel.out[0]}
 
@@ -103,6 +103,8 @@ def extents(kernel) -> dict[str, tuple[int, int] | None]:
         views += [*kernel.epilogue.inputs, *kernel.epilogue.outputs]
     if isinstance(kernel, MatmulKernel) and kernel.prologue is not None:
         views += kernel.prologue.inputs[1:]
+    if isinstance(kernel, MatmulKernel):
+        views += [v for part in kernel.parts for v in part]
     for v in views:
         if v is not None:
             name, off, sizes, strides = v
@@ -328,6 +330,11 @@ def _operand_a(k: MatmulKernel, memory: Memory) -> torch.Tensor:
 
 
 def _matmul(k: MatmulKernel, memory: Memory) -> None:
+    if k.parts:  # a grouped matmul: each part the matmul of the same A by its B
+        a = _operand_a(k, memory).to(torch.float32)
+        for b, out in ((k.b, k.out), *k.parts):
+            _view(memory, out).copy_(torch.matmul(a, _view(memory, b).to(torch.float32)).to(torch_dtype(k.out_dtype)))
+        return
     acc = torch.matmul(_operand_a(k, memory).to(torch.float32), _view(memory, k.b).to(torch.float32))
     if k.bias is not None:
         acc = acc + _view(memory, k.bias).to(torch.float32)

@@ -238,6 +238,26 @@ def test_fuse_prologues_off_keeps_the_norm_a_kernel_of_its_own(setting, way):
     assert torch.equal(out_apart, out_fused)
 
 
+def two_projections(x, wk, wv):
+    return x @ wk.t(), x @ wv.t()
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_group_matmuls_off_keeps_matmuls_of_one_input_apart(setting, way):
+    x, wk, wv = torch.randn(300, 256), torch.randn(128, 256), torch.randn(128, 256)
+    options = setting("SPYRE_RT_GROUP_MATMULS", "group_matmuls", False, way)
+    torch._dynamo.reset()
+    steps = {}
+    for name, opts in (("apart", options), ("grouped", {"group_matmuls": True})):
+        before = set(live_steps())
+        torch.compile(two_projections, backend="spyre_rt", dynamic=False, options=opts)(
+            *(t.to("spyre") for t in (x, wk, wv)))
+        (steps[name],) = set(live_steps()) - before
+        torch._dynamo.reset()
+    matmuls = lambda step: sorted(len(k.parts) for k in step.desc.kernels.values() if k.kind == "matmul")  # noqa: E731
+    assert matmuls(steps["apart"]) == [0, 0] and matmuls(steps["grouped"]) == [1]
+
+
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
                                        ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
                                        ("device_count", "SPYRE_RT_DEVICE_COUNT")])

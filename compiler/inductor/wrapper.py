@@ -444,7 +444,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
         return {"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
                 "compute_dtype": options.compute_dtype, "fuse_epilogues": options.fuse_epilogues,
-                "fuse_prologues": options.fuse_prologues, "compiler_version": compiler_version()}
+                "fuse_prologues": options.fuse_prologues, "group_matmuls": options.group_matmuls,
+                "compiler_version": compiler_version()}
 
     def _generate(self, is_inference):
         self.run_wrapper_ir_passes(is_inference)  # Inductor's own passes (memory planning)

@@ -54,7 +54,7 @@ def kernel_facts(kernel, ctx: BuildContext) -> dict:
 def flops(kernel) -> int:
     if kernel.kind == "matmul":
         batch, m, k = kernel.a[2]
-        return 2 * batch * m * k * kernel.b[2][2]
+        return 2 * batch * m * k * sum(b[2][2] for b in (kernel.b, *(b for b, _ in kernel.parts)))
     if kernel.kind == "attention":
         return attention_flops(kernel)
     arithmetic = sum(1 for op in kernel.ops if op.op not in _NOT_ARITHMETIC)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..construct import copy
-from ..ir import Access, Buffer, LoopKernel, Op, StepDesc
+from ..ir import Access, Buffer, LoopKernel, MatmulKernel, Op, StepDesc
 from . import memory
 
 SAVE, RESTORE = "<save>", "<unsave>"  # prefixes of the row kernels' names
@@ -81,7 +81,9 @@ def _writers(desc: StepDesc, bases: set[str]) -> dict[str, list[tuple[int, objec
 def _written_views(k) -> list:
     """The views a matmul or attention kernel writes."""
     ep = getattr(k, "epilogue", None)
-    return list(ep.outputs) if ep is not None else [k.out]
+    if ep is not None:
+        return list(ep.outputs)
+    return k.outs() if isinstance(k, MatmulKernel) else [k.out]
 
 
 def _index_ops(k: LoopKernel, store: Op) -> list[Op] | None:

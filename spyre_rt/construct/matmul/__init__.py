@@ -71,7 +71,7 @@ def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = 
         pro = dataclasses.replace(pro, inputs=tuple(view(v) for v in pro.inputs))
     spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
                       bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
-                      epilogue=ep, prologue=pro)
+                      epilogue=ep, prologue=pro, parts=tuple((view(b), view(o)) for b, o in k.parts))
     rec = decide(ctx, spec, previous)
     rec.kernel = k
     rec.build(ctx)

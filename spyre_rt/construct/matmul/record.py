@@ -140,10 +140,32 @@ def decide(ctx: BuildContext, spec: MatmulSpec, tiling: Tiling | None = None) ->
     return rec
 
 
+def members(spec: MatmulSpec) -> list[MatmulSpec]:
+    """The matmuls a grouped one computes, each alone (the spec itself when it is one)."""
+    return [dataclasses.replace(spec, b=b, out=o, parts=()) for b, o in ((spec.b, spec.out), *spec.parts)]
+
+
+def grouped_tiling(target: CostModel, spec: MatmulSpec) -> Tiling | None:
+    """A grouped matmul's tiling: its members' own, which must be one tiling, with the N
+    tiles of all of them (so that each part is cut as its matmul alone would be, and each
+    dot product is added in the same order, bit for bit); None when the members' differ."""
+    alone = {_tiling(target, m, Problem.of(m)) for m in members(spec)}
+    if len(alone) != 1:
+        return None
+    (t,) = alone
+    return dataclasses.replace(t, n_tiles=t.n_tiles * (1 + len(spec.parts)))
+
+
 def _tiling(target: CostModel, spec: MatmulSpec, p: Problem) -> Tiling:
     """The cost model's choice; with an A prologue, the choice without it where the prologue
     fits beside it: the same K chunks and slices add the products in the same order, so the
-    matmul's values are those of the unfused kernels bit for bit."""
+    matmul's values are those of the unfused kernels bit for bit. A grouped matmul's, its
+    members' (:func:`grouped_tiling`)."""
+    if spec.parts:
+        t = grouped_tiling(target, spec)
+        if t is None:
+            raise ValueError("a grouped matmul of matmuls whose tilings differ")
+        return t
     if spec.prologue is None:
         return choose(target, p)
     plain = choose(target, Problem.of(dataclasses.replace(spec, prologue=None)))
@@ -154,7 +176,12 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
     target = ctx.target
     gm, gn = preferred_granules(target, p)
     m_size = split(p.m, t.m_tiles, granule(p.m, t.m_tiles, gm))
-    n_size = split(p.n, t.n_tiles, granule(p.n, t.n_tiles, gn))
+    if spec.parts:  # each part cut as its matmul alone (the parts' N tiles never straddle two)
+        per = t.n_tiles // (1 + len(spec.parts))
+        n_size = np.concatenate([split(b.sizes[2], per, granule(b.sizes[2], per, gn))
+                                 for b in (spec.b, *(b for b, _ in spec.parts))])
+    else:
+        n_size = split(p.n, t.n_tiles, granule(p.n, t.n_tiles, gn))
     k_slice = split(p.k, t.pk, granule(p.k, t.pk, K_GRANULE)) if p.k else np.zeros(1, dtype=np.int64)
     tm, tn = int(m_size.max()), int(n_size.max())
     depth = min(t.tk, int(k_slice.max())) if p.k else 1
@@ -174,9 +201,16 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
     if plan is not None:
         for v, (pitch, e, offs), kind in zip(spec.epilogue.inputs, lx.epi_in, plan.input_kinds, strict=True):
             loads.append(_tiles(ctx, v, pitch, e, offs, row=kind != TILE))
-    outs = [spec.out] if spec.epilogue is None else list(spec.epilogue.outputs)
-    for v, (pitch, e, offs) in zip(outs, lx.outs, strict=True):
-        stores.append(_tiles(ctx, v, pitch, e, offs))
+    if spec.parts:  # a grouped matmul: each part's columns stored from the one staging tile
+        if spec.epilogue is not None or spec.bias is not None:
+            raise ValueError("a grouped matmul has no epilogue and no bias")
+        pitch, e, offs = lx.outs[0]
+        for i, v in enumerate([spec.out, *(o for _, o in spec.parts)]):
+            stores.append(_tiles(ctx, v, pitch, e, offs, part=i + 1))
+    else:
+        outs = [spec.out] if spec.epilogue is None else list(spec.epilogue.outputs)
+        for v, (pitch, e, offs) in zip(outs, lx.outs, strict=True):
+            stores.append(_tiles(ctx, v, pitch, e, offs))
 
     slot0, slot1 = (np.array(_program(spec, p, lx, plan, s), dtype=INSTR) for s in (0, 1))
     program = np.zeros(len(slot0), dtype=MM_INSTR)
@@ -190,6 +224,11 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
               "program": ffi.cast("spy_mm_instr *", ffi.from_buffer(program))}
     if spec.prologue is not None:
         _prologue(ctx, spec, lx, rec, arrays)
+    if spec.parts:
+        n0 = np.cumsum([0, spec.b.sizes[2], *(bv.sizes[2] for bv, _ in spec.parts)])[:-1]
+        parts = [{"b": _view(ctx, bv), "n0": int(at)} for bv, at in zip([spec.b, *(bv for bv, _ in spec.parts)], n0,
+                                                                        strict=True)]
+        arrays["parts"], arrays["nparts"] = ffi.new("spy_mm_part[]", parts), len(parts)
     rec._keep += [*arrays.values(), program]
     r.update(arrays)
     r.update({"in_dtype": spec.in_dtype,
@@ -230,8 +269,9 @@ def _view(ctx: BuildContext, v: View) -> dict:
     return {"slot": ctx.slot(v.buf), "offset": v.offset, "strides": list(v.strides)}
 
 
-def _tiles(ctx: BuildContext, v: View, pitch: int, itemsize: int, offs, row: bool = False) -> dict:
-    return {"view": _view(ctx, v), "lx": list(offs), "pitch": pitch, "itemsize": itemsize, "row": int(row)}
+def _tiles(ctx: BuildContext, v: View, pitch: int, itemsize: int, offs, row: bool = False, part: int = 0) -> dict:
+    return {"view": _view(ctx, v), "lx": list(offs), "pitch": pitch, "itemsize": itemsize, "row": int(row),
+            "part": part}
 
 
 def _program(spec: MatmulSpec, p: Problem, lx: Scratchpad, plan, s: int) -> list[tuple]:

@@ -28,6 +28,7 @@ class MatmulSpec:
     beta: float = 1.0
     epilogue: Epilogue | None = None  # its views in logical elements of the storages, as the others
     prologue: Prologue | None = None  # A made from its inputs (`a` is its first), views as the others
+    parts: tuple[tuple[View, View], ...] = ()  # more (B, out) column blocks after `b`/`out`: a grouped matmul
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class Problem:
                           "pro_rows": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == ROW),
                           "pro_cols": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == COL),
                           "pro_strip": PRO_STRIP})
-        return cls(batch, m, spec.b.sizes[2], k, ITEMSIZE[spec.in_dtype], ITEMSIZE[spec.out_dtype],
+        return cls(batch, m, spec.b.sizes[2] + sum(b.sizes[2] for b, _ in spec.parts), k, ITEMSIZE[spec.in_dtype],
+                   ITEMSIZE[spec.out_dtype],
                    ITEMSIZE.get(spec.bias_dtype, 4) if spec.bias is not None else 0,
                    transposed(spec.a, contiguous_inner=2, other=1),
                    transposed(spec.b, contiguous_inner=2, other=1),

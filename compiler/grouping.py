@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from spyre_rt import dtypes
 from spyre_rt.construct.context import ScratchpadOverflow
-from spyre_rt.construct.matmul import MatmulSpec, Problem, View
+from spyre_rt.construct.matmul import Problem, spec_of
 from spyre_rt.construct.matmul.record import grouped_tiling, members
 from spyre_rt.construct.matmul.tiling import estimate_one
 from spyre_rt.cost import CostModel
@@ -95,17 +94,9 @@ def _movable(step: StepDesc, kernels: dict, seq: list, group: list[int]) -> list
     return kept
 
 
-def _spec(m: MatmulKernel, parts=()) -> MatmulSpec:
-    def view(v):
-        return View(v[0], v[1], tuple(v[2]), tuple(v[3]))
-
-    return MatmulSpec(view(m.a), view(m.b), view(m.out), dtypes.CODE[m.in_dtype], dtypes.CODE[m.out_dtype],
-                      prologue=m.prologue, parts=tuple((view(b), view(o)) for b, o in parts))
-
-
 def _faster(target: CostModel, mates: list[MatmulKernel]) -> bool:
     """Whether the members are cut alike and, by the cost model, faster as one."""
-    grouped = _spec(mates[0], [(m.b, m.out) for m in mates[1:]])
+    grouped = spec_of(dataclasses.replace(mates[0], parts=tuple((m.b, m.out) for m in mates[1:])))
     try:
         t = grouped_tiling(target, grouped)
         if t is None:

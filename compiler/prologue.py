@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from spyre_rt import dtypes
 from spyre_rt.construct.context import ScratchpadOverflow
 from spyre_rt.construct.loops.analysis import Unsupported, _dtype
-from spyre_rt.construct.matmul import MatmulSpec, Problem, View, choose
+from spyre_rt.construct.matmul import Problem, choose, spec_of
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc
 
@@ -128,14 +128,8 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, buffers: dict, i: int):
 
 def _fits(m: MatmulKernel, target: CostModel) -> bool:
     """Whether a tiling of the fused matmul fits the target's scratchpad."""
-    def view(v):
-        return View(v[0], v[1], tuple(v[2]), tuple(v[3]))
-
-    spec = MatmulSpec(view(m.a), view(m.b), view(m.out), dtypes.CODE[m.in_dtype], dtypes.CODE[m.out_dtype],
-                      bias=view(m.bias) if m.bias else None, bias_dtype=dtypes.CODE.get(m.bias_dtype, 0),
-                      epilogue=m.epilogue, prologue=m.prologue)
     try:
-        choose(target, Problem.of(spec))
+        choose(target, Problem.of(spec_of(m)))
     except ScratchpadOverflow:
         return False
     return True

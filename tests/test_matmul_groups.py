@@ -20,8 +20,9 @@ from scratchpad_races import races
 from spyre_rt.compiler.grouping import group_matmuls
 from test_epilogue_fusion import _compile_and_run, _same_bits
 from test_matmul_build import launch_built, operand
+from test_prologue_fusion import granite_logits
 
-from spyre_rt import dtypes, executor
+from spyre_rt import dtypes
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, Tiling, build
 from spyre_rt.cost import CostModel
@@ -79,25 +80,7 @@ def test_matmuls_cut_unlike_stay_apart():
 
 
 def test_a_granite_models_k_and_v_projections_group_and_keep_their_bits(quiet_functional_compile):
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    from spyre_rt.regional import compile_layers_once
-
-    cfg = GraniteConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = GraniteForCausalLM(cfg).eval().to("spyre")
-    compile_layers_once(model)
-    ids = torch.randint(0, 128, (1, 512)).to("spyre")
-    logits, groups = {}, {}
-    for group in (True, False):
-        torch._dynamo.reset()
-        before = set(executor.live_steps())
-        f = torch.compile(lambda i: model(i).logits, backend="spyre_rt", dynamic=False,
-                          options={"group_matmuls": group})
-        with torch.no_grad():
-            logits[group] = f(ids).cpu()
-        groups[group] = sum(len(_grouped(s.desc)) for s in set(executor.live_steps()) - before)
+    logits, groups = granite_logits("group_matmuls", lambda d: len(_grouped(d)))
     assert groups == {True: 2, False: 0}  # each layer's k and v
     assert torch.equal(logits[True].view(torch.int32), logits[False].view(torch.int32))
 

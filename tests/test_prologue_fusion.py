@@ -150,11 +150,11 @@ def test_what_the_pass_must_leave_alone_stays_apart(fn):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_a_granite_model_gives_the_same_bits_with_its_norms_in_the_projections(quiet_functional_compile):
-    """A small Granite in fp32, 512 tokens (residual sums large enough to be realized, so that
-    a norm reads one tensor), its layers compiled once as the main job compiles them: the
-    layer's two norms become prologues of the projections after them (q, k, v and gate, up),
-    the final norm the LM head's, and the logits are bit for bit those of the unfused step."""
+def granite_logits(option: str, count, **more) -> tuple[dict, dict]:
+    """A small Granite in fp32 at 512 tokens (residual sums large enough to be realized, so
+    that a norm reads one tensor), its layers compiled once as the main job compiles them,
+    with `option` on and off (and the options `more`): {on: logits}, {on: count(desc) summed
+    over the new steps}."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
     from spyre_rt.regional import compile_layers_once
@@ -165,17 +165,23 @@ def test_a_granite_model_gives_the_same_bits_with_its_norms_in_the_projections(q
     model = GraniteForCausalLM(cfg).eval().to("spyre")
     compile_layers_once(model)
     ids = torch.randint(0, 128, (1, 512)).to("spyre")
-    logits, prologues = {}, {}
-    for fuse in (True, False):
+    logits, counted = {}, {}
+    for on in (True, False):
         torch._dynamo.reset()
         before = set(executor.live_steps())
-        f = torch.compile(lambda i: model(i).logits, backend="spyre_rt", dynamic=False,
-                          options={"fuse_prologues": fuse, "group_matmuls": False})
+        f = torch.compile(lambda i: model(i).logits, backend="spyre_rt", dynamic=False, options={option: on, **more})
         with torch.no_grad():
-            logits[fuse] = f(ids).cpu()
-        steps = set(executor.live_steps()) - before
-        prologues[fuse] = sum(len(_with_prologue(s.desc)) for s in steps)
-    assert prologues[True] == 2 * (3 + 2) + 1 and prologues[False] == 0, prologues
+            logits[on] = f(ids).cpu()
+        counted[on] = sum(count(s.desc) for s in set(executor.live_steps()) - before)
+    return logits, counted
+
+
+def test_a_granite_model_gives_the_same_bits_with_its_norms_in_the_projections(quiet_functional_compile):
+    """Each layer's two norms become prologues of the projections after them (q, k, v and
+    gate, up), the final norm the LM head's, and the logits are bit for bit those of the
+    unfused step."""
+    logits, prologues = granite_logits("fuse_prologues", lambda d: len(_with_prologue(d)), group_matmuls=False)
+    assert prologues == {True: 2 * (3 + 2) + 1, False: 0}
     assert torch.equal(logits[True].view(torch.int32), logits[False].view(torch.int32))
 
 

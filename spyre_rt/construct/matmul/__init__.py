@@ -28,7 +28,8 @@ from .record import MatmulRecord, decide
 from .spec import ITEMSIZE, MatmulSpec, Problem, View
 from .tiling import Tiling, choose
 
-__all__ = ["ITEMSIZE", "MatmulRecord", "MatmulSpec", "Problem", "Tiling", "View", "build", "build_kernel", "choose"]
+__all__ = ["ITEMSIZE", "MatmulRecord", "MatmulSpec", "Problem", "Tiling", "View", "build", "build_kernel", "choose",
+           "spec_of"]
 
 
 def build(ctx: BuildContext, spec: MatmulSpec, previous: MatmulRecord | Tiling | None = None) -> MatmulRecord:
@@ -45,6 +46,25 @@ def build(ctx: BuildContext, spec: MatmulSpec, previous: MatmulRecord | Tiling |
     return rec
 
 
+def spec_of(k, offset=lambda name: 0) -> MatmulSpec:
+    """The spec of a :class:`~spyre_rt.ir.MatmulKernel`, each view moved by `offset(buffer)`
+    (a context's buffer offsets; none for a kernel's shape alone, as the passes that ask
+    whether a fused kernel can be built want it)."""
+    def view(v) -> View:
+        name, off, sizes, strides = v
+        return View(name, off + offset(name), tuple(sizes), tuple(strides))
+
+    ep, pro = k.epilogue, k.prologue
+    if ep is not None:
+        ep = dataclasses.replace(ep, inputs=tuple(view(v) for v in ep.inputs),
+                                 outputs=tuple(view(v) for v in ep.outputs))
+    if pro is not None:
+        pro = dataclasses.replace(pro, inputs=tuple(view(v) for v in pro.inputs))
+    return MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
+                      bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
+                      epilogue=ep, prologue=pro, parts=tuple((view(b), view(o)) for b, o in k.parts))
+
+
 def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = None) -> MatmulRecord:
     """Build a :class:`~spyre_rt.ir.MatmulKernel` (views relative to their buffers'
     starts) into the context's program; returns its decision record. A launch passes back
@@ -55,24 +75,10 @@ def build_kernel(ctx: BuildContext, k, previous: MatmulRecord | Tiling | None = 
             return previous
         previous = previous.tiling
 
-    def view(v) -> View:
-        name, off, sizes, strides = v
-        return View(name, off + ctx.offset(name), tuple(sizes), tuple(strides))
-
     for dt in (k.in_dtype, k.out_dtype):
         if dt not in dtypes.MATMUL:
             raise Refused(f"matmul in {dt}")
-    ep = k.epilogue
-    if ep is not None:
-        ep = dataclasses.replace(ep, inputs=tuple(view(v) for v in ep.inputs),
-                                 outputs=tuple(view(v) for v in ep.outputs))
-    pro = k.prologue
-    if pro is not None:
-        pro = dataclasses.replace(pro, inputs=tuple(view(v) for v in pro.inputs))
-    spec = MatmulSpec(view(k.a), view(k.b), view(k.out), dtypes.CODE[k.in_dtype], dtypes.CODE[k.out_dtype],
-                      bias=view(k.bias) if k.bias else None, bias_dtype=dtypes.CODE.get(k.bias_dtype, 0),
-                      epilogue=ep, prologue=pro, parts=tuple((view(b), view(o)) for b, o in k.parts))
-    rec = decide(ctx, spec, previous)
+    rec = decide(ctx, spec_of(k, ctx.offset), previous)
     rec.kernel = k
     rec.build(ctx)
     return rec

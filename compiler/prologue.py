@@ -191,8 +191,10 @@ def _split(k: LoopKernel, store: Op, buffers: dict, step: StepDesc):
             row[op.id] = not any(op.access.coeffs[-ncols:])
         elif op.op != "store":
             row[op.id] = all(row[a] for a in op.args)
-    reduced = {op.id for op in k.ops if op.op == "reduction"}
-    after = {op.id for op in k.ops if op.op != "store" and _cone(by_id, [op.id]) & reduced}
+    after: set[str] = set()  # values computed from a reduction (the ops are in order)
+    for op in k.ops:
+        if op.op != "store" and (op.op == "reduction" or any(a in after for a in op.args)):
+            after.add(op.id)
     cone = _cone(by_id, store.args)
     frontier = sorted({a for v in cone if v in by_id and by_id[v].op != "store" and not row[v]
                        for a in by_id[v].args if row[a] and a in after}, key=list(by_id).index)
@@ -200,12 +202,13 @@ def _split(k: LoopKernel, store: Op, buffers: dict, step: StepDesc):
         return None
     dtype_of = _value_dtypes(k)
     taken = {*buffers, *step.constants, *(b.name for b, _ in step.inputs)}
-    rows = [n for n in k.sizes[:len(k.sizes) - ncols]]
+    rows = list(k.sizes[:len(k.sizes) - ncols])
     coeffs, stride = [0] * len(k.sizes), 1
     for v in range(len(rows) - 1, -1, -1):  # the stats of each row, row-major over the row variables
         coeffs[v] = stride
         stride *= rows[v]
-    stats_buffers, replaced, ops = [], {}, [op for op in k.ops if op.id in _cone(by_id, frontier)]
+    needed = _cone(by_id, frontier)
+    stats_buffers, replaced, ops = [], {}, [op for op in k.ops if op.id in needed]
     for n, v in enumerate(frontier):
         dtype = dtype_of[v]
         if dtype not in dtypes.CODE:

@@ -96,15 +96,11 @@ def extents(kernel) -> dict[str, tuple[int, int] | None]:
             else:
                 add(acc.buf, _span(acc.const, terms))
         return out
-    views = [kernel.a, kernel.b, kernel.bias] if isinstance(kernel, MatmulKernel) else \
-        [kernel.inp] if isinstance(kernel, CollectiveKernel) else [kernel.q, kernel.k, kernel.v, kernel.mask]
-    views += [kernel.out]
-    if isinstance(kernel, MatmulKernel) and kernel.epilogue is not None:
-        views += [*kernel.epilogue.inputs, *kernel.epilogue.outputs]
-    if isinstance(kernel, MatmulKernel) and kernel.prologue is not None:
-        views += kernel.prologue.inputs[1:]
-    if isinstance(kernel, MatmulKernel):
-        views += [v for part in kernel.parts for v in part]
+    if isinstance(kernel, MatmulKernel):  # its views (prologue, epilogue, parts), and the product it names
+        views = [*kernel.views(), kernel.out]
+    else:
+        views = [kernel.inp] if isinstance(kernel, CollectiveKernel) else [kernel.q, kernel.k, kernel.v, kernel.mask]
+        views += [kernel.out]
     for v in views:
         if v is not None:
             name, off, sizes, strides = v
@@ -330,20 +326,19 @@ def _operand_a(k: MatmulKernel, memory: Memory) -> torch.Tensor:
 
 
 def _matmul(k: MatmulKernel, memory: Memory) -> None:
-    if k.parts:  # a grouped matmul: each part the matmul of the same A by its B
-        a = _operand_a(k, memory).to(torch.float32)
-        for b, out in ((k.b, k.out), *k.parts):
-            _view(memory, out).copy_(torch.matmul(a, _view(memory, b).to(torch.float32)).to(torch_dtype(k.out_dtype)))
-        return
-    acc = torch.matmul(_operand_a(k, memory).to(torch.float32), _view(memory, k.b).to(torch.float32))
-    if k.bias is not None:
-        acc = acc + _view(memory, k.bias).to(torch.float32)
-    product = acc.to(torch_dtype(k.out_dtype))
-    ep = k.epilogue
-    if ep is None:
-        _view(memory, k.out).copy_(product)
-        return
+    a = _operand_a(k, memory).to(torch.float32)
+    for b, out in ((k.b, k.out), *k.parts):  # a grouped matmul's parts: the same A by each B
+        acc = torch.matmul(a, _view(memory, b).to(torch.float32))
+        if k.bias is not None:
+            acc = acc + _view(memory, k.bias).to(torch.float32)
+        product = acc.to(torch_dtype(k.out_dtype))
+        if k.epilogue is None:
+            _view(memory, out).copy_(product)
+        else:  # (a matmul with an epilogue has no parts: construction refuses both)
+            _epilogue(k.epilogue, product, memory)
 
+
+def _epilogue(ep, product: torch.Tensor, memory: Memory) -> None:
     def load(op):
         if op.op == "product":
             return product.to(torch.float32), op.dtype

@@ -115,6 +115,14 @@ def _step(kernels, order):
                     kernels={k.name: k for k in kernels}, sequence=tuple(("run", n) for n in order))
 
 
+def test_the_reference_evaluation_of_a_grouped_matmul_gives_each_parts_bits():
+    from test_prologue_fusion import _on_host
+
+    step = _step([_mm("m1", "w1", "o1"), _mm("m2", "w2", "o2")], ["m1", "m2"])
+    apart, grouped = _on_host(step), _on_host(group_matmuls(step))
+    assert torch.equal(apart["o1"], grouped["o1"]) and torch.equal(apart["o2"], grouped["o2"])
+
+
 def test_the_pass_groups_and_does_not_move_a_member_past_a_write_of_what_it_reads():
     step = _step([_mm("m1", "w1", "o1"), _mm("m2", "w2", "o2")], ["m1", "m2"])
     grouped = group_matmuls(step)

@@ -239,6 +239,28 @@ def test_the_pass_splits_a_norm_into_its_row_part_and_a_prologue():
     assert from_json(to_json(fused)) == fused
 
 
+def _on_host(step: StepDesc, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every kernel of `step` run by its reference evaluation (what a kernel construction
+    refused at a call runs) on random buffers (each buffer's values drawn from its name):
+    each buffer's values after the step."""
+    import zlib
+
+    from spyre_rt import reference
+
+    names = {b.name: b for k in step.kernels.values() for b in k.buffers}
+    memory = {n: reference.Place(torch.randn(torch.Size(b.sizes).numel(),
+                                             generator=torch.Generator().manual_seed(seed + zlib.crc32(n.encode()))), 0)
+              for n, b in names.items()}
+    for _, name in step.sequence:
+        reference.run(step.kernels[name], memory)
+    return {n: p.flat for n, p in memory.items()}
+
+
+def test_the_reference_evaluation_of_a_prologue_gives_the_unfused_steps_bits():
+    step = _step([_norm(), _mm()], ["n", "mm"])
+    assert torch.equal(_on_host(step)["o"], _on_host(fuse_prologues(step))["o"])
+
+
 def test_the_pass_does_not_move_the_work_past_a_write_of_what_it_reads():
     # x is written between the norm and the matmul: the elementwise part cannot run later
     step = _step([_norm(), _scale("w", "x", "x"), _mm()], ["n", "w", "mm"])

@@ -99,6 +99,7 @@ struct spy_program {
     /* The job's length on the timeline, recorded at its first run (timed != 0): it depends
      * on the program alone, the simulator running in job-relative time (job.c reuses it). */
     double duration_ns;
+    double compute_ns[2]; /* the span of its compute commands, from its start ([0] < 0: none) */
     uint32_t timed;
 };
 typedef struct spy_program spy_program;
@@ -208,7 +209,10 @@ void spy_trace_push(spy_device *dev, const spy_trace_event *ev);
 void spy_trace_launch(spy_device *dev, uint32_t name, uint64_t host_start, uint64_t first_job,
                       uint64_t njobs);
 /* A job on the device timeline, [start, end), of ncmds commands (nothing when the trace is off). */
-void spy_trace_job(spy_device *dev, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds);
+/* A job's event; with compute (not NULL, compute[0] >= 0: offsets from start) its compute
+ * span's event after it. */
+void spy_trace_job(spy_device *dev, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds,
+                   const double *compute);
 void spy_trace_free(spy_trace *t);
 
 /* ---- the device object (its functions: device.c) ------------------------------------------ */
@@ -360,9 +364,10 @@ spy_status spy_exec_command(spy_exec_ctx *ctx, uint32_t index);
 spy_sim *spy_sim_new(void);
 void spy_sim_free(spy_sim *sim);
 /* Run one job on the timeline from `start`, applying each command's effect through ctx as
- * it starts; *duration is the job's length. */
+ * it starts; *duration is the job's length, compute[0..1] the span of its compute commands
+ * (systolic arrays and SFU) from its start (compute[0] < 0: it has none). */
 spy_status spy_sim_run(spy_device *dev, const spy_program *prog, spy_exec_ctx *ctx,
-                       double start, uint32_t name, double *duration);
+                       double start, uint32_t name, double *duration, double compute[2]);
 
 /* ---- graph.c: program blocks under construction (the native builder's common part) ----
  * Builders (construct.c) append to a spy_graph and encode it once. Appending reports no

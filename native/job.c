@@ -156,10 +156,10 @@ spy_status spy_job_execute(spy_device *d, spy_program *g, double not_before, uin
     spy_status s = SPY_OK;
     if (g->timed && time_only(d, g)) {
         duration = g->duration_ns;
-        spy_trace_job(d, d->job_seq, start, start + duration, name, g->hdr->ncmds);
+        spy_trace_job(d, d->job_seq, start, start + duration, name, g->hdr->ncmds, g->compute_ns);
     } else {
         spy_exec_ctx ctx = {d, g, d->slot_host};
-        s = spy_sim_run(d, g, &ctx, start, name, &duration);
+        s = spy_sim_run(d, g, &ctx, start, name, &duration, g->compute_ns);
         /* a failed run stopped early: its length is not the program's */
         g->timed = s == SPY_OK;
         g->duration_ns = duration;
@@ -187,7 +187,7 @@ spy_status spy_timed_job(spy_device *d, double not_before, double duration_ns, u
     double start = d->device_free > not_before ? d->device_free : not_before;
     if (not_before > d->device_free)
         d->counters.device_idle_host_ns += not_before - d->device_free;
-    spy_trace_job(d, d->job_seq, start, start + duration_ns, name, 0);
+    spy_trace_job(d, d->job_seq, start, start + duration_ns, name, 0, NULL);
     d->device_free = start + duration_ns;
     d->device_work += duration_ns;
     d->counters.device_busy_ns += duration_ns;
@@ -326,7 +326,7 @@ spy_status spy_job_collective(spy_device *d, spy_ccl *ring, const spy_collective
     double start = spy_ccl_clock(ring);
     if (start < ready)
         start = ready;
-    spy_trace_job(d, d->job_seq, start, start + c->duration_ns, name, 0);
+    spy_trace_job(d, d->job_seq, start, start + c->duration_ns, name, 0, NULL);
     d->device_free = start + c->duration_ns;
     d->device_work += c->duration_ns;
     d->counters.device_busy_ns += c->duration_ns;

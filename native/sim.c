@@ -247,6 +247,7 @@ typedef struct run_state {
     double fail_t;
     double t0;    /* absolute start of the job: the loop runs in job-relative time so that
                      durations do not depend on where the job sits on the timeline */
+    double compute[2]; /* the span of its compute commands ([0] < 0: none yet) */
 } run_state;
 
 static void trace_cmd(run_state *r, uint32_t i, double start, double end)
@@ -354,6 +355,13 @@ static void finish_cmd(run_state *r, uint32_t i, double t)
     const spy_profile *p = &r->dev->prof;
     uint32_t e = spy_engine_of(p, &r->g->cmds[i]);
     trace_cmd(r, i, s->start[i], t);
+    uint8_t op = r->g->cmds[i].op;
+    if (op == SPY_OP_MATMUL || op == SPY_OP_SFU) {
+        if (r->compute[0] < 0 || s->start[i] < r->compute[0])
+            r->compute[0] = s->start[i];
+        if (t > r->compute[1])
+            r->compute[1] = t;
+    }
     s->eng_busy[e] = 0;
     s->eng_cursor[e]++;
     for (uint32_t k = s->succ_start[i]; k < s->succ_start[i + 1]; k++) {
@@ -365,7 +373,7 @@ static void finish_cmd(run_state *r, uint32_t i, double t)
 }
 
 spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx, double t0,
-                       uint32_t name, double *duration)
+                       uint32_t name, double *duration, double compute[2])
 {
     const spy_profile *p = &dev->prof;
     spy_sim *s = dev->sim;
@@ -409,7 +417,7 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx,
     s->pool.n = 0;
     s->seq = 0;
 
-    run_state r = {dev, g, s, ctx, dev->job_seq, SPY_OK, 0, t0};
+    run_state r = {dev, g, s, ctx, dev->job_seq, SPY_OK, 0, t0, {-1, 0}};
 
     double t = 0, served = 0, job_end = 0;
     for (uint32_t e = 0; e < neng; e++)
@@ -454,7 +462,9 @@ spy_status spy_sim_run(spy_device *dev, const spy_program *g, spy_exec_ctx *ctx,
         s->ev.n = 0;
         s->pool.n = 0;
     }
-    spy_trace_job(dev, r.job, t0, t0 + job_end, name, n);
+    spy_trace_job(dev, r.job, t0, t0 + job_end, name, n, r.compute);
     *duration = job_end;
+    compute[0] = r.compute[0];
+    compute[1] = r.compute[1];
     return r.err;
 }

@@ -1148,6 +1148,9 @@ spy_status spy_counters_reset(spy_device *dev);
                               engine/core set */
 #define SPY_EV_HOST 3      /* a host span recorded by spy_trace_host_span: a = name */
 #define SPY_EV_LAUNCH 4    /* the host-side instant of a launch: a = name, b = job seq */
+#define SPY_EV_COMPUTE 5   /* after a job event, when the job computes: from its first compute
+                              command's start (systolic arrays or SFU) to its last one's end;
+                              what lies outside it is the job's fill and drain */
 
 /* engines */
 #define SPY_ENG_LOAD 0

@@ -36,7 +36,8 @@ void spy_trace_launch(spy_device *d, uint32_t name, uint64_t host_start, uint64_
     spy_trace_push(d, &ev);
 }
 
-void spy_trace_job(spy_device *d, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds)
+void spy_trace_job(spy_device *d, uint64_t job, double start, double end, uint32_t name, uint64_t ncmds,
+                   const double *compute)
 {
     if (!d->trace.enabled)
         return;
@@ -49,6 +50,13 @@ void spy_trace_job(spy_device *d, uint64_t job, double start, double end, uint32
     ev.a = name;
     ev.b = ncmds;
     spy_trace_push(d, &ev);
+    if (compute && compute[0] >= 0) {
+        ev.kind = SPY_EV_COMPUTE;
+        ev.start_ns = start + compute[0];
+        ev.end_ns = start + compute[1];
+        ev.a = ev.b = 0;
+        spy_trace_push(d, &ev);
+    }
 }
 
 void spy_trace_free(spy_trace *t)

@@ -33,7 +33,7 @@ MEM_CONTROL = 1
 # One recorded trace event (spy_trace_event in spyre.h).
 TRACE_EVENT = np.dtype([("kind", "u4"), ("core", "u2"), ("engine", "u2"), ("start_ns", "f8"),
                         ("end_ns", "f8"), ("job", "u8"), ("a", "u8"), ("b", "u8")])
-EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH = 1, 2, 3, 4
+EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH, EV_COMPUTE = 1, 2, 3, 4, 5  # EV_COMPUTE: a job's compute span
 # The name prefix of a traced host span in which the CPU does the card's work (an op with no
 # card kernel, eagerly or inside a step; a kernel run on the host): a step's CPU share.
 CPU_SPAN = "cpu "

@@ -10,7 +10,7 @@ from rich.console import Console
 from spyre_rt import card as cards
 from spyre_rt import device_profile, trace
 from spyre_rt.cost import CostModel
-from spyre_rt.profiler import analytic, cli, published
+from spyre_rt.profiler import analytic, cli, efficiency, published
 from spyre_rt.profiler import run as runmod
 from spyre_rt.profiler import view as viewmod
 
@@ -307,6 +307,23 @@ def test_efficiency_is_device_time_against_the_roofline_per_phase(cli_run):
         assert e["roofline_ms"] >= 0.5 * cost.roofline_ms(roofline)
         assert e["fraction"] == pytest.approx(e["roofline_ms"] / e["device_ms"])
         assert e["bound"] in ("compute", "DRAM") and 0 < e["fraction"] < 1
+
+
+def test_the_fill_and_drain_of_a_prefill_is_its_compute_bound_kernels_in_the_trace(cli_run):
+    """The report's fill and drain of a prefill: the jobs' fill_us and drain_us in the trace
+    of a prefill, over the kernels whose roofline is compute."""
+    _, out, tr = cli_run
+    roofline = CostModel.of_figures(device_profile.load("spyre"))
+    data = viewmod.load(tr)
+    a, b = data.span("prefill [prebuilt]")
+    jobs = data.jobs[viewmod.device(data)]
+    edges = [(jobs.name[i], jobs.edges[i] * 1000) for i in range(len(jobs.name)) if a <= jobs.start[i] < b]
+    assert any(ns > 0 for _, ns in edges)
+    e = out["efficiency"]["prefill"]
+    assert e["edges_ms"] == pytest.approx(efficiency.compute_bound_edges_ms(edges, roofline, jobs.info.get),
+                                          rel=1e-6, abs=1e-9)
+    for phase in PHASES:
+        assert 0 <= out["efficiency"][phase]["edges_ms"] < out["efficiency"][phase]["device_ms"]
 
 
 def test_kernels_are_the_prebuilt_steps_jobs_without_copies(cli_run):

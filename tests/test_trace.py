@@ -9,7 +9,7 @@ import pytest
 from programs import loads
 
 from spyre_rt import jobs, trace
-from spyre_rt.card import EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, TRACE_EVENT
+from spyre_rt.card import EV_CMD, EV_COMPUTE, EV_HOST, EV_JOB, EV_LAUNCH, TRACE_EVENT
 from spyre_rt.errors import SpyreInvalidCommandError
 from spyre_rt.program import (
     CMD_MM,
@@ -85,7 +85,9 @@ def test_capture_holds_only_the_events_of_its_block(captured):
     names = {card.name_of(int(a)) for a in ev["a"][ev["kind"] == EV_JOB]}
     assert "warm-up" not in names
     assert {"load8", "mm", "ring", "h2d", "d2h"} <= names
-    assert set(np.unique(ev["kind"]).tolist()) == {EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH}
+    # the matmul jobs compute: each has its compute span beside it
+    assert set(np.unique(ev["kind"]).tolist()) == {EV_JOB, EV_CMD, EV_HOST, EV_LAUNCH, EV_COMPUTE}
+    assert (ev["kind"] == EV_COMPUTE).sum() == 2
 
 
 def test_capture_turns_tracing_off_when_the_outermost_block_ends(functional_card):

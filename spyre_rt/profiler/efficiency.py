@@ -45,6 +45,19 @@ def kernels_roofline(names: Iterable[str], roofline: CostModel,
             "dram_bound_ms": by_bound[DRAM] / 1e6, "kernels": count, "kernels_with_info": known}
 
 
+def compute_bound_edges_ms(edges: Iterable[tuple[str, float]], roofline: CostModel,
+                           lookup: Callable[[str], dict[str, Any] | None] = job_facts.lookup) -> float:
+    """The fill and drain (ms) of the compute-bound kernels among `edges` ((job name, ns)
+    pairs): the time their arrays waited while their first operands loaded and their last
+    results stored. A DRAM-bound kernel's are left out: DRAM works through them."""
+    total = 0.0
+    for name, ns in edges:
+        fig = kernel_figures(lookup(name))
+        if fig is not None and roofline.compute_ns(fig[0], fig[2]) >= roofline.dram_ns(fig[1]):
+            total += ns
+    return total / 1e6
+
+
 def phase_efficiency(device_ms: float, kernels: dict[str, Any], analytic: StepCost, roofline: CostModel) -> dict[str, Any]:
     """``{"device_ms", "roofline_ms", "fraction", "bound", ...}`` of one phase step: from
     the kernels' roofline when every kernel has info, else from the analytic model. The

@@ -4,7 +4,11 @@ Like ``torch.profiler``'s ``key_averages()``, rows aggregate the jobs of one key
 host µs (launch calls), device µs, its share of all device time, avg/min/max, and — where
 the jobs carry kernel info (:mod:`spyre_rt.job_facts`) and the trace carries the card's
 figures — the share of the device time the roofline accounts for (compute: FLOPs at the MAC
-rate; DRAM: minimum bytes at the bandwidth) and what bounds the row:
+rate; DRAM: minimum bytes at the bandwidth) and what bounds the row. Where the trace says
+when each job computes (a job's ``fill_us`` and ``drain_us``), a column sums the time the
+row's jobs ran with no compute command running: at their start, while the first operands
+load, and at their end, while the last results store (their fill and drain).
+
 
 - ``host``: the device sat idle waiting for the host before these jobs longer than they ran;
 - ``latency``: their work is less than the card's fixed cost per job;
@@ -86,6 +90,7 @@ class OpRow:
     dram_pct: float | None = None  # DRAM roofline time over the same
     bound: str | None = None
     host_wait_us: float = 0.0  # device idle, waiting for the host, just before these jobs
+    edges_us: float = 0.0  # of device_us: the jobs' fill and drain (no compute command running)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class _Acc:
     dram_ns: float = 0.0
     known_us: float = 0.0  # device time of the jobs with kernel figures
     known_calls: int = 0
+    edges_us: float = 0.0
 
 
 def op_table(data: TraceData, win: Window | None = None, device_pid: Any = None,
@@ -126,6 +132,7 @@ def _add_jobs(groups: dict[str, _Acc], data: TraceData, dev: Any, win: Window, g
     waits = job_waits(data, dev, win)
     host_wait = np.where(waits.on_host, waits.gap_us, 0.0)
     inside = np.flatnonzero((jobs.start >= a) & (jobs.start < b))
+    edges = jobs.edges if len(jobs.edges) == len(jobs.start) else np.zeros(len(jobs.start))
     figures = {name: kernel_figures(info) for name, info in jobs.info.items()}
     for i in inside.tolist():
         name = jobs.name[i]
@@ -133,6 +140,7 @@ def _add_jobs(groups: dict[str, _Acc], data: TraceData, dev: Any, win: Window, g
         d = float(jobs.end[i] - jobs.start[i])
         g.durations.append(d)
         g.wait_us += float(host_wait[i])
+        g.edges_us += float(edges[i])
         fig = figures.get(name)
         if fig is not None and roofline is not None:
             flops, nbytes, dtype = fig
@@ -159,7 +167,7 @@ def _row(name: str, g: _Acc, total_us: float, roofline: CostModel | None) -> OpR
     device_us = float(sum(d))
     row = OpRow(name, len(d) or g.launches, g.host_us, device_us, 100.0 * device_us / total_us if total_us > 0 else 0.0,
                 device_us / len(d) if d else None, min(d) if d else None, max(d) if d else None,
-                host_wait_us=g.wait_us)
+                host_wait_us=g.wait_us, edges_us=g.edges_us)
     if g.known_calls and g.known_us > 0 and roofline is not None:
         row.compute_pct = 100.0 * g.compute_ns / 1000 / g.known_us
         row.dram_pct = 100.0 * g.dram_ns / 1000 / g.known_us
@@ -175,7 +183,8 @@ def totals(rows: list[OpRow]) -> OpRow:
     known_us = sum(r.device_us for r in known)
     device_us = sum(r.device_us for r in rows)
     out = OpRow("total", sum(r.calls for r in rows), sum(r.host_us for r in rows), device_us,
-                100.0 if device_us > 0 else 0.0, host_wait_us=sum(r.host_wait_us for r in rows))
+                100.0 if device_us > 0 else 0.0, host_wait_us=sum(r.host_wait_us for r in rows),
+                edges_us=sum(r.edges_us for r in rows))
     if known_us > 0:
         out.compute_pct = sum(r.compute_pct * r.device_us for r in known) / known_us
         out.dram_pct = sum(r.dram_pct * r.device_us for r in known) / known_us
@@ -210,6 +219,7 @@ COLUMNS = (
     _Column("avg\nµs", lambda r: _us(r.avg_us) if r.avg_us is not None else "", 2),
     _Column("min\nµs", lambda r: _us(r.min_us) if r.min_us is not None else "", 1),
     _Column("max\nµs", lambda r: _us(r.max_us) if r.max_us is not None else "", 1),
+    _Column("fill +\ndrain µs", lambda r: _us(r.edges_us) if r.edges_us > 0 else "", 5),
     _Column("compute\n% roof", lambda r: _pct(r.compute_pct), 7),
     _Column("DRAM\n% roof", lambda r: _pct(r.dram_pct), 7),
     _Column("bound", lambda r: r.bound or "", 8),

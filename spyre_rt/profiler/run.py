@@ -378,6 +378,24 @@ class Session:
         ev = self.card.trace_events(first)[: end - first]
         return [self.card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
 
+    def job_edges(self, phase: str) -> list[tuple[str, float]]:
+        """(name, fill and drain in ns) of each job that computes in `phase` of the last traced
+        run: how long it ran before its first compute command started and after its last one
+        ended."""
+        first, end = self.marks[phase]
+        ev = self.card.trace_events(first)[: end - first]
+        jobs = ev[ev["kind"] == cards.EV_JOB]
+        span = {int(q): (int(a), s, e) for q, a, s, e in zip(jobs["job"].tolist(), jobs["a"].tolist(),
+                                                             jobs["start_ns"].tolist(), jobs["end_ns"].tolist(),
+                                                             strict=True)}
+        out = []
+        for c in ev[ev["kind"] == cards.EV_COMPUTE]:
+            job = span.get(int(c["job"]))
+            if job is not None:
+                a, s, e = job
+                out.append((self.card.name_of(a), max(0.0, c["start_ns"] - s) + max(0.0, e - c["end_ns"])))
+        return out
+
     def collective_ms(self, phase: str) -> float:
         """The card's time in collectives (jobs on the interconnect) in `phase` of the last
         traced run."""
@@ -561,6 +579,7 @@ def _warm_up(session: Session, opts: Options, step) -> dict[str, list[str]]:
         step()
         if counted:
             census = {phase: session.job_names(phase) for phase in session.marks}
+            session.edges = {phase: session.job_edges(phase) for phase in session.marks}
             # the card's time in collectives per prefill and per decode token, and its share of each
             session.collectives = {
                 phase: {"ms": (ms := session.collective_ms(phase)),
@@ -648,6 +667,9 @@ def efficiency_of(session: Session, opts: Options, results: dict, census: dict[s
         cost = analytic.granite_step(session.profile.config | {"num_hidden_layers": session.cfg.num_hidden_layers},
                                      opts.batch, opts.seq, phase, str(session.profile.dtype).removeprefix("torch."))
         out[phase] = efficiency.phase_efficiency(figures["device_ms"], kernels, cost, roofline)
+        edges = getattr(session, "edges", {}).get(phase)
+        if edges:
+            out[phase]["edges_ms"] = efficiency.compute_bound_edges_ms(edges, roofline)
     return out
 
 
@@ -805,9 +827,15 @@ def _efficiency_table(eff: dict):
         t.add_row(phase, ms_text(e["device_ms"]), ms_text(e["roofline_ms"]),
                   fraction, e["bound"], f"{e['kernels']:,} kernels" if e["source"] == "kernels" else "the model",
                   ms_text(e["analytic"]["roofline_ms"]))
+    notes = []
     if any(e["source"] != "kernels" for e in eff.values()):
-        t.caption = ("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
+        notes.append("the kernels carry no info (FLOPs, bytes): the roofline is the analytic model's, matmuls and "
                      "attention against weights, KV cache and activations")
+    notes += [f"{phase}: {ms_text(e['edges_ms'])} ms of fill and drain in compute-bound kernels "
+              f"({100 * e['edges_ms'] / e['device_ms']:.1f} % of its device time): their arrays and SFUs idle while "
+              "their first operands load and their last results store"
+              for phase, e in eff.items() if e.get("edges_ms") and e["device_ms"] > 0]
+    t.caption = "\n".join(notes) or None
     return t
 
 

@@ -23,8 +23,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..cost import CostModel
-from ..trace.data import Counter, TraceData, Track, Window, device, job_waits, load, parse, window
+from ..trace.data import Counter, Jobs, TraceData, Track, Window, device, job_waits, load, parse, window
 from . import optable
+from .roofline import kernel_figures
 
 __all__ = ["TraceData", "Window", "load", "parse", "window", "timeline", "idle_breakdown", "critical_path",
            "render", "ascii_safe"]
@@ -176,6 +177,7 @@ class IdleBreakdown:
     idle_other_us: float  # launched and queued, not yet started (job launch latency, data)
     jobs: int
     stalls: list[Stall] = field(default_factory=list)  # the longest host stalls, longest first
+    edges_us: float = 0.0  # of busy_us: the jobs' fill and drain, no compute command running
 
     def pct(self, us: float) -> float:
         return 100.0 * us / self.span_us if self.span_us > 0 else 0.0
@@ -214,7 +216,22 @@ def idle_breakdown(data: TraceData, win: Window | None = None, device_pid=None, 
     longest = stalled[np.argsort(-waits.gap_us[stalled], kind="stable")[:stalls]]
     found = [Stall(jobs.name[i], float(waits.after_us[i]) - data.t0, float(waits.gap_us[i])) for i in longest.tolist()]
     return IdleBreakdown(b - a, float(inside.sum()), host, float(waits.gap_us[~waits.on_host].sum()),
-                         int(counted.sum()), found)
+                         int(counted.sum()), found, _compute_bound_edges(data, jobs, inside))
+
+
+def _compute_bound_edges(data: TraceData, jobs: Jobs, inside: np.ndarray) -> float:
+    """The fill and drain (µs, within the window) of the compute-bound jobs: time their
+    arrays wait while the first operands load and the last results store. A DRAM-bound
+    job's are left out: DRAM works through them."""
+    roofline = CostModel.of_trace_metadata(data.metadata)
+    if roofline is None or len(jobs.edges) != len(inside):
+        return 0.0
+    bound = {}
+    for name, info in jobs.info.items():
+        fig = kernel_figures(info)
+        bound[name] = fig is not None and roofline.compute_ns(fig[0], fig[2]) >= roofline.dram_ns(fig[1])
+    mine = np.fromiter((bound.get(n, False) for n in jobs.name), bool, len(jobs.name))
+    return float(np.minimum(jobs.edges, inside)[mine].sum())
 
 
 def critical_path(data: TraceData, win: Window | None = None, device_pid=None) -> CriticalPath:
@@ -287,9 +304,11 @@ def idle_table(idle: IdleBreakdown, title: str = "device time") -> Table:
     table.add_column("")
     table.add_column("µs", justify="right")
     table.add_column("% of span", justify="right")
-    for label, us in (("span", idle.span_us), ("busy", idle.busy_us),
-                      ("idle, waiting on the host", idle.idle_host_us),
-                      ("idle, waiting on data/other", idle.idle_other_us)):
+    rows = [("span", idle.span_us), ("busy", idle.busy_us)]
+    if idle.edges_us > 0:  # the trace says when each job computes
+        rows += [("  compute-bound kernels' fill and drain", idle.edges_us)]
+    rows += [("idle, waiting on the host", idle.idle_host_us), ("idle, waiting on data/other", idle.idle_other_us)]
+    for label, us in rows:
         table.add_row(label, _us(us), f"{idle.pct(us):.1f}")
     return table
 

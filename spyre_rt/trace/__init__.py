@@ -7,7 +7,9 @@ Layout of an exported file (one card per file; ``ts``/``dur`` in microseconds, w
   per launch call, named ``launch <op>``.
 - pid 2 + card "spyre:N": tid 1 "jobs" (one complete event per job, named by the job's
   name; its args carry what :mod:`spyre_rt.job_facts` knows of the kernel: ``op``,
-  ``module``, ``flops``, ``dram_bytes_min``, ...), tid 2 + engine for the card engines
+  ``module``, ``flops``, ``dram_bytes_min``, ...; and, for a job that computes, ``fill_us``
+  and ``drain_us``: how long it ran before its first compute command (systolic arrays or
+  SFU) started and after its last one ended), tid 2 + engine for the card engines
   ("pcie-h2d", "pcie-d2h", "ctrl") and tid 16 + 16 * core + engine for the per-core
   engines ("core 07 · pt"), when commands were recorded.
 - A flow (``s`` at the launch's start, ``f`` bound to the job's start) links each launch to
@@ -47,7 +49,17 @@ from typing import Any
 import numpy as np
 
 from .. import job_facts
-from ..card import CARD_ENGINE_NAMES, CORE_CARD, ENGINE_NAMES, EV_CMD, EV_HOST, EV_JOB, EV_LAUNCH, Card
+from ..card import (
+    CARD_ENGINE_NAMES,
+    CORE_CARD,
+    ENGINE_NAMES,
+    EV_CMD,
+    EV_COMPUTE,
+    EV_HOST,
+    EV_JOB,
+    EV_LAUNCH,
+    Card,
+)
 from ..device_profile import DeviceProfile
 from ..program import OP_NAMES
 
@@ -160,7 +172,7 @@ def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any]
     _name_tracks(tracks, HOST_PID, l_tid, lambda tid: (f"launch → spyre:{card_index}", 1))
     link = link_launches(l_s, launches["job"], launches["b"], jobs["job"], job_s)
 
-    out = _job_events(jobs, job_s, job_e, job_tid, dev, name_of)
+    out = _job_events(jobs, job_s, job_e, job_tid, dev, name_of, ev[kind == EV_COMPUTE])
     out += _launch_events(launches, l_s, l_e, l_tid, card_index, name_of)
     out += _host_events(ev[kind == EV_HOST], name_of, tracks)
     out += _command_events(cmds, dev, tracks)
@@ -194,13 +206,23 @@ def _build(ev: np.ndarray, names: Callable[[int], str], metadata: dict[str, Any]
 
 
 def _job_events(jobs: np.ndarray, s: np.ndarray, e: np.ndarray, tid: np.ndarray, dev: int,
-                name_of: _Names) -> list[dict[str, Any]]:
-    return [
+                name_of: _Names, compute: np.ndarray) -> list[dict[str, Any]]:
+    out = [
         {"name": name_of(a) or "job", "cat": "job", "ph": "X", "ts": t, "dur": d, "pid": dev, "tid": k,
          "args": {"seq": q, "commands": c, **name_of.info(a)}}
         for a, t, d, k, q, c in zip(jobs["a"].tolist(), _us(s), _us(e - s), tid.tolist(),
                                     jobs["job"].tolist(), jobs["b"].tolist(), strict=True)
     ]
+    # A job that computes: how long it runs before its first compute command starts (its
+    # fill) and after its last one ends (its drain), in the same whole ns as the job.
+    at = {q: i for i, q in enumerate(jobs["job"].tolist())}
+    c_s, c_e = _ns(compute)
+    for q, a, b in zip(compute["job"].tolist(), c_s.tolist(), c_e.tolist(), strict=True):
+        i = at.get(q)
+        if i is not None:
+            fill, drain = min(max(a - int(s[i]), 0), int(e[i] - s[i])), max(int(e[i]) - b, 0)
+            out[i]["args"].update(fill_us=fill / 1000, drain_us=min(drain, int(e[i] - s[i]) - fill) / 1000)
+    return out
 
 
 def _launch_events(launches: np.ndarray, s: np.ndarray, e: np.ndarray, tid: np.ndarray, card_index: int,

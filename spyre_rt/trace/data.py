@@ -59,6 +59,9 @@ class Jobs:
     seq: np.ndarray
     launch: np.ndarray  # index into TraceData.launches, or -1
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # by job name: its kernel info
+    # the job's fill and drain (µs): what it ran before its first compute command started and
+    # after its last one ended (0 for a job that computes nothing, or a trace that does not say)
+    edges: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass
@@ -161,7 +164,8 @@ def _collect_complete(raw: _Raw, ev: dict[str, Any], args: dict[str, Any]) -> No
     cat = ev.get("cat")
     if cat == "job":
         name = ev["name"]
-        raw.jobs[pid].append((name, ts, end, _number(args.get("seq"), -1)))
+        edges = sum(max(_number(args.get(k), 0.0), 0.0) for k in ("fill_us", "drain_us"))
+        raw.jobs[pid].append((name, ts, end, _number(args.get("seq"), -1), min(edges, end - ts)))
         infos = raw.job_info[pid]
         if name not in infos:  # one kernel, one info: read it from its first job
             infos[name] = {k: args[k] for k in job_facts.KEYS if k in args}
@@ -242,7 +246,8 @@ def _jobs(rows: list[tuple], ls: Launches, card: int, info: dict[str, dict[str, 
     idx = np.flatnonzero((ls.card == card) | (ls.card < 0))
     link = link_launches(ls.start[idx], ls.first[idx], ls.count[idx], seq, start)
     return Jobs([r[0] for r in rows], start, np.asarray([r[2] for r in rows], np.float64), seq,
-                np.where(link >= 0, idx[np.maximum(link, 0)] if len(idx) else -1, -1), info)
+                np.where(link >= 0, idx[np.maximum(link, 0)] if len(idx) else -1, -1), info,
+                np.asarray([r[4] for r in rows], np.float64))
 
 
 def window(data: TraceData, start: float | None = None, end: float | None = None) -> Window:

@@ -52,7 +52,8 @@ def group_matmuls(step: StepDesc, target: CostModel | None = None) -> StepDesc:
                 bufs = {b.name: b for m in mates for b in m.buffers}
                 kernels[first.name] = dataclasses.replace(
                     first, parts=tuple((m.b, m.out) for m in mates[1:]), buffers=tuple(bufs.values()),
-                    origins=tuple(sorted({o for m in mates for o in m.origins})))
+                    origins=tuple(sorted({o for m in mates for o in m.origins})),
+                    module=joined_modules([m.module for m in mates]))
                 for j in reversed(group[1:]):
                     del kernels[seq[j][1]]
                     del seq[j]
@@ -61,6 +62,21 @@ def group_matmuls(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     if not changed:
         return step
     return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq))
+
+
+def joined_modules(modules: list[str]) -> str:
+    """The module path of a group: its members' paths' common prefix and their distinct
+    last parts, ``model.layers.3.self_attn.k_proj+v_proj``, so that a profile grouped by
+    module names every member of the group (not its first one only)."""
+    parts = [m.split(".") if m else [] for m in modules]
+    distinct = list(dict.fromkeys(modules))
+    if len(distinct) < 2 or not all(parts):
+        return distinct[0] if len(distinct) == 1 else "+".join(m for m in distinct if m)
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    tails = list(dict.fromkeys(".".join(p[common:]) for p in parts))
+    return ".".join(parts[0][:common] + ["+".join(tails)])
 
 
 def _plain(kernels: dict, item) -> MatmulKernel | None:

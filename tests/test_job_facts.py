@@ -55,3 +55,31 @@ def test_threads_register_and_look_up_at_once():
     for th in threads:
         th.join()
     assert all(job_facts.lookup(f"t{t}-k499") == {"flops": 499} for t in range(4))
+
+
+@pytest.mark.parametrize("qualified, path", [
+    ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),
+    ("G['m'].model.layers[0].self_attn.q_proj", "model.layers.0.self_attn.q_proj"),
+    ("L['fn'].__closure__[2].cell_contents.model.layers[0]", "model.layers.0"),
+    ("L['model']", ""),
+])
+def test_a_module_path_drops_the_frames_local_global_or_closure_cell(qualified, path):
+    from spyre_rt.compiler.inductor.record import _module_path
+
+    assert _module_path(qualified) == path
+
+
+def test_a_kernels_module_is_where_its_last_node_ran_not_where_most_of_them_did():
+    """A kernel that recomputes a rotary table inline holds more nodes of the rotary module
+    than of the attention it ends in."""
+    import torch
+    from spyre_rt.compiler.inductor.record import module_of
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = [g.call_function(torch.cos, (x,)) for _ in range(3)] + [g.call_function(torch.neg, (x,))]
+    for n in nodes[:3]:
+        n.meta["nn_module_stack"] = {"a": ("L['self'].model", None), "b": ("L['self'].model.rotary_emb", None)}
+    nodes[3].meta["nn_module_stack"] = {"a": ("L['self'].model.layers[1].self_attn", None)}
+    assert module_of(reversed(nodes)) == "model.layers.1.self_attn"
+    assert module_of([]) == ""

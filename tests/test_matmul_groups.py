@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scratchpad_races import races
-from spyre_rt.compiler.grouping import group_matmuls
+from spyre_rt.compiler.grouping import group_matmuls, joined_modules
 from test_epilogue_fusion import _compile_and_run, _same_bits
 from test_matmul_build import launch_built, operand
 from test_prologue_fusion import granite_logits
@@ -80,9 +80,28 @@ def test_matmuls_cut_unlike_stay_apart():
 
 
 def test_a_granite_models_k_and_v_projections_group_and_keep_their_bits(quiet_functional_compile):
-    logits, groups = granite_logits("group_matmuls", lambda d: len(_grouped(d)))
+    modules = []
+
+    def count(desc):
+        modules.extend(k.module for k in _grouped(desc))
+        return len(_grouped(desc))
+
+    logits, groups = granite_logits("group_matmuls", count)
     assert groups == {True: 2, False: 0}  # each layer's k and v
     assert torch.equal(logits[True].view(torch.int32), logits[False].view(torch.int32))
+    # a group names every member's module: a profile by module counts v_proj's time as its own
+    assert sorted(modules) == [f"model.layers.{i}.self_attn.k_proj+v_proj" for i in range(2)]
+
+
+@pytest.mark.parametrize("members, joined", [
+    (["model.layers.3.self_attn.k_proj", "model.layers.3.self_attn.v_proj"], "model.layers.3.self_attn.k_proj+v_proj"),
+    (["m.q", "m.k", "m.q"], "m.q+k"),
+    (["a.b", "a.b"], "a.b"),
+    (["", "x.v"], "x.v"),
+    (["p.a.b", "p.c.d"], "p.a.b+c.d"),
+])
+def test_a_groups_module_joins_its_members(members, joined):
+    assert joined_modules(members) == joined
 
 
 # ---- the pass on hand-made steps ------------------------------------------------------------

@@ -146,3 +146,25 @@ def test_a_node_refused_outside_a_region_leaves_the_regions_node_of_that_name_on
     assert on_cpu and all("invoke_subgraph" not in m for m in on_cpu), on_cpu
     want_out, want_idx = f(h, x)
     assert torch.allclose(out.cpu(), want_out, atol=1e-6) and torch.equal(idx.cpu(), want_idx)
+
+
+def _matmul_modules(run_compile) -> set[str]:
+    before = set(executor.live_steps())
+    run_compile()
+    return {k.module for s in set(executor.live_steps()) - before for k in s.desc.kernels.values()
+            if type(k).__name__ == "MatmulKernel"}
+
+
+def test_each_call_of_a_region_names_its_own_layers_modules(quiet_functional_compile):
+    """The region's kernels are described at its first call; a profile by layer still sees
+    each layer's own kernels. (A region that writes a cache reaches Inductor wrapped by AOT
+    with the call's module only, so its kernels name the layer, where the whole compile
+    names the projection inside it.)"""
+    fam = _family("granite", layers=3)
+    cfg, base = fam.build()
+    ref = _run(fam, base, cfg, "cpu", False)
+    regional = _matmul_modules(lambda: _compiled(fam, base, cfg, True, ref.tokens[:-1]))
+    whole = _matmul_modules(lambda: _compiled(fam, base, cfg, False, ref.tokens[:-1]))
+    layers = {".".join(m.split(".")[:3]) for m in regional if m.startswith("model.layers.")}
+    assert layers == {f"model.layers.{i}" for i in range(3)}
+    assert all(any(w == r or w.startswith(r + ".") for w in whole) for r in regional), (regional, whole)

@@ -338,21 +338,46 @@ def indexing_origins(snodes) -> set[str]:
 
 
 def module_of(fx_nodes) -> str:
-    """The module path (``model.layers.3.mlp.up_proj``) of the innermost module the FX
-    nodes ran in: the one most of them share, read from Dynamo's nn_module_stack."""
-    counts: dict[str, int] = {}
-    for n in fx_nodes:
-        stack = (getattr(n, "meta", None) or {}).get("nn_module_stack") or {}
-        if stack:
-            path = _module_path(list(stack.values())[-1][0])
-            counts[path] = counts.get(path, 0) + 1
-    return max(counts, key=lambda p: (counts[p], p.count("."), p)) if counts else ""
+    """The module path (``model.layers.3.mlp.up_proj``) of the module a kernel's work ends
+    in, read from Dynamo's nn_module_stack: that of its last FX node (in graph order) in the
+    graph most of its nodes come from. Not the one most nodes share: a kernel that
+    recomputes what it reads (a rotary table, an embedding) holds more nodes of those."""
+    nodes = [n for n in fx_nodes if (getattr(n, "meta", None) or {}).get("nn_module_stack")]
+    if not nodes:
+        return ""
+    graphs: dict[int, list] = {}
+    for n in nodes:
+        graphs.setdefault(id(n.graph), []).append(n)
+    mine = max(graphs.values(), key=len)
+    order = _graph_order(mine[0].graph)
+    last = max(mine, key=lambda n: order.get(n, -1))
+    return _module_path(list(last.meta["nn_module_stack"].values())[-1][0])
+
+
+_ORDERS: dict[int, tuple] = {}  # id(graph) -> (graph, its node count, {node: position})
+
+
+def _graph_order(graph) -> dict:
+    """Each node's position in `graph` (kept for the few graphs a compile lowers)."""
+    key = id(graph)
+    got = _ORDERS.get(key)
+    if got is None or got[0] is not graph or got[1] != len(graph.nodes):
+        if len(_ORDERS) > 64:
+            _ORDERS.clear()
+        got = _ORDERS[key] = (graph, len(graph.nodes), {n: i for i, n in enumerate(graph.nodes)})
+    return got[2]
+
+
+# The roots Dynamo names a module by: the frame's local or global it was reached from
+# (``L['self']``, ``G['model']``), and the closure cells of a function that captured it.
+_ROOT = re.compile(r"^(?:[LG]\['[^']*'\]\.?)?(?:__closure__\[\d+\]\.cell_contents\.?)*")
 
 
 def _module_path(qualified: str) -> str:
-    """``L['self'].model.layers[3].mlp`` -> ``model.layers.3.mlp``."""
-    path = re.sub(r"\[(\d+)\]", r".\1", qualified)
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    """``L['self'].model.layers[3].mlp`` -> ``model.layers.3.mlp``; the same from a global
+    (``G['m'].model...``) or a closure's cell (``L['fn'].__closure__[2].cell_contents.model...``)."""
+    path = _ROOT.sub("", qualified)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     return path.strip(".")
 

@@ -39,7 +39,9 @@ from .record import (
     buffer_info,
     computing_origins,
     dtype_name,
+    fx_origins,
     indexing_origins,
+    module_of,
     on_cpu,
     stored_buffer,
     stored_view,
@@ -60,6 +62,16 @@ class DeviceCopyLine(W.WrapperLine):
         code.writeline(f"{self.dst}.copy_({self.src})")
 
 
+def _rerooted(kernel, root: str, module: str):
+    """`kernel` of a region first called from module `root`, as the call from `module`
+    runs it: a path under `root` moved under `module` (``model.layers.0.mlp.up_proj`` in the
+    call from ``model.layers.7``: ``model.layers.7.mlp.up_proj``)."""
+    path = getattr(kernel, "module", "")
+    if not (root and module and root != module and path) or not (path == root or path.startswith(root + ".")):
+        return kernel
+    return dataclasses.replace(kernel, module=module + path[len(root):])
+
+
 @dataclasses.dataclass
 class RegionCallLine(W.WrapperLine):
     """A call of a compile region (``invoke_subgraph``): the region's step, described once,
@@ -68,6 +80,7 @@ class RegionCallLine(W.WrapperLine):
     name: str
     step: StepDesc
     operands: tuple
+    module: str = ""  # the module path the call is made from (the layer it computes)
 
     def codegen(self, code) -> None:
         code.writeline(f"{self.name} = <compile region of {len(self.step.kernels)} kernels>")
@@ -95,7 +108,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         super().__init__()
         self.region = region
         self.region_step: StepDesc | None = None  # a region's step, once generated
-        self._regions: dict[str, tuple] = {}  # region graph -> (its step, its wrapper)
+        self._regions: dict[str, tuple] = {}  # region graph -> (its step, its wrapper, its first call's module)
         self._region_writes: set[str] = set()  # the caller's buffers region calls write
         self._inlined_kernels: set[str] = set()  # kernels of region calls (concrete)
         self.spyre_kernels: dict = {}
@@ -125,21 +138,24 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         from torch._dynamo.utils import counters
 
         sub = invoke_subgraph.subgraph
+        module = module_of(fx_origins([invoke_subgraph]))
         found = self._regions.get(sub.graph.name)
         if found is None:
             with V.set_graph_handler(sub.graph):
                 sub.graph.codegen()
-            found = self._regions[sub.graph.name] = (sub.graph.wrapper_code.region_step, sub.graph.wrapper_code)
+            found = self._regions[sub.graph.name] = (sub.graph.wrapper_code.region_step, sub.graph.wrapper_code,
+                                                     module)
             counters["spyre_rt"]["regions_compiled"] += 1
         counters["spyre_rt"]["region_calls"] += 1
         operands = tuple(view_of(x) for x in invoke_subgraph.inputs)
-        self.writeline(RegionCallLine(invoke_subgraph.get_name(), found[0], operands))
+        self.writeline(RegionCallLine(invoke_subgraph.get_name(), found[0], operands, module))
 
     def _inline_region(self, line: RegionCallLine, placed: dict) -> Inlined:
         region = inline(line.step, line.name, [stored_view(_placed_view(v, placed)) for v in line.operands])
-        wrapper = self._regions_by_step(line.step)
+        wrapper, root = self._regions_by_step(line.step)
         for k, new in region.kernel_names.items():
-            self.spyre_kernels[new] = region.kernels[new]
+            # the region's kernels were described at its first call: name each call's own layer
+            self.spyre_kernels[new] = region.kernels[new] = _rerooted(region.kernels[new], root, line.module)
             self._inlined_kernels.add(new)
             self.kernel_nodes[new] = wrapper.kernel_nodes.get(k, set())
             self.kernel_indexing[new] = wrapper.kernel_indexing.get(k, set())
@@ -151,7 +167,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         return region
 
     def _regions_by_step(self, step):
-        return next(w for s, w in self._regions.values() if s is step)
+        return next((w, root) for s, w, root in self._regions.values() if s is step)
 
     def codegen_device_copy(self, src, dst, non_blocking) -> None:
         self.writeline(DeviceCopyLine(str(src), str(dst)))

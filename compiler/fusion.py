@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from spyre_rt.construct.sfu import BINARY, COMPARE, UNARY
+from spyre_rt.cost import CostModel
 from spyre_rt.ir import Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
 # what an epilogue computes: the elementwise operations of loop construction's SFU stages
@@ -44,9 +45,15 @@ def fuse_kernels(step: StepDesc) -> StepDesc:
     return step
 
 
-def fuse_epilogues(step: StepDesc) -> StepDesc:
+def fuse_epilogues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     """The step with every pointwise loop kernel that can be a matmul's epilogue folded
-    into it (kernels named as before; the loop kernels and the products' buffers gone)."""
+    into it (kernels named as before; the loop kernels and the products' buffers gone).
+    `target`: the card the step runs on (the current card set's by default), whose
+    scratchpad must hold the epilogue beside the matmul's own tiling."""
+    if target is None:
+        from spyre_rt import card
+
+        target = CostModel.of_figures(card.card_set().profile)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
     buffers = dict(step.buffers)
@@ -55,7 +62,7 @@ def fuse_epilogues(step: StepDesc) -> StepDesc:
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
             found = _fusion(step, kernels, seq, i)
-            if found is not None:
+            if found is not None and keeps_its_bits(found[1], target):
                 j, fused = found
                 product = kernels[seq[j][1]].out[0]
                 kernels[fused.name] = fused
@@ -67,6 +74,20 @@ def fuse_epilogues(step: StepDesc) -> StepDesc:
     if len(seq) == len(step.sequence):
         return step
     return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq), buffers=buffers)
+
+
+def keeps_its_bits(m: MatmulKernel, target: CostModel) -> bool:
+    """Whether the fused matmul `m` is cut as the matmul alone (its fused work fits beside
+    that tiling in the target's scratchpad), so that its values are the unfused kernels'
+    bit for bit: the fusion passes fuse only then."""
+    from spyre_rt.construct.context import ScratchpadOverflow
+    from spyre_rt.construct.matmul import spec_of
+    from spyre_rt.construct.matmul.record import exact_tiling
+
+    try:
+        return exact_tiling(target, spec_of(m)) is not None
+    except ScratchpadOverflow:
+        return False
 
 
 # ---- which buffers a step's items touch ---------------------------------------------------

@@ -31,13 +31,11 @@ import dataclasses
 from types import SimpleNamespace
 
 from spyre_rt import dtypes
-from spyre_rt.construct.context import ScratchpadOverflow
 from spyre_rt.construct.loops.analysis import Unsupported, _dtype
-from spyre_rt.construct.matmul import Problem, choose, spec_of
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc
 
-from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes
+from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes, keeps_its_bits
 
 MAX_VECTORS = 4  # the vectors a matmul's prologue loads beside its tile (SPY_MM_MAX_VECTORS)
 
@@ -59,7 +57,7 @@ def fuse_prologues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
             found = _fusion(step, kernels, seq, buffers, i)
-            if found is not None and all(_fits(m, target) for m in found[1]):
+            if found is not None and all(keeps_its_bits(m, target) for m in found[1]):
                 stats, fused, new_buffers, product = found
                 changed = True
                 kernels.update((m.name, m) for m in fused)
@@ -124,15 +122,6 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, buffers: dict, i: int):
         fused.append(dataclasses.replace(m, a=prologue.inputs[0], prologue=prologue, buffers=tuple(bufs.values()),
                                          origins=tuple(sorted({*m.origins, *k.origins}))))
     return stats, fused, stats_buffers, product
-
-
-def _fits(m: MatmulKernel, target: CostModel) -> bool:
-    """Whether a tiling of the fused matmul fits the target's scratchpad."""
-    try:
-        choose(target, Problem.of(spec_of(m)))
-    except ScratchpadOverflow:
-        return False
-    return True
 
 
 def _readers(step: StepDesc, kernels: dict, seq: list, i: int, product: str) -> list[int] | None:

@@ -685,6 +685,7 @@ static spy_status schedule(mm_build *b)
  * piece's stores run while the arrays compute the next piece. Rows, not columns: a piece is
  * then one range of each scratchpad tile, apart from the others'. Not with split-K (the
  * partial sums are added whole), nor for a tile of few rows, whose stores take little time. */
+#define MM_MAX_STRIP 65536   /* rows of a strip of the per-tile program, at most */
 #define MM_PIECES 4          /* pieces of a core's last tile, at most */
 #define MM_PIECE_MIN_ROWS 16 /* rows of a piece, at least */
 #define MM_PIECE_ALIGN 8     /* rows the arrays fill at a time (pt_gran_m) */
@@ -1112,14 +1113,32 @@ static void reduction(mm_build *b)
 
 static void shift_rows(spy_operand *o, uint32_t r0)
 {
-    if (o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW)
+    if ((o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW) && !(o->reserved & SPY_OPND_FIXED))
         o->v.off += (uint64_t)r0 * o->pitch * spy_dtype_size(o->dtype);
+    o->reserved = 0;
+}
+
+/* The strips of `rows` rows of a tile's program (one when it is not in strips). */
+static uint32_t strips_of(const spy_matmul_record *r, uint32_t rows)
+{
+    return r->epi_strip && rows > r->epi_strip ? (rows + r->epi_strip - 1) / r->epi_strip : 1;
+}
+
+/* A root's instructions before its piece p (each piece's program strip by strip). */
+static uint64_t piece_first(const mm_build *b, const mm_root *x, uint32_t p)
+{
+    uint64_t at = 0;
+    for (uint32_t q = 0; q < p; q++)
+        at += (uint64_t)strips_of(b->r, piece_rows(b, x, q)) * b->r->ninstrs;
+    return at;
 }
 
 /* The per-tile programs: one for each (whole or in pieces, staging slot, rows, cols) of the
  * roots, in that order; each root's first instruction. A root in pieces has the program once
  * per piece, on the piece's rows (its tile and row operands moved down by the piece's first
- * row): piece p's starts p * ninstrs after the root's first. */
+ * row): piece p's starts piece_first(p) after the root's first. With epi_strip, each piece's
+ * (or whole tile's) program is there once per strip of its rows, moved down the same way,
+ * but for the operands that hold one strip (SPY_OPND_FIXED). */
 static void programs(mm_build *b)
 {
     const spy_matmul_record *r = b->r;
@@ -1134,7 +1153,7 @@ static void programs(mm_build *b)
      b->tasks[(x)->task].rank_n)
     /* a root's pieces follow from its rows: alike for every root of its shape */
     for (uint64_t rt = 0; rt < b->nroots; rt++)
-        at[ROOT_SHAPE(&b->roots[rt])] = b->roots[rt].pieces * n;
+        at[ROOT_SHAPE(&b->roots[rt])] = piece_first(b, &b->roots[rt], b->roots[rt].pieces);
     uint64_t total = 0, begin;
     for (uint64_t i = 0; i < nshape; i++) { /* each shape's instructions -> its first */
         uint64_t len = at[i];
@@ -1148,20 +1167,24 @@ static void programs(mm_build *b)
         x->program = (uint32_t)(begin + first);
         if (!ins || ins[first].rows) /* written already (a tile has rows) */
             continue;
-        for (uint32_t p = 0; p < x->pieces; p++)
-            for (uint64_t k = 0; k < n; k++) {
-                spy_instr *in = &ins[first + p * n + k];
-                *in = r->program[k].ins;
-                in->rows = piece_rows(b, x, p), in->cols = b->tasks[x->task].cols;
-                if (x->slot) {
-                    in->dst.v.off = r->program[k].v1[0];
+        spy_instr *in = &ins[first];
+        for (uint32_t p = 0; p < x->pieces; p++) {
+            uint32_t rows = piece_rows(b, x, p), nstrip = strips_of(r, rows), w = nstrip > 1 ? r->epi_strip : rows;
+            for (uint32_t j = 0; j < nstrip; j++)
+                for (uint64_t k = 0; k < n; k++, in++) {
+                    uint32_t r0 = piece_row(x, p) + j * w;
+                    *in = r->program[k].ins;
+                    in->rows = rows - j * w < w ? rows - j * w : w, in->cols = b->tasks[x->task].cols;
+                    if (x->slot) {
+                        in->dst.v.off = r->program[k].v1[0];
+                        for (int a = 0; a < 3; a++)
+                            in->src[a].v.off = r->program[k].v1[1 + a];
+                    }
+                    shift_rows(&in->dst, r0);
                     for (int a = 0; a < 3; a++)
-                        in->src[a].v.off = r->program[k].v1[1 + a];
+                        shift_rows(&in->src[a], r0);
                 }
-                shift_rows(&in->dst, piece_row(x, p));
-                for (int a = 0; a < 3; a++)
-                    shift_rows(&in->src[a], piece_row(x, p));
-            }
+        }
     }
 #undef ROOT_SHAPE
 }
@@ -1234,7 +1257,7 @@ static spy_status epilogue(mm_build *b)
     for (uint64_t rt = 0; c && rt < R; rt++) {
         const mm_root *x = &b->roots[rt];
         c[rt].core = (uint16_t)b->tasks[x->task].core;
-        c[rt].u.sfu.ninstrs = r->ninstrs;
+        c[rt].u.sfu.ninstrs = (uint32_t)piece_first(b, x, 1);
         c[rt].u.sfu.instr_begin = x->program;
         keys_at(b, b->sfu0)[rt] = end_key(b, x->task, PH_EPILOGUE);
     }
@@ -1257,8 +1280,8 @@ static spy_status epilogue(mm_build *b)
         for (uint32_t p = 1; p < x->pieces; p++) {
             uint32_t e = x->extra + p - 1;
             c[e].core = (uint16_t)b->tasks[x->task].core;
-            c[e].u.sfu.ninstrs = r->ninstrs;
-            c[e].u.sfu.instr_begin = x->program + p * r->ninstrs;
+            c[e].u.sfu.ninstrs = strips_of(r, piece_rows(b, x, p)) * r->ninstrs;
+            c[e].u.sfu.instr_begin = x->program + (uint32_t)piece_first(b, x, p);
             keys_at(b, b->psfu0)[e] = end_key(b, x->task, PH_EPILOGUE);
             depend(b, b->psfu0 + e, b->pmm0 + e);
         }
@@ -1411,6 +1434,11 @@ static spy_status operand_check(const spy_matmul_record *r, const spy_operand *o
     if (o->pitch > SPY_MM_MAX_PITCH)
         return spy_fail(SPY_E_SCRATCHPAD, -1, "matmul record: program[%u].%s pitch %u is over %u", i, what, o->pitch,
                         SPY_MM_MAX_PITCH);
+    if (o->reserved & ~SPY_OPND_FIXED)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: program[%u].%s flags %u are unknown", i, what,
+                        o->reserved);
+    if ((o->reserved & SPY_OPND_FIXED) && r->epi_strip && r->epi_strip < tm)
+        tm = r->epi_strip; /* it holds one strip */
     spy_operand at = *o;
     uint64_t lo, hi;
     for (int slot = 0; slot < 2; slot++) {
@@ -1688,6 +1716,9 @@ static spy_status matmul_check(mm_build *b)
     if ((s = region_check(r, "acc_lx", r->acc_lx, tm, tn, r->c_pitch, 4)) != SPY_OK ||
         (r->pk > 1 && (s = region_check(r, "recv_lx", r->recv_lx, tm, tn, r->c_pitch, 4)) != SPY_OK))
         return s;
+    if (r->epi_strip > MM_MAX_STRIP)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: epi_strip %u is over %u rows", r->epi_strip,
+                        MM_MAX_STRIP);
     const char *opnd[4] = {"dst", "src[0]", "src[1]", "src[2]"};
     for (uint32_t i = 0; i < r->ninstrs; i++) {
         const spy_mm_instr *in = &r->program[i];

@@ -481,10 +481,13 @@ SPY_ABI_SIZE(spy_cmd, 128)
 #define SPY_OPND_SCALAR 4 /* one value at off */
 #define SPY_OPND_IMM 5    /* the immediate: imm_f for float dtypes, imm_i for integers */
 
+#define SPY_OPND_FIXED 1 /* (spy_matmul_record.program) an operand that stays where it is in
+                            every strip and piece of a tile: it holds one strip */
+
 typedef struct spy_operand {
     uint8_t kind;
     uint8_t dtype;
-    uint16_t reserved;
+    uint16_t reserved; /* 0 in a program; in a matmul record's program, SPY_OPND_FIXED or 0 */
     uint32_t pitch;
     union {
         uint64_t off;
@@ -811,7 +814,12 @@ typedef struct spy_matmul_record {
     const spy_instr *pro_program;     /* nbuf * npro_instrs */
     /* a grouped matmul (nparts 0: B is `b`): B in parts, each output part stored by the
      * store tiles of its part */
-    uint32_t nparts, reserved3;
+    uint32_t nparts;
+    /* The per-tile program in strips (0: whole tiles): each tile's (and each piece's) program
+     * runs strip by strip, on epi_strip rows at a time, its TILE and ROW operands moved down to
+     * the strip's first row but for those marked SPY_OPND_FIXED (an epilogue's temporaries,
+     * which hold one strip). */
+    uint32_t epi_strip;
     const spy_mm_part *parts;         /* nparts */
 } spy_matmul_record;
 
@@ -1328,8 +1336,9 @@ typedef struct spy_mm_problem {
     uint32_t pro_temps, pro_temp_e, pro_instrs, npro_rows, npro_cols;
     uint32_t e_pro_rows[SPY_MM_MAX_VECTORS], e_pro_cols[SPY_MM_MAX_VECTORS];
     uint32_t pro_strip; /* rows of A the prologue's temporaries hold */
-} spy_mm_problem; /* 328 bytes */
-SPY_ABI_SIZE(spy_mm_problem, 328)
+    uint32_t epi_strip; /* rows the epilogue's temporaries hold (0: a whole tile's) */
+} spy_mm_problem; /* 336 bytes */
+SPY_ABI_SIZE(spy_mm_problem, 336)
 
 typedef struct spy_mm_tiling {
     uint32_t groups, pk, pm, pn, m_tiles, n_tiles, tk, nbuf;

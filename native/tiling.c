@@ -179,7 +179,8 @@ static int64_t lx_bytes(const spy_mm_cost *c, const spy_mm_problem *p, int64_t t
         int64_t e = p->e_rows[i];
         more += 2 * round_up(round_up(tn, st / e) * e, al);
     }
-    int64_t temps = (int64_t)p->epi_temps * round_up(tm * round_up(tn, 32) * p->epi_temp_e, al);
+    int64_t estrip = p->epi_strip && p->epi_strip < tm ? p->epi_strip : tm;
+    int64_t temps = (int64_t)p->epi_temps * round_up(estrip * round_up(tn, 32) * p->epi_temp_e, al);
     /* an A prologue: its vectors, per operand buffer, and its temporaries over a chunk */
     int64_t vectors = 0;
     for (uint32_t i = 0; i < p->npro_rows; i++)

@@ -94,6 +94,7 @@ LOOP_TILE = np.dtype([("core", "u4"), ("size", "u4"), ("start", "i8"), ("fixed",
 LOOP_MERGE = np.dtype([("box", LOOP_TILE), ("lx_off", "u4"), ("reserved", "u4")])
 
 OPND_NONE, OPND_TILE, OPND_ROW, OPND_COL, OPND_SCALAR, OPND_IMM = 0, 1, 2, 3, 4, 5
+OPND_FIXED = lib.SPY_OPND_FIXED  # an operand's flag in a matmul record's program (see spyre.h)
 
 
 def empty_cmds(n: int, op: int, core: int | np.ndarray = 0, variant: np.dtype = CMD_DMA) -> np.ndarray:

@@ -11,7 +11,9 @@ refuses to move a kernel past a write of what it reads, or to fuse a shifted vie
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,9 +26,10 @@ from test_matmul_tiling import swiglu_up
 
 from spyre_rt import dispatch, dtypes, executor
 from spyre_rt.construct.context import BuildContext
-from spyre_rt.construct.matmul import MatmulSpec, View, build
+from spyre_rt.construct.matmul import MatmulSpec, Tiling, View, build
 from spyre_rt.cost import CostModel
 from spyre_rt.dispatch import dispatch_mode
+from spyre_rt.errors import SpyreError
 from spyre_rt.ir import Access, Buffer, Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
 MODES = dispatch.NAMES  # every dispatch mode, from the table
@@ -113,6 +116,48 @@ def test_a_pointwise_consumer_runs_as_the_matmuls_epilogue(case, dtype):
     got = fused["prebuilt"][0].double()
     tol = 0.05 if dtype == torch.float16 else 1e-4
     assert (got - want).abs().max().item() <= tol * (1 + want.abs().max().item())
+
+
+def residual(h, x, w):
+    return h + x @ w.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("m, k", [(40, 512), (200, 384), (40, 256), (300, 1024)])
+def test_a_residual_epilogue_keeps_the_bits_of_the_matmul_apart(m, k, dtype):
+    """The fused matmul is cut with the K chunks and slices of the matmul alone (its
+    epilogue's temporaries hold a strip of rows, so that they fit beside that tiling): the
+    dot products are added in the same order. Once, its epilogue's room made another
+    split-K of these shapes the cheapest, and the bits moved."""
+    g = torch.Generator().manual_seed(m + k)
+    args = (torch.randn(m, 256, dtype=dtype, generator=g), torch.randn(m, k, dtype=dtype, generator=g),
+            torch.randn(256, k, dtype=dtype, generator=g) * 0.06)
+    options = {"fuse_prologues": False, "group_matmuls": False, "fuse_residuals": False}
+    fused, desc = _compile_and_run(residual, args, fuse=True, **options)
+    plain, _ = _compile_and_run(residual, args, fuse=False, **options)
+    assert len(_fused(desc)) == 1
+    assert _same_bits(fused["prebuilt"][0], plain["prebuilt"][0])
+
+
+def test_an_epilogue_that_does_not_fit_beside_the_matmuls_own_tiling_stays_a_kernel():
+    """On a card whose scratchpad holds the matmul's own tiling but not the epilogue's tiles
+    beside any tiling of its K chunks, fusing would take other K chunks and other bits: the
+    pass leaves the add a kernel of its own (checked when the step compiles)."""
+    from small_profiles import profile_text_with
+
+    from spyre_rt import device_profile
+    from spyre_rt.construct.matmul import Problem, choose, spec_of
+
+    step = _step([_matmul(), _add("add", "p", "s", "o")], ["mm", "add"])
+
+    def card(nbytes):
+        return CostModel.of_figures(device_profile.parse(profile_text_with(scratchpad_mib=nbytes / 2 ** 20)))
+
+    tight, roomy = card(2688), card(3072)
+    assert choose(tight, Problem.of(spec_of(step.kernels["mm"])))  # the matmul alone fits
+    assert fuse_epilogues(step, tight) == step
+    fused = fuse_epilogues(step, roomy)
+    assert fused.sequence == (("run", "mm"),) and fused.kernels["mm"].epilogue is not None
 
 
 @pytest.mark.parametrize("fn", [product_also_returned, product_also_multiplied])
@@ -272,6 +317,71 @@ def test_the_builders_epilogue_equals_torch_exactly(functional_card, case):
     assert torch.equal(got["o1"], want1), f"{tiling}: first output off"
     assert torch.equal(got["o2"], want2), f"{tiling}: second output off"
     assert torch.equal(got["p"], p.values), "the product was stored"
+
+
+def _strip_case(functional_card, rows: int = 130):
+    g = torch.Generator().manual_seed(3)
+    a = operand("a", torch.float16, 1, rows, 64, gen=g)
+    b = operand("b", torch.float16, 1, 64, 96, gen=g, transposed=True)
+    p = operand("p", torch.float16, 1, rows, 96, gen=g)
+    r = operand("r", torch.float16, 1, rows, 96, gen=g)
+    w = operand("w", torch.float16, 1, 1, 96, gen=g)
+    o1 = operand("o1", torch.float16, 1, rows, 96, gen=g)
+    o2 = operand("o2", torch.float32, 1, rows, 96, gen=g)
+    ep = dataclasses.replace(_epilogue("float16", "float16"), inputs=(r.view, View("w", 0, (1, rows, 96), (0, 0, 1))),
+                             outputs=(o1.view, o2.view))
+    ops = {"a": a, "b": b, "p": p, "r": r, "w": w, "o1": o1, "o2": o2}
+    spec = MatmulSpec(a.view, b.view, p.view, dtypes.CODE["float16"], dtypes.CODE["float16"], epilogue=ep)
+    return ops, spec, BuildContext(CostModel.of_figures(functional_card.profile), {x: o.layout for x, o in ops.items()})
+
+
+def test_an_epilogues_temporaries_hold_one_strip_of_its_tile(functional_card):
+    """A tile of 130 rows runs its epilogue 32 rows at a time: its temporaries take 32 rows
+    of the scratchpad, not 130 (the room that lets the matmul keep its own tiling), and the
+    program is there once per strip, the temporaries in the same place in each."""
+    from spyre_rt.construct.matmul.record import Scratchpad, decide
+    from spyre_rt.construct.matmul.spec import EPI_STRIP, Problem
+
+    ops, spec, ctx = _strip_case(functional_card)
+    rec = decide(ctx, spec, Tiling(1, 1, 1, 1, 1, 1, 64, 2))  # one tile of all 130 rows
+    p = Problem.of(spec)
+    assert p.epi_strip == EPI_STRIP and rec.cdata.epi_strip == EPI_STRIP
+    lx = Scratchpad(ctx.target, spec, p, rec.tiling, 130, 96, 64)
+    regions = [*lx.temps, lx.peak]
+    assert lx.temps and all(hi - lo == EPI_STRIP * lx.c_pitch * 4 for lo, hi in itertools.pairwise(regions))
+    rec.build(ctx)
+    blob = ctx.encode()
+    assert races(blob) == []
+    from spyre_rt.program import program_tables
+
+    ins = program_tables(np.asarray(blob)).instrs
+    temp_dst = ins[ins["dst"]["v"] == lx.temps[0]]
+    # the tile's last matmul runs in pieces (of 40 rows), each piece's program in strips of at most 32
+    assert temp_dst["rows"].max() == EPI_STRIP and len(temp_dst) > -(-130 // EPI_STRIP)
+    assert ins["rows"].max() <= EPI_STRIP and not ins["dst"]["reserved"].any()  # the marks stay in the record
+    got = launch_built(functional_card, ctx, blob, ops, ["o1", "o2"])
+    a, b, r, w, o1, o2 = (ops[x] for x in ("a", "b", "r", "w", "o1", "o2"))
+    prod = (a.tensor().double() @ b.tensor().double()).half().double()
+    want1, want2 = o1.values.clone(), o2.values.clone()
+    torch.as_strided(want1, o1.view.sizes, o1.view.strides, o1.view.offset).copy_(
+        ((prod + r.tensor().double()) * torch.as_strided(w.values, (1, 130, 96), (0, 0, 1), w.view.offset).double())
+        .half())
+    torch.as_strided(want2, o2.view.sizes, o2.view.strides, o2.view.offset).copy_(prod - r.tensor().double())
+    assert torch.equal(got["o1"], want1) and torch.equal(got["o2"], want2)
+
+
+def test_the_record_check_refuses_a_strip_too_tall_and_unknown_operand_flags(functional_card):
+    from spyre_rt.construct.matmul.record import decide
+
+    ops, spec, ctx = _strip_case(functional_card)
+    rec = decide(ctx, spec)
+    rec.cdata.epi_strip = 1 << 20
+    with pytest.raises(SpyreError, match="epi_strip"):
+        rec.build(ctx)
+    rec = decide(ctx, spec)
+    rec.cdata.program[0].ins.dst.reserved = 2
+    with pytest.raises(SpyreError, match="flags 2 are unknown"):
+        rec.build(ctx)
 
 
 # ---- one load per tile ------------------------------------------------------------------------

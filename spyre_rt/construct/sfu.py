@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import dtypes
 from ..native import lib
-from ..program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_ROW, OPND_SCALAR, OPND_TILE
+from ..program import INSTR, OPND_COL, OPND_FIXED, OPND_IMM, OPND_NONE, OPND_ROW, OPND_SCALAR, OPND_TILE
 from ..sfu_ops import SFU_OPS
 
 TILE, ROW, COL, SCALAR = "tile", "row", "col", "scalar"
@@ -83,10 +83,11 @@ class Operand:
     """Where a value lives: a scratchpad region (kind, dtype, byte offset, pitch) or an
     immediate."""
 
-    __slots__ = ("kind", "dtype", "off", "pitch", "imm", "_enc")
+    __slots__ = ("kind", "dtype", "off", "pitch", "imm", "fixed", "_enc")
 
-    def __init__(self, kind: str, dtype: str, off: int = 0, pitch: int = 0, imm=None):
+    def __init__(self, kind: str, dtype: str, off: int = 0, pitch: int = 0, imm=None, fixed: bool = False):
         self.kind, self.dtype, self.off, self.pitch, self.imm = kind, dtype, off, pitch, imm
+        self.fixed = fixed  # (a matmul's per-tile program) it stays put in every strip: it holds one
         self._enc = None
 
     def encode(self):
@@ -97,12 +98,12 @@ class Operand:
                 packed = _F64.pack(float(self.imm)) if self.dtype in FLOATS else _I64.pack(int(self.imm))
                 enc = (OPND_IMM, dt, 0, 0, _U64.unpack(packed)[0])
             else:
-                enc = (KIND_CODE[self.kind], dt, 0, self.pitch, self.off)
+                enc = (KIND_CODE[self.kind], dt, OPND_FIXED if self.fixed else 0, self.pitch, self.off)
             self._enc = enc
         return enc
 
     def at(self, off: int) -> Operand:
-        return Operand(self.kind, self.dtype, off, self.pitch, self.imm)
+        return Operand(self.kind, self.dtype, off, self.pitch, self.imm, self.fixed)
 
 
 NONE = (OPND_NONE, 0, 0, 0, 0)

@@ -176,9 +176,11 @@ def _only_store(readers: list):
 
 
 def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: list[int], temp_pitch: int,
-            inputs: list[tuple[int, int]], stages: list[tuple[int, int]]) -> list[tuple]:
+            inputs: list[tuple[int, int]], stages: list[tuple[int, int]], strips: bool = False) -> list[tuple]:
     """The body's instructions for one tile: `temps` are the temporaries' offsets, `inputs`
-    each input's landing (offset, pitch), `stages` each output's staging (offset, pitch)."""
+    each input's landing (offset, pitch), `stages` each output's staging (offset, pitch).
+    With `strips`, the temporaries hold one strip of rows and are marked to stay put while
+    the tile's program runs strip by strip (spy_matmul_record.epi_strip)."""
     rows_ = []
 
     def emit(op, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
@@ -207,7 +209,7 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
             out = p.stored[op.id]
             dst = Operand(TILE, ep.output_dtypes[out], *stages[out])
         else:
-            dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch)
+            dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch, fixed=strips)
         args = [operands[a] for a in op.args]
         if name == "product":
             emit(lib.SPY_SFU_MOV, dst, acc)

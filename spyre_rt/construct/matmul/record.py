@@ -13,6 +13,7 @@ makes the commands, dependencies, DMA patterns and SFU programs, and encodes the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +28,18 @@ from ..context import BuildContext, ScratchpadPlan
 from ..sfu import ROW, TILE
 from . import epilogue
 from .spec import ITEMSIZE, PRO_STRIP, MatmulSpec, Problem, View
-from .tiling import K_GRANULE, Tiling, choose, granule, lx_bytes_of, preferred_granules, split
+from .tiling import (
+    GRID_COLUMNS,
+    K_GRANULE,
+    Tiling,
+    choose,
+    granule,
+    grids,
+    lx_bytes_of,
+    preferred_granules,
+    split,
+    terms,
+)
 
 NONE = (OPND_NONE, 0, 0, 0, 0)
 MM_INSTR = np.dtype([("ins", INSTR), ("v1", "u8", (4,))])  # spy_mm_instr
@@ -66,7 +78,8 @@ class Scratchpad:
                 pitch = round_up(tn, target.stick_bytes // e)
                 rows = tm if kind == TILE else 1
                 self.epi_in.append((pitch, e, [lx.take(rows * pitch * e) for _ in range(2)]))
-            self.temps = [lx.take(tm * self.c_pitch * pl.temp_itemsize) for _ in range(pl.ntemps)]
+            self.temps = [lx.take(min(tm, p.epi_strip or tm) * self.c_pitch * pl.temp_itemsize)
+                          for _ in range(pl.ntemps)]
         self.pro_vectors, self.pro_temps, self.pro_pitch = [], [], round_up(depth, 32)
         if spec.prologue is not None:  # per operand buffer its vectors' regions; its temporaries
             pro = spec.prologue
@@ -156,20 +169,53 @@ def grouped_tiling(target: CostModel, spec: MatmulSpec) -> Tiling | None:
     return dataclasses.replace(t, n_tiles=t.n_tiles * (1 + len(spec.parts)))
 
 
+def exact_tiling(target: CostModel, spec: MatmulSpec) -> Tiling | None:
+    """A tiling of the fused matmul (an A prologue, an epilogue) whose values are those of
+    the unfused kernels bit for bit, or None. The arrays add each dot product over the K
+    chunks of a command, and split-K adds the slices' partial sums in a fixed tree: the order
+    of the additions follows from the K chunk and the slices alone, not from how M and N are
+    cut. So: the matmul alone's tiling where the fused work fits beside it; else the fastest
+    tiling with its K chunk and slices that fits (the fused work may want other tiles of M
+    and N, an epilogue's loads room of their own); None where none fits. The fusion passes
+    fuse only where one exists."""
+    alone = choose(target, Problem.of(dataclasses.replace(spec, prologue=None, epilogue=None)))
+    p = Problem.of(spec)
+    if lx_bytes_of(target, p, alone) <= target.scratchpad_bytes:
+        return alone
+    return _same_k(target, p, alone.pk, alone.tk)
+
+
+@functools.lru_cache(maxsize=256)
+def _same_k(target: CostModel, p: Problem, pk: int, tk: int) -> Tiling | None:
+    rows = grids(target, p)
+    rows = rows[rows[:, 1] == pk]
+    if not len(rows):
+        return None
+    nbufs = np.arange(2, lib.SPY_MM_MAX_NBUF + 1)
+    cand = {name: np.repeat(rows[:, i], len(nbufs)) for i, name in enumerate(GRID_COLUMNS)}
+    cand.update(tk=np.full(len(rows) * len(nbufs), tk), nbuf=np.tile(nbufs, len(rows)))
+    t = terms(target, p, cand)
+    ok = np.flatnonzero(t["lx_bytes"] <= target.scratchpad_bytes)
+    if not len(ok):
+        return None
+    best = int(ok[np.argmin(t["ns"][ok])])
+    return Tiling(*(int(cand[name][best]) for name in ("groups", "pk", "pm", "pn", "m_tiles", "n_tiles", "tk",
+                                                        "nbuf")))
+
+
 def _tiling(target: CostModel, spec: MatmulSpec, p: Problem) -> Tiling:
-    """The cost model's choice; with an A prologue, the choice without it where the prologue
-    fits beside it: the same K chunks and slices add the products in the same order, so the
-    matmul's values are those of the unfused kernels bit for bit. A grouped matmul's, its
-    members' (:func:`grouped_tiling`)."""
+    """The cost model's choice; with fused work (an A prologue, an epilogue), the choice
+    without it (:func:`exact_tiling`), else the cost model's for the fused matmul (a step
+    made by hand: the passes never fuse where the exact tiling does not fit). A grouped
+    matmul's, its members' (:func:`grouped_tiling`)."""
     if spec.parts:
         t = grouped_tiling(target, spec)
         if t is None:
             raise ValueError("a grouped matmul of matmuls whose tilings differ")
         return t
-    if spec.prologue is None:
+    if spec.prologue is None and spec.epilogue is None:
         return choose(target, p)
-    plain = choose(target, Problem.of(dataclasses.replace(spec, prologue=None)))
-    return plain if lx_bytes_of(target, p, plain) <= target.scratchpad_bytes else choose(target, p)
+    return exact_tiling(target, spec) or choose(target, p)
 
 
 def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: MatmulRecord, r: dict) -> None:
@@ -236,7 +282,7 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
               "groups": t.groups, "pk": t.pk, "pm": t.pm, "pn": t.pn, "m_tiles": t.m_tiles, "n_tiles": t.n_tiles,
               "tk": t.tk, "nbuf": t.nbuf, "a_lx": lx.a, "b_lx": lx.b, "acc_lx": lx.acc, "recv_lx": lx.recv,
               "a_pitch": lx.a_pitch, "b_pitch": lx.b_pitch, "c_pitch": lx.c_pitch, "a": a, "b": b,
-              "nloads": len(loads), "nstores": len(stores), "ninstrs": len(program)})
+              "nloads": len(loads), "nstores": len(stores), "ninstrs": len(program), "epi_strip": p.epi_strip})
 
 
 def _prologue(ctx: BuildContext, spec: MatmulSpec, lx: Scratchpad, rec: MatmulRecord, arrays: dict) -> None:
@@ -292,5 +338,5 @@ def _program(spec: MatmulSpec, p: Problem, lx: Scratchpad, plan, s: int) -> list
     else:
         ins += epilogue.program(spec.epilogue, plan, 0, 0, sfu_ops.Operand(TILE, "float32", lx.acc, lx.c_pitch),
                                 lx.temps, lx.c_pitch, [(offs[s], pitch) for pitch, _, offs in lx.epi_in],
-                                [(offs[s], pitch) for pitch, _, offs in lx.outs])
+                                [(offs[s], pitch) for pitch, _, offs in lx.outs], strips=bool(p.epi_strip))
     return ins

@@ -13,6 +13,7 @@ from . import epilogue
 ITEMSIZE = {dtypes.CODE[n]: dtypes.ITEMSIZE[n] for n in dtypes.MATMUL}  # by SPY_DT_* code
 # rows of A a prologue rewrites at a time: its temporaries hold a strip, not a chunk
 PRO_STRIP = 32
+EPI_STRIP = 32  # rows of a tile an epilogue's program runs on at a time (its temporaries hold them)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Problem:
     pro_rows: tuple[int, ...] = ()
     pro_cols: tuple[int, ...] = ()
     pro_strip: int = 0
+    epi_strip: int = 0  # rows an epilogue's temporaries hold (0: a whole tile's)
 
     @classmethod
     def of(cls, spec: MatmulSpec) -> Problem:
@@ -74,7 +76,8 @@ class Problem:
             extra = {"stores": tuple(dtypes.ITEMSIZE[d] for d in ep.output_dtypes),
                      "epi_tiles": tuple(dtypes.ITEMSIZE[d] for d in tiles),
                      "epi_rows": tuple(dtypes.ITEMSIZE[d] for d in rows),
-                     "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs}
+                     "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs,
+                     "epi_strip": EPI_STRIP if pl.ntemps else 0}
         if spec.prologue is not None:
             pro = spec.prologue
             pl = epilogue.prologue_plan(pro, dtypes.NAME[spec.in_dtype])

@@ -136,7 +136,8 @@ def _problem(p: Problem):
         "nstores": len(p.stores), "ntiles": len(p.epi_tiles), "nrows": len(p.epi_rows),
         "epi_temps": p.epi_temps, "epi_temp_e": p.epi_temp_e, "epi_instrs": p.epi_instrs,
         "pro_temps": p.pro_temps, "pro_temp_e": p.pro_temp_e, "pro_instrs": p.pro_instrs,
-        "npro_rows": len(p.pro_rows), "npro_cols": len(p.pro_cols), "pro_strip": p.pro_strip})
+        "npro_rows": len(p.pro_rows), "npro_cols": len(p.pro_cols), "pro_strip": p.pro_strip,
+        "epi_strip": p.epi_strip})
     for name, values in (("e_stores", p.stores), ("e_tiles", p.epi_tiles), ("e_rows", p.epi_rows)):
         if len(values) > lib.SPY_MM_MAX_EPI:
             raise ValueError(f"an epilogue with {len(values)} {name[2:]}: at most {lib.SPY_MM_MAX_EPI}")

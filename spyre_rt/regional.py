@@ -16,9 +16,10 @@ and modules. A transformers KV cache is none of these, so a layer's call hands t
 own cache layer as tensors and constants (:func:`_flat_cache`), and the region rebuilds a
 cache of that one layer to call the layer's forward with. That is right only for cache
 layers whose update changes nothing but their tensors, in place: a static cache's layers
-(``StaticLayer``). Any other cache is passed as it is (a dynamic cache grows by rebinding
-its tensors, a sliding window counts its tokens in a Python int), and Dynamo then traces
-every layer that has one.
+(``StaticLayer``). A layer given any other cache (a dynamic cache grows by rebinding its
+tensors, a sliding window counts its tokens in a Python int), or any other input that is
+not plain data, is traced inline, as without regional compilation: Dynamo could reuse no
+trace of such a call, and such a cache's update is a side effect a region cannot hold.
 
 The mark is a subclass of each layer's class whose ``forward`` makes that call, set on the
 layer instances only (the transformers class is left as it is); ``enabled=False`` takes it
@@ -106,7 +107,11 @@ def _forward(self, *args, **kwargs):
     else:
         flat = [_PASSED]
     if not (_flat(args, flat) and _flat(kwargs, flat)):
-        return _region(self, args, kwargs)  # an input that is not plain data: traced every time
+        # An input that is not plain data (a cache passed as it is): Dynamo could reuse no trace
+        # of such a call, and a cache that rebinds its tensors or counts in Python ints inside
+        # a region is a side effect the region cannot hold (a sliding window's cache fails in
+        # Dynamo). The layer is traced inline, as without regional compilation.
+        return _original(type(self)).forward(self, *args, **kwargs)
     return _region_flat(self, *flat)
 
 
@@ -256,9 +261,4 @@ def _region_body(layer, *flat):
     return _original(type(layer)).forward(layer, *args, **more, **kwargs)
 
 
-def _region_plain(layer, args, kwargs):
-    return _original(type(layer)).forward(layer, *args, **kwargs)
-
-
-_region = torch.compiler.nested_compile_region(_region_plain, max_reuse_entries=_MAX_REGIONS)
 _region_flat = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=_MAX_REGIONS)

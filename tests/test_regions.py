@@ -168,3 +168,29 @@ def test_each_call_of_a_region_names_its_own_layers_modules(quiet_functional_com
     layers = {".".join(m.split(".")[:3]) for m in regional if m.startswith("model.layers.")}
     assert layers == {f"model.layers.{i}" for i in range(3)}
     assert all(any(w == r or w.startswith(r + ".") for w in whole) for r in regional), (regional, whole)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_layers_given_a_cache_that_cannot_be_flattened_are_traced_inline_and_right(family, quiet_functional_compile):
+    """Hugging Face's default dynamic cache of a model with a sliding window grows by
+    rebinding its tensors and counts its tokens in Python ints: a side effect no region can
+    hold (Dynamo failed on it inside one). Such layers are traced inline, and generate()
+    picks the CPU's tokens."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=500, sliding_window=16)
+    cfg = T.MistralConfig(**small) if family == "mistral" else T.Gemma2Config(**small, head_dim=32)
+    model = (T.MistralForCausalLM if family == "mistral" else T.Gemma2ForCausalLM)(cfg).eval()
+    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    on_card = copy.deepcopy(model).to("spyre")
+    assert compile_layers_once(on_card) == 2
+    torch._dynamo.reset()
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt")
+    with torch.no_grad():
+        got = on_card.generate(ids.to("spyre"), attention_mask=torch.ones_like(ids).to("spyre"), **kw)
+    assert got.cpu().tolist() == want.tolist()

@@ -48,6 +48,9 @@ def inline(step: StepDesc, call: str, operands: list) -> Inlined:
     names = {b.name: f"{call}_{b.name}" for b, _ in step.inputs}
     names.update((n, f"{call}_{n}") for n in (*step.buffers, *step.aliases, *step.kernels))
     names.update((op.name, f"{call}_{op.name}") for kind, op in step.sequence if kind == "cpu")
+    # a fused matmul still names its product, a buffer the fusion took out of the step's
+    names.update((k.out[0], f"{call}_{k.out[0]}") for k in step.kernels.values()
+                 if getattr(k, "epilogue", None) is not None and k.out[0] not in names)
     kernels, buffers, aliases, sequence, outputs = _rename(
         (step.kernels, step.buffers, dict(step.aliases), tuple(step.sequence), tuple(step.outputs)), names)
     for (b, _), view in zip(step.inputs, operands, strict=True):

@@ -194,3 +194,19 @@ def test_layers_given_a_cache_that_cannot_be_flattened_are_traced_inline_and_rig
     with torch.no_grad():
         got = on_card.generate(ids.to("spyre"), attention_mask=torch.ones_like(ids).to("spyre"), **kw)
     assert got.cpu().tolist() == want.tolist()
+
+
+def test_a_calls_copy_of_a_fused_matmul_names_its_own_product():
+    """The epilogue pass takes a fused matmul's product out of the region's buffers; the
+    matmul still names it, and each call's copy names its own (two layers' copies shared
+    one name)."""
+    from test_epilogue_fusion import _add, _matmul, _step
+
+    from spyre_rt.compiler.fusion import fuse_epilogues
+    from spyre_rt.compiler.regions import inline
+
+    step = fuse_epilogues(_step([_matmul(), _add("add", "p", "s", "o")], ["mm", "add"]))
+    assert "p" not in step.buffers and step.kernels["mm"].out[0] == "p"
+    operands = [(f"caller_{b.name}", 0, b.sizes, b.strides) for b, _ in step.inputs]
+    one, two = inline(step, "buf3", operands), inline(step, "buf9", operands)
+    assert one.kernels["buf3_mm"].out[0] == "buf3_p" and two.kernels["buf9_mm"].out[0] == "buf9_p"

@@ -200,10 +200,9 @@ def test_a_calls_copy_of_a_fused_matmul_names_its_own_product():
     """The epilogue pass takes a fused matmul's product out of the region's buffers; the
     matmul still names it, and each call's copy names its own (two layers' copies shared
     one name)."""
-    from test_epilogue_fusion import _add, _matmul, _step
-
     from spyre_rt.compiler.fusion import fuse_epilogues
     from spyre_rt.compiler.regions import inline
+    from test_epilogue_fusion import _add, _matmul, _step
 
     step = fuse_epilogues(_step([_matmul(), _add("add", "p", "s", "o")], ["mm", "add"]))
     assert "p" not in step.buffers and step.kernels["mm"].out[0] == "p"

@@ -233,7 +233,8 @@ static step_terms step_of(const spy_mm_cost *c, const spy_mm_problem *p, const s
     /* an A prologue: its loader rewrites each A chunk between the load and the forwards; a
      * core loads 1 / pn of its A chunks */
     int64_t strip = p->pro_strip && p->pro_strip < tm ? p->pro_strip : tm;
-    s.t_pro = p->pro_instrs ? (double)(p->pro_instrs * ceil_div(tm, strip)) * sfu_ns(c, strip * depth) : 0;
+    s.t_pro = p->pro_instrs && strip > 0 ? (double)(p->pro_instrs * ceil_div(tm, strip)) * sfu_ns(c, strip * depth)
+                                         : 0; /* no rows (m 0): no prologue work */
     s.t_step = dmax(dmax(dmax(dmax(s.t_mm, s.t_ring), s.t_port), s.t_pro / (double)pn),
                     (s.t_load + s.t_pro + s.t_fwd) / (double)(t->nbuf - 1));
     return s;

@@ -277,3 +277,13 @@ def test_the_native_model_is_made_of_the_cost_models_charges(p):
         pm, pn = int(cand["pm"][i]), int(cand["pn"][i])
         assert terms["per_block"][i] == pm * a + pn * b + pm * pn * tiles
         assert terms["ns"][i] >= terms["floor_ns"][i]
+
+
+def test_an_empty_matmul_with_a_prologue_or_strips_is_estimated_not_divided_by_zero():
+    """No rows (m 0) gives no tile rows: the prologue's strips must not divide by them (the
+    builder fuzzer's find, a SIGFPE in a plain build)."""
+    p = Problem(1, 0, 64, 64, 2, 2, 0, False, True, False, pro_instrs=3, pro_temps=1, pro_strip=32,
+                epi_strip=32, epi_temps=1, epi_instrs=2, stores=(2,))
+    t = Tiling(1, 1, 1, 1, 1, 1, 64, 2)
+    assert np.isfinite(tl.estimate_one(TARGET, p, t))
+    assert tl.lx_bytes_of(TARGET, p, t) >= 0

@@ -16,10 +16,12 @@ and modules. A transformers KV cache is none of these, so a layer's call hands t
 own cache layer as tensors and constants (:func:`_flat_cache`), and the region rebuilds a
 cache of that one layer to call the layer's forward with. That is right only for cache
 layers whose update changes nothing but their tensors, in place: a static cache's layers
-(``StaticLayer``). A layer given any other cache (a dynamic cache grows by rebinding its
-tensors, a sliding window counts its tokens in a Python int), or any other input that is
-not plain data, is traced inline, as without regional compilation: Dynamo could reuse no
-trace of such a call, and such a cache's update is a side effect a region cannot hold.
+(``StaticLayer``). Any other cache is passed as it is (a dynamic cache grows by rebinding
+its tensors, a sliding window counts its tokens in a Python int), and Dynamo then traces
+every layer that has one; the region still bounds what Inductor fuses across the layer's
+edges (its inputs and outputs are realized), as the layers compiled once have them. A cache
+whose update a region cannot hold (a sliding window's keeps a view of what it concatenated)
+is not passed to one: its layer is traced inline.
 
 The mark is a subclass of each layer's class whose ``forward`` makes that call, set on the
 layer instances only (the transformers class is left as it is); ``enabled=False`` takes it
@@ -40,6 +42,7 @@ _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked 
 _CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
 _CONSTANTS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _IN_PLACE: set[type] = set()  # cache layer classes whose update only writes their tensors in place
+_REBINDING: set[type] = set()  # cache layer classes whose update rebinds their tensors to new ones
 _STANDINS: dict[type, type] = {}  # a cache class -> the class of a region's cache of one layer
 _MAX_REGIONS = 64  # distinct traces of the region Dynamo keeps (one per distinct layer)
 
@@ -107,12 +110,19 @@ def _forward(self, *args, **kwargs):
     else:
         flat = [_PASSED]
     if not (_flat(args, flat) and _flat(kwargs, flat)):
-        # An input that is not plain data (a cache passed as it is): Dynamo could reuse no trace
-        # of such a call, and a cache that rebinds its tensors or counts in Python ints inside
-        # a region is a side effect the region cannot hold (a sliding window's cache fails in
-        # Dynamo). The layer is traced inline, as without regional compilation.
-        return _original(type(self)).forward(self, *args, **kwargs)
+        if cache is not None and flat[0] == _PASSED and not _holds_in_a_region(cache):
+            # a cache whose update a region cannot hold (a sliding window keeps a view of what
+            # it concatenated: Dynamo fails on it inside a region): the layer is traced inline
+            return _original(type(self)).forward(self, *args, **kwargs)
+        return _region(self, args, kwargs)  # an input that is not plain data: traced every time
     return _region_flat(self, *flat)
+
+
+def _holds_in_a_region(cache) -> bool:
+    """Whether a cache passed to a region as it is can update itself there: every layer of it
+    one that rebinds its tensors to new ones (a dynamic cache's), nothing else."""
+    layers = getattr(cache, "layers", None)
+    return isinstance(layers, list) and all(type(layer) in _REBINDING for layer in layers)
 
 
 # A region's inputs are one flat list of tensors and constants: Dynamo matches such calls
@@ -209,10 +219,11 @@ def _standin_classes() -> None:
     reaches a region's trace, so a guard on it cannot tell one layer's trace from another's.
     Made before any trace (Dynamo cannot make a class)."""
     try:
-        from transformers.cache_utils import Cache, StaticLayer
+        from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
     except ImportError:  # no transformers: no cache to hand a region
         return
     _IN_PLACE.add(StaticLayer)
+    _REBINDING.add(DynamicLayer)
     todo = [Cache]
     while todo:
         cls = todo.pop()
@@ -261,4 +272,9 @@ def _region_body(layer, *flat):
     return _original(type(layer)).forward(layer, *args, **more, **kwargs)
 
 
+def _region_plain(layer, args, kwargs):
+    return _original(type(layer)).forward(layer, *args, **kwargs)
+
+
+_region = torch.compiler.nested_compile_region(_region_plain, max_reuse_entries=_MAX_REGIONS)
 _region_flat = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=_MAX_REGIONS)

@@ -719,7 +719,22 @@ static uint32_t piece_rows(const mm_build *b, const mm_root *x, uint32_t p)
 
 /* ---- the commands ------------------------------------------------------------------------------ */
 
-static void shift_rows(spy_operand *o, uint32_t r0);
+/* Whether an operand of a program run strip by strip (an A prologue's, a tile's in strips
+ * or pieces) moves down with the strip: its tiles and values per row, but for those marked
+ * SPY_OPND_FIXED (the temporaries, which hold one strip); not values per column. */
+static bool moves(const spy_operand *o)
+{
+    return (o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW) && !(o->reserved & SPY_OPND_FIXED);
+}
+
+/* `o` in the strip (or piece) that starts `r0` rows down, its mark cleared (the card's
+ * programs carry none). */
+static void shift_rows(spy_operand *o, uint32_t r0)
+{
+    if (moves(o))
+        o->v.off += (uint64_t)r0 * o->pitch * spy_dtype_size(o->dtype);
+    o->reserved = 0;
+}
 
 /* The instructions of an A prologue for chunks of `rows` x `depth` in operand buffer `slot`,
  * strip by strip: made once per distinct (slot, rows, depth), of at most `most`. NULL when
@@ -727,13 +742,6 @@ static void shift_rows(spy_operand *o, uint32_t r0);
 typedef struct pro_variant {
     uint32_t slot, rows, depth, begin, count;
 } pro_variant;
-
-/* Whether an operand of the prologue moves down with the strip: the chunk's tile (in place)
- * and the values per row; not the temporaries (a strip's) nor the values per column. */
-static bool pro_moves(const spy_matmul_record *r, const spy_operand *o, uint32_t slot)
-{
-    return o->kind == SPY_OPND_ROW || (o->kind == SPY_OPND_TILE && o->v.off == r->a_lx[slot]);
-}
 
 static const pro_variant *pro_instrs(mm_build *b, pro_variant *seen, uint32_t *nseen, uint64_t most, uint32_t slot,
                                      uint32_t rows, uint32_t depth)
@@ -754,10 +762,9 @@ static const pro_variant *pro_instrs(mm_build *b, pro_variant *seen, uint32_t *n
             spy_instr *in = &ins[(uint64_t)s * r->npro_instrs + k];
             *in = r->pro_program[(uint64_t)slot * r->npro_instrs + k];
             in->rows = rows - s * strip < strip ? rows - s * strip : strip, in->cols = depth;
-            spy_operand *o[4] = {&in->dst, &in->src[0], &in->src[1], &in->src[2]};
-            for (int a = 0; a < 4; a++)
-                if (pro_moves(r, o[a], slot))
-                    shift_rows(o[a], s * strip);
+            shift_rows(&in->dst, s * strip);
+            for (int a = 0; a < 3; a++)
+                shift_rows(&in->src[a], s * strip);
         }
     seen[*nseen] = (pro_variant){slot, rows, depth, (uint32_t)begin, strips * r->npro_instrs};
     return &seen[(*nseen)++];
@@ -1111,13 +1118,6 @@ static void reduction(mm_build *b)
         depend(b, b->radd0 + p, b->mm0 + last_mm(b, b->pairs[p].rcv));
 }
 
-static void shift_rows(spy_operand *o, uint32_t r0)
-{
-    if ((o->kind == SPY_OPND_TILE || o->kind == SPY_OPND_ROW) && !(o->reserved & SPY_OPND_FIXED))
-        o->v.off += (uint64_t)r0 * o->pitch * spy_dtype_size(o->dtype);
-    o->reserved = 0;
-}
-
 /* The strips of `rows` rows of a tile's program (one when it is not in strips). */
 static uint32_t strips_of(const spy_matmul_record *r, uint32_t rows)
 {
@@ -1437,7 +1437,7 @@ static spy_status operand_check(const spy_matmul_record *r, const spy_operand *o
     if (o->reserved & ~SPY_OPND_FIXED)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: program[%u].%s flags %u are unknown", i, what,
                         o->reserved);
-    if ((o->reserved & SPY_OPND_FIXED) && r->epi_strip && r->epi_strip < tm)
+    if (!moves(o) && r->epi_strip && r->epi_strip < tm)
         tm = r->epi_strip; /* it holds one strip */
     spy_operand at = *o;
     uint64_t lo, hi;
@@ -1538,8 +1538,9 @@ static spy_status prologue_check(mm_build *b)
             if (o[k]->kind == SPY_OPND_NONE || o[k]->kind == SPY_OPND_IMM)
                 continue;
             /* what moves with the strips spans the chunk's rows; the rest, a strip's */
-            uint32_t rows = pro_moves(r, o[k], (uint32_t)(i / r->npro_instrs)) ? b->tm : strip;
+            uint32_t rows = moves(o[k]) ? b->tm : strip;
             if (o[k]->kind > SPY_OPND_IMM || o[k]->dtype >= SPY_DT_COUNT || o[k]->pitch > SPY_MM_MAX_PITCH ||
+                (o[k]->reserved & ~SPY_OPND_FIXED) ||
                 o[k]->v.off > r->scratchpad_bytes || !spy_operand_extent(o[k], rows, b->depth, &lo, &hi) ||
                 hi > r->scratchpad_bytes)
                 return spy_fail(SPY_E_SCRATCHPAD, -1, "matmul record: pro_program[%llu].%s (kind %u, dtype %u, at "

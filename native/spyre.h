@@ -481,13 +481,13 @@ SPY_ABI_SIZE(spy_cmd, 128)
 #define SPY_OPND_SCALAR 4 /* one value at off */
 #define SPY_OPND_IMM 5    /* the immediate: imm_f for float dtypes, imm_i for integers */
 
-#define SPY_OPND_FIXED 1 /* (spy_matmul_record.program) an operand that stays where it is in
-                            every strip and piece of a tile: it holds one strip */
+#define SPY_OPND_FIXED 1 /* (a matmul record's program and pro_program) an operand that stays
+                            where it is in every strip and piece: it holds one strip */
 
 typedef struct spy_operand {
     uint8_t kind;
     uint8_t dtype;
-    uint16_t reserved; /* 0 in a program; in a matmul record's program, SPY_OPND_FIXED or 0 */
+    uint16_t reserved; /* 0 in a program; in a matmul record's programs, SPY_OPND_FIXED or 0 */
     uint32_t pitch;
     union {
         uint64_t off;
@@ -807,8 +807,9 @@ typedef struct spy_matmul_record {
      * on the chunk in place, before forwarding or multiplying it, in strips of pro_strip
      * rows (its temporaries hold a strip). The program for a chunk in operand buffer i is
      * pro_program[i * npro_instrs ..], rows and cols filled in (a strip's rows, the chunk's
-     * K depth); each strip's moves the chunk's tile and ROW operands down to its first row.
-     * A is read with K contiguous. */
+     * K depth); each strip's moves its TILE and ROW operands down to its first row but for
+     * those marked SPY_OPND_FIXED (the temporaries, which hold one strip). A is read with K
+     * contiguous. */
     uint32_t npro_vectors, npro_instrs, pro_strip, reserved2;
     const spy_mm_vector *pro_vectors; /* npro_vectors */
     const spy_instr *pro_program;     /* nbuf * npro_instrs */

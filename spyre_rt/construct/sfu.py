@@ -87,7 +87,7 @@ class Operand:
 
     def __init__(self, kind: str, dtype: str, off: int = 0, pitch: int = 0, imm=None, fixed: bool = False):
         self.kind, self.dtype, self.off, self.pitch, self.imm = kind, dtype, off, pitch, imm
-        self.fixed = fixed  # (a matmul's per-tile program) it stays put in every strip: it holds one
+        self.fixed = fixed  # (a matmul's programs) it stays put in every strip: it holds one
         self._enc = None
 
     def encode(self):

@@ -180,7 +180,7 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
     """The body's instructions for one tile: `temps` are the temporaries' offsets, `inputs`
     each input's landing (offset, pitch), `stages` each output's staging (offset, pitch).
     With `strips`, the temporaries hold one strip of rows and are marked to stay put while
-    the tile's program runs strip by strip (spy_matmul_record.epi_strip)."""
+    the program runs strip by strip (an A prologue's; a tile's with epi_strip)."""
     rows_ = []
 
     def emit(op, dst: Operand, *srcs: Operand, aux: int = 0) -> None:

@@ -301,7 +301,8 @@ def _prologue(ctx: BuildContext, spec: MatmulSpec, lx: Scratchpad, rec: MatmulRe
     for i, chunk in enumerate(lx.a):
         inputs = [(chunk, lx.a_pitch)] + [(regions[i], 1 if kind == ROW else 0)
                                           for regions, kind in zip(lx.pro_vectors, pl.input_kinds[1:], strict=True)]
-        program += epilogue.program(body, pl, 0, 0, None, lx.pro_temps, lx.pro_pitch, inputs, [(chunk, lx.a_pitch)])
+        program += epilogue.program(body, pl, 0, 0, None, lx.pro_temps, lx.pro_pitch, inputs, [(chunk, lx.a_pitch)],
+                                    strips=True)
     if len(program) != len(lx.a) * pl.instrs:
         raise AssertionError(f"an A prologue of {len(program)} instructions for {len(lx.a)} buffers of {pl.instrs}")
     instrs = np.array(program, dtype=INSTR)

@@ -50,10 +50,7 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     into it (kernels named as before; the loop kernels and the products' buffers gone).
     `target`: the card the step runs on (the current card set's by default), whose
     scratchpad must hold the epilogue beside the matmul's own tiling."""
-    if target is None:
-        from spyre_rt import card
-
-        target = CostModel.of_figures(card.card_set().profile)
+    target = card_target(target)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
     buffers = dict(step.buffers)
@@ -74,6 +71,15 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     if len(seq) == len(step.sequence):
         return step
     return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq), buffers=buffers)
+
+
+def card_target(target: CostModel | None) -> CostModel:
+    """`target`, or the cost model of the current card set's card (the passes' default)."""
+    if target is not None:
+        return target
+    from spyre_rt import card
+
+    return CostModel.of_figures(card.card_set().profile)
 
 
 def keeps_its_bits(m: MatmulKernel, target: CostModel) -> bool:

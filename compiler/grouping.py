@@ -26,7 +26,7 @@ from spyre_rt.construct.matmul.tiling import estimate_one
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import MatmulKernel, StepDesc
 
-from .fusion import _base, _touches, _writes
+from .fusion import _base, _touches, _writes, card_target
 
 MAX_PARTS = 8  # SPY_MM_MAX_PARTS
 
@@ -34,10 +34,7 @@ MAX_PARTS = 8  # SPY_MM_MAX_PARTS
 def group_matmuls(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     """The step with each run of matmuls of one A that can be one computed as one (see the
     module docstring); `target` the card they run on (the current card set's by default)."""
-    if target is None:
-        from spyre_rt import card
-
-        target = CostModel.of_figures(card.card_set().profile)
+    target = card_target(target)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
     changed = False

@@ -35,7 +35,7 @@ from spyre_rt.construct.loops.analysis import Unsupported, _dtype
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc
 
-from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes, keeps_its_bits
+from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes, card_target, keeps_its_bits
 
 MAX_VECTORS = 4  # the vectors a matmul's prologue loads beside its tile (SPY_MM_MAX_VECTORS)
 
@@ -44,10 +44,7 @@ def fuse_prologues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     """The step with every loop kernel whose result only matmuls read, as their A, folded
     into them as a prologue: the kernel reduced to its per-row part, or gone. `target`: the
     card whose scratchpad the fused matmuls must fit (the current card set's by default)."""
-    if target is None:
-        from spyre_rt import card
-
-        target = CostModel.of_figures(card.card_set().profile)
+    target = card_target(target)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
     buffers = dict(step.buffers)

@@ -16,7 +16,7 @@ from .. import job_facts
 from ..cost import CostModel
 from ..transfer import D2H, H2D
 from .analytic import StepCost
-from .roofline import COMPUTE, DRAM, kernel_figures
+from .roofline import COMPUTE, DRAM, compute_bound, kernel_figures
 
 TRANSFER_JOBS = frozenset((H2D, D2H))  # jobs of the transfer path, not kernels
 
@@ -50,12 +50,7 @@ def compute_bound_edges_ms(edges: Iterable[tuple[str, float]], roofline: CostMod
     """The fill and drain (ms) of the compute-bound kernels among `edges` ((job name, ns)
     pairs): the time their arrays waited while their first operands loaded and their last
     results stored. A DRAM-bound kernel's are left out: DRAM works through them."""
-    total = 0.0
-    for name, ns in edges:
-        fig = kernel_figures(lookup(name))
-        if fig is not None and roofline.compute_ns(fig[0], fig[2]) >= roofline.dram_ns(fig[1]):
-            total += ns
-    return total / 1e6
+    return sum(ns for name, ns in edges if compute_bound(lookup(name), roofline)) / 1e6
 
 
 def phase_efficiency(device_ms: float, kernels: dict[str, Any], analytic: StepCost, roofline: CostModel) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from ..cost import COMPUTE, DRAM, LATENCY, CostModel
 from ..device_profile import DeviceProfile
 
 HOST = "host"
-__all__ = ["COMPUTE", "DRAM", "HOST", "LATENCY", "assumptions", "kernel_figures"]
+__all__ = ["COMPUTE", "DRAM", "HOST", "LATENCY", "assumptions", "compute_bound", "kernel_figures"]
 
 
 def assumptions(profile: DeviceProfile) -> list[str]:
@@ -41,6 +41,13 @@ def kernel_figures(info: Mapping[str, Any] | None) -> tuple[float, float, str | 
         return None
     dtype = info.get("dtype")
     return float(flops), float(nbytes), dtype if isinstance(dtype, str) else None
+
+
+def compute_bound(info: Mapping[str, Any] | None, roofline: CostModel) -> bool:
+    """Whether a kernel's FLOPs take the card longer than its minimum bytes (False when its
+    info lacks either figure)."""
+    fig = kernel_figures(info)
+    return fig is not None and roofline.compute_ns(fig[0], fig[2]) >= roofline.dram_ns(fig[1])
 
 
 def _is_number(v: Any) -> bool:

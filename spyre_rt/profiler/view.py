@@ -25,7 +25,7 @@ from rich.text import Text
 from ..cost import CostModel
 from ..trace.data import Counter, Jobs, TraceData, Track, Window, device, job_waits, load, parse, window
 from . import optable
-from .roofline import kernel_figures
+from .roofline import compute_bound
 
 __all__ = ["TraceData", "Window", "load", "parse", "window", "timeline", "idle_breakdown", "critical_path",
            "render", "ascii_safe"]
@@ -226,10 +226,7 @@ def _compute_bound_edges(data: TraceData, jobs: Jobs, inside: np.ndarray) -> flo
     roofline = CostModel.of_trace_metadata(data.metadata)
     if roofline is None or len(jobs.edges) != len(inside):
         return 0.0
-    bound = {}
-    for name, info in jobs.info.items():
-        fig = kernel_figures(info)
-        bound[name] = fig is not None and roofline.compute_ns(fig[0], fig[2]) >= roofline.dram_ns(fig[1])
+    bound = {name: compute_bound(info, roofline) for name, info in jobs.info.items()}
     mine = np.fromiter((bound.get(n, False) for n in jobs.name), bool, len(jobs.name))
     return float(np.minimum(jobs.edges, inside)[mine].sum())
 

@@ -372,18 +372,21 @@ class Session:
             self.marks[name] = (first, card.trace_count())
             card.trace_enable(False)
 
+    def _events(self, phase: str):
+        """The card's trace events of `phase` in the last traced run."""
+        first, end = self.marks[phase]
+        return self.card.trace_events(first)[: end - first]
+
     def job_names(self, phase: str) -> list[str]:
         """The names of the jobs the last traced run ran in `phase`, in order."""
-        first, end = self.marks[phase]
-        ev = self.card.trace_events(first)[: end - first]
+        ev = self._events(phase)
         return [self.card.name_of(int(a)) for a in ev["a"][ev["kind"] == cards.EV_JOB].tolist()]
 
     def job_edges(self, phase: str) -> list[tuple[str, float]]:
         """(name, fill and drain in ns) of each job that computes in `phase` of the last traced
         run: how long it ran before its first compute command started and after its last one
         ended."""
-        first, end = self.marks[phase]
-        ev = self.card.trace_events(first)[: end - first]
+        ev = self._events(phase)
         jobs = ev[ev["kind"] == cards.EV_JOB]
         span = {int(q): (int(a), s, e) for q, a, s, e in zip(jobs["job"].tolist(), jobs["a"].tolist(),
                                                              jobs["start_ns"].tolist(), jobs["end_ns"].tolist(),
@@ -399,8 +402,7 @@ class Session:
     def collective_ms(self, phase: str) -> float:
         """The card's time in collectives (jobs on the interconnect) in `phase` of the last
         traced run."""
-        first, end = self.marks[phase]
-        ev = self.card.trace_events(first)[: end - first]
+        ev = self._events(phase)
         jobs = ev[ev["kind"] == cards.EV_JOB]
         total = 0.0
         for a, start, stop in zip(jobs["a"].tolist(), jobs["start_ns"].tolist(), jobs["end_ns"].tolist(), strict=True):

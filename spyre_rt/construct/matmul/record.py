@@ -199,8 +199,7 @@ def _same_k(target: CostModel, p: Problem, pk: int, tk: int) -> Tiling | None:
     if not len(ok):
         return None
     best = int(ok[np.argmin(t["ns"][ok])])
-    return Tiling(*(int(cand[name][best]) for name in ("groups", "pk", "pm", "pn", "m_tiles", "n_tiles", "tk",
-                                                        "nbuf")))
+    return Tiling(*(int(cand[f.name][best]) for f in dataclasses.fields(Tiling)))
 
 
 def _tiling(target: CostModel, spec: MatmulSpec, p: Problem) -> Tiling:

@@ -105,16 +105,18 @@ def _forward(self, *args, **kwargs):
         return _original(type(self)).forward(self, *args, **kwargs)
     cache = kwargs.get("past_key_values")
     flat = _flat_cache(cache, self) if cache is not None else None
+    rest = kwargs
     if flat is not None:
-        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        rest = {k: v for k, v in kwargs.items() if k != "past_key_values"}
     else:
         flat = [_PASSED]
-    if not (_flat(args, flat) and _flat(kwargs, flat)):
+    if not (_flat(args, flat) and _flat(rest, flat)):
         if cache is not None and flat[0] == _PASSED and not _holds_in_a_region(cache):
             # a cache whose update a region cannot hold (a sliding window keeps a view of what
             # it concatenated: Dynamo fails on it inside a region): the layer is traced inline
             return _original(type(self)).forward(self, *args, **kwargs)
-        return _region(self, args, kwargs)  # an input that is not plain data: traced every time
+        # an input that is not plain data: traced every time, with the call's cache as it is
+        return _region(self, args, kwargs)
     return _region_flat(self, *flat)
 
 

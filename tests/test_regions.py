@@ -209,3 +209,40 @@ def test_a_calls_copy_of_a_fused_matmul_names_its_own_product():
     operands = [(f"caller_{b.name}", 0, b.sizes, b.strides) for b, _ in step.inputs]
     one, two = inline(step, "buf3", operands), inline(step, "buf9", operands)
     assert one.kernels["buf3_mm"].out[0] == "buf3_p" and two.kernels["buf9_mm"].out[0] == "buf9_p"
+
+
+def test_a_layer_given_an_input_that_is_not_plain_data_still_writes_its_cache():
+    """A keyword argument a region cannot take flat (an object of the caller's, which a
+    decoder hands its layers in ``**kwargs``) sends the layer to a region traced every time:
+    with the call's own cache, which it writes as eager does."""
+    import transformers as T
+
+    class Note:  # what the layers pass on untouched
+        pass
+
+    torch.manual_seed(0)
+    cfg = T.GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=100)
+    model = T.GraniteForCausalLM(cfg).eval()
+    marked = copy.deepcopy(model)
+    assert compile_layers_once(marked) == 2
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(1))
+
+    def run(m, compiled: bool):
+        cache = T.StaticCache(config=cfg, max_cache_len=8)
+        # initialized, as generate() has it: a region takes such a cache's layer flat
+        cache.early_initialization(batch_size=1, num_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+        f = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+        with torch.no_grad():
+            logits = f(ids, attention_mask=torch.ones(1, 8, dtype=torch.long), position_ids=torch.arange(6)[None],
+                       past_key_values=cache, use_cache=True, note=Note()).logits
+        return logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+    torch._dynamo.reset()
+    want, want_cache = run(model, False)
+    got, got_cache = run(marked, True)
+    torch.testing.assert_close(got, want)
+    for (k, v), (wk, wv) in zip(got_cache, want_cache, strict=True):
+        assert wk.abs().sum() > 0
+        torch.testing.assert_close(k, wk)
+        torch.testing.assert_close(v, wv)

@@ -157,3 +157,40 @@ def test_k_and_v_as_one_matmul(benchmark):
     one matmul instead of two."""
     _side_by_side(benchmark, two_projections, [(1024, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN),
                                                (KV_HEADS * HEAD_DIM, HIDDEN)], "group_matmuls", "k and v prefill")
+
+
+def rotated_query(x, wq, pos, inv_freq):
+    """The q projection and Hugging Face's rotary embedding on its heads, as Granite's layer
+    computes them (cos and sin of the positions' angles, rotate-half)."""
+    q = (x @ wq.t()).view(1, x.shape[0], HEADS, HEAD_DIM).transpose(1, 2)
+    freqs = pos[:, :, None].float() * inv_freq[None, None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    half = HEAD_DIM // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.benchmark(group="gemm")
+def test_rotation_in_the_q_projection(benchmark):
+    """Granite 3.3 8B's q projection and its rotary embedding at a 1,024-token prefill, the
+    rotation as the projection's epilogue in column slices (slice_epilogues) against a
+    kernel of its own: q is no longer written and read back."""
+    with cards.configured(None, "timing"):
+        pos = torch.arange(1024)[None].to("spyre")
+        inv_freq = torch.empty(HEAD_DIM // 2, dtype=torch.float16).to("spyre")
+        args = [torch.empty(1024, HIDDEN, dtype=torch.float16).to("spyre"),
+                torch.empty(HEADS * HEAD_DIM, HIDDEN, dtype=torch.float16).to("spyre"), pos, inv_freq]
+        figures = {}
+
+        def run():
+            for on in (True, False):
+                figures[on] = _step_device_ns(rotated_query, args, {"slice_epilogues": on})
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    ratio = figures[True] / figures[False]
+    benchmark.extra_info.update({"on_device_us": figures[True] / 1e3, "off_device_us": figures[False] / 1e3,
+                                 "on_over_off": round(ratio, 4)})
+    check_target(benchmark, ratio < 1, f"q and its rotation with slice_epilogues take {ratio:.3f} of their device "
+                                       "time without")
+    print(f"\nq projection + rotation prefill: slice_epilogues on {figures[True] / 1e3:.1f} us, "
+          f"off {figures[False] / 1e3:.1f} us ({ratio:.3f})")

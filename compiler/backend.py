@@ -150,6 +150,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "cpu_fallback": settings.cpu_fallback,
         "compute_dtype": settings.compute_dtype,
         "fuse_epilogues": settings.fuse_epilogues,
+        "slice_epilogues": settings.slice_epilogues,
         "split_gated_gemms": settings.split_gated_gemms,
         "fuse_residuals": settings.fuse_residuals,
         "fuse_prologues": settings.fuse_prologues,

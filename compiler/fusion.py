@@ -33,7 +33,7 @@ def fuse_kernels(step: StepDesc) -> StepDesc:
     make a matmul's A, so that the kernel after it is a norm the next matmuls take in), then
     groups of matmuls of one A (their prologues made alike by then)."""
     if step.options.get("fuse_epilogues"):
-        step = fuse_epilogues(step)
+        step = fuse_epilogues(step, sliced=step.options.get("slice_epilogues", True))
     if step.options.get("fuse_prologues"):
         from .prologue import fuse_prologues
 
@@ -45,11 +45,13 @@ def fuse_kernels(step: StepDesc) -> StepDesc:
     return step
 
 
-def fuse_epilogues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
+def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool = True) -> StepDesc:
     """The step with every pointwise loop kernel that can be a matmul's epilogue folded
     into it (kernels named as before; the loop kernels and the products' buffers gone).
     `target`: the card the step runs on (the current card set's by default), whose
-    scratchpad must hold the epilogue beside the matmul's own tiling."""
+    scratchpad must hold the epilogue beside the matmul's own tiling. With `sliced`, also
+    kernels whose work depends on where a column lies in a period (a rotary embedding on a
+    projection's heads), as epilogues in column slices (:mod:`.slicing`)."""
     target = card_target(target)
     kernels = dict(step.kernels)
     seq = list(step.sequence)
@@ -58,7 +60,7 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None) -> StepDesc:
     while i < len(seq):
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
-            found = _fusion(step, kernels, seq, i)
+            found = _fusion(step, kernels, seq, i, sliced)
             if found is not None and keeps_its_bits(found[1], target):
                 j, fused = found
                 product = kernels[seq[j][1]].out[0]
@@ -134,11 +136,12 @@ def _writes(step: StepDesc, kernels: dict, item) -> set[str]:
 
 # ---- the search -----------------------------------------------------------------------------
 
-def _fusion(step: StepDesc, kernels: dict, seq: list, i: int) -> tuple[int, MatmulKernel] | None:
+def _fusion(step: StepDesc, kernels: dict, seq: list, i: int, sliced: bool = True) -> tuple[int, MatmulKernel] | None:
     """(position of the matmul, the matmul with the loop kernel at `i` as its epilogue),
     or None when the loop kernel cannot be one."""
     k: LoopKernel = kernels[seq[i][1]]
-    if k.reduce or k.shape != "pointwise" or not _simple(k):
+    simple = _simple(k)
+    if k.reduce or k.shape != "pointwise" or not (simple or (sliced and _sliceable(k))):
         return None
     loaded = {_base(step, o.access.buf) for o in k.ops if o.op == "load"}
     stored = {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
@@ -160,12 +163,40 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, i: int) -> tuple[int, Matm
     for t in range(j + 1, i):  # the loop kernel's work moves back to the matmul's place
         if _writes(step, kernels, seq[t]) & loaded or _touches(step, kernels, seq[t]) & stored:
             return None
-    epilogue = _epilogue(k, mm)
+    epilogue = _epilogue(k, mm) if simple else None
+    if epilogue is None and sliced:
+        epilogue = _sliced(k, mm)
     if epilogue is None:
         return None
     bufs = {b.name: b for b in (*mm.buffers, *k.buffers) if b.name != product}
     return j, dataclasses.replace(mm, epilogue=epilogue, buffers=tuple(bufs.values()),
                                   origins=tuple(sorted({*mm.origins, *k.origins})))
+
+
+def _sliceable(k: LoopKernel) -> bool:
+    """Loads and stores at plain addresses (masked loads too), elementwise work, and column
+    indices: what a sliced epilogue may decide (:mod:`.slicing`)."""
+    for op in k.ops:
+        if op.op in ("load", "store"):
+            if op.access.ind or not op.access.buf or (op.op == "store" and op.access.domain):
+                return False
+        elif op.op not in COMPUTES and op.op != "index":
+            return False
+    return True
+
+
+def _sliced(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
+    from .slicing import sliced_epilogue
+
+    product = mm.out[0]
+    first = next((o for o in k.ops if o.op == "load" and o.access.buf == product and not o.access.domain
+                  and o.access.const == mm.out[1]), None)
+    if first is None:
+        return None
+    parts = _parts(k, first.access.coeffs, mm.out)
+    if parts is None or any(n > 1 and v not in {p[0] for p in parts} for v, n in enumerate(k.sizes)):
+        return None
+    return sliced_epilogue(k, mm, parts, COMPUTES)
 
 
 def _simple(k: LoopKernel) -> bool:

@@ -14,6 +14,9 @@ dispatch: str = ""            # "" = SPYRE_RT_DISPATCH or the default (prebuilt)
 cpu_fallback: bool = True     # run ops the card cannot on the CPU (else SpyreCompileError)
 compute_dtype: str = "auto"   # auto | float16 | float32
 fuse_epilogues: bool = True   # pointwise kernels on a matmul's product become its epilogue
+# and those whose work depends on where a column lies in a period of the columns (a rotary
+# embedding on a projection's heads), run in column slices (compiler/slicing.py)
+slice_epilogues: bool = True
 # a GEMM read only as its two halves of columns (vLLM's merged gate and up) is two GEMMs, so
 # that the gated activation becomes the second one's epilogue (compiler/inductor/gated_gemm.py)
 split_gated_gemms: bool = True

@@ -270,11 +270,25 @@ def matmul_records() -> dict[str, bytes]:
     f16 = lib.SPY_DT_F16
 
     def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, prologue=False, parts=0, tiling=None,
-               layouts=None):
+               layouts=None, sliced=False):
         lay = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
                "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2), "s": StickLayout(1, m, 4),
-               "w": StickLayout(1, k, 2)} | (layouts or {})
+               "w": StickLayout(1, k, 2), "c": StickLayout(m, 128, 2)} | (layouts or {})
         ep = None
+        if sliced:  # a rotation of each 128 columns' halves by a table per row and per column, scaled per row
+            def half(shift, at, sign):
+                return (Op("p", "product", dtype="float16"),
+                        Op("x", "product", dtype="float16", attrs={"shift": shift}),
+                        *((Op("n", "neg", ("x",)),) if sign else ()),
+                        Op("c", "load", dtype="float16", attrs={"input": 1, "at": at}),
+                        Op("y", "mul", ("p", "c")), Op("w", "load", dtype="float16", attrs={"input": 2, "at": 0}),
+                        Op("z", "mul", ("n" if sign else "x", "w")), Op("r", "load", dtype="float32", attrs={"input": 0}),
+                        Op("t", "add", ("y", "z")), Op("u", "mul", ("t", "r")),
+                        Op("v", "store", ("u",), attrs={"output": 0}))
+            ep = Epilogue((), (mm.View("s", 0, (1, m, n), (0, 1, 0)), mm.View("c", 0, (1, m, 128), (0, 128, 1)),
+                               mm.View("w", 0, (1, 1, 64), (0, 0, 1))), ("float32", "float16", "float16"),
+                          (mm.View("o", 0, (1, m, n), (0, n, 1)),), ("float16",),
+                          slices=(half(64, 0, True), half(-64, 64, False)), slice_cols=64, periodic=(1, 2))
         if epilogue:  # (product + r) as fp16, the SiLU of it
             ops = (Op("p", "product", dtype="float16"), Op("r", "load", dtype="float16", attrs={"input": 0}),
                    Op("s", "add", ("p", "r"), "float32"), Op("y", "silu", ("s",), "float32"),
@@ -307,6 +321,7 @@ def matmul_records() -> dict[str, bytes]:
         "matmul-bias": record(64, 130, 200, bias=True),
         "matmul-split-k": record(1, 256, 1024, tiling=mm.Tiling(2, 4, 1, 4, 1, 4, 128, 3)),
         "matmul-epilogue": record(40, 96, 64, epilogue=True),
+        "matmul-sliced-epilogue": record(40, 256, 64, sliced=True),
         "matmul-prologue": record(70, 64, 512, prologue=True, tiling=mm.Tiling(4, 2, 2, 2, 4, 2, 128, 2)),
         "matmul-grouped": record(40, 128, 256, prologue=True, parts=2, tiling=mm.Tiling(2, 1, 2, 4, 2, 12, 128, 3)),
         "matmul-transposed-weight": record(16, 64, 128, b=mm.View("b", 0, (1, 128, 64), (0, 1, 128)),

@@ -1174,7 +1174,9 @@ static void programs(mm_build *b)
                 for (uint64_t k = 0; k < n; k++, in++) {
                     uint32_t r0 = piece_row(x, p) + j * w;
                     *in = r->program[k].ins;
-                    in->rows = rows - j * w < w ? rows - j * w : w, in->cols = b->tasks[x->task].cols;
+                    in->rows = rows - j * w < w ? rows - j * w : w;
+                    if (!in->cols) /* else a column slice of the tile, its operands at the slice */
+                        in->cols = b->tasks[x->task].cols;
                     if (x->slot) {
                         in->dst.v.off = r->program[k].v1[0];
                         for (int a = 0; a < 3; a++)
@@ -1218,7 +1220,10 @@ static void epilogue_load_keys(const mm_build *b, int64_t *keys)
 static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int64_t *load_keys, run *out,
                                  run *pieces_out)
 {
-    uint64_t st[2] = {tl->view.strides[1], tl->view.strides[2]};
+    /* a tile's values per row land as one row of them: its rows are the box's columns */
+    bool per_row = tl->row == SPY_MM_TILES_PER_ROW, periodic = tl->row >= SPY_MM_TILES_PERIODIC;
+    bool one_row = tl->row && tl->row != SPY_MM_TILES_PERIODIC_ROWS;
+    uint64_t st[2] = {tl->view.strides[per_row ? 2 : 1], tl->view.strides[per_row ? 1 : 2]};
     mm_stream s;
     stream_init(b, &s, &tl->view, st, (uint64_t)tl->pitch * tl->itemsize, tl->itemsize, load_keys != NULL);
     spy_status status = SPY_OK;
@@ -1230,10 +1235,11 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
         if (tl->part && part_of(b->r, t->col0) != tl->part - 1)
             continue; /* another part's tile: its runs stay empty */
         for (uint32_t p = 0; p < (load_keys ? 1 : x->pieces) && status == SPY_OK; p++) {
-            uint32_t r0 = piece_row(x, p), rows = tl->row ? 1 : load_keys ? t->rows : piece_rows(b, x, p);
+            uint32_t r0 = piece_row(x, p), rows = one_row ? 1 : load_keys ? t->rows : piece_rows(b, x, p);
+            uint64_t cols = per_row ? t->rows : periodic ? tl->pitch : t->cols;
             uint64_t base = v->offset + t->batch * v->strides[0] + (uint64_t)(t->row0 + r0) * v->strides[1] +
-                            (t->col0 - n0) * v->strides[2];
-            status = dma_box(b, &s, base, rows, t->cols, tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize,
+                            (periodic ? 0 : (t->col0 - n0) * v->strides[2]);
+            status = dma_box(b, &s, base, rows, cols, tl->lx[x->slot] + (uint64_t)r0 * tl->pitch * tl->itemsize,
                              t->core, load_keys ? load_keys[rt] : end_key(b, x->task, PH_STORE),
                              p ? &pieces_out[x->extra + p - 1] : &out[rt]);
         }
@@ -1694,13 +1700,21 @@ static spy_status matmul_check(mm_build *b)
         if (t->part > r->nparts || (load && t->part))
             return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: %s.part %u: not a store of one of %u parts", what,
                             t->part, r->nparts);
+        if (t->row > (load ? SPY_MM_TILES_PERIODIC_ROWS : SPY_MM_TILES_ROW) ||
+            (t->row == SPY_MM_TILES_PER_ROW && t->view.strides[2]))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: %s.row %u is not a kind of %s tile%s", what, t->row,
+                            load ? "loaded" : "stored",
+                            t->row == SPY_MM_TILES_PER_ROW ? " (its view's columns are not one value)" : "");
         /* every row of the output: a row's tiles start at their tile's first row too */
-        if ((s = view_check(r, &t->view, what, r->m, t->part ? part_cols(r, t->part - 1) : r->n, t->itemsize)) !=
-            SPY_OK)
+        bool periodic = t->row >= SPY_MM_TILES_PERIODIC;
+        uint64_t cols = t->part ? part_cols(r, t->part - 1) : periodic ? t->pitch : r->n;
+        if ((s = view_check(r, &t->view, what, r->m, cols, t->itemsize)) != SPY_OK)
             return s;
         for (int slot = 0; slot < 2; slot++) {
             snprintf(what, sizeof what, "%s[%u].lx[%d]", load ? "loads" : "stores", x, slot);
-            if ((s = region_check(r, what, t->lx[slot], t->row ? 1 : tm, tn, t->pitch, t->itemsize)) != SPY_OK)
+            uint64_t width = t->row == SPY_MM_TILES_PER_ROW ? tm : periodic ? t->pitch : tn;
+            uint64_t rows = t->row && t->row != SPY_MM_TILES_PERIODIC_ROWS ? 1 : tm;
+            if ((s = region_check(r, what, t->lx[slot], rows, width, t->pitch, t->itemsize)) != SPY_OK)
                 return s;
         }
     }
@@ -1724,8 +1738,11 @@ static spy_status matmul_check(mm_build *b)
     for (uint32_t i = 0; i < r->ninstrs; i++) {
         const spy_mm_instr *in = &r->program[i];
         const spy_operand *o[4] = {&in->ins.dst, &in->ins.src[0], &in->ins.src[1], &in->ins.src[2]};
+        if (in->ins.rows || in->ins.cols > tn) /* rows come from each tile; columns: 0 (the tile's) or a slice's */
+            return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: program[%u] has %u rows and %u columns (0 rows, "
+                            "and columns 0 or at most the tiles' %u)", i, in->ins.rows, in->ins.cols, tn);
         for (int k = 0; k < 4; k++)
-            if ((s = operand_check(r, o[k], in->v1[k], i, opnd[k], tm, tn)) != SPY_OK)
+            if ((s = operand_check(r, o[k], in->v1[k], i, opnd[k], tm, in->ins.cols ? in->ins.cols : tn)) != SPY_OK)
                 return s;
     }
     return prologue_check(b);

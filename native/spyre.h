@@ -735,11 +735,22 @@ typedef struct spy_mm_tiles {
     uint64_t lx[2];     /* scratchpad byte offsets of the two tiles */
     uint32_t pitch;     /* elements per scratchpad row */
     uint32_t itemsize;  /* bytes per element (the slot layout's) */
-    uint32_t row;       /* 1: one row per tile, broadcast over the tile's rows (a bias) */
+    uint32_t row;       /* what each tile lands (SPY_MM_TILES_*): the tile, or one row of it */
     uint32_t part;      /* stores of a grouped matmul: i + 1 for part i's columns alone, the
                            view's column 0 the part's first (0: every column) */
 } spy_mm_tiles; /* 72 bytes */
 SPY_ABI_SIZE(spy_mm_tiles, 72)
+
+/* spy_mm_tiles.row: what a tile of the view lands in the scratchpad */
+#define SPY_MM_TILES_WHOLE 0    /* the tile's rows and columns, `pitch` elements apart */
+#define SPY_MM_TILES_ROW 1      /* one row: the tile's columns, broadcast over its rows (a bias) */
+#define SPY_MM_TILES_PER_ROW 2  /* (loads) one value per row of the tile, contiguous: the view's
+                                   column stride is 0 (an SFU ROW operand of pitch 1) */
+#define SPY_MM_TILES_PERIODIC 3 /* (loads) one row of the view's first `pitch` columns, the same
+                                   for every tile: a vector periodic in the columns, which an
+                                   epilogue's column slices read at offsets of their own */
+#define SPY_MM_TILES_PERIODIC_ROWS 4 /* (loads) the view's first `pitch` columns of each of the
+                                        tile's rows: a table periodic in the columns */
 
 /* A part of a grouped matmul: matmuls of one A side by side, C = A @ [B0 B1 ...], each B its
  * own view (K x N_i) from column n0 on (0 for the first, increasing). Every N tile lies in

@@ -39,6 +39,8 @@ class Settings:
     cpu_fallback: bool = True
     compute_dtype: str = "auto"            # auto: each kernel computes in its operands' dtype
     fuse_epilogues: bool = True            # pointwise kernels on a matmul's product as its epilogue
+    slice_epilogues: bool = True           # and those whose work depends on a column's place in a
+                                           # period (RoPE on a projection's heads), in column slices
     split_gated_gemms: bool = True         # a merged gate-and-up GEMM as two, its activation an epilogue
     fuse_residuals: bool = True            # a residual add of a matmul's product as that matmul's epilogue
     fuse_prologues: bool = True            # a kernel that makes a matmul's A (RMSNorm) as its prologue
@@ -61,7 +63,7 @@ def _bool(value: str) -> bool:
 
 # What each setting shapes: the step's code (part of its plan key), its calls (carried by
 # the step), or the process (the card set that every tensor lives on).
-COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "split_gated_gemms",
+COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "slice_epilogues", "split_gated_gemms",
                   "fuse_residuals", "fuse_prologues", "group_matmuls")
 STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
 PROCESS_FIELDS = {
@@ -81,6 +83,7 @@ ENV = {
     "SPYRE_RT_CPU_FALLBACK": ("cpu_fallback", _bool),
     "SPYRE_RT_COMPUTE_DTYPE": ("compute_dtype", str),
     "SPYRE_RT_FUSE_EPILOGUES": ("fuse_epilogues", _bool),
+    "SPYRE_RT_SLICE_EPILOGUES": ("slice_epilogues", _bool),
     "SPYRE_RT_SPLIT_GATED_GEMMS": ("split_gated_gemms", _bool),
     "SPYRE_RT_FUSE_RESIDUALS": ("fuse_residuals", _bool),
     "SPYRE_RT_FUSE_PROLOGUES": ("fuse_prologues", _bool),

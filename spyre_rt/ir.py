@@ -133,7 +133,17 @@ class Epilogue:
     the product: ``product`` is the product rounded to the matmul's ``out_dtype`` (what the
     loop kernel loaded), ``load`` reads ``inputs[attrs["input"]]`` and ``store`` writes
     ``outputs[attrs["output"]]``; the views are (batch, M, N), a stride 0 where a view is
-    broadcast. The product itself is not stored."""
+    broadcast. The product itself is not stored.
+
+    A body whose work depends on where a column lies in a period of the columns (a rotary
+    embedding's rotate-half reads each head's other half) is *sliced*: ``slices`` holds it
+    once for each slice of ``slice_cols`` columns of a period, with what depends on the
+    slice decided (its masks, its selections), and ``ops`` is empty. Slice ``i`` of every
+    tile (columns ``i * slice_cols`` on) computes ``slices[i % len(slices)]``: a tile's
+    columns start at a period's first. There ``product`` may read the product
+    ``attrs["shift"]`` columns away (inside the period), and a ``load`` of an input in
+    ``periodic`` (a view of one period's values, ``(1, 1, L)``, the same for every period)
+    reads it from column ``attrs["at"]``."""
 
     ops: tuple[Op, ...]
     inputs: tuple[View, ...]
@@ -141,6 +151,18 @@ class Epilogue:
     outputs: tuple[View, ...]
     output_dtypes: tuple[str, ...]
     fused: str = ""          # the loop kernel it came from
+    slices: tuple[tuple[Op, ...], ...] = ()
+    slice_cols: int = 0
+    periodic: tuple[int, ...] = ()
+
+    @property
+    def period(self) -> int:
+        """Columns of a sliced body's period (0 when it is not sliced)."""
+        return self.slice_cols * len(self.slices)
+
+    def bodies(self) -> tuple[tuple[Op, ...], ...]:
+        """The body once, or once per slice of a period."""
+        return self.slices or (self.ops,)
 
 
 @description

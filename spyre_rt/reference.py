@@ -339,6 +339,10 @@ def _matmul(k: MatmulKernel, memory: Memory) -> None:
 
 
 def _epilogue(ep, product: torch.Tensor, memory: Memory) -> None:
+    if ep.slices:
+        _sliced_epilogue(ep, product, memory)
+        return
+
     def load(op):
         if op.op == "product":
             return product.to(torch.float32), op.dtype
@@ -350,6 +354,28 @@ def _epilogue(ep, product: torch.Tensor, memory: Memory) -> None:
         out.copy_(value.expand(out.shape).to(out.dtype))
 
     _body(ep.ops, load, store)
+
+
+def _sliced_epilogue(ep, product: torch.Tensor, memory: Memory) -> None:
+    """A sliced epilogue: each slice's body on the columns of that slice of every period."""
+    cols = torch.arange(product.shape[-1])
+    for i, body in enumerate(ep.slices):
+        idx = cols[cols % ep.period // ep.slice_cols == i]
+
+        def load(op, idx=idx):
+            if op.op == "product":
+                return product[..., idx + op.attrs.get("shift", 0)].to(torch.float32), op.dtype
+            n = op.attrs["input"]
+            dtype = ep.input_dtypes[n]
+            view = _view(memory, ep.inputs[n])
+            at = idx % ep.slice_cols + op.attrs.get("at", 0) if n in ep.periodic else idx
+            return view[..., at].to(_TORCH[compute_type(dtype)]), dtype
+
+        def store(op, value, idx=idx):
+            out = _view(memory, ep.outputs[op.attrs["output"]])
+            out[..., idx] = value.expand(*out.shape[:-1], len(idx)).to(out.dtype)
+
+        _body(body, load, store)
 
 
 def _attention(k: AttentionKernel, memory: Memory) -> None:

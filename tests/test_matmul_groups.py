@@ -86,7 +86,9 @@ def test_a_granite_models_k_and_v_projections_group_and_keep_their_bits(quiet_fu
         modules.extend(k.module for k in _grouped(desc))
         return len(_grouped(desc))
 
-    logits, groups = granite_logits("group_matmuls", count)
+    # (this model's k rotation is a kernel of its own, which a sliced epilogue would take
+    # into the k projection, leaving v alone: here the grouping is what is tried)
+    logits, groups = granite_logits("group_matmuls", count, slice_epilogues=False)
     assert groups == {True: 2, False: 0}  # each layer's k and v
     assert torch.equal(logits[True].view(torch.int32), logits[False].view(torch.int32))
     # a group names every member's module: a profile by module counts v_proj's time as its own

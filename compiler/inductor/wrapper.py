@@ -460,6 +460,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
 
         return {"dispatch": options.dispatch, "cpu_fallback": options.cpu_fallback,
                 "compute_dtype": options.compute_dtype, "fuse_epilogues": options.fuse_epilogues,
+                "slice_epilogues": options.slice_epilogues,
                 "fuse_prologues": options.fuse_prologues, "group_matmuls": options.group_matmuls,
                 "compiler_version": compiler_version()}
 

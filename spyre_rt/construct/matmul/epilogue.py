@@ -47,8 +47,33 @@ class Plan:
     stored: dict          # computed value id -> the output it is written to directly (no temporary)
     ntemps: int
     temp_itemsize: int    # bytes per element of a temporary
-    input_kinds: tuple    # TILE, or COL for an input broadcast over the rows
-    instrs: int           # SFU instructions of the epilogue's body (stores' moves included)
+    input_kinds: tuple    # TILE, COL for an input broadcast over the rows, ROW for one
+                          # broadcast over the columns, PERIODIC for one period's columns
+    instrs: int           # SFU instructions of the epilogue's body (stores' moves included);
+                          # a sliced one's: of a whole tile's, on average over its slices
+    slices: tuple = ()    # a sliced epilogue's: each slice's plan (its ops, values and
+                          # temporaries; the temporaries shared, each slice in its columns)
+
+
+PERIODIC = "periodic"  # an input kind: one period of columns, read by every period of a tile
+PERIODIC_ROWS = "periodic rows"  # one period of columns of each of the tile's rows
+
+
+def input_kinds(ep: Epilogue) -> tuple:
+    """How each input of an epilogue lands in a tile: a TILE; one row broadcast over the
+    rows (COL); one value per row broadcast over the columns (ROW); or, for a sliced
+    epilogue's periodic input, one period's columns (PERIODIC), of each row (PERIODIC_ROWS)."""
+    out = []
+    for i, (_, _, sizes, strides) in enumerate(ep.inputs):
+        if i in ep.periodic:
+            out.append(PERIODIC_ROWS if strides[1] and sizes[1] > 1 else PERIODIC)
+        elif strides[1] == 0 and sizes[1] > 1:
+            out.append(COL)
+        elif strides[2] == 0 and sizes[2] > 1:
+            out.append(ROW)
+        else:
+            out.append(TILE)
+    return tuple(out)
 
 
 def prologue_plan(pro: Prologue, in_dtype: str) -> Plan:
@@ -98,10 +123,20 @@ def plan(ep: Epilogue, kinds: tuple | None = None) -> Plan:
     elementwise op may write over an argument read last by it whose elements are as wide
     (the SFU reads each row before it writes it); and a float value whose only reader is a
     store, computed in fp32 or in the stored dtype, is written into the staging tile (the
-    SFU rounds once, to the destination's dtype, as the store's move would)."""
+    SFU rounds once, to the destination's dtype, as the store's move would). A sliced
+    epilogue's slices each have a plan of their own over the same temporaries: a slice's
+    instructions touch its own columns of them (and read the product at others)."""
     if kinds is None:
-        kinds = tuple(COL if view[3][1] == 0 and view[2][1] > 1 else TILE for view in ep.inputs)
-    ops = _computed_once(ep.ops)
+        kinds = input_kinds(ep)
+    if not getattr(ep, "slices", ()):  # (a prologue's body has none)
+        return _plan_body(ep, ep.ops, kinds)
+    parts = tuple(_plan_body(ep, body, kinds) for body in ep.slices)
+    return Plan((), {}, {}, {}, max(q.ntemps for q in parts), max(q.temp_itemsize for q in parts), kinds,
+                -(-sum(q.instrs for q in parts) // len(parts)), parts)
+
+
+def _plan_body(ep: Epilogue, body: tuple, kinds: tuple) -> Plan:
+    ops = _computed_once(body)
     readers: dict[str, list] = {}
     for op in ops:
         for a in op.args:
@@ -176,12 +211,37 @@ def _only_store(readers: list):
 
 
 def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: list[int], temp_pitch: int,
-            inputs: list[tuple[int, int]], stages: list[tuple[int, int]], strips: bool = False) -> list[tuple]:
+            inputs: list[tuple[int, int]], stages: list[tuple[int, int]], strips: bool = False,
+            tile_cols: int = 0) -> list[tuple]:
     """The body's instructions for one tile: `temps` are the temporaries' offsets, `inputs`
     each input's landing (offset, pitch), `stages` each output's staging (offset, pitch).
     With `strips`, the temporaries hold one strip of rows and are marked to stay put while
-    the program runs strip by strip (an A prologue's; a tile's with epi_strip)."""
+    the program runs strip by strip (an A prologue's; a tile's with epi_strip). A sliced
+    epilogue's: each slice's body over its columns of a tile of `tile_cols` columns (a
+    whole number of periods), in slice order; each instruction names its columns."""
+    if not getattr(ep, "slices", ()):
+        return _body_program(ep, p, rows, cols, acc, temps, temp_pitch, inputs, stages, strips)
+    width = ep.slice_cols
+    if tile_cols % ep.period:
+        raise ValueError(f"a tile of {tile_cols} columns is no whole number of {ep.period}-column periods")
+    out = []
+    for q in range(tile_cols // width):
+        out += _body_program(ep, p.slices[q % len(ep.slices)], rows, width, acc, temps, temp_pitch, inputs, stages,
+                             strips, col0=q * width)
+    return out
+
+
+def _body_program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: list[int], temp_pitch: int,
+                  inputs: list[tuple[int, int]], stages: list[tuple[int, int]], strips: bool,
+                  col0: int | None = None) -> list[tuple]:
+    """One body's instructions: over a whole tile, or (`col0` given) over the slice of
+    `cols` columns from `col0` on, every tile-wide operand moved to those columns."""
     rows_ = []
+
+    def at(o: Operand, shift: int = 0) -> Operand:
+        if col0 is None or o.kind not in (TILE, COL):
+            return o
+        return o.at(o.off + (col0 + shift) * ITEMSIZE[o.dtype])
 
     def emit(op, dst: Operand, *srcs: Operand, aux: int = 0) -> None:
         enc = [s.encode() for s in srcs] + [NONE] * (3 - len(srcs))
@@ -193,7 +253,12 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
         if name == "load":
             i = op.attrs["input"]
             off, pitch = inputs[i]
-            operands[op.id] = Operand(p.input_kinds[i], p.dtypes[op.id], off, pitch)
+            kind = p.input_kinds[i]
+            if kind in (PERIODIC, PERIODIC_ROWS):  # a slice reads its columns of the period
+                operands[op.id] = Operand(COL if kind == PERIODIC else TILE, p.dtypes[op.id],
+                                          off + op.attrs.get("at", 0) * ITEMSIZE[p.dtypes[op.id]], pitch)
+            else:
+                operands[op.id] = at(Operand(kind, p.dtypes[op.id], off, pitch))
             continue
         if name == "constant":
             dt = p.dtypes[op.id]
@@ -202,17 +267,17 @@ def program(ep: Epilogue, p: Plan, rows: int, cols: int, acc: Operand, temps: li
         if name == "store":
             if op.args[0] not in p.stored:
                 off, pitch = stages[op.attrs["output"]]
-                emit(lib.SPY_SFU_MOV, Operand(TILE, ep.output_dtypes[op.attrs["output"]], off, pitch),
+                emit(lib.SPY_SFU_MOV, at(Operand(TILE, ep.output_dtypes[op.attrs["output"]], off, pitch)),
                      operands[op.args[0]])
             continue
         if op.id in p.stored:
             out = p.stored[op.id]
-            dst = Operand(TILE, ep.output_dtypes[out], *stages[out])
+            dst = at(Operand(TILE, ep.output_dtypes[out], *stages[out]))
         else:
-            dst = Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch, fixed=strips)
+            dst = at(Operand(TILE, p.dtypes[op.id], temps[p.temp[op.id]], temp_pitch, fixed=strips))
         args = [operands[a] for a in op.args]
         if name == "product":
-            emit(lib.SPY_SFU_MOV, dst, acc)
+            emit(lib.SPY_SFU_MOV, dst, at(acc, op.attrs.get("shift", 0)))
         elif name == "to_dtype":
             emit(lib.SPY_SFU_MOV, dst, args[0])
         elif name in COMPARE:

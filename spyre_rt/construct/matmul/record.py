@@ -24,8 +24,8 @@ from ...layout import StickLayout
 from ...native import ffi, lib
 from ...program import INSTR, OPND_COL, OPND_IMM, OPND_NONE, OPND_TILE, built_block
 from .. import sfu as sfu_ops
-from ..context import BuildContext, ScratchpadPlan
-from ..sfu import ROW, TILE
+from ..context import BuildContext, Refused, ScratchpadOverflow, ScratchpadPlan
+from ..sfu import COL, ROW, TILE
 from . import epilogue
 from .spec import ITEMSIZE, PRO_STRIP, MatmulSpec, Problem, View
 from .tiling import (
@@ -57,6 +57,7 @@ class Scratchpad:
         a_rows, b_rows = (depth if p.trans_a else tm), (tn if p.trans_b else depth)
         self.a = [lx.take(a_rows * self.a_pitch * p.e_in) for _ in range(t.nbuf)]
         self.b = [lx.take(b_rows * self.b_pitch * p.e_in) for _ in range(t.nbuf)]
+        self.tn = tn
         self.c_pitch = round_up(tn, 32)
         self.acc = lx.take(tm * self.c_pitch * 4)
         self.recv = lx.take(tm * self.c_pitch * 4) if t.pk > 1 else 0
@@ -73,11 +74,15 @@ class Scratchpad:
         self.epi_in, self.temps = [], []
         if spec.epilogue is not None:  # landing tiles (rows) of its inputs, its temporaries
             ep, pl = spec.epilogue, epilogue.plan(spec.epilogue)
-            for dt, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True):
+            for v, dt, kind in zip(ep.inputs, ep.input_dtypes, pl.input_kinds, strict=True):
                 e = dtypes.ITEMSIZE[dt]
-                pitch = round_up(tn, target.stick_bytes // e)
-                rows = tm if kind == TILE else 1
-                self.epi_in.append((pitch, e, [lx.take(rows * pitch * e) for _ in range(2)]))
+                # a row of the tile's columns, of its rows' values (ROW), or of one period
+                periodic = kind in (epilogue.PERIODIC, epilogue.PERIODIC_ROWS)
+                width = tm if kind == ROW else v[2][2] if periodic else tn
+                pitch = width if periodic else round_up(width, target.stick_bytes // e)
+                rows = tm if kind in (TILE, epilogue.PERIODIC_ROWS) else 1
+                self.epi_in.append((pitch, e, [lx.take(rows * round_up(pitch * e, target.stick_bytes))
+                                               for _ in range(2)]))
             self.temps = [lx.take(min(tm, p.epi_strip or tm) * self.c_pitch * pl.temp_itemsize)
                           for _ in range(pl.ntemps)]
         self.pro_vectors, self.pro_temps, self.pro_pitch = [], [], round_up(depth, 32)
@@ -177,18 +182,33 @@ def exact_tiling(target: CostModel, spec: MatmulSpec) -> Tiling | None:
     cut. So: the matmul alone's tiling where the fused work fits beside it; else the fastest
     tiling with its K chunk and slices that fits (the fused work may want other tiles of M
     and N, an epilogue's loads room of their own); None where none fits. The fusion passes
-    fuse only where one exists."""
+    fuse only where one exists. A sliced epilogue's tiles must also be alike in their columns,
+    a whole number of its periods each."""
     alone = choose(target, Problem.of(dataclasses.replace(spec, prologue=None, epilogue=None)))
     p = Problem.of(spec)
-    if lx_bytes_of(target, p, alone) <= target.scratchpad_bytes:
-        return alone
-    return _same_k(target, p, alone.pk, alone.tk)
+    period = spec.epilogue.period if spec.epilogue is not None else 0
+    if lx_bytes_of(target, p, alone) <= target.scratchpad_bytes and _in_periods(target, p, alone.n_tiles, period):
+        t = alone
+    else:
+        t = _same_k(target, p, alone.pk, alone.tk, period)
+    return t if t is not None and _fits(target, spec, p, t) else None
+
+
+def _in_periods(target: CostModel, p: Problem, n_tiles: int, period: int) -> bool:
+    """Whether N cut in `n_tiles` tiles gives tiles alike, each a whole number of periods."""
+    if not period:
+        return True
+    sizes = split(p.n, n_tiles, granule(p.n, n_tiles, preferred_granules(target, p)[1]))
+    return bool((sizes == sizes[0]).all() and sizes[0] % period == 0)
 
 
 @functools.lru_cache(maxsize=256)
-def _same_k(target: CostModel, p: Problem, pk: int, tk: int) -> Tiling | None:
+def _same_k(target: CostModel, p: Problem, pk: int, tk: int, period: int = 0) -> Tiling | None:
     rows = grids(target, p)
     rows = rows[rows[:, 1] == pk]
+    if period:
+        n_tiles = GRID_COLUMNS.index("n_tiles")
+        rows = rows[[_in_periods(target, p, int(n), period) for n in rows[:, n_tiles]]]
     if not len(rows):
         return None
     nbufs = np.arange(2, lib.SPY_MM_MAX_NBUF + 1)
@@ -214,11 +234,15 @@ def _tiling(target: CostModel, spec: MatmulSpec, p: Problem) -> Tiling:
         return t
     if spec.prologue is None and spec.epilogue is None:
         return choose(target, p)
-    return exact_tiling(target, spec) or choose(target, p)
+    exact = exact_tiling(target, spec)
+    if exact is None and spec.epilogue is not None and spec.epilogue.slices:
+        raise Refused(f"no tiling of a {p.m}x{p.n}x{p.k} matmul cuts its columns in whole "
+                      f"{spec.epilogue.period}-column periods of its sliced epilogue")
+    return exact or choose(target, p)
 
 
-def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: MatmulRecord, r: dict) -> None:
-    target = ctx.target
+def _cuts(target: CostModel, spec: MatmulSpec, p: Problem, t: Tiling) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sizes of the M tiles, of the N tiles and of the K slices."""
     gm, gn = preferred_granules(target, p)
     m_size = split(p.m, t.m_tiles, granule(p.m, t.m_tiles, gm))
     if spec.parts:  # each part cut as its matmul alone (the parts' N tiles never straddle two)
@@ -228,6 +252,26 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
     else:
         n_size = split(p.n, t.n_tiles, granule(p.n, t.n_tiles, gn))
     k_slice = split(p.k, t.pk, granule(p.k, t.pk, K_GRANULE)) if p.k else np.zeros(1, dtype=np.int64)
+    return m_size, n_size, k_slice
+
+
+def _fits(target: CostModel, spec: MatmulSpec, p: Problem, t: Tiling) -> bool:
+    """Whether the regions of the matmul cut so fit a core's scratchpad (the estimate the
+    tiling search uses counts some of an epilogue's rows at the tiles' width)."""
+    if not p.batch * p.m * p.n:
+        return True
+    m_size, n_size, k_slice = _cuts(target, spec, p, t)
+    try:
+        Scratchpad(target, spec, p, t, int(m_size.max()), int(n_size.max()),
+                   min(t.tk, int(k_slice.max())) if p.k else 1)
+    except ScratchpadOverflow:
+        return False
+    return True
+
+
+def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: MatmulRecord, r: dict) -> None:
+    target = ctx.target
+    m_size, n_size, k_slice = _cuts(target, spec, p, t)
     tm, tn = int(m_size.max()), int(n_size.max())
     depth = min(t.tk, int(k_slice.max())) if p.k else 1
     lx = Scratchpad(target, spec, p, t, tm, tn, depth)
@@ -245,7 +289,7 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
     plan = epilogue.plan(spec.epilogue) if spec.epilogue is not None else None
     if plan is not None:
         for v, (pitch, e, offs), kind in zip(spec.epilogue.inputs, lx.epi_in, plan.input_kinds, strict=True):
-            loads.append(_tiles(ctx, v, pitch, e, offs, row=kind != TILE))
+            loads.append(_tiles(ctx, v, pitch, e, offs, row=LANDS[kind]))
     if spec.parts:  # a grouped matmul: each part's columns stored from the one staging tile
         if spec.epilogue is not None or spec.bias is not None:
             raise ValueError("a grouped matmul has no epilogue and no bias")
@@ -315,7 +359,12 @@ def _view(ctx: BuildContext, v: View) -> dict:
     return {"slot": ctx.slot(v.buf), "offset": v.offset, "strides": list(v.strides)}
 
 
-def _tiles(ctx: BuildContext, v: View, pitch: int, itemsize: int, offs, row: bool = False, part: int = 0) -> dict:
+# how an epilogue input of each kind lands (spy_mm_tiles.row)
+LANDS = {TILE: lib.SPY_MM_TILES_WHOLE, COL: lib.SPY_MM_TILES_ROW, ROW: lib.SPY_MM_TILES_PER_ROW,
+         epilogue.PERIODIC: lib.SPY_MM_TILES_PERIODIC, epilogue.PERIODIC_ROWS: lib.SPY_MM_TILES_PERIODIC_ROWS}
+
+
+def _tiles(ctx: BuildContext, v: View, pitch: int, itemsize: int, offs, row: int = 0, part: int = 0) -> dict:
     return {"view": _view(ctx, v), "lx": list(offs), "pitch": pitch, "itemsize": itemsize, "row": int(row),
             "part": part}
 
@@ -337,6 +386,9 @@ def _program(spec: MatmulSpec, p: Problem, lx: Scratchpad, plan, s: int) -> list
                     [acc, NONE, NONE]))
     else:
         ins += epilogue.program(spec.epilogue, plan, 0, 0, sfu_ops.Operand(TILE, "float32", lx.acc, lx.c_pitch),
-                                lx.temps, lx.c_pitch, [(offs[s], pitch) for pitch, _, offs in lx.epi_in],
-                                [(offs[s], pitch) for pitch, _, offs in lx.outs], strips=bool(p.epi_strip))
+                                lx.temps, lx.c_pitch,
+                                [(offs[s], 1 if kind == ROW else pitch)
+                                 for (pitch, _, offs), kind in zip(lx.epi_in, plan.input_kinds, strict=True)],
+                                [(offs[s], pitch) for pitch, _, offs in lx.outs], strips=bool(p.epi_strip),
+                                tile_cols=lx.tn)
     return ins

@@ -71,11 +71,15 @@ class Problem:
         if spec.epilogue is not None:
             ep = spec.epilogue
             pl = epilogue.plan(ep)
-            tiles = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind == "tile"]
-            rows = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind != "tile"]
+            # (a periodic table of the tile's rows: at most a tile's worth)
+            tiled = ("tile", epilogue.PERIODIC_ROWS)
+            tiles = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind in tiled]
+            rows = [e for e, kind in zip(ep.input_dtypes, pl.input_kinds, strict=True) if kind not in tiled]
             extra = {"stores": tuple(dtypes.ITEMSIZE[d] for d in ep.output_dtypes),
                      "epi_tiles": tuple(dtypes.ITEMSIZE[d] for d in tiles),
-                     "epi_rows": tuple(dtypes.ITEMSIZE[d] for d in rows),
+                     # (an 8-byte vector, per row or per column: two 4-byte rows for the estimate)
+                     "epi_rows": tuple(e for d in rows for e in ((4, 4) if dtypes.ITEMSIZE[d] == 8
+                                                                  else (dtypes.ITEMSIZE[d],))),
                      "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs,
                      "epi_strip": EPI_STRIP if pl.ntemps else 0}
         if spec.prologue is not None:

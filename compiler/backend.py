@@ -155,6 +155,7 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         "fuse_residuals": settings.fuse_residuals,
         "fuse_prologues": settings.fuse_prologues,
         "group_matmuls": settings.group_matmuls,
+        "bound_causal_masks": settings.bound_causal_masks,
         "step_settings": config.step_fields(settings),
         "profile_digest": spyre_rt.card.card_set().profile.digest,
         "compiler_version": compiler_version(),

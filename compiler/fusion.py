@@ -31,7 +31,8 @@ COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}
 def fuse_kernels(step: StepDesc) -> StepDesc:
     """The step's fusions its options turn on: epilogues, then prologues (an epilogue can
     make a matmul's A, so that the kernel after it is a norm the next matmuls take in), then
-    groups of matmuls of one A (their prologues made alike by then)."""
+    groups of matmuls of one A (their prologues made alike by then); and the attentions
+    whose masks the step proves causal up to a bound skip the blocks past it."""
     if step.options.get("fuse_epilogues"):
         step = fuse_epilogues(step, sliced=step.options.get("slice_epilogues", True))
     if step.options.get("fuse_prologues"):
@@ -42,6 +43,10 @@ def fuse_kernels(step: StepDesc) -> StepDesc:
         from .grouping import group_matmuls
 
         step = group_matmuls(step)
+    if step.options.get("bound_causal_masks"):
+        from .causal import bound_causal_masks
+
+        step = bound_causal_masks(step)
     return step
 
 

@@ -29,6 +29,10 @@ fuse_prologues: bool = True
 # matmuls of one A whose tilings are alike (a layer's k and v projections) are computed as one
 # grouped matmul, their weights and outputs its parts (compiler/grouping.py)
 group_matmuls: bool = True
+# an attention whose boolean mask the step proves causal up to a bound (a static cache's mask,
+# its position bounded by the cache write's index check) skips the blocks past it
+# (compiler/causal.py)
+bound_causal_masks: bool = True
 profile_digest: str = ""      # the device profile the graph was compiled for
 compiler_version: str = ""    # digest of the compiler's sources: a new compiler misses the cache
 # the settings the step carries to its calls (spyre_rt.config.step_fields); {} = the process's

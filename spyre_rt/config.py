@@ -45,6 +45,8 @@ class Settings:
     fuse_residuals: bool = True            # a residual add of a matmul's product as that matmul's epilogue
     fuse_prologues: bool = True            # a kernel that makes a matmul's A (RMSNorm) as its prologue
     group_matmuls: bool = True             # matmuls of one A cut alike (k and v) computed as one
+    bound_causal_masks: bool = True        # an attention whose mask the step proves causal up to a
+                                           # bound (a static cache's) skips the blocks past it
     trace: bool = False
     trace_commands: bool = True
 
@@ -64,7 +66,7 @@ def _bool(value: str) -> bool:
 # What each setting shapes: the step's code (part of its plan key), its calls (carried by
 # the step), or the process (the card set that every tensor lives on).
 COMPILE_FIELDS = ("dispatch", "cpu_fallback", "compute_dtype", "fuse_epilogues", "slice_epilogues", "split_gated_gemms",
-                  "fuse_residuals", "fuse_prologues", "group_matmuls")
+                  "fuse_residuals", "fuse_prologues", "group_matmuls", "bound_causal_masks")
 STEP_FIELDS = ("cache_dir", "cache_enabled", "cache_max_bytes", "trace", "trace_commands")
 PROCESS_FIELDS = {
     "device_profile": "SPYRE_RT_DEVICE_PROFILE",
@@ -88,6 +90,7 @@ ENV = {
     "SPYRE_RT_FUSE_RESIDUALS": ("fuse_residuals", _bool),
     "SPYRE_RT_FUSE_PROLOGUES": ("fuse_prologues", _bool),
     "SPYRE_RT_GROUP_MATMULS": ("group_matmuls", _bool),
+    "SPYRE_RT_BOUND_CAUSAL_MASKS": ("bound_causal_masks", _bool),
     "SPYRE_RT_TRACE": ("trace", _bool),
     "SPYRE_RT_TRACE_COMMANDS": ("trace_commands", _bool),
 }

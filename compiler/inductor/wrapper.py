@@ -462,6 +462,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                 "compute_dtype": options.compute_dtype, "fuse_epilogues": options.fuse_epilogues,
                 "slice_epilogues": options.slice_epilogues,
                 "fuse_prologues": options.fuse_prologues, "group_matmuls": options.group_matmuls,
+                "bound_causal_masks": options.bound_causal_masks,
                 "compiler_version": compiler_version()}
 
     def _generate(self, is_inference):

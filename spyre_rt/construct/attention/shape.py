@@ -27,6 +27,7 @@ class Shape:
     q_offset: int
     page: int = 0           # paged keys and values: keys per page (0: dense)
     table_dtype: str = ""   # of the block table
+    blocks: tuple = ()      # (query rows, keys per block) the tiling must take, if any
 
     @property
     def group(self) -> int:
@@ -60,4 +61,5 @@ class Shape:
         kind = "" if mask is None else "bool" if k.mask_dtype == "bool" else "add"
         mask_heads = 1 if mask is None or mask.strides[1] == 0 else heads // kv_heads
         return cls(batch, heads, kv_heads, q_len, kv_len, dim, v.sizes[3], k.dtype, kind, k.mask_dtype,
-                   mask_heads, bool(k.causal), int(k.q_offset), page, k.table_dtype if page else "")
+                   mask_heads, bool(k.causal), int(k.q_offset), page, k.table_dtype if page else "",
+                   tuple(getattr(k, "blocks", ())))

@@ -39,6 +39,8 @@ def candidates(shape: Shape, target: CostModel) -> list[tuple[int, int, bool]]:
     keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
     if shape.page:  # a block is whole pages, or rows of one page (a gather each)
         keys = [k for k in (512, 256, 128, 64) if k % shape.page == 0 or shape.page % k == 0] or [shape.page]
+    if shape.blocks:  # the tiles it must keep
+        rows, keys = [shape.blocks[0]], [shape.blocks[1]]
     return [(r, k, shared) for r in rows for k in keys
             for shared in ((True, False) if can_share(shape, target, r) else (False,))]
 

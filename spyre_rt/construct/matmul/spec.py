@@ -80,13 +80,13 @@ class Problem:
                      # (an 8-byte vector, per row or per column: two 4-byte rows for the estimate)
                      "epi_rows": tuple(e for d in rows for e in ((4, 4) if dtypes.ITEMSIZE[d] == 8
                                                                   else (dtypes.ITEMSIZE[d],))),
-                     "epi_temps": pl.ntemps, "epi_temp_e": pl.temp_itemsize, "epi_instrs": pl.instrs,
+                     **_temps("epi", pl), "epi_instrs": pl.instrs,
                      "epi_strip": EPI_STRIP if pl.ntemps else 0}
         if spec.prologue is not None:
             pro = spec.prologue
             pl = epilogue.prologue_plan(pro, dtypes.NAME[spec.in_dtype])
             vectors = list(zip(pro.input_dtypes[1:], pl.input_kinds[1:], strict=True))
-            extra.update({"pro_temps": pl.ntemps, "pro_temp_e": pl.temp_itemsize, "pro_instrs": pl.instrs,
+            extra.update({**_temps("pro", pl), "pro_instrs": pl.instrs,
                           "pro_rows": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == ROW),
                           "pro_cols": tuple(dtypes.ITEMSIZE[d] for d, kind in vectors if kind == COL),
                           "pro_strip": PRO_STRIP})
@@ -111,6 +111,13 @@ class Problem:
         """Each operand read once and the output written once."""
         return self.batch * ((self.m * self.k + self.k * self.n) * self.e_in
                              + self.m * self.n * (sum(self.e_stores) + sum(self.epi_tiles)) + self.n * sum(self.epi_rows))
+
+
+def _temps(prefix: str, pl) -> dict:
+    """A plan's temporaries for the estimate, which knows elements of at most 4 bytes: an
+    8-byte one (an int64 value, per element) as two of 4 bytes (the same room)."""
+    wide = pl.temp_itemsize == 8
+    return {f"{prefix}_temps": pl.ntemps * (2 if wide else 1), f"{prefix}_temp_e": 4 if wide else pl.temp_itemsize}
 
 
 def transposed(view: View, contiguous_inner: int, other: int) -> bool:

@@ -188,7 +188,8 @@ static int64_t lx_bytes(const spy_mm_cost *c, const spy_mm_problem *p, int64_t t
     for (uint32_t i = 0; i < p->npro_cols; i++)
         vectors += round_up(depth * p->e_pro_cols[i], al);
     int64_t strip = p->pro_strip && p->pro_strip < tm ? p->pro_strip : tm;
-    temps += (int64_t)p->pro_temps * round_up(strip * round_up(depth, 32) * p->pro_temp_e, al);
+    if (p->pro_temps) /* (their element size is checked only where there are some) */
+        temps += (int64_t)p->pro_temps * round_up(strip * round_up(depth, 32) * p->pro_temp_e, al);
     return nbuf * (round_up(a, al) + round_up(b, al) + vectors) + round_up(acc, al) * (pk > 1 ? 2 : 1) + more +
            2 * round_up(bias, al) + temps;
 }
@@ -376,7 +377,8 @@ static spy_status check_args(const spy_mm_cost *c, const spy_mm_problem *p)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: epi_temps %u above 64 or epi_instrs %u above 4096",
                         p->epi_temps, p->epi_instrs);
     if (p->pro_temps > 64 || p->pro_instrs > SPY_MM_MAX_PROGRAM || p->npro_rows > SPY_MM_MAX_VECTORS ||
-        p->npro_cols > SPY_MM_MAX_VECTORS || (p->pro_instrs && (p->trans_a || !itemsize_ok(p->pro_temp_e))))
+        p->npro_cols > SPY_MM_MAX_VECTORS || (p->pro_instrs && p->trans_a) ||
+        ((p->pro_instrs || p->pro_temps) && !itemsize_ok(p->pro_temp_e)))
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul tiling: an A prologue of %u temporaries of %u bytes, %u "
                         "instructions, %u + %u vectors (at most 64, %u, %u each; A not transposed)", p->pro_temps,
                         p->pro_temp_e, p->pro_instrs, p->npro_rows, p->npro_cols, SPY_MM_MAX_PROGRAM,

@@ -287,3 +287,14 @@ def test_an_empty_matmul_with_a_prologue_or_strips_is_estimated_not_divided_by_z
     t = Tiling(1, 1, 1, 1, 1, 1, 64, 2)
     assert np.isfinite(tl.estimate_one(TARGET, p, t))
     assert tl.lx_bytes_of(TARGET, p, t) >= 0
+
+
+def test_prologue_temporaries_of_an_unknown_element_size_are_refused_not_overflowed():
+    """Temporaries with no instructions still take room: their element size is checked as
+    any other's (the builder fuzzer's find: a signed overflow of the scratchpad estimate,
+    under UBSan, for 64 temporaries of 2^32-byte elements)."""
+    from spyre_rt.errors import SpyreError
+
+    p = Problem(1, 64, 64, 64, 2, 2, 0, False, True, False, pro_temps=64, pro_temp_e=1 << 31)
+    with pytest.raises(SpyreError, match="prologue of 64 temporaries"):
+        tl.lx_bytes_of(TARGET, p, Tiling(1, 1, 1, 1, 1, 1, 64, 2))

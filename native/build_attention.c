@@ -636,8 +636,11 @@ static int member_order(const void *x, const void *y)
 }
 
 /* Every task's blocks in per-core program order; which block loads each block's K and V:
- * itself, or in a sharing group the members of its (group, step), in task order, in turn
- * (block j of the keys by member j % members). */
+ * itself, or in a sharing group the members of its (group, step), in task order, in turn.
+ * The members walk keys from one first key, each as far as it sees (causal tiles of one KV
+ * head see more keys the later their queries): block j of the keys is loaded by one of the
+ * members whose block j holds the most keys (the j % n-th of those n), and sent to the
+ * other members that have a block j, each taking the keys it holds. */
 static spy_status make_blocks(attn *a)
 {
     const spy_attention_record *r = a->r;
@@ -675,20 +678,40 @@ static spy_status make_blocks(attn *a)
     qsort(m, ngrouped, sizeof *m, member_order);
     spy_status st = SPY_OK;
     for (uint64_t lo = 0, hi; lo < ngrouped; lo = hi) {
-        for (hi = lo + 1; hi < ngrouped && m[hi].group == m[lo].group && m[hi].step == m[lo].step; hi++) {
+        uint64_t most = 0;
+        for (hi = lo; hi < ngrouped && m[hi].group == m[lo].group && m[hi].step == m[lo].step; hi++) {
             const spy_attention_task *x = &r->tasks[m[lo].task], *y = &r->tasks[m[hi].task];
-            if (x->kv0 != y->kv0 || x->kv1 != y->kv1) {
+            const attn_tstate *ts = &a->tk[m[hi].task];
+            if (x->kv0 != y->kv0) {
                 st = spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu] and tasks[%llu] of group %lld "
-                              "step %lld walk different keys", (unsigned long long)m[lo].task,
+                              "step %lld start at different keys", (unsigned long long)m[lo].task,
                               (unsigned long long)m[hi].task, (long long)x->group, (long long)x->step);
                 goto done;
             }
+            if (ts->last_block - ts->first_block + 1 > most)
+                most = ts->last_block - ts->first_block + 1;
         }
-        for (uint64_t k = lo; k < hi; k++) {
-            const attn_tstate *ts = &a->tk[m[k].task];
-            for (uint64_t i = ts->first_block; i <= ts->last_block; i++) {
-                uint64_t j = i - ts->first_block;
-                a->blk[i].src = a->tk[m[lo + j % (hi - lo)].task].first_block + j;
+        for (uint64_t j = 0; j < most; j++) {
+            uint64_t keys = 0, holders = 0, pick = 0;
+            for (uint64_t k = lo; k < hi; k++) { /* the most keys a member's block j holds */
+                const attn_tstate *ts = &a->tk[m[k].task];
+                if (ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys > keys)
+                    keys = a->blk[ts->first_block + j].keys;
+            }
+            for (uint64_t k = lo; k < hi; k++) {
+                const attn_tstate *ts = &a->tk[m[k].task];
+                holders += ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys == keys;
+            }
+            for (uint64_t k = lo, c = 0; k < hi; k++) { /* the (j % n)-th of them loads it */
+                const attn_tstate *ts = &a->tk[m[k].task];
+                if (ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys == keys &&
+                    c++ == j % holders)
+                    pick = ts->first_block + j;
+            }
+            for (uint64_t k = lo; k < hi; k++) {
+                const attn_tstate *ts = &a->tk[m[k].task];
+                if (ts->first_block + j <= ts->last_block)
+                    a->blk[ts->first_block + j].src = pick;
             }
         }
     }

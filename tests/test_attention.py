@@ -319,6 +319,30 @@ def test_cores_of_a_kv_head_share_its_keys_over_the_ring(card):
     _no_races(blob)
 
 
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "causal_and_mask"])
+def test_causal_tiles_of_a_kv_head_share_its_keys_each_to_its_diagonal(card, mask):
+    """Causal prefill: the tiles of a KV head walk its keys together as far as each sees,
+    one member holding the most keys of each block loading it and sending the others the
+    keys they hold; a step's members end at different keys."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 8, 300, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, 310, 64, generator=g).half() for _ in range(2))
+    m = causal_from(300, 310, 10) & (torch.rand(300, 310, generator=g) > 0.1) if mask else None
+    if m is not None:
+        m[..., 0] = True  # every query keeps a key
+    got, record, blob = run_direct(card, q, k, v, causal=True, q_offset=10, mask=m)
+    tasks = record.tiling.tasks
+    assert (tasks[:, A.GROUP] >= 0).all()
+    ends = {}
+    for t in tasks:
+        ends.setdefault((int(t[A.GROUP]), int(t[A.STEP])), set()).add(int(t[A.KV1]))
+    assert any(len(e) > 1 for e in ends.values())  # members of a step end at different keys
+    keep = causal_from(300, 310, 10) if m is None else m
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    _no_races(blob)
+
+
 # ---- paged keys and values: gathered through the block table --------------------------------
 
 

@@ -71,10 +71,11 @@ def units_of(shape: Shape, q_rows: int) -> list[tuple[int, int, int, int, int]]:
 
 
 def can_share(shape: Shape, target: CostModel, q_rows: int) -> bool:
-    """Several cores can walk one KV head's keys together: each tile sees them all, and
-    there are cores enough for two or more per KV head and tiles for each."""
+    """Several cores can walk one KV head's keys together (from its first key, each as far
+    as its tile sees: a causal tile's keys end at its diagonal): there are cores enough for
+    two or more per KV head and tiles for each."""
     heads = shape.batch * shape.kv_heads
-    return not shape.causal and target.num_cores // heads >= 2 and -(-shape.q_len // q_rows) >= 2
+    return target.num_cores // heads >= 2 and -(-shape.q_len // q_rows) >= 2
 
 
 def make_tasks(shape: Shape, target: CostModel, q_rows: int, kv_block: int, shared: bool = False) -> np.ndarray:

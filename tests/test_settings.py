@@ -258,6 +258,47 @@ def test_group_matmuls_off_keeps_matmuls_of_one_input_apart(setting, way):
     assert matmuls(steps["apart"]) == [0, 0] and matmuls(steps["grouped"]) == [1]
 
 
+def rotated(x, w, pos, inv_freq):
+    """A projection's heads (of 64) rotated by a rotary embedding: a sliced epilogue."""
+    q = (x @ w.t()).view(1, x.shape[0], -1, 64).transpose(1, 2)
+    freqs = pos[:, :, None].float() * inv_freq[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q * emb.cos()[:, None] + torch.cat((-q[..., 32:], q[..., :32]), dim=-1) * emb.sin()[:, None]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_slice_epilogues_off_keeps_the_rotation_a_kernel_of_its_own(setting, way):
+    args = (torch.randn(16, 64), torch.randn(128, 64), torch.arange(16)[None], torch.rand(32))
+    options = setting("SPYRE_RT_SLICE_EPILOGUES", "slice_epilogues", False, way)
+    apart, out_apart = _compiled(rotated, options, *args)
+    sliced, out_sliced = _compiled(rotated, {"slice_epilogues": True}, *args)
+    count = lambda step: sum(bool(getattr(getattr(k, "epilogue", None), "slices", ()))  # noqa: E731
+                             for k in step.desc.kernels.values())
+    assert count(sliced) == 1 and count(apart) == 0
+    assert torch.equal(out_apart, out_sliced)
+
+
+def static_cache_attention(q, k_new, k_cache, position):
+    """A static cache's write and its mask (kv <= q + position), as Hugging Face's."""
+    at = torch.arange(q.shape[2], device=q.device) + position
+    k_cache.index_copy_(2, at, k_new)
+    kv = torch.arange(k_cache.shape[2], device=q.device)
+    mask = kv[None, :] <= (torch.arange(q.shape[2], device=q.device) + position)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, k_cache, attn_mask=mask[None, None])
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_bound_causal_masks_off_leaves_the_attention_to_its_mask(setting, way):
+    args = (torch.randn(1, 2, 24, 32), torch.randn(1, 2, 24, 32), torch.zeros(1, 2, 40, 32),
+            torch.tensor(3))
+    options = setting("SPYRE_RT_BOUND_CAUSAL_MASKS", "bound_causal_masks", False, way)
+    apart, out_apart = _compiled(static_cache_attention, options, *args)
+    bound, out_bound = _compiled(static_cache_attention, {"bound_causal_masks": True}, *args)
+    causal = lambda step: [k.q_offset for k in step.desc.kernels.values() if getattr(k, "causal", False)]  # noqa: E731
+    assert causal(bound) == [40 - 24] and causal(apart) == []
+    assert torch.equal(out_apart, out_bound)
+
+
 @pytest.mark.parametrize("name, var", [("sim_mode", "SPYRE_RT_SIM_MODE"),
                                        ("device_profile", "SPYRE_RT_DEVICE_PROFILE"),
                                        ("device_count", "SPYRE_RT_DEVICE_COUNT")])

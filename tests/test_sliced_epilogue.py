@@ -12,6 +12,8 @@ columns are not one value, and a body the slices cannot decide stays a kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_epilogue_fusion import MODES, _compile_and_run, _fused, _loops, _same_bits
@@ -109,8 +111,8 @@ def test_the_reference_evaluation_of_a_sliced_epilogue_gives_the_unfused_steps_b
     as) computes a sliced body slice by slice, as the kernels apart compute it."""
     from spyre_rt.compiler.fusion import fuse_epilogues
 
-    args = _args(dtype, 1, 24, 128, 2, 128, seed=9)
-    _, plain = _compile_and_run(_rope(2), args, fuse=False, option="slice_epilogues", fuse_prologues=False)
+    args = _args(dtype, 1, 40, 256, 4, 128, seed=9)
+    _, plain = _compile_and_run(_rope(4), args, fuse=False, option="slice_epilogues", fuse_prologues=False)
     fused = fuse_epilogues(plain)
     (mm,) = _sliced(fused)
     out = mm.epilogue.outputs[0][0]
@@ -226,3 +228,27 @@ def test_the_builders_sliced_epilogue_equals_torch(functional_card, rows, tiling
     torch.as_strided(want, o.view.sizes, o.view.strides, o.view.offset).copy_(
         ((prod * table + partner * vector) * per_row).half()[None])
     assert torch.equal(got, want)
+
+
+def test_a_rotation_whose_projection_would_need_other_tiles_stays_a_kernel_and_right():
+    """At 24 rows by 256 columns the matmul alone takes tiles that are not whole heads: the
+    sliced epilogue would need another tiling, which is not worth its risk (fusion._pays),
+    so the rotation stays a kernel of its own."""
+    from spyre_rt.compiler.fusion import _fusion
+
+    from spyre_rt import card
+    from spyre_rt.construct.matmul import Problem, spec_of
+    from spyre_rt.construct.matmul.record import exact_tiling
+    from spyre_rt.construct.matmul.tiling import choose
+    from spyre_rt.cost import CostModel
+
+    args = _args(torch.float32, 1, 24, 128, 2, 128, seed=9)
+    fused, desc = _compile_and_run(_rope(2), args, fuse=True, fuse_prologues=False)
+    assert not _sliced(desc) and any(k.shape == "pointwise" for k in _loops(desc))
+    rope = next(i for i, (_, n) in enumerate(desc.sequence) if getattr(desc.kernels.get(n), "shape", "") == "pointwise")
+    _, mm = _fusion(desc, dict(desc.kernels), list(desc.sequence), rope)  # what the slices would be
+    target = CostModel.of_figures(card.card_set().profile)
+    spec = spec_of(mm)
+    assert exact_tiling(target, spec) != choose(target, Problem.of(dataclasses.replace(spec, epilogue=None)))
+    want = _rope(2)(*(a.double() if a.is_floating_point() else a for a in args))
+    assert (fused["prebuilt"][0].double() - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())

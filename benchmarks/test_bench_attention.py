@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from side_by_side import compare
 from targets import check_target
 
 import spyre_rt
@@ -161,36 +162,9 @@ def test_prefill_attention_skips_past_its_causal_bound(benchmark):
     """Granite 3.3 8B's prefill attention (1,024 queries, a static cache of 1,029 positions),
     with the cache write's bound on the position making it causal (bound_causal_masks)
     against the whole square: the card's time of the step, side by side."""
-    from spyre_rt import card as cards
-
-    with cards.configured(None, "timing"):
-        args = [torch.empty(1, 32, 1024, 128, dtype=torch.float16).to("spyre"),
-                *(torch.empty(1, 8, 1024, 128, dtype=torch.float16).to("spyre") for _ in range(2)),
-                *(torch.empty(1, 8, 1029, 128, dtype=torch.float16).to("spyre") for _ in range(2)),
-                torch.zeros((), dtype=torch.int64).to("spyre"), torch.ones(1029, dtype=torch.bool).to("spyre")]
-        card = cards.card_set().cards[0]
-        figures = {}
-
-        def device_ns(on: bool) -> float:
-            torch._dynamo.reset()
-            f = torch.compile(static_cache_attention, backend="spyre_rt", dynamic=False,
-                              options={"bound_causal_masks": on})
-            f(*args)
-            card.synchronize()
-            before = card.counters()["device_busy_ns"]
-            f(*args)
-            card.synchronize()
-            return card.counters()["device_busy_ns"] - before
-
-        def run():
-            for on in (True, False):
-                figures[on] = device_ns(on)
-
-        benchmark.pedantic(run, rounds=1, iterations=1)
-    ratio = figures[True] / figures[False]
-    benchmark.extra_info.update({"on_device_us": figures[True] / 1e3, "off_device_us": figures[False] / 1e3,
-                                 "on_over_off": round(ratio, 4)})
-    check_target(benchmark, ratio < 1, f"the prefill attention with bound_causal_masks takes {ratio:.3f} of its "
-                                       "device time without")
-    print(f"\nprefill attention: bound_causal_masks on {figures[True] / 1e3:.1f} us, off {figures[False] / 1e3:.1f} us "
-          f"({ratio:.3f})")
+    compare(benchmark, static_cache_attention, lambda: [
+        torch.empty(1, 32, 1024, 128, dtype=torch.float16).to("spyre"),
+        *(torch.empty(1, 8, 1024, 128, dtype=torch.float16).to("spyre") for _ in range(2)),
+        *(torch.empty(1, 8, 1029, 128, dtype=torch.float16).to("spyre") for _ in range(2)),
+        torch.zeros((), dtype=torch.int64).to("spyre"), torch.ones(1029, dtype=torch.bool).to("spyre")],
+        "bound_causal_masks", "prefill attention")

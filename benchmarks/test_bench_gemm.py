@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
+from side_by_side import compare
 from targets import check_target
 
-from spyre_rt import card as cards
 from spyre_rt import jobs
 from spyre_rt.construct.context import BuildContext
 from spyre_rt.construct.matmul import MatmulSpec, View, build
@@ -103,37 +103,10 @@ def rms_qkv(h, w, wq, wk, wv):
     return x @ wq.t(), x @ wk.t(), x @ wv.t()
 
 
-def _step_device_ns(fn, args, options: dict) -> float:
-    """Device ns of one call of `fn` compiled with `options` (the second call: plans built)."""
-    torch._dynamo.reset()
-    f = torch.compile(fn, backend="spyre_rt", dynamic=False, options=options)
-    card = cards.card_set().cards[0]
-    f(*args)
-    card.synchronize()
-    before = card.counters()["device_busy_ns"]
-    f(*args)
-    card.synchronize()
-    return card.counters()["device_busy_ns"] - before
-
-
 def _side_by_side(benchmark, fn, shapes: list[tuple[int, ...]], option: str, what: str) -> None:
-    """`fn` on fp16 tensors of `shapes` on a timing-mode card, compiled with `option` on and
-    off, one after the other: the device time of each step, and the ratio on / off (target:
-    below 1)."""
-    with cards.configured(None, "timing"):
-        args = [torch.empty(*shape, dtype=torch.float16).to("spyre") for shape in shapes]
-        figures = {}
-
-        def run():
-            for on in (True, False):
-                figures[on] = _step_device_ns(fn, args, {option: on})
-
-        benchmark.pedantic(run, rounds=1, iterations=1)
-    ratio = figures[True] / figures[False]
-    benchmark.extra_info.update({"on_device_us": figures[True] / 1e3, "off_device_us": figures[False] / 1e3,
-                                 "on_over_off": round(ratio, 4)})
-    check_target(benchmark, ratio < 1, f"{what} with {option} takes {ratio:.3f} of its device time without")
-    print(f"\n{what}: {option} on {figures[True] / 1e3:.1f} us, off {figures[False] / 1e3:.1f} us ({ratio:.3f})")
+    """`fn` on fp16 tensors of `shapes`, compiled with `option` on and off (side_by_side)."""
+    compare(benchmark, fn, lambda: [torch.empty(*shape, dtype=torch.float16).to("spyre") for shape in shapes],
+            option, what)
 
 
 @pytest.mark.benchmark(group="gemm")
@@ -175,22 +148,8 @@ def test_rotation_in_the_q_projection(benchmark):
     """Granite 3.3 8B's q projection and its rotary embedding at a 1,024-token prefill, the
     rotation as the projection's epilogue in column slices (slice_epilogues) against a
     kernel of its own: q is no longer written and read back."""
-    with cards.configured(None, "timing"):
-        pos = torch.arange(1024)[None].to("spyre")
-        inv_freq = torch.empty(HEAD_DIM // 2, dtype=torch.float16).to("spyre")
-        args = [torch.empty(1024, HIDDEN, dtype=torch.float16).to("spyre"),
-                torch.empty(HEADS * HEAD_DIM, HIDDEN, dtype=torch.float16).to("spyre"), pos, inv_freq]
-        figures = {}
-
-        def run():
-            for on in (True, False):
-                figures[on] = _step_device_ns(rotated_query, args, {"slice_epilogues": on})
-
-        benchmark.pedantic(run, rounds=1, iterations=1)
-    ratio = figures[True] / figures[False]
-    benchmark.extra_info.update({"on_device_us": figures[True] / 1e3, "off_device_us": figures[False] / 1e3,
-                                 "on_over_off": round(ratio, 4)})
-    check_target(benchmark, ratio < 1, f"q and its rotation with slice_epilogues take {ratio:.3f} of their device "
-                                       "time without")
-    print(f"\nq projection + rotation prefill: slice_epilogues on {figures[True] / 1e3:.1f} us, "
-          f"off {figures[False] / 1e3:.1f} us ({ratio:.3f})")
+    compare(benchmark, rotated_query, lambda: [
+        torch.empty(1024, HIDDEN, dtype=torch.float16).to("spyre"),
+        torch.empty(HEADS * HEAD_DIM, HIDDEN, dtype=torch.float16).to("spyre"),
+        torch.arange(1024)[None].to("spyre"), torch.empty(HEAD_DIM // 2, dtype=torch.float16).to("spyre")],
+        "slice_epilogues", "q projection + rotation prefill")

@@ -205,6 +205,10 @@ class _Slicer:
             return Op(op.id, "product", dtype=self.mm.out_dtype, attrs={"shift": shift} if shift else {})
         view = self.view(dataclasses.replace(acc, domain=()))
         nb = self.mm.out[2][0]
+        if view is not None and acc.domain:
+            # a masked load of another tensor's other half: its tiles would be loaded whole,
+            # reading where its mask keeps it from (before the tensor's first column)
+            raise _Refuse
         if view is not None and view[3][2] in (0, 1) and not (nb > 1 and view[3][0] == 0):
             if view not in self.inputs:
                 self.inputs.append(view)

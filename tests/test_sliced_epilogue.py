@@ -252,3 +252,28 @@ def test_a_rotation_whose_projection_would_need_other_tiles_stays_a_kernel_and_r
     assert exact_tiling(target, spec) != choose(target, Problem.of(dataclasses.replace(spec, epilogue=None)))
     want = _rope(2)(*(a.double() if a.is_floating_point() else a for a in args))
     assert (fused["prebuilt"][0].double() - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
+
+
+def rotated_pair(x, wq, wk, pos, inv_freq):
+    """q and k rotated alike: Inductor computes both rotations in one loop kernel, which
+    reads the other projection's other half through masked loads of its own."""
+    def rope(y):
+        y = y.view(1, x.shape[1], -1, 64).transpose(1, 2)
+        freqs = pos[:, :, None].float() * inv_freq[None, None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        return y * cos + _rotate_half(y) * sin
+    return rope(x @ wq.t()), rope(x @ wk.t())
+
+
+@pytest.mark.parametrize("seq", [37, 64])
+def test_a_rotation_that_also_reads_another_tensors_other_half_is_right(seq):
+    """A slice cannot take the other tensor's masked loads (its tiles would be loaded from
+    before the tensor's first column): the kernel stays whole or apart, and right (this once
+    failed the compile with a negative view offset)."""
+    g = torch.Generator().manual_seed(seq)
+    args = (torch.randn(1, seq, 256, generator=g), torch.randn(256, 256, generator=g) / 16,
+            torch.randn(256, 256, generator=g) / 16, torch.arange(seq)[None], 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    got, _ = _compile_and_run(rotated_pair, args, fuse=True)
+    for a, b in zip(got["prebuilt"], rotated_pair(*args), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

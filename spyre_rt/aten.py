@@ -181,6 +181,9 @@ def register() -> None:
     if _library is None:
         lib = torch.library.Library("aten", "IMPL", "PrivateUse1")
         for name, fn in _KERNELS.items():
-            lib.impl(name, fn)
+            # an eager op on the card can run inside a function torch.compile is running (a
+            # tensor's value read after a graph break, `if x.max() > 0`): Dynamo must not trace
+            # the kernel, which reads the card through the native module (as the fallback's)
+            lib.impl(name, torch._dynamo.disable(fn))
         _library = lib
 

@@ -84,3 +84,19 @@ def test_work_on_cpu_tensors_inside_a_compiled_graph_runs_and_stays_on_the_cpu(d
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.cpu(), w)
     assert not fallback.in_steps
+
+
+@pytest.mark.parametrize("backend", ["eager", "spyre_rt"])
+def test_a_branch_on_a_card_tensors_value_inside_a_compiled_function(backend):
+    """`if x.max() > 0` graph-breaks, and the card's kernels then run eagerly inside the
+    function torch.compile runs (Hugging Face's dynamic NTK rotary embedding does this): Dynamo
+    must not trace them (it failed building a guard on the native module)."""
+    def f(x):
+        if x.max() > 0:
+            return x * 2
+        return x - 1
+
+    for x in (torch.randn(8), -torch.rand(8)):
+        torch._dynamo.reset()
+        got = torch.compile(f, backend=backend)(x.to("spyre"))
+        assert got.device.type == "spyre" and torch.equal(got.cpu(), f(x))

@@ -81,7 +81,9 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool
 
 
 def _pays(m: MatmulKernel, target: CostModel) -> bool:
-    """Whether a sliced epilogue keeps the matmul's own tiling. Its tiles must be alike and
+    """Whether a sliced epilogue keeps the matmul's own tiling, and its per-tile program (each
+    slice's body, once per slice of a tile) stays within the card's (SPY_MM_MAX_PROGRAM: a
+    decode step's one-row tiles are wide, 1,024 columns of 32 slices). Its tiles must be alike and
     whole periods, and its periodic tables take room: where that makes another tiling (fewer
     operand buffers at a prefill of 8,192 rows), the cost model's margin is smaller than its
     error (Granite 8B's q projection with its rotation took as long fused as apart, measured),
@@ -89,12 +91,19 @@ def _pays(m: MatmulKernel, target: CostModel) -> bool:
     or one with its K chunks, at about its cost."""
     if m.epilogue is None or not m.epilogue.slices:
         return True
-    from spyre_rt.construct.matmul import Problem, spec_of
-    from spyre_rt.construct.matmul.record import exact_tiling
+    from spyre_rt.construct.matmul import Problem, epilogue, spec_of
+    from spyre_rt.construct.matmul.record import _cuts, exact_tiling
     from spyre_rt.construct.matmul.tiling import choose
+    from spyre_rt.native import lib
 
     fused = spec_of(m)
-    return exact_tiling(target, fused) == choose(target, Problem.of(dataclasses.replace(fused, epilogue=None)))
+    tiling = exact_tiling(target, fused)
+    if tiling != choose(target, Problem.of(dataclasses.replace(fused, epilogue=None))):
+        return False
+    p, bodies = Problem.of(fused), epilogue.plan(fused.epilogue).slices
+    tn = int(_cuts(target, fused, p, tiling)[1].max())
+    instrs = sum(bodies[q % len(bodies)].instrs for q in range(tn // fused.epilogue.slice_cols))
+    return instrs + (p.k == 0) + (fused.bias is not None) <= lib.SPY_MM_MAX_PROGRAM
 
 
 def card_target(target: CostModel | None) -> CostModel:

@@ -277,3 +277,16 @@ def test_a_rotation_that_also_reads_another_tensors_other_half_is_right(seq):
     got, _ = _compile_and_run(rotated_pair, args, fuse=True)
     for a, b in zip(got["prebuilt"], rotated_pair(*args), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_decode_rows_rotation_over_wide_tiles_stays_a_kernel_within_the_program_limit():
+    """One row (a decode step) of 32 heads of 64 in fp16: the projection's tiles are 1,024
+    columns wide, 32 slices whose bodies would make a per-tile program past the card's 256
+    instructions (the build failed). The pass counts it and keeps the rotation a kernel; at
+    four rows the tiles are narrower and it fuses. A user trial's find."""
+    for rows, fused in ((1, False), (4, True)):
+        args = _args(torch.float16, 1, rows, 2048, 32, 64, seed=rows)
+        got, desc = _compile_and_run(_rope(32), args, fuse=True, fuse_prologues=False)
+        assert bool(_sliced(desc)) == fused, rows
+        want = _rope(32)(*(a.double() if a.is_floating_point() else a for a in args))
+        assert (got["prebuilt"][0].double() - want).abs().max().item() <= 0.02 * (1 + want.abs().max().item())

@@ -302,6 +302,8 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
             stores.append(_tiles(ctx, v, pitch, e, offs))
 
     slot0, slot1 = (np.array(_program(spec, p, lx, plan, s), dtype=INSTR) for s in (0, 1))
+    if len(slot0) > lib.SPY_MM_MAX_PROGRAM:  # (a sliced epilogue over wide tiles; the pass checks it)
+        raise Refused(f"a matmul's per-tile program of {len(slot0)} instructions (at most {lib.SPY_MM_MAX_PROGRAM})")
     program = np.zeros(len(slot0), dtype=MM_INSTR)
     program["ins"] = slot0
     program["v1"][:, 0] = slot1["dst"]["v"]

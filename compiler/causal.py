@@ -16,8 +16,11 @@ scatter before the attention whose row index is ``indirect(index_q' + load(C), s
 over its ``n`` queries, reading the same ``C`` (nothing writes it between the two). The
 attention is then marked ``causal`` with ``q_offset = Z - n``, its mask still applied: the
 same keys are kept, and the blocks wholly past the diagonal are not visited. It keeps the
-query rows and key blocks of the kernel it was (``AttentionKernel.blocks``), so that each
-row's sums are added in the same order: the values are the same bits.
+key blocks of the kernel it was (``AttentionKernel.blocks``), and no row's keys are split
+over cores, so that each row's sums are added in the same order: the values are the same
+bits. The query rows per tile are free: a row's sums do not depend on which rows share its
+tile, and a block a row sees none of adds exact zeros to them (scaled by exactly one). Tiles
+of causal queries differ in length, and smaller ones balance the cores (tasks._shared).
 """
 
 from __future__ import annotations
@@ -174,8 +177,8 @@ def _scatter_bound(step: StepDesc, s: LoopKernel, source: tuple[str, int]) -> in
 
 
 def _same_blocks(before: AttentionKernel, after: AttentionKernel, target: CostModel) -> AttentionKernel | None:
-    """`after` pinned to the query rows and key blocks `before` is cut in, when neither splits
-    a row's keys over cores (each row's sums are then added in the same order), else None."""
+    """`after` pinned to the key blocks `before` is cut in, when neither splits a row's
+    keys over cores (each row's sums are then added in the same order), else None."""
     from spyre_rt.construct.attention import Shape, choose
     from spyre_rt.construct.context import ScratchpadOverflow
 
@@ -184,11 +187,11 @@ def _same_blocks(before: AttentionKernel, after: AttentionKernel, target: CostMo
 
     try:
         t = choose(shape(before), target)
-        pinned = dataclasses.replace(after, blocks=(t.q_rows, t.kv_block))
+        pinned = dataclasses.replace(after, blocks=(0, t.kv_block))
         u = choose(shape(pinned), target)
     except ScratchpadOverflow:
         return None
-    if t.max_parts > 1 or u.max_parts > 1 or (u.q_rows, u.kv_block) != (t.q_rows, t.kv_block):
+    if t.max_parts > 1 or u.max_parts > 1 or u.kv_block != t.kv_block:
         return None
     return pinned
 

@@ -256,8 +256,9 @@ class AttentionKernel:
     page: int = 0
     block_table: View | None = None  # (batch, kv_len // page)
     table_dtype: str = ""
-    # (query rows, keys per block) its tiling must take, if any: an attention a pass marked
-    # causal keeps those of the kernel it was, so that each row's sums add in the same order
+    # (query rows, keys per block) its tiling must take, if any (query rows 0: any): an
+    # attention a pass marked causal keeps the key blocks of the kernel it was, so that each
+    # row's sums add in the same order
     blocks: tuple[int, ...] = ()
 
     kind = "attention"

@@ -230,7 +230,7 @@ def _download(card, addr: int, layout: StickLayout, like: torch.Tensor) -> torch
     return torch.from_numpy(raw[(phys[:, None] + np.arange(layout.itemsize)).ravel()].copy()).view(like.dtype)
 
 
-def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=None):
+def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=None, blocks=()):
     """The builder's program for one attention, on the card; (output, tiling, program)."""
     batch, heads, q_len, dim = q.shape
     out = torch.zeros(batch, q_len, heads, v.shape[-1], dtype=q.dtype)
@@ -242,7 +242,7 @@ def run_direct(card, q, k, v, *, causal=False, q_offset=0, mask=None, tiling=Non
         views["mask"] = ("mask", 0, tuple(m.shape), tuple(m.stride()))
     kernel = AttentionKernel("attention", views["q"], views["k"], views["v"], views["out"], dtypes.name(q.dtype),
                              1 / math.sqrt(dim), causal, q_offset, views.get("mask"),
-                             dtypes.name(mask.dtype) if mask is not None else "")
+                             dtypes.name(mask.dtype) if mask is not None else "", blocks=blocks)
     return _launch(card, kernel, host, tiling)
 
 
@@ -341,6 +341,41 @@ def test_causal_tiles_of_a_kv_head_share_its_keys_each_to_its_diagonal(card, mas
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True)
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
     _no_races(blob)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_a_causal_attention_gives_the_bits_of_its_whole_square_whatever_its_query_tiles(card, dtype):
+    """What the causal bound (compiler/causal.py) relies on: with the key blocks kept, the
+    blocks past a tile's diagonal add nothing to its rows, so the causal kernel in query
+    tiles of any size gives the bits of the masked whole square (left padding included:
+    rows whose first blocks they see none of)."""
+    g = torch.Generator().manual_seed(8)
+    q_len, kv_len, offset = 300, 310, 10
+    q = torch.randn(1, 16, q_len, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 8, kv_len, 64, generator=g).to(dtype) for _ in range(2))
+    mask = causal_from(q_len, kv_len, offset) & (torch.arange(kv_len) >= 150)  # 150 keys of padding
+    whole, record, _ = run_direct(card, q, k, v, mask=mask, blocks=(64, 64))
+    assert record.tiling.kv_block == 64 and record.tiling.max_parts == 1  # no row's keys split
+    for rows in (16, 32, 64):
+        got, causal, blob = run_direct(card, q, k, v, causal=True, q_offset=offset, mask=mask, blocks=(rows, 64))
+        assert causal.tiling.q_rows == rows and causal.tiling.max_parts == 1
+        assert causal.tiling.tasks[:, A.KV1].min() < kv_len  # blocks past the diagonal skipped
+        assert torch.equal(got, whole), rows
+        _no_races(blob)
+
+
+def test_causal_tiles_are_dealt_so_the_members_of_a_group_work_alike():
+    """A KV head's causal tiles see more keys the later their queries: dealt in order, the
+    last core of a group would take the longest tile of every step. Each step's longest
+    tile goes to the member with the least work so far."""
+    shape = granite(1024, 1029, causal=True, q_offset=5, blocks=(128, 128))
+    tiling = A.choose(shape, _target())
+    tasks = tiling.tasks
+    assert (tasks[:, A.GROUP] >= 0).all() and tasks[:, A.STEP].max() >= 1
+    work = np.bincount(tasks[:, A.CORE], weights=tasks[:, A.ROWS] * (tasks[:, A.KV1] - tasks[:, A.KV0]))
+    assert work.max() / work.min() < 1.05  # in order: 6:8:10:12
+    for t in tasks:  # each member walks the keys of its step's tiles from the first
+        assert t[A.KV0] == 0
 
 
 # ---- paged keys and values: gathered through the block table --------------------------------

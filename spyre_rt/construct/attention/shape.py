@@ -27,7 +27,7 @@ class Shape:
     q_offset: int
     page: int = 0           # paged keys and values: keys per page (0: dense)
     table_dtype: str = ""   # of the block table
-    blocks: tuple = ()      # (query rows, keys per block) the tiling must take, if any
+    blocks: tuple = ()      # (query rows or 0: any, keys per block) the tiling must take, if any
 
     @property
     def group(self) -> int:

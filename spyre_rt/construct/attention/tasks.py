@@ -108,14 +108,24 @@ def _split(shape: Shape, target: CostModel, units: list, unit: int = 1) -> np.nd
 def _shared(shape: Shape, target: CostModel, units: list) -> np.ndarray:
     """Each KV head on a group of cores: its tiles dealt round the group, step by step, so
     that every core of the group reads the same block of keys at once (one of them loads
-    each block and sends it to the others: native/build_attention.c)."""
+    each block and sends it to the others: native/build_attention.c). In each step the
+    tile that sees the most keys goes to the member with the least so far: causal tiles see
+    more keys the later their queries, and dealt in order the last member would take the
+    longest tile of every step."""
     per_group = target.num_cores // (shape.batch * shape.kv_heads)
     rows = []
-    tiles = -(-shape.q_len // units[0][3])
-    for i, (b, h, q0, n, end) in enumerate(units):
-        group, tile = divmod(i, tiles)
-        core = group * per_group + tile % per_group
-        rows.append([core, b, h, q0, n, 0, end, 0, 1, 0, group, tile // per_group])
+    for g, (_, head) in enumerate(itertools.groupby(units, key=lambda u: u[:2])):  # (batch, KV head)
+        head = list(head)
+        load = [0] * per_group
+        for step in range(-(-len(head) // per_group)):
+            dealt = head[step * per_group:(step + 1) * per_group]
+            # ties keep the order (tile i of a step to member i): the last tile to the last
+            order = sorted(range(len(dealt)), key=lambda i: (-dealt[i][3] * dealt[i][4], -i))
+            members = sorted(range(per_group), key=lambda c: (load[c], -c))
+            for i, member in zip(order, members[:len(order)], strict=True):
+                b, h, q0, n, end = dealt[i]
+                load[member] += n * end
+                rows.append([g * per_group + member, b, h, q0, n, 0, end, 0, 1, 0, g, step])
     tasks = np.array(rows, dtype=np.int64)
     tasks = tasks[np.lexsort((tasks[:, STEP], tasks[:, CORE]))]
     tasks[:, LEADER] = np.arange(len(tasks))

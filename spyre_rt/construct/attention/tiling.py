@@ -29,8 +29,9 @@ def estimate(shape: Shape, target: CostModel, tiling: Tiling) -> float:
     kinds, inverse = np.unique(np.column_stack([t[:, ROWS], t[:, KV1] - t[:, KV0], share]), axis=0,
                                return_inverse=True)
     ns = np.array([task_ns(shape, target, int(r), int(k), tiling.kv_block, rate, int(n)) for r, k, n in kinds])
-    per_core = np.bincount(t[:, CORE], weights=ns[inverse.ravel()])
-    return float(per_core.max()) + tile_bytes / rate + 2 * target.dma_latency_ns
+    # a task's query tile and its output each wait a DMA latency its blocks may not hide
+    per_core = np.bincount(t[:, CORE], weights=ns[inverse.ravel()] + 2 * target.dma_latency_ns)
+    return float(per_core.max()) + tile_bytes / rate
 
 
 def candidates(shape: Shape, target: CostModel) -> list[tuple[int, int, bool]]:
@@ -39,8 +40,8 @@ def candidates(shape: Shape, target: CostModel) -> list[tuple[int, int, bool]]:
     keys = [k for k in (512, 256, 128, 64) if k < shape.kv_len + 63] or [shape.kv_len]
     if shape.page:  # a block is whole pages, or rows of one page (a gather each)
         keys = [k for k in (512, 256, 128, 64) if k % shape.page == 0 or shape.page % k == 0] or [shape.page]
-    if shape.blocks:  # the tiles it must keep
-        rows, keys = [shape.blocks[0]], [shape.blocks[1]]
+    if shape.blocks:  # the keys per block it must keep, and the query rows if not 0
+        rows, keys = [shape.blocks[0]] if shape.blocks[0] else rows, [shape.blocks[1]]
     return [(r, k, shared) for r in rows for k in keys
             for shared in ((True, False) if can_share(shape, target, r) else (False,))]
 

@@ -30,7 +30,8 @@ import dataclasses
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import AttentionKernel, LoopKernel, Op, StepDesc, View
 
-from .fusion import _base, _writes, card_target
+from .fusion import card_target
+from .step_buffers import base, resolve, writes
 
 
 def bound_causal_masks(step: StepDesc, target: CostModel | None = None) -> StepDesc:
@@ -55,8 +56,8 @@ def bound_causal_masks(step: StepDesc, target: CostModel | None = None) -> StepD
 def _bound(step: StepDesc, kernels: dict, at: int, a: AttentionKernel) -> int | None:
     """The offset D with mask[i, j] false for every j > i + D in every call that reaches
     the attention at position `at`, or None."""
-    mask_buf = _base(step, a.mask[0])
-    writers = [j for j in range(at) if mask_buf in _writes(step, kernels, step.sequence[j])]
+    mask_buf = base(step, a.mask[0])
+    writers = [j for j in range(at) if mask_buf in writes(step, kernels, step.sequence[j])]
     if not writers:
         return None
     w = writers[-1]
@@ -74,23 +75,11 @@ def _bound(step: StepDesc, kernels: dict, at: int, a: AttentionKernel) -> int | 
         if bound is None:
             continue
         lo, hi = min(j, w), max(j, w)
-        c = _base(step, source[0])
-        if any(c in _writes(step, kernels, step.sequence[t]) for t in range(lo, hi + 1)):
+        c = base(step, source[0])
+        if any(c in writes(step, kernels, step.sequence[t]) for t in range(lo, hi + 1)):
             continue  # the two may read other values of the position
         return bound
     return None
-
-
-def _resolved(step: StepDesc, buf: str, const: int) -> tuple[str, int]:
-    """(buffer, element) in the storage a name is an alias of: a region's input is an alias
-    of the caller's view, whose accesses address the caller's storage from the view's offset
-    (compiler/regions.py)."""
-    seen = set()
-    while buf in step.aliases and buf not in seen:
-        seen.add(buf)
-        base, off, _, _ = step.aliases[buf]
-        buf, const = base, const + off
-    return (buf, const)
 
 
 def _by_id(k: LoopKernel) -> dict[str, Op]:
@@ -125,8 +114,8 @@ def _plus(k: LoopKernel, ops: dict, op: Op | None, var: int) -> tuple[str, int] 
 def _mask_source(step: StepDesc, mk: LoopKernel, a: AttentionKernel) -> tuple[str, int] | None:
     """The scalar C (in its storage) of a mask kernel that stores, as the attention's mask, a
     conjunction with ``index_kv <= index_q + C``."""
-    mask = _resolved(step, a.mask[0], a.mask[1])
-    stores = [o for o in mk.ops if o.op == "store" and _resolved(step, o.access.buf, 0)[0] == mask[0]]
+    mask = resolve(step, a.mask[0], a.mask[1])
+    stores = [o for o in mk.ops if o.op == "store" and resolve(step, o.access.buf, 0)[0] == mask[0]]
     if len(stores) != 1 or stores[0].access.ind or stores[0].access.domain:
         return None
     store, (_, _, (batch, _, q_len, kv_len), (sb, sh, sq, skv)) = stores[0], a.mask
@@ -134,7 +123,7 @@ def _mask_source(step: StepDesc, mk: LoopKernel, a: AttentionKernel) -> tuple[st
     # own, or one for all of them), one for every head
     shape, coeffs = ((batch, q_len, kv_len), (sb, sq, skv)) if sb and batch > 1 else ((q_len, kv_len), (sq, skv))
     if sh or mk.sizes != shape or store.access.coeffs != coeffs or \
-            _resolved(step, store.access.buf, store.access.const) != mask:
+            resolve(step, store.access.buf, store.access.const) != mask:
         return None
     q, kv, n = len(shape) - 2, len(shape) - 1, len(shape)
     ops = _by_id(mk)
@@ -149,11 +138,11 @@ def _mask_source(step: StepDesc, mk: LoopKernel, a: AttentionKernel) -> tuple[st
         elif op.op == "le" and _index_of(ops.get(op.args[0]), kv, n):
             c = _plus(mk, ops, ops.get(op.args[1]), q)
             if c is not None:
-                return _resolved(step, *c)
+                return resolve(step, *c)
         elif op.op == "ge" and _index_of(ops.get(op.args[1]), kv, n):
             c = _plus(mk, ops, ops.get(op.args[0]), q)
             if c is not None:
-                return _resolved(step, *c)
+                return resolve(step, *c)
     return None
 
 
@@ -171,7 +160,7 @@ def _scatter_bound(step: StepDesc, s: LoopKernel, source: tuple[str, int]) -> in
             x = ops.get(op.args[0]) if op.args else None
             for var, n in enumerate(s.sizes):
                 c = _plus(s, ops, x, var)
-                if c is not None and _resolved(step, *c) == source and n >= 1:
+                if c is not None and resolve(step, *c) == source and n >= 1:
                     return int(op.attrs["size"]) - n
     return None
 
@@ -183,7 +172,7 @@ def _same_blocks(before: AttentionKernel, after: AttentionKernel, target: CostMo
     from spyre_rt.construct.context import ScratchpadOverflow
 
     def shape(k):
-        return Shape.of(k, *(getattr(k, n) and _view(getattr(k, n)) for n in ("q", "k", "v", "mask")))
+        return Shape.of(k, *(getattr(k, n) and View(*getattr(k, n)) for n in ("q", "k", "v", "mask")))
 
     try:
         t = choose(shape(before), target)
@@ -195,6 +184,3 @@ def _same_blocks(before: AttentionKernel, after: AttentionKernel, target: CostMo
         return None
     return pinned
 
-
-def _view(v) -> View:
-    return View(*v)

@@ -23,6 +23,8 @@ from spyre_rt.construct.sfu import BINARY, COMPARE, UNARY
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import Epilogue, LoopKernel, MatmulKernel, Op, StepDesc
 
+from .step_buffers import base, touches, writes
+
 # what an epilogue computes: the elementwise operations of loop construction's SFU stages
 COMPUTES = frozenset({"constant", "to_dtype", "where", "relu", "square", "exp2"}) | frozenset(UNARY) \
     | frozenset(BINARY) | frozenset(COMPARE)
@@ -66,7 +68,8 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool
         kind, name = seq[i]
         if kind == "run" and isinstance(kernels.get(name), LoopKernel):
             found = _fusion(step, kernels, seq, i, sliced)
-            if found is not None and keeps_its_bits(found[1], target) and _pays(found[1], target):
+            tiling = None if found is None else exact_tiling_of(found[1], target)
+            if tiling is not None and _pays(found[1], target, tiling):
                 j, fused = found
                 product = kernels[seq[j][1]].out[0]
                 kernels[fused.name] = fused
@@ -80,7 +83,7 @@ def fuse_epilogues(step: StepDesc, target: CostModel | None = None, sliced: bool
     return dataclasses.replace(step, kernels=kernels, sequence=tuple(seq), buffers=buffers)
 
 
-def _pays(m: MatmulKernel, target: CostModel) -> bool:
+def _pays(m: MatmulKernel, target: CostModel, tiling) -> bool:
     """Whether a sliced epilogue keeps the matmul's own tiling, and its per-tile program (each
     slice's body, once per slice of a tile) stays within the card's (SPY_MM_MAX_PROGRAM: a
     decode step's one-row tiles are wide, 1,024 columns of 32 slices). Its tiles must be alike and
@@ -88,16 +91,15 @@ def _pays(m: MatmulKernel, target: CostModel) -> bool:
     operand buffers at a prefill of 8,192 rows), the cost model's margin is smaller than its
     error (Granite 8B's q projection with its rotation took as long fused as apart, measured),
     so the kernels stay apart. A plain epilogue always pays: it takes the matmul's own tiling
-    or one with its K chunks, at about its cost."""
+    or one with its K chunks, at about its cost. `tiling`: the fused matmul's exact tiling."""
     if m.epilogue is None or not m.epilogue.slices:
         return True
     from spyre_rt.construct.matmul import Problem, epilogue, spec_of
-    from spyre_rt.construct.matmul.record import _cuts, exact_tiling
+    from spyre_rt.construct.matmul.record import _cuts
     from spyre_rt.construct.matmul.tiling import choose
     from spyre_rt.native import lib
 
     fused = spec_of(m)
-    tiling = exact_tiling(target, fused)
     if tiling != choose(target, Problem.of(dataclasses.replace(fused, epilogue=None))):
         return False
     p, bodies = Problem.of(fused), epilogue.plan(fused.epilogue).slices
@@ -115,84 +117,51 @@ def card_target(target: CostModel | None) -> CostModel:
     return CostModel.of_figures(card.card_set().profile)
 
 
-def keeps_its_bits(m: MatmulKernel, target: CostModel) -> bool:
-    """Whether the fused matmul `m` is cut as the matmul alone (its fused work fits beside
-    that tiling in the target's scratchpad), so that its values are the unfused kernels'
-    bit for bit: the fusion passes fuse only then."""
+def exact_tiling_of(m: MatmulKernel, target: CostModel):
+    """The tiling the fused matmul `m` is cut in when it is the matmul's alone (its fused
+    work fits beside that tiling in the target's scratchpad), so that its values are the
+    unfused kernels' bit for bit; None otherwise: the fusion passes fuse only then."""
     from spyre_rt.construct.context import ScratchpadOverflow
     from spyre_rt.construct.matmul import spec_of
     from spyre_rt.construct.matmul.record import exact_tiling
 
     try:
-        return exact_tiling(target, spec_of(m)) is not None
+        return exact_tiling(target, spec_of(m))
     except ScratchpadOverflow:
-        return False
+        return None
 
 
-# ---- which buffers a step's items touch ---------------------------------------------------
+def keeps_its_bits(m: MatmulKernel, target: CostModel) -> bool:
+    """Whether the fused matmul `m` keeps the unfused kernels' bits (:func:`exact_tiling_of`)."""
+    return exact_tiling_of(m, target) is not None
 
-def _base(step: StepDesc, name: str) -> str:
-    seen = set()
-    while name in step.aliases and name not in seen:
-        seen.add(name)
-        name = step.aliases[name][0]
-    return name
-
-
-def _touches(step: StepDesc, kernels: dict, item) -> set[str]:
-    kind, x = item
-    if kind == "run":
-        return {_base(step, b.name) for b in kernels[x].buffers}
-    if kind == "cpu":
-        return {_base(step, n) for n in x.buffer_names()}
-    src, _, out = x
-    return {_base(step, src), _base(step, out)}
-
-
-def _writes(step: StepDesc, kernels: dict, item) -> set[str]:
-    kind, x = item
-    if kind == "run":
-        k = kernels[x]
-        if isinstance(k, LoopKernel):
-            return {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
-        if isinstance(k, MatmulKernel):
-            views = k.epilogue.outputs if k.epilogue is not None else k.outs()
-            return {_base(step, v[0]) for v in views}
-        if getattr(k, "kind", "") == "attention":
-            return {_base(step, k.out[0])}
-    if kind == "cpu":  # its results and the arguments its schema marks written
-        return {_base(step, n) for n in x.written_names()}
-    return _touches(step, kernels, item)  # everything it touches, to be safe
-
-
-# ---- the search -----------------------------------------------------------------------------
 
 def _fusion(step: StepDesc, kernels: dict, seq: list, i: int, sliced: bool = True) -> tuple[int, MatmulKernel] | None:
     """(position of the matmul, the matmul with the loop kernel at `i` as its epilogue),
     or None when the loop kernel cannot be one."""
     k: LoopKernel = kernels[seq[i][1]]
-    simple = _simple(k)
-    if k.reduce or k.shape != "pointwise" or not (simple or (sliced and _sliceable(k))):
+    simple = _fusable(k, sliced=False)
+    if k.reduce or k.shape != "pointwise" or not (simple or (sliced and _fusable(k, sliced=True))):
         return None
-    loaded = {_base(step, o.access.buf) for o in k.ops if o.op == "load"}
-    stored = {_base(step, o.access.buf) for o in k.ops if o.op == "store"}
+    loaded = {base(step, o.access.buf) for o in k.ops if o.op == "load"}
+    stored = {base(step, o.access.buf) for o in k.ops if o.op == "store"}
     if loaded & stored:
         return None
     # the latest matmul before it whose product it reads
     for j in range(i - 1, -1, -1):
         kind, x = seq[j]
         mm = kernels.get(x) if kind == "run" else None
-        if isinstance(mm, MatmulKernel) and mm.epilogue is None and not mm.parts and _base(step, mm.out[0]) in loaded:
+        if isinstance(mm, MatmulKernel) and mm.epilogue is None and not mm.parts and base(step, mm.out[0]) in loaded:
             break
     else:
         return None
     product = mm.out[0]
     if not _private(step, kernels, seq, product, (i, j)):
         return None
-    if stored & {_base(step, v[0]) for v in (mm.a, mm.b, mm.bias) if v is not None}:
+    if stored & {base(step, v[0]) for v in (mm.a, mm.b, mm.bias) if v is not None}:
         return None
     for t in range(j + 1, i):  # the loop kernel's work moves back to the matmul's place
-        if _writes(step, kernels, seq[t]) & loaded or _touches(step, kernels, seq[t]) & stored:
+        if writes(step, kernels, seq[t]) & loaded or touches(step, kernels, seq[t]) & stored:
             return None
     epilogue = _epilogue(k, mm) if simple else None
     if epilogue is None and sliced:
@@ -204,40 +173,40 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, i: int, sliced: bool = Tru
                                   origins=tuple(sorted({*mm.origins, *k.origins})))
 
 
-def _sliceable(k: LoopKernel) -> bool:
-    """Loads and stores at plain addresses (masked loads too), elementwise work, and column
-    indices: what a sliced epilogue may decide (:mod:`.slicing`)."""
+def _fusable(k: LoopKernel, sliced: bool) -> bool:
+    """Loads and stores at plain addresses and elementwise work: what an epilogue computes.
+    `sliced`: also masked loads and column indices, what a sliced epilogue may decide
+    (:mod:`.slicing`)."""
     for op in k.ops:
         if op.op in ("load", "store"):
-            if op.access.ind or not op.access.buf or (op.op == "store" and op.access.domain):
+            if op.access.ind or not op.access.buf or (op.access.domain and (op.op == "store" or not sliced)):
                 return False
-        elif op.op not in COMPUTES and op.op != "index":
+        elif op.op not in COMPUTES and not (sliced and op.op == "index"):
             return False
     return True
+
+
+def _anchor(k: LoopKernel, mm: MatmulKernel) -> Op | None:
+    """The loop kernel's load of the product at the product's own elements, unmasked."""
+    return next((o for o in k.ops if o.op == "load" and o.access.buf == mm.out[0] and not o.access.domain
+                 and o.access.const == mm.out[1]), None)
+
+
+def _covering_parts(k: LoopKernel, mm: MatmulKernel, anchor: Op) -> list | None:
+    """The loop kernel's variables as the product's dimensions, seen from the anchor's
+    access (:func:`_parts`), when they cover every variable it loops over."""
+    parts = _parts(k, anchor.access.coeffs, mm.out)
+    if parts is None or any(n > 1 and v not in {p[0] for p in parts} for v, n in enumerate(k.sizes)):
+        return None
+    return parts
 
 
 def _sliced(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
     from .slicing import sliced_epilogue
 
-    product = mm.out[0]
-    first = next((o for o in k.ops if o.op == "load" and o.access.buf == product and not o.access.domain
-                  and o.access.const == mm.out[1]), None)
-    if first is None:
-        return None
-    parts = _parts(k, first.access.coeffs, mm.out)
-    if parts is None or any(n > 1 and v not in {p[0] for p in parts} for v, n in enumerate(k.sizes)):
-        return None
-    return sliced_epilogue(k, mm, parts, COMPUTES)
-
-
-def _simple(k: LoopKernel) -> bool:
-    for op in k.ops:
-        if op.op in ("load", "store"):
-            if op.access.ind or op.access.domain or not op.access.buf:
-                return False
-        elif op.op not in COMPUTES:
-            return False
-    return True
+    anchor = _anchor(k, mm)
+    parts = None if anchor is None else _covering_parts(k, mm, anchor)
+    return None if parts is None else sliced_epilogue(k, mm, anchor, parts, COMPUTES)
 
 
 def _private(step: StepDesc, kernels: dict, seq: list, product: str, users: tuple[int, int]) -> bool:
@@ -248,7 +217,7 @@ def _private(step: StepDesc, kernels: dict, seq: list, product: str, users: tupl
         return False
     if any(isinstance(o, (tuple, list)) and o and o[0] == product for o in step.outputs):
         return False
-    return not any(product in _touches(step, kernels, item) for t, item in enumerate(seq) if t not in users)
+    return not any(product in touches(step, kernels, item) for t, item in enumerate(seq) if t not in users)
 
 
 # ---- the loop kernel over the product's elements --------------------------------------------
@@ -301,14 +270,9 @@ def _view(acc, parts, out) -> tuple | None:
 
 def _epilogue(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
     product = mm.out[0]
-    first = next(o for o in k.ops if o.op == "load" and o.access.buf == product)
-    if first.access.const != mm.out[1]:
-        return None
-    parts = _parts(k, first.access.coeffs, mm.out)
+    anchor = _anchor(k, mm)
+    parts = None if anchor is None else _covering_parts(k, mm, anchor)
     if parts is None:
-        return None
-    covered = {v for v, *_ in parts}
-    if any(n > 1 and v not in covered for v, n in enumerate(k.sizes)):
         return None
     _, _, (nb, nm, nn), _ = mm.out
     dtype = {b.name: b.dtype for b in k.buffers}

@@ -26,7 +26,8 @@ from spyre_rt.construct.matmul.tiling import estimate_one
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import MatmulKernel, StepDesc
 
-from .fusion import _base, _touches, _writes, card_target
+from .fusion import card_target
+from .step_buffers import base, touches, writes
 
 MAX_PARTS = 8  # SPY_MM_MAX_PARTS
 
@@ -98,9 +99,9 @@ def _movable(step: StepDesc, kernels: dict, seq: list, group: list[int]) -> list
     kept = [group[0]]
     for j in group[1:]:
         m = kernels[seq[j][1]]
-        reads = {_base(step, v[0]) for v in m.views()} - {_base(step, m.out[0])}
-        out = {_base(step, m.out[0])}
-        if any(_writes(step, kernels, seq[t]) & reads or _touches(step, kernels, seq[t]) & out
+        reads = {base(step, v[0]) for v in m.views()} - {base(step, m.out[0])}
+        out = {base(step, m.out[0])}
+        if any(writes(step, kernels, seq[t]) & reads or touches(step, kernels, seq[t]) & out
                for t in range(group[0] + 1, j) if t not in kept):
             continue
         kept.append(j)

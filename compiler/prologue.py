@@ -35,7 +35,8 @@ from spyre_rt.construct.loops.analysis import Unsupported, _dtype
 from spyre_rt.cost import CostModel
 from spyre_rt.ir import Access, Buffer, LoopKernel, MatmulKernel, Op, Prologue, StepDesc
 
-from .fusion import COMPUTES, _base, _parts, _touches, _view, _writes, card_target, keeps_its_bits
+from .fusion import COMPUTES, _parts, _view, card_target, keeps_its_bits
+from .step_buffers import base, touches, writes
 
 MAX_VECTORS = 4  # the vectors a matmul's prologue loads beside its tile (SPY_MM_MAX_VECTORS)
 
@@ -105,9 +106,9 @@ def _fusion(step: StepDesc, kernels: dict, seq: list, buffers: dict, i: int):
     prologue = _prologue(k, store, parts, a, replaced, kernels[seq[readers[0]][1]].in_dtype, stats_buffers)
     if prologue is None:
         return None
-    read = {_base(step, v[0]) for v in prologue.inputs} - {b.name for b in stats_buffers}
+    read = {base(step, v[0]) for v in prologue.inputs} - {b.name for b in stats_buffers}
     for j in readers:  # the elementwise work moves to each matmul's place
-        if any(_writes(step, kernels, seq[t]) & read for t in range(i + 1, j)):
+        if any(writes(step, kernels, seq[t]) & read for t in range(i + 1, j)):
             return None
     mine = {b.name: b for b in (*k.buffers, *stats_buffers)}
     fused = []
@@ -126,14 +127,14 @@ def _readers(step: StepDesc, kernels: dict, seq: list, i: int, product: str) -> 
     ever touches it."""
     readers = []
     for t, item in enumerate(seq):
-        if t == i or product not in _touches(step, kernels, item):
+        if t == i or product not in touches(step, kernels, item):
             continue
         m = kernels.get(item[1]) if item[0] == "run" else None
         if t < i or not isinstance(m, MatmulKernel) or m.prologue is not None or m.a[0] != product:
             return None
         others = [m.b, m.bias, *m.outs(), *(v for part in m.parts for v in part),
                   *(m.epilogue.inputs + m.epilogue.outputs if m.epilogue else ())]
-        if any(v is not None and _base(step, v[0]) == product for v in others):
+        if any(v is not None and base(step, v[0]) == product for v in others):
             return None
         if dtypes.ITEMSIZE.get(m.in_dtype) is None or step.buffers[product].dtype != m.in_dtype:
             return None

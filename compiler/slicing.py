@@ -33,9 +33,10 @@ _FOLD = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator
 _LOGIC = {"bitwise_and": all, "logical_and": all, "bitwise_or": any, "logical_or": any}
 
 
-def sliced_epilogue(k: LoopKernel, mm: MatmulKernel, parts: list, computes: frozenset) -> Epilogue | None:
-    """`k` as a sliced epilogue of `mm`, or None. `parts`: `k`'s variables regrouped into
-    the product's (batch, M, N) (``fusion._parts``); `computes`: the ops an epilogue computes.
+def sliced_epilogue(k: LoopKernel, mm: MatmulKernel, anchor: Op, parts: list, computes: frozenset) -> Epilogue | None:
+    """`k` as a sliced epilogue of `mm`, or None. `anchor`: `k`'s load of the product at its
+    own columns; `parts`: `k`'s variables regrouped into the product's (batch, M, N)
+    (``fusion._parts``); `computes`: the ops an epilogue computes.
     A slice is a run of the innermost column variable (the widest that decides everything);
     a period, that variable and the column variables next to it that slices must fix."""
     (_, _, nn), p_strides = mm.out[2], mm.out[3]
@@ -54,7 +55,7 @@ def sliced_epilogue(k: LoopKernel, mm: MatmulKernel, parts: list, computes: froz
                 break
             if nn % period:
                 continue
-            found = _specialized(k, mm, parts, cols[:j + 1], width, period, computes)
+            found = _specialized(k, mm, anchor, parts, cols[:j + 1], width, period, computes)
             if found is not None:
                 return found
     return None
@@ -64,14 +65,10 @@ class _Refuse(Exception):
     pass
 
 
-def _specialized(k: LoopKernel, mm: MatmulKernel, parts: list, inner: list, width: int, period: int,
+def _specialized(k: LoopKernel, mm: MatmulKernel, anchor: Op, parts: list, inner: list, width: int, period: int,
                  computes: frozenset) -> Epilogue | None:
     """The epilogue with one body per slice of `width` columns of a `period` (`inner`: the
     column parts inside a period, innermost first), or None."""
-    anchor = next((o for o in k.ops if o.op == "load" and o.access.buf == mm.out[0] and not o.access.domain
-                   and o.access.const == mm.out[1]), None)
-    if anchor is None:
-        return None
     cut = _Slicer(k, mm, anchor, parts, inner[0][0], width, period, computes,
                   [p for p in parts if p[3] == 2])
     runs = inner[0][2] // width  # slices in the innermost variable

@@ -392,6 +392,18 @@ for _cls in (Buffer, Access, Op):
     description(_cls)
 
 
+def resolve_alias(aliases: dict, name: str, element: int = 0) -> tuple[str, int]:
+    """(buffer, element) that element `element` of `name` is, through `aliases` (alias ->
+    (the buffer it views, its offset there, ...)): a buffer is itself. A cycle, which no
+    step makes, stops where it would repeat."""
+    seen = set()
+    while name in aliases and name not in seen:
+        seen.add(name)
+        base, offset = aliases[name][:2]
+        name, element = base, element + offset
+    return name, element
+
+
 @functools.cache
 def field_names(cls: type) -> tuple[str, ...]:
     """A description class's field names, asked of dataclasses once per class."""

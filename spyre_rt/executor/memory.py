@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..dtypes import torch_dtype
-from ..ir import StepDesc
+from ..ir import StepDesc, resolve_alias
 from ..layout import StickLayout, layout_for, storage_numel
 
 ALIGN = 128  # arena regions start on a stick
@@ -37,9 +37,7 @@ class MemoryPlan:
 def root_of(aliases: Mapping[str, tuple], name: str) -> str:
     """The buffer an alias finally names, through `aliases` (alias -> (the buffer it views,
     ...)); a buffer names itself."""
-    while name in aliases:
-        name = aliases[name][0]
-    return name
+    return resolve_alias(aliases, name)[0]
 
 
 def base_of(desc: StepDesc, name: str) -> str:

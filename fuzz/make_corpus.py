@@ -390,6 +390,7 @@ def attention_records() -> dict[str, bytes]:
         "attention-decode-split": record(1, 300, mask=padding(1, 300)),
         "attention-prefill-shared": record(300, 310, mask=padding(300, 310)),
         "attention-causal": record(40, 40, causal=True),
+        "attention-causal-resident": record(520, 530, causal=True),  # each core keeps its KV head's keys
         "attention-fp32": record(17, 129, dtype="float32"),
         # mask rows 3 elements apart in a one-row storage: no compact pattern, descriptor lists
         "attention-mask-listed": record(5, 40, mask=(("m", 1, (1, 8, 5, 40), (0, 0, 43, 1)),

@@ -6,7 +6,8 @@
  * operand's slot and view. This file makes what every launch of the kernel needs, the
  * work the dispatch modes move:
  *   blocks    each task's keys in blocks of kv_block; which block loads each block's K and
- *             V (itself, or in a sharing group the group's cores in turn)
+ *             V (itself, or in a sharing group the group's cores in turn; keys resident,
+ *             none where its core holds them from an earlier step)
  *   moves     each tile's DMA: a strided pattern in the stick layout, or a descriptor list
  *   places    program order per core, A0 A1 B0 A2 B1 ...: block i's group A (its loads,
  *             the sends of a block it loaded for others, S = Q K^T) and group B (its SFU
@@ -49,6 +50,7 @@ typedef struct attn_shape {
     bool paged;       /* keys and values gathered through the block table */
     uint64_t idx_e;   /* bytes of a table entry */
     uint64_t unit;    /* keys every task starts and ends on (paged): min(page, kv_block) */
+    bool resident;    /* K and V slots of their own for every block of the keys (lx.kv_slots > 2) */
 } attn_shape;
 
 static const char *const VIEW_NAMES[] = {"q", "k", "v", "out", "mask", "table"};
@@ -241,10 +243,18 @@ static spy_status regions_check(const spy_attention_record *r, const attn_shape 
         x->state_bytes < need)
         return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.state_bytes %u does not hold m, l and O",
                         x->state_bytes);
+    if (s->resident && (x->k[1] < x->k[0] + (uint64_t)r->kv_block * x->k_pitch * e ||
+                        x->v[1] < x->v[0] + (uint64_t)r->kv_block * x->v_pitch * e))
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: resident slots k[1] - k[0] or v[1] - v[0] hold "
+                        "fewer than a block's keys");
     attn_region regions[] = {
         {"q[0]", x->q[0], big, x->q_pitch, e, true}, {"q[1]", x->q[1], big, x->q_pitch, e, true},
-        {"k[0]", x->k[0], r->kv_block, x->k_pitch, e, true}, {"k[1]", x->k[1], r->kv_block, x->k_pitch, e, true},
-        {"v[0]", x->v[0], r->kv_block, x->v_pitch, e, true}, {"v[1]", x->v[1], r->kv_block, x->v_pitch, e, true},
+        {"k[0]", x->k[0], r->kv_block, x->k_pitch, e, true},
+        {"k[1]", x->k[1], r->kv_block, x->k_pitch, e, !s->resident},
+        {"v[0]", x->v[0], r->kv_block, x->v_pitch, e, true},
+        {"v[1]", x->v[1], r->kv_block, x->v_pitch, e, !s->resident},
+        {"k (resident)", x->k[0], x->kv_slots, x->k[1] - x->k[0], 1, s->resident},
+        {"v (resident)", x->v[0], x->kv_slots, x->v[1] - x->v[0], 1, s->resident},
         {"mask[0]", x->mask[0], (uint64_t)r->mask_heads * r->q_rows, x->m_pitch, s->em, mask},
         {"mask[1]", x->mask[1], (uint64_t)r->mask_heads * r->q_rows, x->m_pitch, s->em, mask},
         {"s[0]", x->s[0], big, x->s_pitch, 4, true}, {"s[1]", x->s[1], big, x->s_pitch, 4, true},
@@ -298,6 +308,30 @@ static spy_status paged_check(const spy_attention_record *r, const attn_shape *s
     return SPY_OK;
 }
 
+/* Keys resident (lx.kv_slots > 2): a slot for every block of the keys, each core's tasks
+ * of one batch element and KV head (a slot holds that head's keys), in sharing groups (a
+ * core's tasks one after another, the steps of its group), not paged. */
+static spy_status resident_check(const spy_attention_record *r, attn_shape *s)
+{
+    const spy_attention_lx *x = &r->lx;
+    s->resident = x->kv_slots > 2;
+    if (x->kv_slots == 1)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.kv_slots 1 is not 2 (or 0) or more");
+    if (!s->resident)
+        return SPY_OK;
+    if (s->paged || x->kv_slots != ((uint64_t)r->kv_len + r->kv_block - 1) / r->kv_block)
+        return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: lx.kv_slots %u are not the blocks of %u keys of "
+                        "the %u keys (or the keys are paged)", x->kv_slots, r->kv_block, r->kv_len);
+    for (uint64_t i = 0; i < r->ntasks; i++) {
+        const spy_attention_task *t = &r->tasks[i], *p = i ? &r->tasks[i - 1] : t;
+        if (t->group < 0 || t->parts != 1 ||
+            (p->core == t->core && (t->batch != p->batch || t->kv_head != p->kv_head)))
+            return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu] of keys resident is not whole, in a "
+                            "sharing group, of its core's batch element and KV head", (unsigned long long)i);
+    }
+    return SPY_OK;
+}
+
 static spy_status record_check(const spy_attention_record *r, attn_shape *s)
 {
     if ((r->ntasks && !r->tasks) || (r->nslots && !r->slot_extent))
@@ -323,6 +357,8 @@ static spy_status record_check(const spy_attention_record *r, attn_shape *s)
             return st;
     }
     if (s->paged && (st = paged_check(r, s)) != SPY_OK)
+        return st;
+    if ((st = resident_check(r, s)) != SPY_OK)
         return st;
     return regions_check(r, s);
 }
@@ -549,6 +585,11 @@ typedef struct attn_block {
     uint64_t task, kv0, keys, g; /* g: its place on its core */
     int64_t prev1, prev2;        /* the blocks one and two back on its core, or -1 */
     uint64_t src;                /* the block that loads its K and V */
+    int64_t res;                 /* keys resident: the block on its core whose load or receive put its K
+                                  * and V in its slot, when they are there already (-1: they come now) */
+    uint64_t kslot;              /* its K and V slot: g % 2, or (resident) its block of the keys */
+    int64_t ps_mm, ps_send;      /* the last block before it on its core reading its slot, and sending
+                                  * from it (-1: none): a write into the slot waits for them */
     uint64_t nsend, send_begin;  /* the blocks it sends them to: recv[send_begin, +nsend) */
     uint64_t rank;               /* a receiver's place among its sender's receivers */
     uint64_t kv_move;            /* its K and V moves, when src is itself */
@@ -635,8 +676,26 @@ static int member_order(const void *x, const void *y)
     return a->task < b->task ? -1 : a->task > b->task;
 }
 
+/* The keys block b's load or send moves: its own, or, resident, its whole block of the keys
+ * (a later task of the core may see more of them). */
+static uint64_t moved_keys(const attn *a, const attn_block *b)
+{
+    uint64_t kb = a->r->kv_block, left = a->r->kv_len - b->kv0;
+    return a->s.resident ? (left < kb ? left : kb) : b->keys;
+}
+
+/* Where block b's K (w 0) or V (w 1) lies in its core's scratchpad: its slot. */
+static uint64_t kv_at(const attn *a, const attn_block *b, int w)
+{
+    const spy_attention_lx *x = &a->r->lx;
+    const uint64_t *slot = w ? x->v : x->k;
+    return a->s.resident ? slot[0] + b->kslot * (slot[1] - slot[0]) : slot[b->kslot];
+}
+
 /* Every task's blocks in per-core program order; which block loads each block's K and V:
  * itself, or in a sharing group the members of its (group, step), in task order, in turn.
+ * Keys resident, a block whose core holds its keys already (from a load or a receive of an
+ * earlier step) takes none, and sends them if the others need them.
  * The members walk keys from one first key, each as far as it sees (causal tiles of one KV
  * head see more keys the later their queries): block j of the keys is loaded by one of the
  * members whose block j holds the most keys (the j % n-th of those n), and sent to the
@@ -661,6 +720,8 @@ static spy_status make_blocks(attn *a)
             b->prev2 = b->g >= 2 ? (int64_t)n - 2 : -1;
             b->first = kv0 == (uint64_t)x->kv0;
             b->src = n;
+            b->res = -1;
+            b->kslot = a->s.resident ? kv0 / r->kv_block : b->g % 2;
         }
         ts->last_block = n - 1;
         a->blk[n - 1].last = true;
@@ -676,7 +737,14 @@ static spy_status make_blocks(attn *a)
         if (r->tasks[t].group >= 0)
             m[k++] = (attn_member){r->tasks[t].group, r->tasks[t].step, t};
     qsort(m, ngrouped, sizeof *m, member_order);
+    /* keys resident: the keys of each slot of each core so far, and the block that put them there */
+    uint64_t slots = a->s.resident ? (uint64_t)r->num_cores * r->lx.kv_slots : 0;
+    uint64_t *held = slots ? calloc(slots, sizeof *held) : NULL, *writer = slots ? malloc(slots * sizeof *writer) : NULL;
     spy_status st = SPY_OK;
+    if (slots && (!held || !writer)) {
+        st = spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for %llu resident key slots", (unsigned long long)slots);
+        goto done;
+    }
     for (uint64_t lo = 0, hi; lo < ngrouped; lo = hi) {
         uint64_t most = 0;
         for (hi = lo; hi < ngrouped && m[hi].group == m[lo].group && m[hi].step == m[lo].step; hi++) {
@@ -698,25 +766,51 @@ static spy_status make_blocks(attn *a)
                 if (ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys > keys)
                     keys = a->blk[ts->first_block + j].keys;
             }
+            /* keys resident: the members whose core holds block j's keys already, and those
+             * that hold all the step needs of them (one of these sends them, loading nothing) */
+            bool senders = false;
+            for (uint64_t k = lo; k < hi && slots; k++) {
+                const attn_tstate *ts = &a->tk[m[k].task];
+                if (ts->first_block + j > ts->last_block)
+                    continue;
+                attn_block *b = &a->blk[ts->first_block + j];
+                uint64_t at = (uint64_t)b->core * r->lx.kv_slots + b->kslot;
+                if (held[at] >= b->keys)
+                    b->res = (int64_t)writer[at];
+                senders |= held[at] >= keys;
+            }
+            for (int count = 1; count >= 0; count--) /* count them, then take the (j % n)-th */
+                for (uint64_t k = lo, c = 0; k < hi; k++) {
+                    const attn_tstate *ts = &a->tk[m[k].task];
+                    if (ts->first_block + j > ts->last_block)
+                        continue;
+                    const attn_block *b = &a->blk[ts->first_block + j];
+                    bool can = senders ? held[(uint64_t)b->core * r->lx.kv_slots + b->kslot] >= keys : b->keys == keys;
+                    if (!can)
+                        continue;
+                    if (count)
+                        holders++;
+                    else if (c++ == j % holders)
+                        pick = ts->first_block + j;
+                }
             for (uint64_t k = lo; k < hi; k++) {
                 const attn_tstate *ts = &a->tk[m[k].task];
-                holders += ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys == keys;
-            }
-            for (uint64_t k = lo, c = 0; k < hi; k++) { /* the (j % n)-th of them loads it */
-                const attn_tstate *ts = &a->tk[m[k].task];
-                if (ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys == keys &&
-                    c++ == j % holders)
-                    pick = ts->first_block + j;
-            }
-            for (uint64_t k = lo; k < hi; k++) {
-                const attn_tstate *ts = &a->tk[m[k].task];
-                if (ts->first_block + j <= ts->last_block)
-                    a->blk[ts->first_block + j].src = pick;
+                if (ts->first_block + j > ts->last_block)
+                    continue;
+                attn_block *b = &a->blk[ts->first_block + j];
+                b->src = b->res >= 0 ? ts->first_block + j : pick;
+                if (slots && b->res < 0) {
+                    uint64_t at = (uint64_t)b->core * r->lx.kv_slots + b->kslot;
+                    held[at] = moved_keys(a, b);
+                    writer[at] = ts->first_block + j;
+                }
             }
         }
     }
 done:
     free(m);
+    free(held);
+    free(writer);
     return st;
 }
 
@@ -739,6 +833,41 @@ static void make_sends(attn *a)
             a->blk[i].rank = s->nsend;
             a->recv[s->send_begin + s->nsend++] = i;
         }
+}
+
+/* Who a write into each block's K and V slot waits for: the last block before it on its core
+ * that reads the slot, and the last that sends from it (the engines run in program order).
+ * Two slots: the block two back. Keys resident: the last with the same block of the keys. */
+static spy_status make_slot_users(attn *a)
+{
+    const spy_attention_record *r = a->r;
+    uint64_t nb = a->s.nblocks;
+    if (!a->s.resident) {
+        for (uint64_t i = 0; i < nb; i++)
+            a->blk[i].ps_mm = a->blk[i].ps_send = a->blk[i].prev2;
+        return SPY_OK;
+    }
+    uint64_t slots = (uint64_t)r->num_cores * r->lx.kv_slots;
+    int64_t *mm = malloc(slots * sizeof *mm), *send = malloc(slots * sizeof *send);
+    if (!mm || !send) {
+        free(mm);
+        free(send);
+        return spy_fail(SPY_E_HOST_NOMEM, -1, "no host memory for %llu resident key slots", (unsigned long long)slots);
+    }
+    for (uint64_t k = 0; k < slots; k++)
+        mm[k] = send[k] = -1;
+    for (uint64_t i = 0; i < nb; i++) {
+        attn_block *b = &a->blk[i];
+        uint64_t at = (uint64_t)b->core * r->lx.kv_slots + b->kslot;
+        b->ps_mm = mm[at];
+        b->ps_send = send[at];
+        mm[at] = (int64_t)i;
+        if (b->nsend)
+            send[at] = (int64_t)i;
+    }
+    free(mm);
+    free(send);
+    return SPY_OK;
 }
 
 /* Paged: each task's table region on its core, one per distinct batch element of the
@@ -859,12 +988,12 @@ static spy_status make_moves(attn *a)
         attn_block *blk = &a->blk[i];
         const spy_attention_task *k = &r->tasks[blk->task];
         uint64_t b = (uint64_t)k->batch, h = (uint64_t)k->kv_head;
-        if (blk->src == i && !a->s.paged) { /* paged: a gather each (fill_gathers) */
+        if (blk->src == i && blk->res < 0 && !a->s.paged) { /* paged: a gather each (fill_gathers) */
             const spy_attention_view *kv[2] = {&r->k, &r->v};
             uint64_t dims[2] = {r->dim, r->v_dim}, pitches[2] = {x->k_pitch, x->v_pitch};
             for (int w = 0; w < 2; w++) {
                 const spy_attention_view *v = kv[w];
-                attn_box box = {2, {blk->keys, dims[w]}, {v->strides[2], v->strides[3]}, {pitches[w] * e, e}};
+                attn_box box = {2, {moved_keys(a, blk), dims[w]}, {v->strides[2], v->strides[3]}, {pitches[w] * e, e}};
                 blk->kv_move = add_move(&a->op[OP_K + w], v->offset + b * v->strides[0] + h * v->strides[1] +
                                                               blk->kv0 * v->strides[2], &box);
                 if (blk->kv_move == UINT64_MAX)
@@ -911,7 +1040,7 @@ static uint64_t place(attn *a)
         attn_block *b = &a->blk[i];
         if (b->src == i && a->s.paged) {
             b->nk = b->nv = 1;
-        } else if (b->src == i) {
+        } else if (b->src == i && b->res < 0) {
             b->nk = (uint32_t)move_at(&a->op[OP_K], b->kv_move)->ncmds;
             b->nv = (uint32_t)move_at(&a->op[OP_V], b->kv_move)->ncmds;
         }
@@ -1318,7 +1447,7 @@ static void fill_gathers(attn *a)
         uint64_t h = (uint64_t)r->tasks[b->task].kv_head, in_page = b->kv0 % page;
         uint64_t rows = r->kv_block < page ? b->keys : page; /* keys per index */
         const spy_attention_view *views[2] = {&r->k, &r->v};
-        uint64_t pitches[2] = {x->k_pitch, x->v_pitch}, lx[2] = {x->k[b->g % 2], x->v[b->g % 2]};
+        uint64_t pitches[2] = {x->k_pitch, x->v_pitch}, lx[2] = {kv_at(a, b, 0), kv_at(a, b, 1)};
         uint64_t rowz[2] = {k_row(b), v_row(b)};
         for (int w = 0; w < 2; w++) {
             const spy_attention_view *v = views[w];
@@ -1360,12 +1489,12 @@ static void fill_compute(attn *a)
             spy_cmd *ks = &a->cmds[ks_row(b) + k], *vs = &a->cmds[vs_row(b) + k];
             ks->op = vs->op = SPY_OP_RING;
             ks->u.ring.dst_core = vs->u.ring.dst_core = to->core;
-            ks->u.ring.src_off = (uint32_t)x->k[b->g % 2];
-            ks->u.ring.dst_off = (uint32_t)x->k[to->g % 2];
-            ks->u.ring.bytes = (uint32_t)(to->keys * x->k_pitch * e);
-            vs->u.ring.src_off = (uint32_t)x->v[b->g % 2];
-            vs->u.ring.dst_off = (uint32_t)x->v[to->g % 2];
-            vs->u.ring.bytes = (uint32_t)(to->keys * x->v_pitch * e);
+            ks->u.ring.src_off = (uint32_t)kv_at(a, b, 0);
+            ks->u.ring.dst_off = (uint32_t)kv_at(a, to, 0);
+            ks->u.ring.bytes = (uint32_t)(moved_keys(a, to) * x->k_pitch * e);
+            vs->u.ring.src_off = (uint32_t)kv_at(a, b, 1);
+            vs->u.ring.dst_off = (uint32_t)kv_at(a, to, 1);
+            vs->u.ring.bytes = (uint32_t)(moved_keys(a, to) * x->v_pitch * e);
         }
     }
     for (uint64_t i = 0; i < a->s.nblocks; i++) {
@@ -1375,10 +1504,10 @@ static void fill_compute(attn *a)
         a->cmds[mm1_row(b)].op = a->cmds[mm2_row(b)].op = SPY_OP_MATMUL;
         a->cmds[mm1_row(b)].flags = SPY_MM_TRANS_B; /* K as it lies: transposed */
         a->cmds[mm2_row(b)].flags = b->first ? 0 : SPY_MM_ACCUMULATE;
-        *s = (spy_matmul){(uint32_t)x->q[a->tk[b->task].tseq % 2], (uint32_t)x->k[slot], (uint32_t)x->s[slot],
+        *s = (spy_matmul){(uint32_t)x->q[a->tk[b->task].tseq % 2], (uint32_t)kv_at(a, b, 0), (uint32_t)x->s[slot],
                           (uint32_t)(group * rows), (uint32_t)b->keys, r->dim, x->q_pitch, x->k_pitch, x->s_pitch,
                           r->dtype, r->dtype, {0}};
-        *o = (spy_matmul){(uint32_t)(a->s.fp32 ? x->s[slot] : x->p), (uint32_t)x->v[slot], (uint32_t)lx_o(a),
+        *o = (spy_matmul){(uint32_t)(a->s.fp32 ? x->s[slot] : x->p), (uint32_t)kv_at(a, b, 1), (uint32_t)lx_o(a),
                           (uint32_t)(group * rows), r->v_dim, (uint32_t)b->keys, x->p_pitch, x->v_pitch,
                           x->o_pitch, r->dtype, r->dtype, {0}};
     }
@@ -1430,6 +1559,31 @@ static inline void wait_on(attn *a, uint64_t before, uint64_t n)
 
 static uint64_t end_of(const attn *a, uint64_t task) { return end_row(&a->blk[a->tk[task].last_block]); }
 
+/* The command being linked waits until block i's K (w 0) or V (w 1) is in its slot: its own
+ * loads, the send that brought it, or, resident, those of the block that put it there. */
+static void wait_kv(attn *a, uint64_t i, int w)
+{
+    const attn_block *b = &a->blk[i];
+    if (b->res >= 0)
+        b = &a->blk[(i = (uint64_t)b->res)];
+    if (b->src != i)
+        wait_on(a, (w ? vs_row(&a->blk[b->src]) : ks_row(&a->blk[b->src])) + b->rank, 1);
+    else
+        wait_on(a, w ? v_row(b) : k_row(b), w ? b->nv : b->nk);
+}
+
+/* The command being linked writes block b's K (w 0) or V (w 1) slot: it waits until the
+ * blocks before it on its core have read it and sent it. */
+static void wait_slot(attn *a, const attn_block *b, int w)
+{
+    if (b->ps_mm >= 0)
+        wait_on(a, w ? mm2_row(&a->blk[b->ps_mm]) : mm1_row(&a->blk[b->ps_mm]), 1);
+    if (b->ps_send >= 0) {
+        const attn_block *p = &a->blk[b->ps_send];
+        wait_on(a, w ? vs_row(p) : ks_row(p), p->nsend);
+    }
+}
+
 /* Group A of block i: its loads, the sends of its K and V, the matmul S. */
 static void link_a(attn *a, uint64_t i)
 {
@@ -1443,10 +1597,7 @@ static void link_a(attn *a, uint64_t i)
         link_next(a);
         if (table)
             wait_on(a, table->row, table->ncmds);
-        if (p2) {
-            wait_on(a, mm1_row(p2), 1);
-            wait_on(a, ks_row(p2), p2->nsend);
-        }
+        wait_slot(a, b, 0);
     }
     for (uint32_t k = 0; k < b->nq0; k++) /* a core's first task's queries */
         link_next(a);
@@ -1459,10 +1610,7 @@ static void link_a(attn *a, uint64_t i)
         link_next(a);
         if (table)
             wait_on(a, table->row, table->ncmds);
-        if (p2) {
-            wait_on(a, mm2_row(p2), 1);
-            wait_on(a, vs_row(p2), p2->nsend);
-        }
+        wait_slot(a, b, 1);
     }
     for (uint32_t k = 0; k < b->nq1; k++) { /* the next task's queries: their slot was read two tasks back */
         link_next(a);
@@ -1473,18 +1621,12 @@ static void link_a(attn *a, uint64_t i)
     for (int v = 0; v < 2; v++) /* a send leaves once its block is loaded and the receiver's slot is free */
         for (uint64_t k = 0; k < b->nsend; k++) {
             const attn_block *to = &a->blk[a->recv[b->send_begin + k]];
-            const attn_block *q2 = to->prev2 >= 0 ? &a->blk[to->prev2] : NULL;
             link_next(a);
-            wait_on(a, v ? v_row(b) : k_row(b), v ? b->nv : b->nk);
-            if (q2) {
-                wait_on(a, v ? mm2_row(q2) : mm1_row(q2), 1);
-                wait_on(a, v ? vs_row(q2) : ks_row(q2), q2->nsend);
-            }
+            wait_kv(a, i, v);
+            wait_slot(a, to, v);
         }
     link_next(a); /* S = Q K^T */
-    if (b->src != i)
-        wait_on(a, ks_row(&a->blk[b->src]) + b->rank, 1);
-    wait_on(a, k_row(b), b->nk);
+    wait_kv(a, i, 0);
     if (b->first)
         wait_on(a, a->tk[b->task].q_row, a->tk[b->task].nq);
     if (p2)
@@ -1504,8 +1646,8 @@ static void link_b(attn *a, uint64_t i)
     if (after_task)
         wait_on(a, end_row(p1), 1);
     link_next(a); /* O += P V */
-    if (b->src != i)
-        wait_on(a, vs_row(&a->blk[b->src]) + b->rank, 1);
+    if (b->src != i || b->res >= 0)
+        wait_kv(a, i, 1);
     wait_on(a, sfu_row(b), 1);
     wait_on(a, v_row(b), b->nv);
     if (after_task)
@@ -1609,12 +1751,12 @@ static void place_moves(attn *a)
     }
     for (uint64_t i = 0; i < a->s.nblocks; i++) {
         const attn_block *b = &a->blk[i];
-        if (b->src == i && !a->s.paged) {
+        if (b->src == i && b->res < 0 && !a->s.paged) {
             attn_move *k = move_of(&a->op[OP_K], b->kv_move), *v = move_of(&a->op[OP_V], b->kv_move);
             k->row = k_row(b);
-            k->lx_off = r->lx.k[b->g % 2];
+            k->lx_off = kv_at(a, b, 0);
             v->row = v_row(b);
-            v->lx_off = r->lx.v[b->g % 2];
+            v->lx_off = kv_at(a, b, 1);
         }
         if (r->mask_kind != SPY_ATTN_MASK_NONE) {
             attn_move *m = move_of(&a->op[OP_MASK], i);
@@ -1647,6 +1789,8 @@ static spy_status build(attn *a, spy_built *out)
         if (a->s.paged && (st = make_tables(a)) != SPY_OK)
             return st;
         make_sends(a);
+        if ((st = make_slot_users(a)) != SPY_OK)
+            return st;
         const spy_attention_view *views[ATTN_OPERANDS] = {&r->q, &r->k, &r->v, &r->out, &r->mask, &r->table};
         for (int i = 0; i < ATTN_OPERANDS; i++) {
             a->op[i].view = views[i];

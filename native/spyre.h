@@ -1012,7 +1012,12 @@ typedef struct spy_attention_lx {
     uint64_t q[2], k[2], v[2], mask[2], s[2];
     uint64_t p, state, recv, mn, safe, alpha, t, flag, diag, diag_flag, stage;
     uint32_t q_pitch, k_pitch, v_pitch, m_pitch, s_pitch, p_pitch, o_pitch, flag_pitch, stage_pitch;
-    uint32_t row_bytes, state_bytes, reserved;
+    uint32_t row_bytes, state_bytes;
+    /* K and V slots: 2 (or 0), each block in the slot of its place on its core (g % 2); or, more,
+     * the keys resident: block j of the keys in slot j (at k[0] + j * (k[1] - k[0]), v
+     * alike), loaded or received once and read again by a core's later tasks (every
+     * task of a core of one batch element and KV head; not paged) */
+    uint32_t kv_slots;
 } spy_attention_lx; /* 216 bytes */
 SPY_ABI_SIZE(spy_attention_lx, 216)
 

@@ -19,7 +19,11 @@ into *parts* on several cores; each part sends its (m, l, O) over the ring to th
 the first part, which combines them and stores.
 
 Per core the engines overlap: loads of the next blocks (two scratchpad slots each for Q, K,
-V and mask), the matmul S of the next block while the SFU works on this one, then PV.
+V and mask), the matmul S of the next block while the SFU works on this one, then PV. The
+cores of a KV head walk its keys together, step by step, one loading each block and sending
+it to the others; where the steps are several and the keys fit, each core keeps them (a
+slot for every block of the keys, ``Tiling.resident``), so that a step loads only the keys
+past those of the steps before.
 Every core lays its scratchpad out alike, so one SFU program serves every block of a kind.
 Tile sizes and the tasks of each core come from a small cost model over the card's
 figures (:func:`choose`).

@@ -12,7 +12,7 @@ SFU_PASSES = 12
 SFU_INSTRS = 16
 
 
-def block_costs(shape: Shape, target: CostModel, rows: int, keys: int, share: int = 1) -> tuple[float, float, float]:
+def block_costs(shape: Shape, target: CostModel, rows: int, keys: int, share: float = 1) -> tuple[float, float, float]:
     """(arrays ns, SFU ns, DRAM bytes) of one block of `rows` query rows per head, its keys
     read by one of `share` cores that walk them together."""
     r = shape.group * rows
@@ -26,7 +26,7 @@ def block_costs(shape: Shape, target: CostModel, rows: int, keys: int, share: in
 
 
 def task_ns(shape: Shape, target: CostModel, rows: int, keys: int, kv_block: int, rate: float | None = None,
-            share: int = 1) -> float:
+            share: float = 1) -> float:
     """A task's time on one core: its blocks, each as long as its slowest engine, the
     loads of its queries and the store of its output spread over them."""
     rate = rate or target.core_dma_bytes_per_ns

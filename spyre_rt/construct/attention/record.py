@@ -29,7 +29,7 @@ class Record:
 
     def __init__(self, target: CostModel, shape: Shape, tiling: Tiling, lx: Scratchpad, views: dict[str, View | None],
                  layouts: dict, scale: float):
-        self.shape, self.tiling, self.lx = shape, tiling, lx
+        self.shape, self.tiling, self.lx, self.views, self.layouts = shape, tiling, lx, views, layouts
         self.scratchpad_peak = lx.top
         tasks = np.ascontiguousarray(tiling.tasks, dtype=np.int64)
         self.slot_of: dict[str, int] = {}
@@ -71,7 +71,8 @@ class Record:
                 "flag": lx.flag, "diag": lx.diag, "diag_flag": lx.diag_flag, "stage": lx.stage,
                 "q_pitch": lx.q_pitch, "k_pitch": lx.k_pitch, "v_pitch": lx.v_pitch, "m_pitch": lx.m_pitch,
                 "s_pitch": lx.s_pitch, "p_pitch": lx.p_pitch, "o_pitch": lx.o_pitch, "flag_pitch": lx.flag_pitch,
-                "stage_pitch": lx.stage_pitch, "row_bytes": lx.row_bytes, "state_bytes": lx.state_bytes}
+                "stage_pitch": lx.stage_pitch, "row_bytes": lx.row_bytes, "state_bytes": lx.state_bytes,
+                "kv_slots": lx.kv_slots}
 
     @property
     def tasks(self) -> np.ndarray:

@@ -33,8 +33,14 @@ class Scratchpad:
 
         self.q_pitch, self.k_pitch, self.v_pitch = pitch(shape.dim, e), pitch(shape.dim, e), pitch(shape.v_dim, e)
         self.q = pair(big * self.q_pitch * e)
-        self.k = pair(keys * self.k_pitch * e)
-        self.v = pair(keys * self.v_pitch * e)
+        if tiling.resident:  # a slot for every block of the keys: [first, second] and how many
+            self.kv_slots = -(-shape.kv_len // keys)
+            self.k, self.v = ([base, base + n] for n in (keys * self.k_pitch * e, keys * self.v_pitch * e)
+                              for base in [lx.take(self.kv_slots * n)])
+        else:
+            self.kv_slots = 2
+            self.k = pair(keys * self.k_pitch * e)
+            self.v = pair(keys * self.v_pitch * e)
         self.e_mask = dtypes.ITEMSIZE.get(shape.mask_dtype, 1)
         self.m_pitch = pitch(keys, self.e_mask)
         self.mask = pair(shape.mask_heads * rows * self.m_pitch * self.e_mask) if shape.mask else [0, 0]

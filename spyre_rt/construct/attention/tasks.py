@@ -35,6 +35,9 @@ class Tiling:
     q_rows: int
     kv_block: int
     tasks: np.ndarray  # (ntasks, COLUMNS) int64
+    # every core keeps its KV head's keys in the scratchpad across its tasks (sharing groups
+    # of several steps): each block of the keys is loaded once per group, not once a step
+    resident: bool = False
 
     @property
     def max_parts(self) -> int:

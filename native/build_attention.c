@@ -310,7 +310,8 @@ static spy_status paged_check(const spy_attention_record *r, const attn_shape *s
 
 /* Keys resident (lx.kv_slots > 2): a slot for every block of the keys, each core's tasks
  * of one batch element and KV head (a slot holds that head's keys), in sharing groups (a
- * core's tasks one after another, the steps of its group), not paged. */
+ * core's tasks one after another, the steps of its group), whole, starting on a block of
+ * the keys (block j in slot j), not paged. */
 static spy_status resident_check(const spy_attention_record *r, attn_shape *s)
 {
     const spy_attention_lx *x = &r->lx;
@@ -324,10 +325,11 @@ static spy_status resident_check(const spy_attention_record *r, attn_shape *s)
                         "the %u keys (or the keys are paged)", x->kv_slots, r->kv_block, r->kv_len);
     for (uint64_t i = 0; i < r->ntasks; i++) {
         const spy_attention_task *t = &r->tasks[i], *p = i ? &r->tasks[i - 1] : t;
-        if (t->group < 0 || t->parts != 1 ||
+        if (t->group < 0 || t->parts != 1 || t->kv0 % r->kv_block ||
             (p->core == t->core && (t->batch != p->batch || t->kv_head != p->kv_head)))
             return spy_fail(SPY_E_INVALID_ARG, -1, "attention record: tasks[%llu] of keys resident is not whole, in a "
-                            "sharing group, of its core's batch element and KV head", (unsigned long long)i);
+                            "sharing group, of its core's batch element and KV head, from a block's first key",
+                            (unsigned long long)i);
     }
     return SPY_OK;
 }

@@ -34,7 +34,7 @@ from spyre_rt.dispatch import dispatch_mode
 from spyre_rt.errors import SpyreError
 from spyre_rt.ir import AttentionKernel, LoopKernel
 from spyre_rt.layout import StickLayout
-from spyre_rt.native import lib
+from spyre_rt.native import ffi, lib
 from spyre_rt.program import block_sections
 
 MODES = dispatch.NAMES  # every dispatch mode, from the table
@@ -431,6 +431,45 @@ def test_a_kv_heads_keys_stay_resident_across_its_cores_tasks(card, dtype):
     keep = causal_from(520, 530, 10)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True)
     torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_the_record_check_refuses_keys_resident_where_a_slot_would_hold_two_things(card):
+    """Keys resident put block j of a core's keys in slot j: the native record check refuses
+    a record where that is not one thing: a slot count other than the blocks of the keys,
+    a core of two KV heads, a task not starting on a block of the keys."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 16, 520, 64, generator=g)
+    k, v = (torch.randn(1, 8, 530, 64, generator=g) for _ in range(2))
+    record, kernel, host = _decided(card, q, k, v, causal=True, q_offset=10)
+    assert record.tiling.resident
+
+    def refused(mutate, words):
+        again, _, _ = _decided(card, q, k, v, causal=True, q_offset=10)
+        mutate(again)
+        with pytest.raises(SpyreError, match=words):
+            _launch(card, kernel, dict(host), again)
+
+    refused(lambda r: setattr(r.c.lx, "kv_slots", r.c.lx.kv_slots + 1), "kv_slots")
+    refused(lambda r: setattr(r.c.lx, "kv_slots", 1), "kv_slots 1")
+
+    def with_tasks(change):  # the record pointed at a changed copy of its task table
+        def mutate(r):
+            tasks = r._keep[0].copy()
+            change(tasks)
+            r._keep[0] = tasks
+            r.c.tasks = ffi.cast("spy_attention_task *", ffi.from_buffer(tasks))
+        return mutate
+
+    def two_heads(tasks):
+        first = np.flatnonzero(tasks[:, A.CORE] == 0)
+        tasks[first[-1], A.KV_HEAD] = (tasks[first[0], A.KV_HEAD] + 1) % 8
+
+    refused(with_tasks(two_heads), "KV head")
+
+    def off_block(tasks):
+        tasks[:, A.KV0] = np.minimum(1, tasks[:, A.KV1] - 1)
+
+    refused(with_tasks(off_block), "first key")
 
 
 # ---- paged keys and values: gathered through the block table --------------------------------

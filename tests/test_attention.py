@@ -427,7 +427,8 @@ def test_a_kv_heads_keys_stay_resident_across_its_cores_tasks(card, dtype):
     # members: 520 rows are 17 tiles of 32 over 4 cores), against every step's walk
     k_slot = record.slot_of["k"]
     assert _loads_from(blob, k_slot) < 0.7 * _loads_from(blob2, k_slot)
-    assert _loads_from(blob, k_slot) < 1.05 * 8 * 530 * 64 * dtype.itemsize
+    once = 8 * 530 * 64 * dtype.itemsize  # every key of the 8 KV heads, once
+    assert once <= _loads_from(blob, k_slot) < 1.05 * once
     keep = causal_from(520, 530, 10)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True)
     torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)

@@ -153,3 +153,33 @@ def test_rotation_in_the_q_projection(benchmark):
         torch.empty(HEADS * HEAD_DIM, HIDDEN, dtype=torch.float16).to("spyre"),
         torch.arange(1024)[None].to("spyre"), torch.empty(HEAD_DIM // 2, dtype=torch.float16).to("spyre")],
         "slice_epilogues", "q projection + rotation prefill")
+
+
+@pytest.mark.benchmark(group="gemm")
+def test_last_tiles_in_pieces_walk_their_last_chunks(benchmark, timing_card, monkeypatch):
+    """Granite 3.3 8B's prefill GEMMs, each core's last tile in pieces that walk its last K
+    chunks (``last_depth`` as the model asks: as many as the last tiles' stores take)
+    against pieces of the last chunk alone: the first rows are stored chunks before the
+    end, so the job no longer ends with the stores of most of every core's last tile."""
+    from spyre_rt.construct.matmul import record
+
+    target = CostModel.of_figures(timing_card.profile)
+    chosen = record.last_depth
+    figures = {}
+
+    def run():
+        for deep in (True, False):
+            monkeypatch.setattr(record, "last_depth", chosen if deep else (lambda *_: 1))
+            for layer, n, k in LAYERS:
+                ctx, spec = linear_context(target, 1024, n, k)
+                build(ctx, spec)
+                figures[deep, layer] = device_ns(timing_card, ctx)[0]
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    on, off = (sum(v for (deep, _), v in figures.items() if deep is d) for d in (True, False))
+    benchmark.extra_info.update({f"{layer}_us": (figures[True, layer] / 1e3, figures[False, layer] / 1e3)
+                                 for layer, _, _ in LAYERS} | {"on_over_off": round(on / off, 4)})
+    check_target(benchmark, on < off, f"pieces walking the last chunks take {on / off:.3f} of the time of the last alone")
+    for layer, _, _ in LAYERS:
+        print(f"\n{layer:9s} prefill: last chunks in pieces {figures[True, layer] / 1e3:8.1f} us, "
+              f"the last alone {figures[False, layer] / 1e3:8.1f} us")

@@ -254,7 +254,7 @@ def matmul_records() -> dict[str, bytes]:
     """Decision records of matmuls: a bias row, split-K, a fused epilogue, an A prologue (a
     norm's rewrite of each chunk, split-K), a group of three with a prologue, a transposed
     weight, rows that wrap in their storage (descriptor lists), an empty K, nothing to
-    compute."""
+    compute, last tiles in pieces that walk three K chunks."""
 
     from fuzz_builder import matmul_record_bytes
 
@@ -270,7 +270,7 @@ def matmul_records() -> dict[str, bytes]:
     f16 = lib.SPY_DT_F16
 
     def record(m, n, k, *, a=None, b=None, bias=False, epilogue=False, prologue=False, parts=0, tiling=None,
-               layouts=None, sliced=False):
+               layouts=None, sliced=False, last_depth=0):
         lay = {"a": StickLayout(m, k, 2), "b": StickLayout(k, n, 2), "o": StickLayout(m, n, 2),
                "bias": StickLayout(1, n, 4), "r": StickLayout(m, n, 2), "s": StickLayout(1, m, 4),
                "w": StickLayout(1, k, 2), "c": StickLayout(m, 128, 2)} | (layouts or {})
@@ -315,6 +315,8 @@ def matmul_records() -> dict[str, bytes]:
                              bias_dtype=lib.SPY_DT_F32 if bias else 0, epilogue=ep, prologue=pro, parts=tuple(more))
         ctx = BuildContext(target, lay)
         decided = mm.build(ctx, spec, tiling)  # owns the arrays its record points at
+        if last_depth:
+            decided.cdata.last_depth = last_depth
         return b"M" + matmul_record_bytes(decided.cdata)
 
     return {
@@ -330,6 +332,7 @@ def matmul_records() -> dict[str, bytes]:
                                        layouts={"a": StickLayout(8, 96, 2)}),
         "matmul-empty-k": record(8, 64, 0, layouts={"a": StickLayout(8, 1, 2), "b": StickLayout(1, 64, 2)}),
         "matmul-nothing": record(0, 64, 64),
+        "matmul-pieces-deep": record(256, 128, 256, tiling=mm.Tiling(2, 1, 2, 2, 4, 4, 64, 3), last_depth=3),
     }
 
 

@@ -70,6 +70,8 @@ typedef struct mm_root {
     uint32_t pieces;   /* its last matmul, program and stores cut in pieces of rows (1: whole) */
     uint32_t width;    /* rows of each piece but the last */
     uint32_t extra;    /* its pieces after the first: their index among every root's */
+    uint32_t depth;    /* the last matmuls each piece walks (1: the last only) */
+    uint32_t extra_mm; /* the matmuls of its pieces after the first: their index among every root's */
 } mm_root;
 
 /* ---- DMA patterns in the stick layout ------------------------------------------------------ */
@@ -240,7 +242,8 @@ typedef struct mm_build {
     uint32_t mm0, rsend0, radd0, sfu0;   /* the first of each block of one command per op */
     run *ld, *st;                        /* per (tiles, root) */
     uint64_t nextra;                     /* pieces after a root's first, of every root */
-    uint32_t pmm0, psfu0;                /* their matmuls and programs, one command each */
+    uint64_t nextra_mm;                  /* their matmuls: `depth` each */
+    uint32_t pmm0, psfu0;                /* their matmuls and programs */
     run *pst;                            /* per (store tiles, extra piece) */
     run *pro_ready, *pro_vec;            /* an A prologue's: per A chunk, its program and (per
                                             vector, per chunk) its vectors' loads */
@@ -681,10 +684,14 @@ static spy_status schedule(mm_build *b)
 /* ---- a core's last tile, in pieces -------------------------------------------------------------
  * A core's last tile is stored when its arrays have nothing left to do, and every core
  * stores at once: the job ends a whole tile's stores after the last matmul. Cut in pieces
- * of rows, that tile's last matmul, its program and its stores go piece by piece, so that a
- * piece's stores run while the arrays compute the next piece. Rows, not columns: a piece is
- * then one range of each scratchpad tile, apart from the others'. Not with split-K (the
- * partial sums are added whole), nor for a tile of few rows, whose stores take little time. */
+ * of rows, that tile's last matmuls (`last_depth` of them), its program and its stores go
+ * piece by piece: a piece walks those K chunks in turn, and its stores run while the arrays
+ * compute the next pieces. The deeper the walk, the earlier the first rows are done: the
+ * record asks for as many chunks as the stores of a whole tile take (the operand buffers
+ * hold them all, as this is the core's last task: no load waits for them). Each row still
+ * adds its chunks in order: the sums are the same. Rows, not columns: a piece is then one
+ * range of each scratchpad tile, apart from the others'. Not with split-K (the partial sums
+ * are added whole), nor for a tile of few rows, whose stores take little time. */
 #define MM_MAX_STRIP 65536   /* rows of a strip of the per-tile program, at most */
 #define MM_PIECES 4          /* pieces of a core's last tile, at most */
 #define MM_PIECE_MIN_ROWS 16 /* rows of a piece, at least */
@@ -692,11 +699,11 @@ static spy_status schedule(mm_build *b)
 
 static void plan_pieces(mm_build *b)
 {
-    b->nextra = 0;
+    b->nextra = b->nextra_mm = 0;
     for (uint64_t rt = 0; rt < b->nroots; rt++) {
         mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
-        x->pieces = 1, x->width = t->rows, x->extra = 0;
+        x->pieces = 1, x->width = t->rows, x->extra = 0, x->depth = 1, x->extra_mm = 0;
         if (b->npairs || t->next >= 0 || !t->nuses || t->rows < 2 * MM_PIECE_MIN_ROWS)
             continue;
         uint32_t n = t->rows / MM_PIECE_MIN_ROWS < MM_PIECES ? t->rows / MM_PIECE_MIN_ROWS : MM_PIECES;
@@ -705,6 +712,10 @@ static void plan_pieces(mm_build *b)
         x->width = w;
         x->extra = (uint32_t)b->nextra;
         b->nextra += x->pieces - 1;
+        uint32_t depth = b->r->last_depth > 1 ? b->r->last_depth : 1;
+        x->depth = depth < t->nuses ? depth : t->nuses;
+        x->extra_mm = (uint32_t)b->nextra_mm;
+        b->nextra_mm += (uint64_t)(x->pieces - 1) * x->depth;
     }
 }
 
@@ -949,8 +960,8 @@ static void matmuls(mm_build *b)
         mm->a_off = (uint32_t)r->a_lx[y->slot];
         mm->b_off = (uint32_t)r->b_lx[y->slot];
         mm->c_off = (uint32_t)r->acc_lx;
-        /* a root's last matmul: its first piece (all of it when it is whole) */
-        bool last = x->root >= 0 && y->step + 1 == x->nuses;
+        /* a root's last matmuls: its first piece (all of it when it is whole) */
+        bool last = x->root >= 0 && y->step + b->roots[x->root].depth >= x->nuses;
         mm->m = last ? b->roots[x->root].width : x->rows, mm->n = x->cols, mm->k = b->k_size[y->chunk];
         mm->lda = r->a_pitch, mm->ldb = r->b_pitch, mm->ldc = r->c_pitch;
         mm->a_dtype = mm->b_dtype = r->in_dtype;
@@ -1010,13 +1021,13 @@ static int64_t last_mm(const mm_build *b, uint32_t task)
     return x->nuses ? (int64_t)x->first_use + x->nuses - 1 : -1;
 }
 
-/* The pieces after the first of a root's last matmul: the same matmul on later rows of A
- * and of the accumulator, each after the one before. */
+/* The pieces after the first of a root's last matmuls: the same matmuls on later rows of A
+ * and of the accumulator, piece by piece, each after the one before. */
 static void piece_matmuls(mm_build *b)
 {
-    if (!b->nextra)
+    if (!b->nextra_mm)
         return;
-    spy_cmd *c = add_cmds(b, b->nextra, 0, SPY_OP_MATMUL, &b->pmm0);
+    spy_cmd *c = add_cmds(b, b->nextra_mm, 0, SPY_OP_MATMUL, &b->pmm0);
     if (!c)
         return;
     const spy_cmd *cmds = (const spy_cmd *)b->g.cmds.data;
@@ -1025,18 +1036,19 @@ static void piece_matmuls(mm_build *b)
         const mm_root *x = &b->roots[rt];
         if (x->pieces < 2)
             continue;
-        uint32_t base = b->mm0 + (uint32_t)last_mm(b, x->task);
-        int64_t key = keys_at(b, base)[0];
-        for (uint32_t p = 1; p < x->pieces; p++) {
-            uint32_t e = x->extra + p - 1, r0 = piece_row(x, p);
-            c[e] = cmds[base];
-            spy_matmul *mm = &c[e].u.mm;
-            mm->m = piece_rows(b, x, p);
-            mm->a_off += (b->r->flags & SPY_MM_TRANS_A ? r0 : r0 * mm->lda) * isz;
-            mm->c_off += r0 * mm->ldc * 4;
-            keys_at(b, b->pmm0)[e] = key;
-            depend(b, b->pmm0 + e, p == 1 ? base : b->pmm0 + e - 1);
-        }
+        uint32_t last = b->mm0 + (uint32_t)last_mm(b, x->task), first = last + 1 - x->depth;
+        int64_t key = keys_at(b, last)[0]; /* after the first piece, in the order made */
+        for (uint32_t p = 1; p < x->pieces; p++)
+            for (uint32_t d = 0; d < x->depth; d++) {
+                uint32_t e = x->extra_mm + (p - 1) * x->depth + d, r0 = piece_row(x, p);
+                c[e] = cmds[first + d];
+                spy_matmul *mm = &c[e].u.mm;
+                mm->m = piece_rows(b, x, p);
+                mm->a_off += (b->r->flags & SPY_MM_TRANS_A ? r0 : r0 * mm->lda) * isz;
+                mm->c_off += r0 * mm->ldc * 4;
+                keys_at(b, b->pmm0)[e] = key;
+                depend(b, b->pmm0 + e, e == x->extra_mm ? last : b->pmm0 + e - 1);
+            }
     }
 }
 
@@ -1250,10 +1262,21 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
     return status;
 }
 
+/* The matmuls of a task over which the stores of its core's previous tile are spread: all
+ * of them; for a last tile in pieces, those before its pieces' walk less as many again,
+ * so that they are out of the way when its own stores begin. */
+static uint64_t paced_uses(const mm_build *b, const mm_task *x)
+{
+    const mm_root *rt = x->root >= 0 ? &b->roots[x->root] : NULL;
+    if (!rt || rt->pieces < 2 || x->nuses <= 2 * rt->depth)
+        return x->nuses;
+    return x->nuses - 2 * rt->depth;
+}
+
 /* Per root: its loads, its program (after the tile's last matmul and adds), its stores; the
  * staging tiles of a slot are written again only once the root two before read them. The
  * store of the r-th of a wave's R roots waits for matmul r * steps / R of its core's next
- * task: spread over the next wave, stores take the DRAM the loads leave. */
+ * task (paced_uses'): spread over the next wave, stores take the DRAM the loads leave. */
 static spy_status epilogue(mm_build *b)
 {
     const spy_matmul_record *r = b->r;
@@ -1289,7 +1312,7 @@ static spy_status epilogue(mm_build *b)
             c[e].u.sfu.ninstrs = strips_of(r, piece_rows(b, x, p)) * r->ninstrs;
             c[e].u.sfu.instr_begin = x->program + (uint32_t)piece_first(b, x, p);
             keys_at(b, b->psfu0)[e] = end_key(b, x->task, PH_EPILOGUE);
-            depend(b, b->psfu0 + e, b->pmm0 + e);
+            depend(b, b->psfu0 + e, b->pmm0 + x->extra_mm + p * x->depth - 1); /* its last matmul */
         }
     }
     spy_status s = SPY_OK;
@@ -1345,7 +1368,7 @@ static spy_status epilogue(mm_build *b)
                 int32_t nxt = b->tasks[b->roots[rt].task].next;
                 if (nxt < 0 || !b->tasks[nxt].nuses)
                     continue;
-                uint64_t step = (rt - wave_first) * b->tasks[nxt].nuses / (end - wave_first);
+                uint64_t step = (rt - wave_first) * paced_uses(b, &b->tasks[nxt]) / (end - wave_first);
                 depend_runs(b, st[rt], (run){b->mm0 + b->tasks[nxt].first_use + (uint32_t)step, 1});
             }
             wave_first = end;
@@ -1626,6 +1649,9 @@ static spy_status matmul_check(mm_build *b)
     if (!r->tk || !r->nbuf || r->nbuf > SPY_MM_MAX_NBUF)
         return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: tk %u or nbuf %u is not 1 .. %u", r->tk, r->nbuf,
                         SPY_MM_MAX_NBUF);
+    if (r->last_depth > r->nbuf) /* the chunks a piece walks are held in the operand buffers at once */
+        return spy_fail(SPY_E_INVALID_ARG, -1, "matmul record: last_depth %u is more than nbuf %u", r->last_depth,
+                        r->nbuf);
     uint64_t ksum = 0, nk = 0, depth = 0;
     for (uint32_t x = 0; x < r->pk; x++) {
         if (!r->k_slice[x] && r->k)

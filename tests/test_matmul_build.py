@@ -259,6 +259,38 @@ def test_a_cores_last_tile_is_finished_in_pieces_of_rows(card):
         assert int((cmds["op"] == OP_SFU).sum()) == 32 + 32 * 4
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_the_pieces_of_a_last_tile_walk_its_last_chunks_in_turn(card, monkeypatch, out_dtype):
+    """Deeper pieces (``last_depth``): each piece of a core's last tile walks the tile's last
+    K chunks before the next piece begins, so that the first rows are done, and stored,
+    chunks before the end. Each row still adds its chunks in order: every depth gives the
+    bits of the whole last matmul (normal values, which another order of the sums would
+    round otherwise), with no scratchpad races."""
+    from spyre_rt.construct.matmul import record
+
+    g = torch.Generator().manual_seed(11)
+    a = operand("a", torch.float16, 1, 1024, 256, gen=g, integers=False)
+    b = operand("b", torch.float16, 1, 256, 256, gen=g, transposed=True, integers=False)
+    out = operand("o", out_dtype, 1, 1024, 256, gen=g)
+    tiling = Tiling(2, 1, 4, 4, 16, 4, 64, 3)  # tiles of 64 x 64, two waves of 32; four K chunks, three buffers
+    results = {}
+    for depth in (1, 2, 3):
+        monkeypatch.setattr(record, "last_depth", lambda *_, d=depth: d)
+        results[depth], got, blob = run(card, a, b, out, None, tiling)
+        assert got == tiling and races(blob) == [], f"scratchpad races at depth {depth}"
+        cmds, _, _, _ = decode(blob)
+        mms = cmds[cmds["op"] == OP_MATMUL].view(CMD_MM)
+        last = mms[mms["core"] == 5][4:]  # in program order, after its first tile's four matmuls
+        assert [int(m) for m in last["m"]] == [64] * (4 - depth) + [16] * (4 * depth)
+        pieces = last[4 - depth:]
+        chunks, rows = [int(x) for x in pieces["b_off"]], [int(x) for x in pieces["c_off"]]  # buffer; rows
+        assert chunks == chunks[:depth] * 4 and len(set(chunks[:depth])) == depth, "a piece does not walk the chunks"
+        assert rows == [r for r in sorted(set(rows)) for _ in range(depth)], "the pieces are not one after the other"
+    assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
+    want = expected(a, b, out).double()
+    assert torch.allclose(results[1].double(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_fp16_gemm_of_normal_values_is_close_to_torch(card):
     """Ordinary values: fp32 accumulation, then fp16 rounding, as torch does on the CPU."""
     g = torch.Generator().manual_seed(2)

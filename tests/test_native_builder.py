@@ -272,6 +272,7 @@ def _set_field(obj, field: str, value):
     ("k_slice[0]", 0, "SPY_E_INVALID_ARG", "k_slice[0]"),
     ("pm", 8, "SPY_E_INVALID_ARG", "num_cores"),
     ("nbuf", 9, "SPY_E_INVALID_ARG", "nbuf"),
+    ("last_depth", 9, "SPY_E_INVALID_ARG", "last_depth"),                   # more chunks than the buffers hold
     ("batch", 1 << 32, "SPY_E_INVALID_ARG", "batch"),                         # counts that overflow
     ("batch", 1 << 31, "SPY_E_INVALID_ARG", "makes more than"),
     ("nslots", 1 << 20, "SPY_E_INVALID_ARG", "nslots"),

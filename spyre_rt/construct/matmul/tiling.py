@@ -196,6 +196,16 @@ def estimate_one(target: CostModel, p: Problem, t: Tiling) -> float:
     return float(terms(target, p, _one(t))["ns"][0])
 
 
+def last_depth(target: CostModel, p: Problem, t: Tiling) -> int:
+    """The K chunks the pieces of a core's last tile walk in turn (``last_depth`` of the
+    native record): as many chunks' matmuls as the stores of every core's last tile take
+    (the model's drain), so that the first pieces' stores are done by the time the arrays
+    finish; at most the operand buffers, which hold them all."""
+    te = terms(target, p, _one(t))
+    drain, mm = float(te["t_drain"][0]), float(te["t_mm"][0])
+    return int(min(t.nbuf, max(1, -(-drain // mm)))) if mm > 0 else 1
+
+
 def lx_bytes_of(target: CostModel, p: Problem, t: Tiling) -> int:
     """The scratchpad bytes a core needs for tiling `t` (the layout record.Scratchpad makes)."""
     return int(terms(target, p, _one(t))["lx_bytes"][0])

@@ -681,21 +681,21 @@ static spy_status schedule(mm_build *b)
     return SPY_OK;
 }
 
-/* ---- a core's last tile, in pieces -------------------------------------------------------------
- * A core's last tile is stored when its arrays have nothing left to do, and every core
- * stores at once: the job ends a whole tile's stores after the last matmul. Cut in pieces
- * of rows, that tile's last matmuls (`last_depth` of them), its program and its stores go
- * piece by piece: a piece walks those K chunks in turn, and its stores run while the arrays
- * compute the next pieces. The deeper the walk, the earlier the first rows are done: the
- * record asks for as many chunks as the stores of a whole tile take (the operand buffers
- * hold them all, as this is the core's last task: no load waits for them). Each row still
- * adds its chunks in order: the sums are the same. Rows, not columns: a piece is then one
- * range of each scratchpad tile, apart from the others'. Not with split-K (the partial sums
- * are added whole), nor for a tile of few rows, whose stores take little time. */
+/* ---- tiles in pieces ----------------------------------------------------------------------------
+ * A tile's program reads the one accumulator that the core's next tile then overwrites, so
+ * the arrays waited for the whole program between tiles; and a core's last tile is stored
+ * when its arrays have nothing left to do, every core at once: the job ended a whole
+ * tile's stores after the last matmul. Cut in pieces of rows, a tile's last matmul, its
+ * program and its stores go piece by piece: a piece's program and stores run while the
+ * arrays compute the next pieces, and the next tile waits for the last piece's program
+ * only. A core's last tile goes deeper: each piece walks its last `last_depth` K chunks in
+ * turn, so that its first rows are done, and stored, that many chunks before the end (the
+ * record asks for as many chunks as the stores of the last tiles take; the operand buffers
+ * hold them all, as no later load waits for them). Each row still adds its chunks in order:
+ * the sums are the same. Rows, not columns: a piece is then one range of each scratchpad
+ * tile, apart from the others'. Not with split-K (the partial sums are added whole), nor for
+ * a tile of few rows (spy_mm_pieces). */
 #define MM_MAX_STRIP 65536   /* rows of a strip of the per-tile program, at most */
-#define MM_PIECES 4          /* pieces of a core's last tile, at most */
-#define MM_PIECE_MIN_ROWS 16 /* rows of a piece, at least */
-#define MM_PIECE_ALIGN 8     /* rows the arrays fill at a time (pt_gran_m) */
 
 static void plan_pieces(mm_build *b)
 {
@@ -704,15 +704,13 @@ static void plan_pieces(mm_build *b)
         mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
         x->pieces = 1, x->width = t->rows, x->extra = 0, x->depth = 1, x->extra_mm = 0;
-        if (b->npairs || t->next >= 0 || !t->nuses || t->rows < 2 * MM_PIECE_MIN_ROWS)
+        if (b->npairs || !t->nuses || spy_mm_pieces(t->rows) < 2)
             continue;
-        uint32_t n = t->rows / MM_PIECE_MIN_ROWS < MM_PIECES ? t->rows / MM_PIECE_MIN_ROWS : MM_PIECES;
-        uint32_t w = ((t->rows + n - 1) / n + MM_PIECE_ALIGN - 1) / MM_PIECE_ALIGN * MM_PIECE_ALIGN;
-        x->pieces = (t->rows + w - 1) / w;
-        x->width = w;
+        x->pieces = (uint32_t)spy_mm_pieces(t->rows);
+        x->width = (uint32_t)spy_mm_piece_width(t->rows);
         x->extra = (uint32_t)b->nextra;
         b->nextra += x->pieces - 1;
-        uint32_t depth = b->r->last_depth > 1 ? b->r->last_depth : 1;
+        uint32_t depth = t->next < 0 && b->r->last_depth > 1 ? b->r->last_depth : 1;
         x->depth = depth < t->nuses ? depth : t->nuses;
         x->extra_mm = (uint32_t)b->nextra_mm;
         b->nextra_mm += (uint64_t)(x->pieces - 1) * x->depth;
@@ -726,6 +724,26 @@ static uint32_t piece_rows(const mm_build *b, const mm_root *x, uint32_t p)
 {
     uint32_t rows = b->tasks[x->task].rows, r0 = piece_row(x, p);
     return rows - r0 < x->width ? rows - r0 : x->width;
+}
+
+/* The last matmul that reads the operand buffers of use u: its last piece's, if the pieces
+ * walk it. */
+static uint32_t use_last_mm(const mm_build *b, uint64_t u)
+{
+    const mm_use *y = &b->uses[u];
+    const mm_task *t = &b->tasks[y->task];
+    const mm_root *x = t->root >= 0 ? &b->roots[t->root] : NULL;
+    if (!x || x->pieces < 2 || y->step + x->depth < t->nuses)
+        return b->mm0 + (uint32_t)u;
+    uint32_t d = y->step + x->depth - t->nuses;
+    return b->pmm0 + x->extra_mm + (x->pieces - 2) * x->depth + d;
+}
+
+/* A root's last program: its last piece's. */
+static uint32_t root_last_sfu(const mm_build *b, uint64_t rt)
+{
+    const mm_root *x = &b->roots[rt];
+    return x->pieces > 1 ? b->psfu0 + x->extra + x->pieces - 2 : b->sfu0 + (uint32_t)rt;
 }
 
 /* ---- the commands ------------------------------------------------------------------------------ */
@@ -982,7 +1000,7 @@ static void buffer_reuse(mm_build *b, int op)
         const mm_use *y = &b->uses[u];
         if (y->prev < 0)
             continue;
-        run before = {b->mm0 + (uint32_t)y->prev, 1};
+        run before = {use_last_mm(b, (uint64_t)y->prev), 1};
         depend_runs(b, arrival[u], before);
         if (pro && y->loads[0]) { /* what writes the buffer's regions before the prologue */
             depend_runs(b, b->loaded[0][y->shared[0]], before);
@@ -1262,6 +1280,14 @@ static spy_status epilogue_tiles(mm_build *b, const spy_mm_tiles *tl, const int6
     return status;
 }
 
+/* Command `after` waits for every store of root rt's tile (each piece's). */
+static void after_stores(mm_build *b, uint32_t after, const run *st, const run *pst, uint64_t rt)
+{
+    depend_runs(b, (run){after, 1}, st[rt]);
+    for (uint32_t p = 1; p < b->roots[rt].pieces; p++)
+        depend_runs(b, (run){after, 1}, pst[b->roots[rt].extra + p - 1]);
+}
+
 /* The matmuls of a task over which the stores of its core's previous tile are spread: all
  * of them; for a last tile in pieces, those before its pieces' walk less as many again,
  * so that they are out of the way when its own stores begin. */
@@ -1335,7 +1361,7 @@ static spy_status epilogue(mm_build *b)
                 depend_runs(b, (run){b->psfu0 + b->roots[rt].extra + p - 1, 1}, ld[rt]);
         for (uint64_t rt = 0; rt < R; rt++) /* its tile was read */
             if (b->roots[rt].prev2 >= 0)
-                depend_runs(b, ld[rt], (run){b->sfu0 + (uint32_t)b->roots[rt].prev2, 1});
+                depend_runs(b, ld[rt], (run){root_last_sfu(b, (uint64_t)b->roots[rt].prev2), 1});
     }
     /* per root, the wave's pacing of its stores */
     uint64_t wave_first = 0;
@@ -1346,15 +1372,15 @@ static spy_status epilogue(mm_build *b)
             return s;
         for (uint64_t rt = 0; rt < R; rt++)
             depend_runs(b, st[rt], (run){b->sfu0 + (uint32_t)rt, 1});
-        for (uint64_t rt = 0; rt < R; rt++) /* the staging tile is free */
+        for (uint64_t rt = 0; rt < R; rt++) /* the staging tile is free: every piece stored */
             if (b->roots[rt].prev2 >= 0)
-                depend_runs(b, (run){b->sfu0 + (uint32_t)rt, 1}, st[b->roots[rt].prev2]);
+                after_stores(b, b->sfu0 + (uint32_t)rt, st, pst, (uint64_t)b->roots[rt].prev2);
         for (uint64_t rt = 0; pst && rt < R; rt++) /* the same for each later piece */
             for (uint32_t p = 1; p < b->roots[rt].pieces; p++) {
                 uint32_t e = b->roots[rt].extra + p - 1;
                 depend_runs(b, pst[e], (run){b->psfu0 + e, 1});
                 if (b->roots[rt].prev2 >= 0)
-                    depend_runs(b, (run){b->psfu0 + e, 1}, st[b->roots[rt].prev2]);
+                    after_stores(b, b->psfu0 + e, st, pst, (uint64_t)b->roots[rt].prev2);
             }
         if (!b->nuses)
             continue;
@@ -1369,7 +1395,10 @@ static spy_status epilogue(mm_build *b)
                 if (nxt < 0 || !b->tasks[nxt].nuses)
                     continue;
                 uint64_t step = (rt - wave_first) * paced_uses(b, &b->tasks[nxt]) / (end - wave_first);
-                depend_runs(b, st[rt], (run){b->mm0 + b->tasks[nxt].first_use + (uint32_t)step, 1});
+                run paced = {b->mm0 + b->tasks[nxt].first_use + (uint32_t)step, 1};
+                depend_runs(b, st[rt], paced);
+                for (uint32_t p = 1; p < b->roots[rt].pieces; p++) /* each piece's stores alike */
+                    depend_runs(b, pst[b->roots[rt].extra + p - 1], paced);
             }
             wave_first = end;
         }
@@ -1398,7 +1427,7 @@ static void accumulator_reuse(mm_build *b)
             else if (pass == 1 && p->last_add >= 0)
                 depend(b, b->mm0 + u, b->radd0 + p->last_add);
             else if (pass == 2 && p->root >= 0)
-                depend(b, b->mm0 + u, b->sfu0 + p->root);
+                depend(b, b->mm0 + u, root_last_sfu(b, (uint64_t)p->root));
         }
     }
 }

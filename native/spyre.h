@@ -1380,6 +1380,9 @@ spy_status spy_mm_choose(const spy_mm_cost *c, const spy_mm_problem *p, spy_mm_t
 /* The model's terms of each of `n` tilings (any grid: tk and nbuf >= 1 and >= 2). */
 spy_status spy_mm_estimate(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm_tiling *t, uint32_t n,
                            spy_mm_terms *out);
+/* The K chunks the pieces of a core's last tile walk under tiling *t (the record's
+ * last_depth): as many chunks' matmuls as the model's stores of the last tiles take. */
+spy_status spy_mm_last_depth(const spy_mm_cost *c, const spy_mm_problem *p, const spy_mm_tiling *t, uint32_t *out);
 /* The grids the search tries, in its order (tk and nbuf 0): up to `cap` into out, *n of them
  * in all (call with cap 0 to count). */
 spy_status spy_mm_grids(const spy_mm_cost *c, const spy_mm_problem *p, spy_mm_tiling *out, uint32_t cap,

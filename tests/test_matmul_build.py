@@ -236,12 +236,13 @@ def test_decode_splits_k_and_adds_the_partial_sums_on_the_card(card):
     assert tiling.pk > 1
 
 
-def test_a_cores_last_tile_is_finished_in_pieces_of_rows(card):
-    """The second wave's tiles are each core's last: their last matmul, program and stores go
-    in pieces of rows, so that a piece's stores run while the arrays compute the next one
-    (the job would otherwise end with every core storing a whole tile at once); the first
-    wave's stay whole. Exact, with no scratchpad races, and with a residual-like epilogue
-    (a bias) read by each piece at its rows."""
+def test_a_cores_tiles_are_finished_in_pieces_of_rows(card):
+    """Each tile's last matmul, program and stores go in pieces of rows, so that a piece's
+    program and stores run while the arrays compute the next piece: the arrays do not wait
+    for a whole tile's program before the next tile (which overwrites the one accumulator),
+    and the job does not end with every core storing a whole tile at once. Exact, with no
+    scratchpad races, and with a residual-like epilogue (a bias) read by each piece at its
+    rows."""
     g = torch.Generator().manual_seed(7)
     a = operand("a", torch.float16, 1, 1024, 64, gen=g)
     b = operand("b", torch.float16, 1, 64, 256, gen=g, transposed=True)
@@ -255,8 +256,8 @@ def test_a_cores_last_tile_is_finished_in_pieces_of_rows(card):
         cmds, _, _, _ = decode(blob)
         mms = cmds[cmds["op"] == OP_MATMUL].view(CMD_MM)
         rows = sorted(int(m) for m in mms["m"])
-        assert rows == [16] * 128 + [64] * 32, "the last wave's matmuls are not in four pieces of 16 rows"
-        assert int((cmds["op"] == OP_SFU).sum()) == 32 + 32 * 4
+        assert rows == [16] * 256, "the tiles' matmuls are not in four pieces of 16 rows"
+        assert int((cmds["op"] == OP_SFU).sum()) == 64 * 4
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
@@ -280,7 +281,9 @@ def test_the_pieces_of_a_last_tile_walk_its_last_chunks_in_turn(card, monkeypatc
         assert got == tiling and races(blob) == [], f"scratchpad races at depth {depth}"
         cmds, _, _, _ = decode(blob)
         mms = cmds[cmds["op"] == OP_MATMUL].view(CMD_MM)
-        last = mms[mms["core"] == 5][4:]  # in program order, after its first tile's four matmuls
+        mine = mms[mms["core"] == 5]  # in program order
+        assert [int(m) for m in mine["m"][:7]] == [64] * 3 + [16] * 4, "the first tile's pieces walk one chunk"
+        last = mine[7:]
         assert [int(m) for m in last["m"]] == [64] * (4 - depth) + [16] * (4 * depth)
         pieces = last[4 - depth:]
         chunks, rows = [int(x) for x in pieces["b_off"]], [int(x) for x in pieces["c_off"]]  # buffer; rows

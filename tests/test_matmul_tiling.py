@@ -142,17 +142,17 @@ def test_an_epilogue_costs_its_gemm_little_and_the_model_sees_it(card):
     """Granite 3.3 8B's up projection at a 1,024-token prefill with SiLU(gate) * up fused:
     the epilogue's loads spread over each wave, so its cores do not all load at once at
     the wave's end while the arrays wait, and its temporaries leave room for the plain
-    GEMM's tiles. Simulated, within 2.5 % of the same GEMM without it (its SFU work, which
-    the arrays wait for between waves on their one accumulator, is 2.4 %) and within 2 % of
-    the model."""
+    GEMM's tiles. Simulated, within 2 % of the same GEMM without it and within 3 % of the
+    model (which does not count the tiles' pieces: their programs and stores overlap the
+    last matmuls, 2.2 % of this GEMM's time)."""
     plain_ctx, plain = linear(1024, 12800, 4096)
     build(plain_ctx, plain)
     plain_ns, _ = simulate(card, plain_ctx)
     ctx, spec = swiglu_up(1024, 12800, 4096)
     t = build(ctx, spec).tiling
     ns, _ = simulate(card, ctx)
-    assert ns <= 1.025 * plain_ns, f"{t}: {ns / 1e3:.0f} us with the epilogue, {plain_ns / 1e3:.0f} without"
-    assert abs(tl.estimate_one(TARGET, Problem.of(spec), t) / ns - 1) < 0.02, f"{t}: model vs simulator"
+    assert ns <= 1.02 * plain_ns, f"{t}: {ns / 1e3:.0f} us with the epilogue, {plain_ns / 1e3:.0f} without"
+    assert abs(tl.estimate_one(TARGET, Problem.of(spec), t) / ns - 1) < 0.03, f"{t}: model vs simulator"
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (12800, 4096), (4096, 12800)])

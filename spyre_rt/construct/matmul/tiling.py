@@ -201,9 +201,10 @@ def last_depth(target: CostModel, p: Problem, t: Tiling) -> int:
     native record): as many chunks' matmuls as the stores of every core's last tile take
     (the model's drain), so that the first pieces' stores are done by the time the arrays
     finish; at most the operand buffers, which hold them all."""
-    te = terms(target, p, _one(t))
-    drain, mm = float(te["t_drain"][0]), float(te["t_mm"][0])
-    return int(min(t.nbuf, max(1, -(-drain // mm)))) if mm > 0 else 1
+    out = ffi.new("uint32_t *")
+    check(lib.spy_mm_last_depth(_cost(target), _problem(p), ffi.new("spy_mm_tiling *", {
+        name: getattr(t, name) for name in _TILING_FIELDS}), out), "choosing a matmul's last depth")
+    return int(out[0])
 
 
 def lx_bytes_of(target: CostModel, p: Problem, t: Tiling) -> int:

@@ -192,21 +192,24 @@ def _anchor(k: LoopKernel, mm: MatmulKernel) -> Op | None:
                  and o.access.const == mm.out[1]), None)
 
 
-def _covering_parts(k: LoopKernel, mm: MatmulKernel, anchor: Op) -> list | None:
-    """The loop kernel's variables as the product's dimensions, seen from the anchor's
-    access (:func:`_parts`), when they cover every variable it loops over."""
+def _anchored(k: LoopKernel, mm: MatmulKernel) -> tuple[Op, list] | None:
+    """The anchor (:func:`_anchor`) and the loop kernel's variables as the product's
+    dimensions, seen from its access (:func:`_parts`), when they cover every variable the
+    kernel loops over."""
+    anchor = _anchor(k, mm)
+    if anchor is None:
+        return None
     parts = _parts(k, anchor.access.coeffs, mm.out)
     if parts is None or any(n > 1 and v not in {p[0] for p in parts} for v, n in enumerate(k.sizes)):
         return None
-    return parts
+    return anchor, parts
 
 
 def _sliced(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
     from .slicing import sliced_epilogue
 
-    anchor = _anchor(k, mm)
-    parts = None if anchor is None else _covering_parts(k, mm, anchor)
-    return None if parts is None else sliced_epilogue(k, mm, anchor, parts, COMPUTES)
+    anchored = _anchored(k, mm)
+    return None if anchored is None else sliced_epilogue(k, mm, *anchored, COMPUTES)
 
 
 def _private(step: StepDesc, kernels: dict, seq: list, product: str, users: tuple[int, int]) -> bool:
@@ -270,10 +273,10 @@ def _view(acc, parts, out) -> tuple | None:
 
 def _epilogue(k: LoopKernel, mm: MatmulKernel) -> Epilogue | None:
     product = mm.out[0]
-    anchor = _anchor(k, mm)
-    parts = None if anchor is None else _covering_parts(k, mm, anchor)
-    if parts is None:
+    anchored = _anchored(k, mm)
+    if anchored is None:
         return None
+    anchor, parts = anchored
     _, _, (nb, nm, nn), _ = mm.out
     dtype = {b.name: b.dtype for b in k.buffers}
     inputs, input_dtypes, outputs, output_dtypes, ops = [], [], [], [], []

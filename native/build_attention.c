@@ -694,6 +694,34 @@ static uint64_t kv_at(const attn *a, const attn_block *b, int w)
     return a->s.resident ? slot[0] + b->kslot * (slot[1] - slot[0]) : slot[b->kslot];
 }
 
+/* Whether member *mk's block j (*block) can load block j for its (group, step), or, keys
+ * resident, send it: it holds the `keys` the step needs of it; with `senders`, its core
+ * holds them already (`held`: the keys of each core's slot). */
+static bool can_load(const attn *a, const attn_member *mk, uint64_t j, uint64_t keys, bool senders,
+                     const uint64_t *held, uint64_t *block)
+{
+    const attn_tstate *ts = &a->tk[mk->task];
+    if (ts->first_block + j > ts->last_block)
+        return false;
+    const attn_block *b = &a->blk[ts->first_block + j];
+    *block = ts->first_block + j;
+    return senders ? held[(uint64_t)b->core * a->r->lx.kv_slots + b->kslot] >= keys : b->keys == keys;
+}
+
+/* The block that loads (or sends) block j of the members m[lo, hi) of a (group, step): of
+ * the n members that can, the (j % n)-th, in task order. */
+static uint64_t pick_loader(const attn *a, const attn_member *m, uint64_t lo, uint64_t hi, uint64_t j, uint64_t keys,
+                            bool senders, const uint64_t *held)
+{
+    uint64_t n = 0, block = 0;
+    for (uint64_t k = lo; k < hi; k++)
+        n += can_load(a, &m[k], j, keys, senders, held, &block);
+    for (uint64_t k = lo, c = 0; k < hi; k++)
+        if (can_load(a, &m[k], j, keys, senders, held, &block) && c++ == j % n)
+            return block;
+    return 0;
+}
+
 /* Every task's blocks in per-core program order; which block loads each block's K and V:
  * itself, or in a sharing group the members of its (group, step), in task order, in turn.
  * Keys resident, a block whose core holds its keys already (from a load or a receive of an
@@ -762,7 +790,7 @@ static spy_status make_blocks(attn *a)
                 most = ts->last_block - ts->first_block + 1;
         }
         for (uint64_t j = 0; j < most; j++) {
-            uint64_t keys = 0, holders = 0, pick = 0;
+            uint64_t keys = 0;
             for (uint64_t k = lo; k < hi; k++) { /* the most keys a member's block j holds */
                 const attn_tstate *ts = &a->tk[m[k].task];
                 if (ts->first_block + j <= ts->last_block && a->blk[ts->first_block + j].keys > keys)
@@ -781,20 +809,7 @@ static spy_status make_blocks(attn *a)
                     b->res = (int64_t)writer[at];
                 senders |= held[at] >= keys;
             }
-            for (int count = 1; count >= 0; count--) /* count them, then take the (j % n)-th */
-                for (uint64_t k = lo, c = 0; k < hi; k++) {
-                    const attn_tstate *ts = &a->tk[m[k].task];
-                    if (ts->first_block + j > ts->last_block)
-                        continue;
-                    const attn_block *b = &a->blk[ts->first_block + j];
-                    bool can = senders ? held[(uint64_t)b->core * r->lx.kv_slots + b->kslot] >= keys : b->keys == keys;
-                    if (!can)
-                        continue;
-                    if (count)
-                        holders++;
-                    else if (c++ == j % holders)
-                        pick = ts->first_block + j;
-                }
+            uint64_t pick = pick_loader(a, m, lo, hi, j, keys, senders, held);
             for (uint64_t k = lo; k < hi; k++) {
                 const attn_tstate *ts = &a->tk[m[k].task];
                 if (ts->first_block + j > ts->last_block)

@@ -35,8 +35,9 @@ class Scratchpad:
         self.q = pair(big * self.q_pitch * e)
         if tiling.resident:  # a slot for every block of the keys: [first, second] and how many
             self.kv_slots = -(-shape.kv_len // keys)
-            self.k, self.v = ([base, base + n] for n in (keys * self.k_pitch * e, keys * self.v_pitch * e)
-                              for base in [lx.take(self.kv_slots * n)])
+            nk, nv = keys * self.k_pitch * e, keys * self.v_pitch * e
+            k0, v0 = lx.take(self.kv_slots * nk), lx.take(self.kv_slots * nv)
+            self.k, self.v = [k0, k0 + nk], [v0, v0 + nv]
         else:
             self.kv_slots = 2
             self.k = pair(keys * self.k_pitch * e)

@@ -481,6 +481,24 @@ def test_a_merged_gate_and_up_gemm_is_split_and_its_activation_fused(case, dtype
         assert (got.double() - want).abs().max().item() <= tol * (1 + want.abs().max().item())
 
 
+def test_a_merged_gate_and_up_gemm_of_symbolic_shapes_is_split():
+    """Phi-3's merged projection under Dynamo's automatic dynamic shapes: at a second batch
+    size the batch is symbolic, and the halves' reshape holds it (a size node of the graph,
+    which the split once handed to the fake reshape as is, failing the compile)."""
+    g = torch.Generator().manual_seed(3)
+    w, wd = torch.randn(130, 72, generator=g), torch.randn(48, 65, generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(chunked_gate_up, backend="spyre_rt")
+    for batch in (1, 2, 3):
+        x = torch.randn(batch, 50, 72, generator=g)
+        before = set(executor.live_steps())
+        got = compiled(x.to("spyre"), w.to("spyre"), wd.to("spyre")).cpu()
+        torch.testing.assert_close(got, chunked_gate_up(x, w, wd), rtol=1e-4, atol=1e-4)
+        for step in set(executor.live_steps()) - before:  # each step the call built
+            matmuls = [k for k in step.desc.kernels.values() if isinstance(k, MatmulKernel)]
+            assert len(matmuls) == 3 and len(_fused(step.desc)) == 1, f"batch {batch}: not split"
+
+
 @pytest.mark.parametrize("fn", [merged_returned, merged_apart, merged_thirds])
 def test_a_merged_gemm_read_otherwise_is_left_whole(fn):
     g = torch.Generator().manual_seed(5)

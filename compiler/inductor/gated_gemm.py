@@ -147,7 +147,7 @@ def _call(graph: torch.fx.Graph, like: torch.fx.Node, target, *args) -> torch.fx
     profiler) and its fake value, computed from its arguments' (what lowering reads)."""
     node = graph.call_function(target, args)
     node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])  # nested too: a shape's symbolic sizes
     node.meta["val"] = target(*vals)
     return node
 

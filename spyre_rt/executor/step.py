@@ -18,6 +18,7 @@ plan cache its executables use, and whether its calls are recorded in the card's
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 import threading
 import weakref
@@ -33,12 +34,16 @@ from ..ir import StepDesc, from_json, to_json
 from . import memory, undo
 from .executable import Executable
 
-_live: weakref.WeakSet = weakref.WeakSet()
+# by a count taken at creation: a weak set would list them in the order of their ids,
+# which differs from one run to the next
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_made = itertools.count()
 
 
 def live_steps() -> list[CompiledStep]:
-    """The compiled steps alive in this process (for tools and tests that inspect them)."""
-    return list(_live)
+    """The compiled steps alive in this process, oldest first (for tools and tests that
+    inspect them)."""
+    return [step for _, step in sorted(_live.items(), key=operator.itemgetter(0))]
 
 
 # Steps the compiler prepared for the module it is generating (see adopt), by the digest
@@ -77,7 +82,7 @@ def load_step(text: str, settings: dict | None = None) -> CompiledStep:
 class CompiledStep:
     def __init__(self, desc: StepDesc, digest: str | None = None, family: tuple[str, dict] | None = None,
                  settings: config.Settings | None = None):
-        _live.add(self)
+        _live[next(_made)] = self
         self.desc = desc
         self.settings = settings or config.for_step(None)
         # the description's identity in plan-cache keys: hashing its JSON once, not per load

@@ -694,8 +694,27 @@ static spy_status schedule(mm_build *b)
  * hold them all, as no later load waits for them). Each row still adds its chunks in order:
  * the sums are the same. Rows, not columns: a piece is then one range of each scratchpad
  * tile, apart from the others'. Not with split-K (the partial sums are added whole), nor for
- * a tile of few rows (spy_mm_pieces). */
+ * a tile of few rows (pieces_of). */
 #define MM_MAX_STRIP 65536   /* rows of a strip of the per-tile program, at most */
+#define MM_PIECES 4          /* pieces of a tile, at most */
+#define MM_PIECE_MIN_ROWS 16 /* rows of a piece, at least */
+#define MM_PIECE_ALIGN 8     /* rows the arrays fill at a time (pt_gran_m) */
+
+/* The rows of each piece but the last of a tile of `rows` (rows itself: whole), and the
+ * pieces: each but the last a whole number of the arrays' row fills. */
+static uint32_t piece_width(uint32_t rows)
+{
+    if (rows < 2 * MM_PIECE_MIN_ROWS)
+        return rows;
+    uint32_t n = rows / MM_PIECE_MIN_ROWS < MM_PIECES ? rows / MM_PIECE_MIN_ROWS : MM_PIECES;
+    return ((rows + n - 1) / n + MM_PIECE_ALIGN - 1) / MM_PIECE_ALIGN * MM_PIECE_ALIGN;
+}
+
+static uint32_t pieces_of(uint32_t rows)
+{
+    uint32_t w = piece_width(rows);
+    return w ? (rows + w - 1) / w : 1;
+}
 
 static void plan_pieces(mm_build *b)
 {
@@ -704,10 +723,10 @@ static void plan_pieces(mm_build *b)
         mm_root *x = &b->roots[rt];
         const mm_task *t = &b->tasks[x->task];
         x->pieces = 1, x->width = t->rows, x->extra = 0, x->depth = 1, x->extra_mm = 0;
-        if (b->npairs || !t->nuses || spy_mm_pieces(t->rows) < 2)
+        if (b->npairs || !t->nuses || pieces_of(t->rows) < 2)
             continue;
-        x->pieces = (uint32_t)spy_mm_pieces(t->rows);
-        x->width = (uint32_t)spy_mm_piece_width(t->rows);
+        x->pieces = pieces_of(t->rows);
+        x->width = piece_width(t->rows);
         x->extra = (uint32_t)b->nextra;
         b->nextra += x->pieces - 1;
         uint32_t depth = t->next < 0 && b->r->last_depth > 1 ? b->r->last_depth : 1;

@@ -43,26 +43,6 @@ uint32_t spy_dtype_size(uint32_t dtype);
 static inline bool spy_add_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }
 static inline bool spy_mul_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 
-/* A matmul's tile finishes in pieces of rows (build_matmul.c; tiling.c's estimate counts
- * them): at most SPY_MM_PIECES of at least SPY_MM_PIECE_MIN_ROWS rows, each but the last a
- * whole number of the arrays' row fills. The rows of each piece but the last, for a tile of
- * `rows` (rows itself: whole). */
-#define SPY_MM_PIECES 4
-#define SPY_MM_PIECE_MIN_ROWS 16
-#define SPY_MM_PIECE_ALIGN 8 /* rows the arrays fill at a time (pt_gran_m) */
-static inline uint64_t spy_mm_piece_width(uint64_t rows)
-{
-    if (rows < 2 * SPY_MM_PIECE_MIN_ROWS)
-        return rows;
-    uint64_t n = rows / SPY_MM_PIECE_MIN_ROWS < SPY_MM_PIECES ? rows / SPY_MM_PIECE_MIN_ROWS : SPY_MM_PIECES;
-    return ((rows + n - 1) / n + SPY_MM_PIECE_ALIGN - 1) / SPY_MM_PIECE_ALIGN * SPY_MM_PIECE_ALIGN;
-}
-static inline uint64_t spy_mm_pieces(uint64_t rows)
-{
-    uint64_t w = spy_mm_piece_width(rows);
-    return w ? (rows + w - 1) / w : 1;
-}
-
 /* ---- half.c: fp16 / bf16 conversion ---------------------------------------------------- */
 
 float spy_f16_to_f32(uint16_t h);

@@ -807,10 +807,11 @@ typedef struct spy_matmul_record {
     /* the buffers and the per-tile program */
     uint32_t nslots;
     uint32_t nloads, nstores, ninstrs;
-    /* A core's last tile is finished in pieces of rows (not with split-K), so that a piece's
-     * stores run while the arrays compute the next: each piece walks the tile's last
-     * `last_depth` K chunks in turn (0 or 1: the last only; at most nbuf, whose buffers hold
-     * them all). Deeper, its first rows are done that many chunks before the end. */
+    /* Tiles finish in pieces of rows (not with split-K), so that a piece's program and
+     * stores run while the arrays compute the next. The pieces of a core's last tile each
+     * walk its last `last_depth` K chunks in turn (0 or 1: the last only; at most nbuf,
+     * whose buffers hold them all): deeper, its first rows are done that many chunks
+     * before the end. */
     uint32_t last_depth;
     const spy_layout *slots;     /* nslots: the stick layout of each slot's buffer, in slot order */
     spy_mm_view a, b;

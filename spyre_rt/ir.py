@@ -396,11 +396,10 @@ def resolve_alias(aliases: dict, name: str, element: int = 0) -> tuple[str, int]
     """(buffer, element) that element `element` of `name` is, through `aliases` (alias ->
     (the buffer it views, its offset there, ...)): a buffer is itself. A cycle, which no
     step makes, stops where it would repeat."""
-    seen = None  # made once an alias is followed: most names are buffers
-    while name in aliases:
-        seen = seen if seen is not None else set()
-        if name in seen:
-            break
+    if name not in aliases:  # most names are buffers: no cycle guard to make
+        return name, element
+    seen = set()
+    while name in aliases and name not in seen:
         seen.add(name)
         base, offset = aliases[name][:2]
         name, element = base, element + offset

@@ -34,8 +34,8 @@ from ..ir import StepDesc, from_json, to_json
 from . import memory, undo
 from .executable import Executable
 
-# by a count taken at creation: a weak set would list them in the order of their ids,
-# which differs from one run to the next
+# keyed by a count taken at creation, so listed in that order: a weak set would list them
+# in the order of their ids, which differs from one run to the next
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _made = itertools.count()
 
@@ -43,7 +43,7 @@ _made = itertools.count()
 def live_steps() -> list[CompiledStep]:
     """The compiled steps alive in this process, oldest first (for tools and tests that
     inspect them)."""
-    return [step for _, step in sorted(_live.items(), key=operator.itemgetter(0))]
+    return list(_live.values())
 
 
 # Steps the compiler prepared for the module it is generating (see adopt), by the digest

@@ -326,7 +326,8 @@ def _decide(ctx: BuildContext, spec: MatmulSpec, p: Problem, t: Tiling, rec: Mat
     r.update({"in_dtype": spec.in_dtype,
               "flags": (lib.SPY_MM_TRANS_A if p.trans_a else 0) | (lib.SPY_MM_TRANS_B if p.trans_b else 0),
               "groups": t.groups, "pk": t.pk, "pm": t.pm, "pn": t.pn, "m_tiles": t.m_tiles, "n_tiles": t.n_tiles,
-              "tk": t.tk, "nbuf": t.nbuf, "last_depth": last_depth(target, p, t), "a_lx": lx.a, "b_lx": lx.b, "acc_lx": lx.acc, "recv_lx": lx.recv,
+              "tk": t.tk, "nbuf": t.nbuf, "last_depth": last_depth(target, p, t), "a_lx": lx.a, "b_lx": lx.b,
+              "acc_lx": lx.acc, "recv_lx": lx.recv,
               "a_pitch": lx.a_pitch, "b_pitch": lx.b_pitch, "c_pitch": lx.c_pitch, "a": a, "b": b,
               "nloads": len(loads), "nstores": len(stores), "ninstrs": len(program), "epi_strip": p.epi_strip})
 

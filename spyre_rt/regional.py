@@ -16,7 +16,9 @@ and modules. A transformers KV cache is none of these, so a layer's call hands t
 own cache layer as tensors and constants (:func:`_flat_cache`), and the region rebuilds a
 cache of that one layer to call the layer's forward with. That is right only for cache
 layers whose update changes nothing but their tensors, in place: a static cache's layers
-(``StaticLayer``). Any other cache is passed as it is (a dynamic cache grows by rebinding
+(``StaticLayer``). The region gets such a layer's tensors alone and sets its other fields
+(sizes, dtype, device) from them, as the layer's own initialization does; that is checked
+against transformers' class before it is relied on. Any other cache is passed as it is (a dynamic cache grows by rebinding
 its tensors, a sliding window counts its tokens in a Python int), and Dynamo then traces
 every layer that has one; the region still bounds what Inductor fuses across the layer's
 edges (its inputs and outputs are realized), as the layers compiled once have them. A cache
@@ -40,8 +42,11 @@ import torch
 
 _MARKED: dict[type, type] = {}  # a layer class -> its subclass with the marked forward
 _CLASSES: list[type] = []  # cache and cache layer classes, named in a region call by index
+_KINDS: dict[type, int] = {}  # a class in _CLASSES -> its index (all made before any trace)
 _CONSTANTS = (bool, int, float, str, type(None), torch.dtype, torch.device)
-_IN_PLACE: set[type] = set()  # cache layer classes whose update only writes their tensors in place
+# cache layer classes whose update only writes their tensors in place -> the names of those
+# tensors; the layer's other fields are read off them (see _static_fields)
+_IN_PLACE: dict[type, tuple[str, ...]] = {}
 _REBINDING: set[type] = set()  # cache layer classes whose update rebinds their tensors to new ones
 _STANDINS: dict[type, type] = {}  # a cache class -> the class of a region's cache of one layer
 _MAX_REGIONS = 64  # distinct traces of the region Dynamo keeps (one per distinct layer)
@@ -105,13 +110,11 @@ def _forward(self, *args, **kwargs):
         return _original(type(self)).forward(self, *args, **kwargs)
     cache = kwargs.get("past_key_values")
     flat = _flat_cache(cache, self) if cache is not None else None
-    rest = kwargs
-    if flat is not None:
-        rest = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-    else:
+    own = flat is not None  # the layer's own cache layer is in `flat`: the call's cache is left out
+    if not own:
         flat = [_PASSED]
-    if not (_flat(args, flat) and _flat(rest, flat)):
-        if cache is not None and flat[0] == _PASSED and not _holds_in_a_region(cache):
+    if not (_flat(args, flat) and _flat(kwargs, flat, "past_key_values" if own else None)):
+        if cache is not None and not own and not _holds_in_a_region(cache):
             # a cache whose update a region cannot hold (a sliding window keeps a view of what
             # it concatenated: Dynamo fails on it inside a region): the layer is traced inline
             return _original(type(self)).forward(self, *args, **kwargs)
@@ -132,26 +135,38 @@ def _holds_in_a_region(cache) -> bool:
 # tracing torch's pytree functions at every call. Tags say how the list nests:
 _PASSED = "passed"   # the call's own cache, if any, is among its arguments
 _CACHE = "cache"     # then: cache class, layer class (by index), layer count, n, n (name, value) of the
-                     # cache's constants, n, n (name, value) of the layer's attributes
+                     # cache's constants, n, n (name, tensor) of the layer's tensors
 _LEAF, _TUPLE, _LIST, _DICT = "leaf", "tuple", "list", "dict"  # then: a value; n and n values; n and n (key, value)
 _LEAVES = (torch.Tensor, *_CONSTANTS)
 
 
-def _flat(value, out: list) -> bool:
-    """Append `value` to `out` as tags and leaves; False if some part of it is no leaf."""
+def _flat(value, out: list, skip: str | None = None) -> bool:
+    """Append `value` to `out` as tags and leaves (a dict without its key `skip`); False if some
+    part of it is no leaf. Dynamo runs this at every layer's call, so it is written for Dynamo:
+    a leaf inside a container is appended in place rather than by a call of its own, and there
+    are no generators (Dynamo traces a call or a generator far more slowly than a loop)."""
     if isinstance(value, _LEAVES):
-        out += [_LEAF, value]
+        out += (_LEAF, value)
         return True
     if isinstance(value, (tuple, list)):
-        out += [_TUPLE if isinstance(value, tuple) else _LIST, len(value)]
-        return all(_flat(v, out) for v in value)
+        out += (_TUPLE if isinstance(value, tuple) else _LIST, len(value))
+        for v in value:
+            if isinstance(v, _LEAVES):
+                out += (_LEAF, v)
+            elif not _flat(v, out):
+                return False
+        return True
     if isinstance(value, dict):
-        out += [_DICT, len(value)]
+        out += (_DICT, len(value) - (skip in value))
         for k, v in value.items():
+            if k == skip:
+                continue
             if not isinstance(k, str):
                 return False
             out.append(k)
-            if not _flat(v, out):
+            if isinstance(v, _LEAVES):
+                out += (_LEAF, v)
+            elif not _flat(v, out):
                 return False
         return True
     return False
@@ -185,25 +200,31 @@ def _flat_cache(cache, layer: torch.nn.Module) -> list | None:
     if standin is None or index is None or not isinstance(layers, list) or not 0 <= index < len(layers):
         return None
     entry = layers[index]
-    if type(entry) not in _IN_PLACE or not getattr(entry, "is_initialized", False):
+    tensors = _IN_PLACE.get(type(entry))
+    if tensors is None or not getattr(entry, "is_initialized", False):
         return None
-    own = [(k, v) for k, v in vars(cache).items() if k != "layers"]
-    fields = list(vars(entry).items())
-    if not all(isinstance(v, _CONSTANTS) for _, v in own) or not all(isinstance(v, _LEAVES) for _, v in fields):
-        return None
-    out = [_CACHE, _kind(standin), _kind(type(entry)), len(layers), len(own)]
-    for k, v in own:
-        out += [k, v]
-    out.append(len(fields))
-    for k, v in fields:
-        out += [k, v]
+    own = vars(cache)
+    out = [_CACHE, _KINDS[standin], _KINDS[type(entry)], len(layers), len(own) - ("layers" in own)]
+    for k, v in own.items():
+        if k != "layers":
+            if not isinstance(v, _CONSTANTS):
+                return None
+            out += (k, v)
+    # the layer's tensors alone: its other fields are the tensors' sizes, dtype and device, which
+    # Dynamo checks of every tensor a region gets (reading them here cost every layer's call as
+    # much again, and a guard each in the step)
+    out.append(len(tensors))
+    for k in tensors:
+        out += (k, getattr(entry, k))
     return out
 
 
 def _kind(cls: type) -> int:
-    if cls not in _CLASSES:
+    """A class's index in `_CLASSES`, by which a region's flat inputs name it."""
+    if cls not in _KINDS:
+        _KINDS[cls] = len(_CLASSES)
         _CLASSES.append(cls)
-    return _CLASSES.index(cls)
+    return _KINDS[cls]
 
 
 def _layer_index(layer: torch.nn.Module) -> int | None:
@@ -215,6 +236,33 @@ def _layer_index(layer: torch.nn.Module) -> int | None:
     return None
 
 
+# A static cache layer's tensors, and its fields that are read off them (as its lazy
+# initialization sets them): checked against transformers' class before it is trusted.
+_STATIC_TENSORS = ("keys", "values", "cumulative_length")
+
+
+def _static_fields(keys: torch.Tensor, values: torch.Tensor) -> dict:
+    batch, heads, length, k_dim = keys.shape
+    return {"is_initialized": True, "max_cache_len": length, "dtype": keys.dtype, "device": keys.device,
+            "batch_size": batch, "num_heads": heads, "k_head_dim": k_dim, "v_head_dim": values.shape[-1]}
+
+
+def _static_layer_is_as_known(cls: type) -> bool:
+    """Whether an initialized `cls` has the tensors of _STATIC_TENSORS and, beside them, just the
+    fields _static_fields reads off them: else its fields are not known here and its layers are
+    not handed to a region by their tensors."""
+    try:
+        entry = cls(max_cache_len=3)
+        entry.lazy_initialization(torch.zeros(2, 5, 1, 4), torch.zeros(2, 5, 1, 6))
+        fields = vars(entry)
+    except Exception:  # another signature: not the class this knows
+        return False
+    derived = _static_fields(fields.get("keys", torch.zeros(0, 0, 0, 0)), fields.get("values", torch.zeros(0)))
+    return (set(fields) == set(_STATIC_TENSORS) | set(derived)
+            and all(isinstance(fields[k], torch.Tensor) for k in _STATIC_TENSORS)
+            and all(type(fields[k]) is type(v) and fields[k] == v for k, v in derived.items()))
+
+
 def _standin_classes() -> None:
     """For every transformers cache class, the class of the cache a region builds: one whose
     methods that take a ``layer_idx`` use the one layer it has. The layer's own index never
@@ -224,7 +272,9 @@ def _standin_classes() -> None:
         from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
     except ImportError:  # no transformers: no cache to hand a region
         return
-    _IN_PLACE.add(StaticLayer)
+    if StaticLayer not in _IN_PLACE and _static_layer_is_as_known(StaticLayer):
+        _IN_PLACE[StaticLayer] = _STATIC_TENSORS
+        _kind(StaticLayer)
     _REBINDING.add(DynamicLayer)
     todo = [Cache]
     while todo:
@@ -237,6 +287,7 @@ def _standin_classes() -> None:
             if "layer_idx" in inspect.signature(fn).parameters:
                 methods[name] = _at_layer_zero(fn)
         _STANDINS[cls] = type(f"{cls.__name__}OfOneLayer", (cls,), methods)
+        _kind(_STANDINS[cls])
 
 
 def _at_layer_zero(fn):
@@ -267,6 +318,8 @@ def _region_body(layer, *flat):
         for i in range(n):
             setattr(entry, flat[at + 2 * i], flat[at + 2 * i + 1])
         at += 2 * n
+        for k, v in _static_fields(entry.keys, entry.values).items():
+            setattr(entry, k, v)
         cache.layers = [entry] * count
         kwargs["past_key_values"] = cache
     args, at = _unflat(flat, at)

@@ -246,3 +246,49 @@ def test_a_layer_given_an_input_that_is_not_plain_data_still_writes_its_cache():
         assert wk.abs().sum() > 0
         torch.testing.assert_close(k, wk)
         torch.testing.assert_close(v, wv)
+
+
+@pytest.mark.parametrize("batch,heads,head_dim,length,dtype", [(1, 2, 16, 8, torch.float32), (3, 4, 8, 33, torch.float16)])
+def test_a_static_cache_layer_reaches_a_region_as_its_tensors_alone(batch, heads, head_dim, length, dtype):
+    """A region gets a static cache layer's tensors, not its other fields, and sets those from
+    the tensors: what it sets is what transformers' own layer holds."""
+    import transformers as T
+
+    from spyre_rt import regional
+
+    cfg = T.GraniteConfig(hidden_size=heads * head_dim * 2, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=heads * 2, num_key_value_heads=heads, vocab_size=100)
+    model = T.GraniteForCausalLM(cfg)
+    assert compile_layers_once(model) == 2
+    cache = T.StaticCache(config=cfg, max_cache_len=length)
+    cache.early_initialization(batch_size=batch, num_heads=heads, head_dim=head_dim, dtype=dtype, device="cpu")
+    flat = regional._flat_cache(cache, model.model.layers[1])
+    tensors = flat[5 + 2 * flat[4]:]  # after the cache's own constants
+    entry = cache.layers[1]
+    assert tensors[0] == 3 and tensors[1::2] == ["keys", "values", "cumulative_length"]
+    assert all(t is getattr(entry, k) for k, t in zip(tensors[1::2], tensors[2::2], strict=True))
+    fields = regional._static_fields(entry.keys, entry.values)
+    assert set(fields) | {"keys", "values", "cumulative_length"} == set(vars(entry))
+    assert all(getattr(entry, k) == v and type(getattr(entry, k)) is type(v) for k, v in fields.items()), fields
+
+
+def test_a_cache_layer_whose_fields_are_not_known_is_not_handed_to_a_region_by_its_tensors():
+    """A static layer class with a field beyond the ones read off its tensors, or whose fields
+    differ from them, is not trusted to be rebuilt from its tensors."""
+    from transformers.cache_utils import StaticLayer
+
+    from spyre_rt import regional
+
+    class MoreFields(StaticLayer):
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            self.window = 4
+
+    class OtherLength(StaticLayer):
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            self.max_cache_len += 1
+
+    assert regional._static_layer_is_as_known(StaticLayer)
+    assert not regional._static_layer_is_as_known(MoreFields)
+    assert not regional._static_layer_is_as_known(OtherLength)

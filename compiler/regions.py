@@ -42,7 +42,9 @@ def inline(step: StepDesc, call: str, operands: list) -> Inlined:
     """The kernels of `step` for its call `call` with the caller's views `operands` (one per
     input of the region, in order)."""
     if step.symbols or step.constants:
-        raise CompileFailed("a compile region with dynamic sizes or constants of its own is not supported on spyre")
+        err = CompileFailed("a compile region with dynamic sizes or constants of its own is not supported on spyre")
+        err.inline_regions = True  # the backend compiles the graph again with its regions inlined
+        raise err
     if len(operands) != len(step.inputs):
         raise CompileFailed(f"a compile region of {len(step.inputs)} inputs called with {len(operands)}")
     names = {b.name: f"{call}_{b.name}" for b, _ in step.inputs}

@@ -292,3 +292,25 @@ def test_a_cache_layer_whose_fields_are_not_known_is_not_handed_to_a_region_by_i
     assert regional._static_layer_is_as_known(StaticLayer)
     assert not regional._static_layer_is_as_known(MoreFields)
     assert not regional._static_layer_is_as_known(OtherLength)
+
+
+def test_layers_compiled_once_at_a_second_prompt_length_compile_and_stay_right(quiet_functional_compile):
+    """A second prompt length makes Dynamo compile the model again with a symbolic length
+    (automatic dynamic shapes), and the region's inputs then include that size: the card
+    calls no region of dynamic sizes, so that graph compiles with its regions inlined, and
+    every length gives CPU eager's logits."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=100)
+    model = T.GraniteForCausalLM(cfg).eval()
+    on_card = copy.deepcopy(model).to("spyre")
+    assert compile_layers_once(on_card) == 2
+    fast = torch.compile(on_card.forward, backend="spyre_rt")
+    for n in (7, 33, 20):
+        ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            want = model(ids).logits
+            got = fast(ids.to("spyre")).logits.cpu()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -314,3 +314,25 @@ def test_layers_compiled_once_at_a_second_prompt_length_compile_and_stay_right(q
             want = model(ids).logits
             got = fast(ids.to("spyre")).logits.cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_called_with_a_size_no_kernel_reads_takes_it_out(quiet_functional_compile):
+    """Mamba2's layers compiled once, generate() on a static cache at a second prompt length
+    and then a batch of two: Dynamo hands the step a size among its tensors (the batch, made
+    a symbol) that no kernel of the step reads, the regions' kernels being of fixed sizes.
+    The step takes it out of its call (it was handed on as a tensor and the call failed) and
+    the tokens are the CPU's."""
+    fam = _family("mamba2", layers=1)
+    cfg, model = fam.build()
+    on_card = copy.deepcopy(model)
+    assert compile_layers_once(on_card) == 1
+    on_card = on_card.to("spyre")
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt")
+    kw = dict(max_new_tokens=2, min_new_tokens=2, do_sample=False, cache_implementation="static")
+    for batch, n in ((1, 7), (1, 9), (2, 7)):
+        ids = torch.randint(3, 100, (batch, n), generator=torch.Generator().manual_seed(batch))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=mask, **kw)
+            got = on_card.generate(ids.to("spyre"), attention_mask=mask.to("spyre"), **kw)
+        assert got.cpu().tolist() == want.tolist(), (batch, n)

@@ -389,8 +389,12 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         return step
 
     def _symbolic(self, step: StepDesc) -> bool:
-        """Whether sizes in `step` are expressions of size symbols. The kernels inlined from
-        regions are not (a region with dynamic sizes is refused): the walk skips them."""
+        """Whether sizes in `step` are expressions of size symbols, or the step is called with
+        a size among its tensors (a graph input Dynamo made a symbol of, which no kernel of
+        this step may read: the call must still take it out). The kernels inlined from
+        regions are not symbolic (a region with dynamic sizes is refused): the walk skips them."""
+        if any(kind == "int" for _, kind, _, _ in step.symbols):
+            return True
         inlined = self._inlined_kernels
         return _is_symbolic(dataclasses.replace(
             step, kernels={k: v for k, v in step.kernels.items() if k not in inlined}))

@@ -7,7 +7,7 @@ decode step (Dynamo, AOT, Inductor, our descriptions and plans, and one run of e
 
     python benchmarks/compile_probe.py granite-tiny --seq 8 [--layers N] [--backend inductor] [--regional]
         [--decode-plan-builds N]
-    python benchmarks/compile_probe.py granite-tiny --prompt-lengths 13,29,30,31
+    python benchmarks/compile_probe.py granite-tiny --prompt-lengths 13,29,30,31 [--regional]
 
 The split comes from torch's own compile-time spans (``torch._dynamo.utils``) and ours
 (``spyre.describe``, ``spyre.plan_build``), timed on the CPU clock of the compiling thread
@@ -21,7 +21,8 @@ kernels' descriptions, the plan cache left out (``decode_plan_build_s``: each bu
 ``--prompt-lengths`` instead calls the model compiled as a user compiles it
 (``torch.compile(model, backend="spyre_rt")``: Dynamo's automatic dynamic shapes) with a
 prompt of each length in turn, and prints each first call's time on the same clock
-(``first_call_s``) and Dynamo's compiles so far.
+(``first_call_s``), Dynamo's compiles so far and, with ``--regional``, the regions
+compiled and the graphs that compiled their regions inlined.
 """
 
 from __future__ import annotations
@@ -133,14 +134,18 @@ def decode_plan_builds(n: int) -> list[float]:
     return times
 
 
-def prompt_lengths(name: str, lengths: list[int]) -> dict:
+def prompt_lengths(name: str, lengths: list[int], layers: int | None = None, regional: bool = False) -> dict:
     """The first call at each prompt length of a model compiled as a user compiles it."""
     from torch._dynamo.utils import counters
 
     from spyre_rt import card as cards
 
     with cards.configured(None, "timing"):
-        model, _ = _model(name, None, "spyre")
+        model, _ = _model(name, layers, "spyre")
+        if regional:
+            from spyre_rt.regional import compile_layers_once
+
+            compile_layers_once(model)
         f = torch.compile(model, backend="spyre_rt")
         calls = []
         with torch.no_grad():
@@ -149,7 +154,9 @@ def prompt_lengths(name: str, lengths: list[int]) -> dict:
                 c0 = time.thread_time()
                 f(ids)
                 calls.append({"length": n, "first_call_s": time.thread_time() - c0,
-                              "dynamo_compiles": counters["frames"]["ok"]})
+                              "dynamo_compiles": counters["frames"]["ok"],
+                              "regions_compiled": counters["spyre_rt"]["regions_compiled"],
+                              "graphs_inlined": counters["spyre_rt"]["graphs_inlined"]})
     return {"calls": calls}
 
 
@@ -192,7 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--spans", action="store_true", help="every span's total too (to stderr)")
     args = p.parse_args(argv)
     if args.prompt_lengths:
-        print(json.dumps(prompt_lengths(args.model, [int(n) for n in args.prompt_lengths.split(",")])))
+        print(json.dumps(prompt_lengths(args.model, [int(n) for n in args.prompt_lengths.split(",")], args.layers,
+                                        args.regional)))
         return 0
     print(json.dumps(compile_once(args.model, args.seq, args.layers, args.backend, args.regional,
                                   args.decode_plan_builds)))

@@ -181,9 +181,11 @@ def spyre_rt_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         if getattr(ours, "inline_regions", False):
             # a region the card cannot call as it is (see lowering._install_region_writes):
             # this graph compiles with its regions' bodies inlined, as if never marked
+            from torch._dynamo.utils import counters
             from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
 
             log.info("spyre_rt: %s; compiling this graph with its regions inlined", ours)
+            counters["spyre_rt"]["graphs_inlined"] += 1
             return spyre_rt_backend(inline_invoke_subgraph(gm), example_inputs, options, mode)
         raise ours from None
 

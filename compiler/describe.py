@@ -137,9 +137,12 @@ def _names(text: str) -> set[str]:
 
 
 def text(x) -> Any:
-    """A size or index for storage: an int stays an int, an expression becomes Sym text."""
+    """A size or index for storage: an int stays an int, an expression becomes Sym text
+    (one stored already stays as it is: a region's outputs are, when its call returns them)."""
     if isinstance(x, int) or (isinstance(x, sympy.Basic) and x.is_Integer):
         return int(x)
+    if isinstance(x, Sym):
+        return x
     return Sym(expr_text(x))
 
 

@@ -84,6 +84,7 @@ def test_a_region_the_card_cannot_call_compiles_inlined_and_right(quiet_function
     ref = _run(fam, base, cfg, "cpu", False)
     regional, count = _compiled(fam, base, cfg, True, ref.tokens[:-1])
     assert "regions_compiled" not in count and count["dynamo_traces"] == 2 and count["dynamo_stamps"] == 2, count
+    assert count["graphs_inlined"] >= 1, count
     torch.testing.assert_close(regional.outputs(), ref.outputs(), rtol=1e-4, atol=1e-4)
     assert regional.tokens == ref.tokens
 
@@ -294,26 +295,92 @@ def test_a_cache_layer_whose_fields_are_not_known_is_not_handed_to_a_region_by_i
     assert not regional._static_layer_is_as_known(OtherLength)
 
 
-def test_layers_compiled_once_at_a_second_prompt_length_compile_and_stay_right(quiet_functional_compile):
-    """A second prompt length makes Dynamo compile the model again with a symbolic length
-    (automatic dynamic shapes), and the region's inputs then include that size: the card
-    calls no region of dynamic sizes, so that graph compiles with its regions inlined, and
-    every length gives CPU eager's logits."""
+def _marked_granite(layers: int):
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = T.GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = T.GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=100)
     model = T.GraniteForCausalLM(cfg).eval()
     on_card = copy.deepcopy(model).to("spyre")
-    assert compile_layers_once(on_card) == 2
+    assert compile_layers_once(on_card) == layers
+    return model, on_card
+
+
+def _region_counts() -> tuple[int, int]:
+    return counters["spyre_rt"]["regions_compiled"], counters["spyre_rt"]["region_calls"]
+
+
+def test_layers_compiled_once_at_a_second_prompt_length_compile_and_stay_right(quiet_functional_compile):
+    """A second prompt length makes Dynamo compile the model again with a symbolic length
+    (automatic dynamic shapes): the regions then take that size, or tensors of that many
+    tokens. The layer is still compiled once, for every length (the card's kernels are
+    described for each length at its first call, as any step of dynamic sizes is), and
+    every length gives CPU eager's logits."""
+    model, on_card = _marked_granite(3)
+    torch._dynamo.reset()
+    counters["spyre_rt"].clear()
     fast = torch.compile(on_card.forward, backend="spyre_rt")
+    seen = []
     for n in (7, 33, 20):
         ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
         with torch.no_grad():
             want = model(ids).logits
             got = fast(ids.to("spyre")).logits.cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        seen.append(_region_counts())
+    # 7 tokens: one region, called by the three layers; 33: the graph of symbolic length,
+    # one region again; 20: that graph, no compile
+    assert seen == [(1, 3), (2, 6), (2, 6)], seen
+    assert "graphs_inlined" not in counters["spyre_rt"]
+
+
+def test_a_region_given_its_own_symbols_for_the_callers_length_is_written_in_the_callers():
+    """With a static cache, Dynamo hands the region of symbolic length each size it takes as
+    a symbol of the region's own (the length as an int argument, twice, besides the
+    tensors' sizes): each call's copy is written in the caller's symbol; one size bound to
+    two different sizes in a call is refused, and the graph compiles with its regions
+    inlined."""
+    from spyre_rt.compiler.describe import Sym
+    from spyre_rt.compiler.errors import CompileFailed
+    from spyre_rt.compiler.regions import inline
+
+    from spyre_rt.ir import Buffer, StepDesc
+
+    x = Buffer("x", "float32", (Sym("s9"), 4), (4, 1))
+    step = StepDesc(inputs=((x, False),), outputs=(("y", 0, (Sym("s9"), 4), (4, 1)),),
+                    buffers={"y": Buffer("y", "float32", (Sym("s9"), 4), (4, 1))}, aliases={}, constants={},
+                    kernels={}, sequence=(), symbols=(("s7", "int", 0, 0), ("s9", "size", 1, 0)))
+    caller_x = ("buf1", 0, (Sym("s0"), 4), (4, 1))
+    call = inline(step, "c", [("int", Sym("s0 + 1")), caller_x])
+    assert call.buffers["c_y"].sizes == (Sym("s0"), 4) and call.outputs == [("c_y", 0, (Sym("s0"), 4), (4, 1))]
+    assert call.aliases["c_x"] == caller_x
+    same = inline(step, "d", [("int", Sym("s7")), ("buf1", 0, (Sym("s9"), 4), (4, 1))])
+    assert same.buffers["d_y"].sizes == (Sym("s9"), 4)  # the caller's own symbols: nothing to write
+    twice = dataclasses.replace(step, symbols=(("s9", "int", 0, 0), ("s9", "size", 1, 0)))
+    with pytest.raises(CompileFailed) as refused:
+        inline(twice, "c", [("int", Sym("s1")), caller_x])
+    assert refused.value.inline_regions
+
+
+def test_generate_on_a_static_cache_at_a_second_prompt_length_keeps_its_layers_compiled_once(quiet_functional_compile):
+    """generate() on a static cache at prompts of 7, 33 and 20 tokens, the layers marked:
+    the decode step of symbolic cache length calls one region (its own symbols written in
+    the caller's) and the tokens are the CPU's. The prefill's layers are traced inline:
+    generate()'s static cache initializes its layers in that first call."""
+    model, on_card = _marked_granite(2)
+    torch._dynamo.reset()
+    counters["spyre_rt"].clear()
+    on_card.forward = torch.compile(on_card.forward, backend="spyre_rt")
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static")
+    for n in (7, 33, 20):
+        ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            got = on_card.generate(ids.to("spyre"), attention_mask=torch.ones_like(ids).to("spyre"), **kw)
+        assert got.cpu().tolist() == want.tolist(), n
+    # the decode step at 7 tokens, and at 33 the decode step of symbolic length (20: no compile)
+    assert _region_counts() == (2, 4) and "graphs_inlined" not in counters["spyre_rt"], dict(counters["spyre_rt"])
 
 
 def test_a_step_called_with_a_size_no_kernel_reads_takes_it_out(quiet_functional_compile):

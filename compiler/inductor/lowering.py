@@ -368,18 +368,6 @@ def _install_card_check() -> None:
             L.lowerings[op] = _checked(op, lowering)
 
 
-def _of_dynamic_size(operand) -> bool:
-    """Whether a region's operand is a size rather than a tensor, or a tensor of symbolic sizes."""
-    if not isinstance(operand, ir.TensorBox):
-        return True
-    sizes = list(operand.get_size())
-    try:
-        sizes += operand.get_stride()
-    except NotImplementedError:  # not realized yet: its strides will follow its sizes
-        pass
-    return any(not isinstance(s, int) and getattr(s, "free_symbols", None) for s in sizes)
-
-
 def _install_region_writes() -> None:
     """A compile region's call (``invoke_subgraph``) on the card declares the operands its
     region writes (a KV cache, a clone AOT made of one): Inductor's own call declares none,
@@ -389,12 +377,6 @@ def _install_region_writes() -> None:
     original = L.lowerings[hop]
 
     def invoke_subgraph(subgraph_fn, identifier, *operands):
-        if any(_of_dynamic_size(o) for o in operands):
-            # a size (automatic dynamic shapes, at a second prompt length) or a tensor of
-            # symbolic sizes: the card calls a region's kernels as built for fixed sizes
-            err = compile_error("a compile region with dynamic sizes is not supported on spyre", [])
-            err.inline_regions = True  # the backend compiles the graph again with its regions inlined
-            raise err
         result = original(subgraph_fn, identifier, *operands)
         call = next(op for op in reversed(V.graph.operations) if isinstance(op, ir.InvokeSubgraph))
         region = subgraph_fn.graph

@@ -110,7 +110,7 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
         self.region_step: StepDesc | None = None  # a region's step, once generated
         self._regions: dict[str, tuple] = {}  # region graph -> (its step, its wrapper, its first call's module)
         self._region_writes: set[str] = set()  # the caller's buffers region calls write
-        self._inlined_kernels: set[str] = set()  # kernels of region calls (concrete)
+        self._inlined_kernels: set[str] = set()  # kernels of region calls of fixed sizes
         self.spyre_kernels: dict = {}
         # (extern node, index path of a result) -> the view of the argument it returns
         self._returned_args: dict[tuple[str, tuple], tuple] = {}
@@ -147,16 +147,19 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
                                                      module)
             counters["spyre_rt"]["regions_compiled"] += 1
         counters["spyre_rt"]["region_calls"] += 1
-        operands = tuple(view_of(x) for x in invoke_subgraph.inputs)
+        operands = tuple(("int", text(x.expr)) if isinstance(x, ir.ShapeAsConstantBuffer) else view_of(x)
+                         for x in invoke_subgraph.inputs)
         self.writeline(RegionCallLine(invoke_subgraph.get_name(), found[0], operands, module))
 
     def _inline_region(self, line: RegionCallLine, placed: dict) -> Inlined:
-        region = inline(line.step, line.name, [stored_view(_placed_view(v, placed)) for v in line.operands])
+        region = inline(line.step, line.name, [v if v[0] == "int" else stored_view(_placed_view(v, placed))
+                                               for v in line.operands])
         wrapper, root = self._regions_by_step(line.step)
         for k, new in region.kernel_names.items():
             # the region's kernels were described at its first call: name each call's own layer
             self.spyre_kernels[new] = region.kernels[new] = _rerooted(region.kernels[new], root, line.module)
-            self._inlined_kernels.add(new)
+            if not line.step.symbols:  # a region of dynamic sizes is specialized with its caller
+                self._inlined_kernels.add(new)
             self.kernel_nodes[new] = wrapper.kernel_nodes.get(k, set())
             self.kernel_indexing[new] = wrapper.kernel_indexing.get(k, set())
             self.kernel_sources[new] = region.sources.get(new, "")
@@ -391,8 +394,8 @@ class SpyreWrapperCodegen(W.PythonWrapperCodegen):
     def _symbolic(self, step: StepDesc) -> bool:
         """Whether sizes in `step` are expressions of size symbols, or the step is called with
         a size among its tensors (a graph input Dynamo made a symbol of, which no kernel of
-        this step may read: the call must still take it out). The kernels inlined from
-        regions are not symbolic (a region with dynamic sizes is refused): the walk skips them."""
+        this step may read: the call must still take it out). The walk skips the kernels
+        inlined from regions of fixed sizes."""
         if any(kind == "int" for _, kind, _, _ in step.symbols):
             return True
         inlined = self._inlined_kernels

@@ -324,11 +324,48 @@ def _region_body(layer, *flat):
         kwargs["past_key_values"] = cache
     args, at = _unflat(flat, at)
     more, at = _unflat(flat, at)
-    return _original(type(layer)).forward(layer, *args, **more, **kwargs)
+    return _unaliased(_original(type(layer)).forward(layer, *args, **more, **kwargs), flat)
 
 
 def _region_plain(layer, args, kwargs):
-    return _original(type(layer)).forward(layer, *args, **kwargs)
+    return _unaliased(_original(type(layer)).forward(layer, *args, **kwargs), _tensors((args, kwargs), []))
+
+
+def _tensors(value, out: list) -> list:
+    """The tensors in `value`'s tuples, lists and dicts, appended to `out`."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+def _unaliased(result, inputs: list):
+    """The layer's result with a copy of each tensor in it that is one of its inputs, or one
+    of its results already: a region's outputs may not alias (T5's blocks after the first
+    hand back the position bias they were given). Traced once per region, not per call."""
+    if isinstance(result, torch.Tensor):
+        for x in inputs:
+            if result is x:
+                return result.clone()
+        return result
+    if type(result) not in (tuple, list):  # a named tuple or an output class is left as it is
+        return result
+    out, copied = [], False
+    for item in result:
+        if isinstance(item, torch.Tensor):
+            for x in (*inputs, *out):
+                if item is x:
+                    item, copied = item.clone(), True
+                    break
+        out.append(item)
+    if not copied:
+        return result
+    return out if type(result) is list else tuple(out)
 
 
 _region = torch.compiler.nested_compile_region(_region_plain, max_reuse_entries=_MAX_REGIONS)

@@ -383,6 +383,40 @@ def test_generate_on_a_static_cache_at_a_second_prompt_length_keeps_its_layers_c
     assert _region_counts() == (2, 4) and "graphs_inlined" not in counters["spyre_rt"], dict(counters["spyre_rt"])
 
 
+def test_a_layer_that_hands_back_its_input_compiles_once_and_right(quiet_functional_compile):
+    """T5's blocks after the first hand back the position bias they were given, and a
+    region's outputs may not alias its inputs (Dynamo refused the whole compile): the
+    region returns a copy of it. The encoder-decoder's logits are CPU eager's. (A T5 block
+    also returns None where it has no cross-attention bias, so Dynamo reuses no block's
+    trace and inlines each region it called once: the layers are compiled whole.)"""
+    fam = _family("t5")
+    cfg, model = fam.build()
+    on_card = copy.deepcopy(model)
+    assert compile_layers_once(on_card) == 2 * cfg.num_layers
+    torch._dynamo.reset()
+    counters["spyre_rt"].clear()
+    fast = torch.compile(on_card.to("spyre"), backend="spyre_rt")
+    ids = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    dec = torch.full((1, 1), cfg.decoder_start_token_id)
+    with torch.no_grad(), fresh_cache():
+        want = model(ids, decoder_input_ids=dec).logits
+        got = fast(ids.to("spyre"), decoder_input_ids=dec.to("spyre")).logits.cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_regions_result_that_is_its_input_or_repeats_is_copied():
+    from spyre_rt.regional import _unaliased
+
+    x, y, z = torch.ones(2), torch.zeros(2), torch.full((2,), 3.0)
+    out = _unaliased((z, x, z), [x, y])
+    assert out[0] is z and out[1] is not x and out[2] is not z
+    assert torch.equal(out[1], x) and torch.equal(out[2], z)
+    assert _unaliased(x, [x]) is not x and _unaliased(z, [x]) is z
+    assert isinstance(_unaliased([x], [x]), list)
+    kept = (z, y)
+    assert _unaliased(kept, [x]) is kept  # nothing aliased: the result as it was
+
+
 def test_a_step_called_with_a_size_no_kernel_reads_takes_it_out(quiet_functional_compile):
     """Mamba2's layers compiled once, generate() on a static cache at a second prompt length
     and then a batch of two: Dynamo hands the step a size among its tensors (the batch, made

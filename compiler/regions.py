@@ -59,10 +59,8 @@ def inline(step: StepDesc, call: str, operands: list) -> Inlined:
     names.update((k.out[0], f"{call}_{k.out[0]}") for k in step.kernels.values()
                  if getattr(k, "epilogue", None) is not None and k.out[0] not in names)
     kernels, buffers, aliases, sequence, outputs = _rename(
-        (step.kernels, step.buffers, dict(step.aliases), tuple(step.sequence), tuple(step.outputs)), names)
-    if sizes:
-        kernels, buffers, aliases, sequence, outputs = _in_sizes_of(
-            (kernels, buffers, aliases, sequence, outputs), _Sizes(sizes))
+        (step.kernels, step.buffers, dict(step.aliases), tuple(step.sequence), tuple(step.outputs)), names,
+        _Sizes(sizes) if sizes else None)
     for (b, _), view in zip(step.inputs, views, strict=True):
         aliases[names[b.name]] = tuple(view)
     mutated = {view[0] for (b, written), view in zip(step.inputs, views, strict=True) if written}
@@ -115,35 +113,23 @@ class _Sizes:
         return self.done[x]
 
 
-def _in_sizes_of(obj, sizes: _Sizes):
-    """`obj` with every size expression (stored Sym text, or sympy in a recorded kernel's
-    loops and indices) written in the caller's sizes."""
-    if isinstance(obj, (Sym, sympy.Basic)):
-        return sizes(obj)
-    if isinstance(obj, tuple):
-        return tuple(_in_sizes_of(x, sizes) for x in obj)
-    if isinstance(obj, list):
-        return [_in_sizes_of(x, sizes) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _in_sizes_of(v, sizes) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: _in_sizes_of(getattr(obj, f.name), sizes) for f in dataclasses.fields(obj)})
-    return obj
-
-
-def _rename(obj, names: dict[str, str]):
-    """`obj` with every buffer, alias and kernel name in it renamed (descriptions rebuilt,
-    plain data: a call's copy shares nothing that changes with the region's)."""
+def _rename(obj, names: dict[str, str], sizes: _Sizes | None = None):
+    """`obj` with every buffer, alias and kernel name in it renamed and, with `sizes`, every
+    size expression (stored Sym text, or sympy in a recorded kernel's loops and indices)
+    written in the caller's sizes (descriptions rebuilt, plain data: a call's copy shares
+    nothing that changes with the region's)."""
     if isinstance(obj, str):
         return names.get(obj, obj)
+    if isinstance(obj, (Sym, sympy.Basic)):
+        return sizes(obj) if sizes else obj
     if isinstance(obj, tuple):
-        return tuple(_rename(x, names) for x in obj)
+        return tuple(_rename(x, names, sizes) for x in obj)
     if isinstance(obj, list):
-        return [_rename(x, names) for x in obj]
+        return [_rename(x, names, sizes) for x in obj]
     if isinstance(obj, dict):
-        return {names.get(k, k) if k not in _NOT_NAMES else k: (v if k in _NOT_NAMES else _rename(v, names))
+        return {names.get(k, k) if k not in _NOT_NAMES else k: (v if k in _NOT_NAMES else _rename(v, names, sizes))
                 for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: (v if f.name in _NOT_NAMES else _rename(v, names))
+        return type(obj)(**{f.name: (v if f.name in _NOT_NAMES else _rename(v, names, sizes))
                             for f in dataclasses.fields(obj) for v in (getattr(obj, f.name),)})
     return obj

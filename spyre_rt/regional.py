@@ -349,10 +349,7 @@ def _unaliased(result, inputs: list):
     of its results already: a region's outputs may not alias (T5's blocks after the first
     hand back the position bias they were given). Traced once per region, not per call."""
     if isinstance(result, torch.Tensor):
-        for x in inputs:
-            if result is x:
-                return result.clone()
-        return result
+        return _unaliased((result,), inputs)[0]
     if type(result) not in (tuple, list):  # a named tuple or an output class is left as it is
         return result
     out, copied = [], False
